@@ -1,0 +1,132 @@
+"""One frozen configuration object for ``kvxfer serve``.
+
+Precedence: command-line flags > ``KVXFER_<FIELD>`` environment variables > an optional
+TOML file (``--config`` / ``KVXFER_CONFIG``, keys = field names) > the defaults below.
+Every field is documented where it is declared; ``add_arguments`` turns the fields into
+flags (``engine_id`` -> ``--engine-id``), so the three sources can never drift apart.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import socket
+import tomllib
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvxfer.errors import ConfigError
+
+ENV_PREFIX = "KVXFER_"
+
+
+def _doc(text: str, **kw: Any) -> Any:
+    return field(metadata={"help": text}, **kw)
+
+
+@dataclass(frozen=True)
+class Config:
+    engine_id: str = _doc("Engine id this sidecar serves; peers address it by this name "
+                          "(vLLM's remote_engine_id). Default: <hostname>-<pid>.", default="")
+    engine_socket: str = _doc("ZMQ endpoint for local engine workers (ipc:// path; the "
+                              "socket file is made 0600).", default="ipc:///run/kvxfer/engine.sock")
+    handshake_host: str = _doc("Address the peer handshake listener binds.", default="127.0.0.1")
+    handshake_port: int = _doc("TCP port of the peer handshake listener (0: any free port).",
+                               default=5700)
+    advertise_host: str = _doc("Host peers should dial (goes into kv_transfer_params' "
+                               "remote_host). Default: handshake_host, or this host's name "
+                               "when that is 0.0.0.0.", default="")
+    lease_s: float = _doc("Default lease on held prefill blocks; released when it expires "
+                          "with no read.", default=30.0)
+    transfer_timeout_s: float = _doc("Default deadline of one receive (handshake included).",
+                                     default=30.0)
+    handshake_timeout_s: float = _doc("How long a peer handshake may take.", default=5.0)
+    ucx_error_mode: str = _doc("UCX ucx_error_handling_mode: 'peer' surfaces remote failures "
+                               "(use on RDMA), 'none' is faster on one host (CMA).",
+                               default="peer")
+    nixl_threads: int = _doc("UCX backend worker threads (0: copy inside transfer()).",
+                             default=0)
+    chunk_mib: int = _doc("Largest NIXL request posted at once, MiB; large receives are split "
+                          "and interleaved so small ones are not stuck behind them.", default=64)
+    max_inflight_chunks: int = _doc("Chunks in flight at once across all receives.", default=8)
+    idle_poll_ms: float = _doc("NIXL progress poll period when idle (bounds notification "
+                               "latency).", default=2.0)
+    log_level: str = _doc("Logging level (also KVXFER_LOG_LEVEL).", default="WARNING")
+
+    def __post_init__(self) -> None:
+        if self.ucx_error_mode not in ("peer", "none"):
+            raise ConfigError(f"ucx_error_mode must be 'peer' or 'none', not {self.ucx_error_mode!r}")
+        if not 0 <= self.handshake_port < 65536:
+            raise ConfigError(f"handshake_port out of range: {self.handshake_port}")
+        for name in ("lease_s", "transfer_timeout_s", "handshake_timeout_s", "idle_poll_ms"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name} must be > 0")
+        if self.chunk_mib <= 0 or self.max_inflight_chunks <= 0:
+            raise ConfigError("chunk_mib and max_inflight_chunks must be > 0")
+
+    @property
+    def resolved_engine_id(self) -> str:
+        return self.engine_id or f"{socket.gethostname()}-{os.getpid()}"
+
+    @property
+    def resolved_advertise_host(self) -> str:
+        if self.advertise_host:
+            return self.advertise_host
+        if self.handshake_host in ("0.0.0.0", "::", ""):
+            return socket.gethostname()
+        return self.handshake_host
+
+
+def _convert(name: str, raw: Any, kind: type) -> Any:
+    try:
+        if kind is bool and isinstance(raw, str):
+            return raw.strip().lower() in ("1", "true", "yes", "on")
+        return kind(raw)
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"{name}: cannot read {raw!r} as {kind.__name__}") from e
+
+
+_TYPES = {"str": str, "int": int, "float": float, "bool": bool}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", help="TOML file with any of the fields below "
+                        f"(also {ENV_PREFIX}CONFIG).")
+    for f in dataclasses.fields(Config):
+        parser.add_argument(
+            "--" + f.name.replace("_", "-"),
+            dest=f.name,
+            type=_TYPES[str(f.type)],
+            default=None,
+            help=f"{f.metadata['help']} [env {ENV_PREFIX}{f.name.upper()}; default {f.default!r}]",
+        )
+
+
+def load_config(
+    flags: Mapping[str, Any] | None = None, env: Mapping[str, str] | None = None
+) -> Config:
+    flags = dict(flags or {})
+    env = os.environ if env is None else env
+    values: dict[str, Any] = {}
+    toml_path = flags.pop("config", None) or env.get(ENV_PREFIX + "CONFIG")
+    known = {f.name: _TYPES[str(f.type)] for f in dataclasses.fields(Config)}
+    if toml_path:
+        try:
+            with open(toml_path, "rb") as fh:
+                data = tomllib.load(fh)
+        except (OSError, tomllib.TOMLDecodeError) as e:
+            raise ConfigError(f"config file {toml_path}: {e}") from e
+        unknown = sorted(set(data) - set(known))
+        if unknown:
+            raise ConfigError(f"config file {toml_path}: unknown keys {unknown}")
+        values.update({k: _convert(k, v, known[k]) for k, v in data.items()})
+    for name, kind in known.items():
+        raw = env.get(ENV_PREFIX + name.upper())
+        if raw is not None:
+            values[name] = _convert(ENV_PREFIX + name.upper(), raw, kind)
+    for name, value in flags.items():
+        if name in known and value is not None:
+            values[name] = value
+    return Config(**values)

@@ -1,0 +1,226 @@
+"""Sharing an engine's KV-cache memory with its sidecar.
+
+Engine side: ``SharedKV.create`` allocates a paged KV cache in named shared host memory
+(a 0600 file created with O_EXCL under /dev/shm), pre-touched so the first transfer does
+not pay page faults (25-30x slower on never-touched pages), and describes it as a
+``RegisterKV`` message. ``cuda_ipc_memory`` exports a CUDA tensor's storage instead.
+
+Sidecar side: ``map_memory`` opens what a ``MemoryRef`` names and returns a ``Mapping``
+(base address, size, NIXL memory type, device id) that stays valid until ``close()``.
+
+This module never talks to NIXL or sockets; torch is imported only on the CUDA path.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import secrets
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from kvxfer.errors import ErrorCode, RequestError
+from kvxfer.protocol import (
+    DTYPE_SIZES,
+    CudaIpcMemory,
+    KVLayout,
+    KVRegion,
+    MemoryRef,
+    RegisterKV,
+    ShmMemory,
+)
+
+_PAGE = mmap.PAGESIZE
+
+
+def region_block_len(layout: KVLayout) -> int:
+    """Bytes of one block of one (layer, part) region for this rank."""
+    return layout.block_size * layout.local_kv_heads * layout.head_dim * layout.itemsize
+
+
+@dataclass
+class SharedKV:
+    """A paged KV cache in one shared-memory file, laid out like vLLM's per-layer caches.
+
+    Shape ``[num_layers, kv_parts, num_blocks, block_size, local_kv_heads, head_dim]``;
+    region (layer, part) is contiguous, block b of it at ``b * block_len``.
+    """
+
+    layout: KVLayout
+    path: str
+    nbytes: int
+    _mm: mmap.mmap
+    _fd: int
+    data: np.ndarray = field(repr=False)  # uint8 view of the whole file
+
+    @classmethod
+    def create(cls, layout: KVLayout, directory: str = "/dev/shm", prefix: str = "kvxfer") -> SharedKV:
+        block_len = region_block_len(layout)
+        nbytes = layout.num_regions * layout.num_blocks * block_len
+        path = os.path.join(directory, f"{prefix}-{os.getpid()}-{secrets.token_hex(6)}")
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.ftruncate(fd, nbytes)
+            mm = mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        except BaseException:
+            os.close(fd)
+            os.unlink(path)
+            raise
+        data = np.frombuffer(mm, dtype=np.uint8)
+        data[::_PAGE] = 0  # pre-touch every page
+        return cls(layout, path, nbytes, mm, fd, data)
+
+    def blocks(self) -> np.ndarray:
+        """uint8 view ``[num_layers, kv_parts, num_blocks, block_len]``."""
+        lay = self.layout
+        return self.data.reshape(lay.num_layers, lay.kv_parts, lay.num_blocks, -1)
+
+    def register_message(self) -> RegisterKV:
+        block_len = region_block_len(self.layout)
+        span = self.layout.num_blocks * block_len
+        regions = [
+            KVRegion(memory=0, offset=i * span, block_len=block_len, block_stride=block_len)
+            for i in range(self.layout.num_regions)
+        ]
+        return RegisterKV(
+            layout=self.layout, memory=[ShmMemory(path=self.path, size=self.nbytes)], regions=regions
+        )
+
+    def close(self) -> None:
+        del self.data
+        try:
+            self._mm.close()
+        except BufferError:  # a caller still holds a view; the OS frees it at exit
+            pass
+        os.close(self._fd)
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass
+
+
+def cuda_ipc_memory(tensor: Any) -> CudaIpcMemory:
+    """Export the storage behind a CUDA tensor for the sidecar to open (engine side)."""
+    storage = tensor.untyped_storage()
+    (device, handle, size, offset, rc_handle, rc_offset, ev_handle, ev_sync) = (
+        storage._share_cuda_()
+    )
+    import torch
+
+    uuid = str(torch.cuda.get_device_properties(device).uuid)
+    return CudaIpcMemory(
+        device_index=int(device),
+        handle=bytes(handle),
+        size=int(size),
+        offset=int(offset),
+        ref_counter_handle=bytes(rc_handle),
+        ref_counter_offset=int(rc_offset),
+        event_handle=bytes(ev_handle) if ev_handle else b"",
+        event_sync_required=bool(ev_sync),
+        device_uuid=uuid,
+    )
+
+
+@dataclass
+class Mapping:
+    """Memory of one engine registration as the sidecar sees it."""
+
+    addr: int
+    size: int
+    mem_type: str  # "DRAM" | "VRAM"
+    device_id: int
+    _keep: list[Any] = field(default_factory=list, repr=False)
+
+    def close(self) -> None:
+        keep, self._keep = self._keep, []
+        for obj in reversed(keep):
+            close = getattr(obj, "close", None)
+            if close is not None:
+                try:
+                    close()
+                except BufferError:
+                    pass
+
+
+def _map_shm(ref: ShmMemory) -> Mapping:
+    try:
+        fd = os.open(ref.path, os.O_RDWR)
+    except OSError as e:
+        raise RequestError(ErrorCode.MEMORY_MAP_FAILED, f"cannot open {ref.path!r}: {e}") from e
+    try:
+        actual = os.fstat(fd).st_size
+        if actual < ref.size:
+            raise RequestError(
+                ErrorCode.MEMORY_MAP_FAILED,
+                f"{ref.path!r} is {actual} bytes, registration claims {ref.size}",
+            )
+        mm = mmap.mmap(fd, ref.size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+    finally:
+        os.close(fd)
+    arr = np.frombuffer(mm, dtype=np.uint8)
+    addr = int(arr.ctypes.data)
+    del arr
+    # ctypes keeps no export; the mmap object itself is what must stay alive.
+    return Mapping(addr=addr, size=ref.size, mem_type="DRAM", device_id=0, _keep=[mm])
+
+
+def _map_cuda(ref: CudaIpcMemory) -> Mapping:
+    try:
+        import torch
+
+        storage = torch.UntypedStorage._new_shared_cuda(
+            ref.device_index,
+            ref.handle,
+            ref.size,
+            ref.offset,
+            ref.ref_counter_handle,
+            ref.ref_counter_offset,
+            ref.event_handle or None,
+            ref.event_sync_required,
+        )
+    except Exception as e:  # torch raises RuntimeError subclasses without a common root
+        raise RequestError(ErrorCode.MEMORY_MAP_FAILED, f"cannot open CUDA IPC handle: {e}") from e
+    return Mapping(
+        addr=int(storage.data_ptr()),
+        size=ref.size,
+        mem_type="VRAM",
+        device_id=ref.device_index,
+        _keep=[storage],
+    )
+
+
+def map_memory(ref: MemoryRef) -> Mapping:
+    if isinstance(ref, ShmMemory):
+        return _map_shm(ref)
+    return _map_cuda(ref)
+
+
+def validate_registration(msg: RegisterKV) -> None:
+    """Check a registration's regions against its layout and memory sizes, before mapping."""
+    lay = msg.layout
+    if lay.dtype not in DTYPE_SIZES:
+        raise RequestError(ErrorCode.INVALID_LAYOUT, f"unknown dtype {lay.dtype!r}")
+    if lay.tp_rank >= lay.tp_size:
+        raise RequestError(ErrorCode.INVALID_LAYOUT, f"tp_rank {lay.tp_rank} >= tp_size {lay.tp_size}")
+    if lay.local_kv_heads > lay.num_kv_heads:
+        raise RequestError(ErrorCode.INVALID_LAYOUT, "local_kv_heads > num_kv_heads")
+    if len(msg.regions) != lay.num_regions:
+        raise RequestError(
+            ErrorCode.INVALID_LAYOUT,
+            f"{len(msg.regions)} regions for {lay.num_layers} layers x {lay.kv_parts} parts",
+        )
+    if not msg.memory:
+        raise RequestError(ErrorCode.INVALID_LAYOUT, "no memory in registration")
+    for i, r in enumerate(msg.regions):
+        if r.memory >= len(msg.memory):
+            raise RequestError(ErrorCode.INVALID_LAYOUT, f"region {i} names memory {r.memory}")
+        if r.block_len > r.block_stride:
+            raise RequestError(ErrorCode.INVALID_LAYOUT, f"region {i}: block_len > block_stride")
+        end = r.offset + (lay.num_blocks - 1) * r.block_stride + r.block_len
+        if end > msg.memory[r.memory].size:
+            raise RequestError(
+                ErrorCode.INVALID_LAYOUT,
+                f"region {i} ends at byte {end}, memory {r.memory} has {msg.memory[r.memory].size}",
+            )

@@ -1,0 +1,297 @@
+"""The kvxfer wire protocol: every message that crosses a socket, and nothing else.
+
+Three conversations, one tagged union per direction:
+
+* engine worker -> its sidecar (ZMQ DEALER -> ROUTER on ``ipc://``): ``EngineRequest``
+* sidecar -> engine worker: ``SidecarEvent``
+* sidecar <-> peer sidecar handshake (ZMQ over TCP): ``HandshakeRequest`` /
+  ``HandshakeReply``, the reply followed by one extra frame holding the NIXL agent
+  metadata (large buffers travel as frames, never inside msgpack)
+* decode sidecar -> prefill sidecar, as a NIXL notification: ``ReadNotice``
+
+Rules (msgspec schema evolution): structs are ``array_like``, so fields are positional:
+append new fields at the end with a default, never reorder or remove. Bump
+``PROTOCOL_VERSION`` for any change a peer of the previous version cannot decode.
+``tests/test_protocol.py`` pins the encoded bytes of every message.
+
+This module does no I/O and must never import NIXL, ZMQ, torch or vLLM.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Annotated, Literal
+
+import msgspec
+from msgspec import Meta, Struct
+
+PROTOCOL_VERSION = 1
+
+NonNeg = Annotated[int, Meta(ge=0)]
+Positive = Annotated[int, Meta(gt=0)]
+BlockIds = list[NonNeg]
+ReqId = Annotated[str, Meta(min_length=1, max_length=512)]
+
+# dtype name -> item size in bytes (names as torch spells them, without "torch.")
+DTYPE_SIZES: dict[str, int] = {
+    "float32": 4,
+    "float16": 2,
+    "bfloat16": 2,
+    "float8_e4m3fn": 1,
+    "float8_e5m2": 1,
+    "uint8": 1,
+    "int8": 1,
+}
+
+
+class _Msg(Struct, array_like=True, omit_defaults=True, gc=False, frozen=True):
+    pass
+
+
+# --------------------------------------------------------------------------- layout
+
+
+class KVLayout(_Msg, tag="layout"):
+    """The shape of one tp rank's paged KV cache, as the TP mapping needs it."""
+
+    num_layers: Positive
+    num_blocks: Positive
+    block_size: Positive  # tokens per block
+    num_kv_heads: Positive  # total KV heads of the model
+    local_kv_heads: Positive  # KV heads held by this rank
+    head_dim: Positive
+    dtype: str
+    kv_parts: Annotated[int, Meta(ge=1, le=2)] = 2  # 2: K and V split; 1: fused (e.g. MLA)
+    mla: bool = False
+    head_layout: Literal["NHD", "HND"] = "NHD"
+    tp_rank: NonNeg = 0
+    tp_size: Positive = 1
+
+    @property
+    def itemsize(self) -> int:
+        return DTYPE_SIZES[self.dtype]
+
+    @property
+    def num_regions(self) -> int:
+        """Regions are (layer, part) pairs, ordered layer-major."""
+        return self.num_layers * self.kv_parts
+
+    def model_signature(self) -> tuple[object, ...]:
+        """What two engines must share for their KV blocks to be interchangeable."""
+        return (
+            self.num_layers,
+            self.num_kv_heads,
+            self.head_dim,
+            self.dtype,
+            self.kv_parts,
+            self.mla,
+        )
+
+
+def compat_hash(layout: KVLayout | None) -> str:
+    """Compatibility hash checked at handshake before any payload is decoded."""
+    sig = (PROTOCOL_VERSION, layout.model_signature() if layout is not None else None)
+    return hashlib.sha256(repr(sig).encode()).hexdigest()[:16]
+
+
+class ShmMemory(_Msg, tag="shm"):
+    """Named shared host memory (a file under /dev/shm or another tmpfs)."""
+
+    path: Annotated[str, Meta(min_length=1, max_length=4096)]
+    size: Positive
+
+
+class CudaIpcMemory(_Msg, tag="cuda_ipc"):
+    """A CUDA allocation exported with ``UntypedStorage._share_cuda_()``."""
+
+    device_index: NonNeg
+    handle: bytes
+    size: Positive
+    offset: NonNeg
+    ref_counter_handle: bytes
+    ref_counter_offset: NonNeg
+    event_handle: bytes
+    event_sync_required: bool
+    device_uuid: str = ""
+
+
+MemoryRef = ShmMemory | CudaIpcMemory
+
+
+class KVRegion(_Msg, tag="region"):
+    """One (layer, K-or-V part) region: ``num_blocks`` blocks, ``block_stride`` apart."""
+
+    memory: NonNeg  # index into RegisterKV.memory
+    offset: NonNeg  # byte offset of block 0 inside that memory
+    block_len: Positive  # bytes of one block in this region
+    block_stride: Positive  # bytes between consecutive blocks
+
+
+# --------------------------------------------------------------------------- engine -> sidecar
+
+
+class RegisterKV(_Msg, tag="register"):
+    layout: KVLayout
+    memory: list[MemoryRef]
+    regions: list[KVRegion]
+
+
+class Unregister(_Msg, tag="unregister"):
+    tp_rank: NonNeg = 0
+
+
+class Hold(_Msg, tag="hold"):
+    """Prefill side: keep these blocks for a peer to read, under a lease."""
+
+    req_id: ReqId
+    block_ids: BlockIds
+    lease_s: Annotated[float, Meta(ge=0)] = 0.0  # 0: the sidecar's default lease
+    reads: Positive = 1  # read notices expected before release (tp-ratio aware)
+
+
+class Release(_Msg, tag="release"):
+    """Prefill side: the engine dropped the request (abort); release now."""
+
+    req_id: ReqId
+
+
+class Recv(_Msg, tag="recv"):
+    """Decode side: pull a prefilled request's blocks into these local blocks."""
+
+    req_id: ReqId
+    block_ids: BlockIds  # local destination blocks
+    remote_engine_id: str
+    remote_host: str
+    remote_port: Annotated[int, Meta(gt=0, lt=65536)]
+    remote_block_ids: BlockIds
+    remote_tp_size: Positive = 1
+    tp_rank: NonNeg = 0  # local rank whose memory receives
+    remote_req_id: str = ""  # the prefill side's request id, if it differs
+    deadline_s: Annotated[float, Meta(ge=0)] = 0.0  # 0: the sidecar's default
+
+
+class Ping(_Msg, tag="ping"):
+    seq: NonNeg = 0
+
+
+EngineRequest = RegisterKV | Unregister | Hold | Release | Recv | Ping
+
+
+# --------------------------------------------------------------------------- sidecar -> engine
+
+
+class Registered(_Msg, tag="registered"):
+    tp_rank: NonNeg
+    engine_id: str
+    agent_name: str
+    bytes_registered: NonNeg
+    handshake_host: str
+    handshake_port: NonNeg
+
+
+class Done(_Msg, tag="done"):
+    req_id: str
+    nbytes: NonNeg
+    seconds: float
+
+
+class Failed(_Msg, tag="failed"):
+    req_id: str
+    block_ids: BlockIds  # local blocks whose contents are not valid
+    code: str
+    reason: str
+
+
+class Released(_Msg, tag="released"):
+    req_id: str
+    reason: Literal["read", "expired", "aborted"]
+    reads: NonNeg = 0
+
+
+class Error(_Msg, tag="error"):
+    code: str
+    message: str
+    req_id: str = ""
+
+
+class Pong(_Msg, tag="pong"):
+    seq: NonNeg
+    engine_id: str
+    version: int
+    handshake_host: str
+    handshake_port: NonNeg
+
+
+SidecarEvent = Registered | Done | Failed | Released | Error | Pong
+
+
+# --------------------------------------------------------------------------- handshake
+
+
+class Hello(_Msg, tag="hello"):
+    version: int
+    compat_hash: str
+    engine_id: str
+    agent_name: str
+
+
+HandshakeRequest = Hello
+
+
+class RemoteRegion(_Msg, tag="rregion"):
+    addr: NonNeg
+    block_len: Positive
+    block_stride: Positive
+    device_id: NonNeg = 0
+
+
+class RankInfo(_Msg, tag="rank"):
+    layout: KVLayout
+    regions: list[RemoteRegion]
+    mem_type: Literal["DRAM", "VRAM"] = "DRAM"
+
+
+class Welcome(_Msg, tag="welcome"):
+    """Handshake accepted; the NIXL agent metadata follows as the next frame."""
+
+    version: int
+    compat_hash: str
+    engine_id: str
+    agent_name: str
+    ranks: list[RankInfo]
+
+
+class Refused(_Msg, tag="refused"):
+    version: int
+    code: str
+    reason: str
+
+
+HandshakeReply = Welcome | Refused
+
+
+# --------------------------------------------------------------------------- NIXL notification
+
+
+class ReadNotice(_Msg, tag="read"):
+    """Decode sidecar -> prefill sidecar once a read finished (ok) or was abandoned."""
+
+    req_id: str
+    tp_rank: NonNeg
+    ok: bool
+
+
+# --------------------------------------------------------------------------- codecs
+
+_encoder = msgspec.msgpack.Encoder()
+
+
+def encode(msg: _Msg) -> bytes:
+    return _encoder.encode(msg)
+
+
+engine_request_decoder = msgspec.msgpack.Decoder(EngineRequest)
+sidecar_event_decoder = msgspec.msgpack.Decoder(SidecarEvent)
+handshake_request_decoder = msgspec.msgpack.Decoder(HandshakeRequest)
+handshake_reply_decoder = msgspec.msgpack.Decoder(HandshakeReply)
+read_notice_decoder = msgspec.msgpack.Decoder(ReadNotice)

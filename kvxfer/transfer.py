@@ -1,0 +1,507 @@
+"""NIXL, owned by one dedicated thread: agent, registrations, peers, in-flight reads.
+
+NIXL is not guaranteed thread-safe and a CMA ``transfer()`` copies synchronously inside
+the call (~150 ms per GiB), so the asyncio loop never calls NIXL: it submits closures
+with ``TransferEngine.call`` (a concurrent Future comes back) and receives events
+(``ReadFinished``, ``NoticeReceived``) through the callback it passed in, which this
+thread schedules onto the loop with ``call_soon_threadsafe``.
+
+Reads are split into chunks of at most ``chunk_bytes`` and posted round-robin across
+requests with a cap on chunks in flight, so a 2 GiB request cannot delay a 2 MiB one by
+seconds. Progress (transfer states, notifications — the target of a READ must make
+progress in UCX peer mode) is polled with an adaptive back-off: fast while work is in
+flight, ``idle_poll_s`` when idle; never a busy spin. NIXL's own progress thread is off
+(it spins a full core per agent).
+
+Handle lifetimes are guarded: a handle is forgotten the moment it is released
+(``transfer()`` on a released handle segfaults), and a handle that refuses release is
+parked and retried, never reused.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import logging
+import os
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from kvxfer.errors import ErrorCode, RequestError
+from kvxfer.memory import Mapping, map_memory
+from kvxfer.protocol import KVLayout, RankInfo, RegisterKV, RemoteRegion
+
+log = logging.getLogger(__name__)
+
+os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
+os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
+
+
+@dataclass(frozen=True)
+class TransferOptions:
+    ucx_error_mode: str = "peer"  # "peer" surfaces remote failures on RDMA; "none" is faster on CMA
+    num_threads: int = 0  # UCX backend worker threads (0: copy inside transfer())
+    chunk_bytes: int = 64 << 20  # largest single NIXL request posted at once
+    max_inflight_chunks: int = 8
+    busy_poll_s: float = 50e-6  # first back-off step while reads are in flight
+    idle_poll_s: float = 2e-3  # poll period when nothing is in flight (notification latency)
+
+
+@dataclass(frozen=True)
+class ReadFinished:
+    req_id: str
+    peer: str
+    remote_rank: int
+    ok: bool
+    nbytes: int
+    seconds: float
+    code: str = ""
+    reason: str = ""
+
+
+@dataclass(frozen=True)
+class NoticeReceived:
+    agent: str
+    payload: bytes
+
+
+Event = ReadFinished | NoticeReceived
+
+
+@dataclass
+class _LocalRank:
+    layout: KVLayout
+    mappings: list[Mapping]
+    reg_descs: list[Any]
+    dlist: Any
+    block_lens: list[int]
+
+
+@dataclass
+class _RemoteRank:
+    layout: KVLayout
+    dlist: Any
+    block_lens: list[int]
+
+
+@dataclass
+class _Peer:
+    name: str
+    ranks: dict[int, _RemoteRank]
+
+
+@dataclass
+class _Read:
+    req_id: str
+    peer: str
+    local_rank: int
+    remote_rank: int
+    local_idx: np.ndarray
+    remote_idx: np.ndarray
+    nbytes: int
+    chunk_descs: int
+    deadline: float
+    started: float = field(default_factory=time.monotonic)
+    next_desc: int = 0
+    handles: list[Any] = field(default_factory=list)
+
+    @property
+    def all_posted(self) -> bool:
+        return self.next_desc >= len(self.local_idx)
+
+
+def _error_code(exc: BaseException) -> str:
+    name = type(exc).__name__
+    if "RemoteDisconnect" in name:
+        return ErrorCode.PEER_DISCONNECTED
+    return ErrorCode.TRANSFER_ERROR
+
+
+def _strided_rows(regions: list[RemoteRegion], num_blocks: int) -> np.ndarray:
+    """NIXL's strided N x 5 form: one row (addr, len, dev, stride, count) per region."""
+    rows = np.empty((len(regions), 5), dtype=np.int64)
+    for i, r in enumerate(regions):
+        rows[i] = (r.addr, r.block_len, r.device_id, r.block_stride, num_blocks)
+    return rows
+
+
+def desc_indices(num_regions: int, num_blocks: int, block_ids: np.ndarray) -> np.ndarray:
+    """Descriptor indices of ``block_ids`` in every region, region-major (int32 for NIXL)."""
+    base = np.arange(num_regions, dtype=np.int64)[:, None] * num_blocks
+    return (base + block_ids[None, :]).ravel().astype(np.int32)
+
+
+class TransferEngine:
+    """The NIXL agent and everything that touches it, on one thread."""
+
+    def __init__(
+        self, agent_name: str, options: TransferOptions, on_event: Callable[[Event], None]
+    ) -> None:
+        self.agent_name = agent_name
+        self.options = options
+        self._on_event = on_event
+        self._cmds: queue.SimpleQueue[tuple[Callable[..., Any], tuple[Any, ...], concurrent.futures.Future[Any]] | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._main, name="kvxfer-nixl", daemon=True)
+        self._ready: concurrent.futures.Future[None] = concurrent.futures.Future()
+        self._agent: Any = None
+        self._local: dict[int, _LocalRank] = {}
+        self._peers: dict[str, _Peer] = {}
+        self._reads: dict[str, _Read] = {}
+        self._post_queue: collections.deque[str] = collections.deque()
+        self._inflight_chunks = 0
+        self._zombies: list[Any] = []
+        self.backends: list[str] = []
+        # counters, read from other threads (ints: assignment is atomic enough for stats)
+        self.bytes_read = 0
+        self.reads_ok = 0
+        self.reads_failed = 0
+
+    # ------------------------------------------------------------------ loop-side API
+
+    def start(self) -> concurrent.futures.Future[None]:
+        self._thread.start()
+        return self._ready
+
+    def call(self, fn: Callable[..., Any], *args: Any) -> concurrent.futures.Future[Any]:
+        """Run ``fn(*args)`` on the NIXL thread; fn is one of the ``t_*`` methods."""
+        fut: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        self._cmds.put((fn, args, fut))
+        return fut
+
+    def stop(self, timeout: float = 5.0) -> None:
+        if self._thread.is_alive():
+            self._cmds.put(None)
+            self._thread.join(timeout)
+
+    # ------------------------------------------------------------------ thread-side commands
+
+    def t_metadata(self) -> bytes:
+        return bytes(self._agent.get_agent_metadata())
+
+    def t_register(self, msg: RegisterKV) -> RankInfo:
+        """Map a rank's memory, register it with NIXL, prepare its local descriptor list.
+
+        Returns what peers need to read from it (absolute region addresses).
+        """
+        layout = msg.layout
+        if layout.tp_rank in self._local:
+            self.t_unregister(layout.tp_rank)
+        mappings: list[Mapping] = []
+        regs: list[Any] = []
+        agent = self._agent
+        try:
+            for ref in msg.memory:
+                mappings.append(map_memory(ref))
+            mem_types = {m.mem_type for m in mappings}
+            if len(mem_types) != 1:
+                raise RequestError(ErrorCode.INVALID_LAYOUT, "mixed DRAM and VRAM in one rank")
+            mem_type = mem_types.pop()
+            for m in mappings:
+                regs.append(agent.register_memory([(m.addr, m.size, m.device_id, "")], mem_type))
+            remote = [
+                RemoteRegion(
+                    addr=mappings[r.memory].addr + r.offset,
+                    block_len=r.block_len,
+                    block_stride=r.block_stride,
+                    device_id=mappings[r.memory].device_id,
+                )
+                for r in msg.regions
+            ]
+            dlist = agent.prep_xfer_dlist(
+                "NIXL_INIT_AGENT", _strided_rows(remote, layout.num_blocks), mem_type
+            )
+        except BaseException:
+            for reg in regs:
+                agent.deregister_memory(reg)
+            for m in mappings:
+                m.close()
+            raise
+        self._local[layout.tp_rank] = _LocalRank(
+            layout, mappings, regs, dlist, [r.block_len for r in msg.regions]
+        )
+        return RankInfo(layout=layout, regions=remote, mem_type=mem_type)  # type: ignore[arg-type]
+
+    def t_unregister(self, rank: int) -> bool:
+        local = self._local.get(rank)
+        if local is None:
+            return False
+        for rd in [r for r in self._reads.values() if r.local_rank == rank]:
+            self._fail(rd, ErrorCode.NOT_REGISTERED, "local memory unregistered during the read")
+        del self._local[rank]
+        self._agent.release_dlist_handle(local.dlist)
+        for reg in local.reg_descs:
+            self._agent.deregister_memory(reg)
+        for m in local.mappings:
+            m.close()
+        return True
+
+    def t_add_peer(self, name: str, metadata: bytes, ranks: list[RankInfo]) -> str:
+        """Load a peer's agent metadata and prepare one descriptor list per remote rank.
+
+        Agent names carry a per-process nonce, so a restarted peer arrives under a new
+        name; the same name again means the same process re-handshaked: reload it.
+        """
+        agent = self._agent
+        if name in self._peers:
+            self.t_remove_peer(name, "peer metadata replaced")
+        raw = agent.add_remote_agent(metadata)
+        loaded = raw.decode() if isinstance(raw, bytes) else str(raw)
+        if loaded != name:
+            agent.remove_remote_agent(loaded)
+            raise ValueError(f"peer metadata names agent {loaded!r}, handshake said {name!r}")
+        remote: dict[int, _RemoteRank] = {}
+        try:
+            for info in ranks:
+                rows = _strided_rows(info.regions, info.layout.num_blocks)
+                dlist = agent.prep_xfer_dlist(name, rows, info.mem_type)
+                remote[info.layout.tp_rank] = _RemoteRank(
+                    info.layout, dlist, [r.block_len for r in info.regions]
+                )
+        except Exception:
+            for rr in remote.values():
+                agent.release_dlist_handle(rr.dlist)
+            agent.remove_remote_agent(name)
+            raise
+        self._peers[name] = _Peer(name, remote)
+        return name
+
+    def t_remove_peer(self, name: str, reason: str) -> bool:
+        peer = self._peers.pop(name, None)
+        for rd in [r for r in self._reads.values() if r.peer == name]:
+            self._fail(rd, ErrorCode.PEER_DISCONNECTED, reason)
+        if peer is not None:
+            for rr in peer.ranks.values():
+                self._agent.release_dlist_handle(rr.dlist)
+        try:
+            self._agent.remove_remote_agent(name)
+        except Exception as e:  # unknown to NIXL already
+            log.debug("remove_remote_agent(%s): %s", name, e)
+        return peer is not None
+
+    def t_read(
+        self,
+        req_id: str,
+        peer: str,
+        local_rank: int,
+        local_blocks: list[int],
+        remote_rank: int,
+        remote_blocks: list[int],
+        deadline_s: float,
+    ) -> None:
+        """Queue a READ; completion arrives later as a ReadFinished event."""
+        local = self._local[local_rank]
+        rr = self._peers[peer].ranks[remote_rank]
+        lb = np.asarray(local_blocks, dtype=np.int64)
+        rb = np.asarray(remote_blocks, dtype=np.int64)
+        nregions = len(local.block_lens)
+        rd = _Read(
+            req_id=req_id,
+            peer=peer,
+            local_rank=local_rank,
+            remote_rank=remote_rank,
+            local_idx=desc_indices(nregions, local.layout.num_blocks, lb),
+            remote_idx=desc_indices(len(rr.block_lens), rr.layout.num_blocks, rb),
+            nbytes=int(sum(local.block_lens)) * len(lb),
+            chunk_descs=max(1, self.options.chunk_bytes // max(local.block_lens)),
+            deadline=time.monotonic() + deadline_s,
+        )
+        self._reads[req_id] = rd
+        self._post_queue.append(req_id)
+
+    def t_cancel(self, req_id: str, code: str, reason: str) -> bool:
+        rd = self._reads.get(req_id)
+        if rd is None:
+            return False
+        self._fail(rd, code, reason)
+        return True
+
+    def t_send_notice(self, peer: str, payload: bytes) -> None:
+        self._agent.send_notif(peer, payload)
+
+    def t_stats(self) -> dict[str, int]:
+        return {
+            "reads_in_flight": len(self._reads),
+            "chunks_in_flight": self._inflight_chunks,
+            "peers": len(self._peers),
+            "local_ranks": len(self._local),
+        }
+
+    # ------------------------------------------------------------------ thread internals
+
+    def _create_agent(self) -> None:
+        from nixl_cu12 import nixl_agent, nixl_agent_config
+
+        conf = nixl_agent_config(
+            enable_prog_thread=False, backends=[], num_threads=self.options.num_threads
+        )
+        agent = nixl_agent(self.agent_name, conf)
+        params = {"ucx_error_handling_mode": self.options.ucx_error_mode}
+        if self.options.num_threads > 0:
+            params["num_threads"] = str(self.options.num_threads)
+        agent.create_backend("UCX", params)
+        self._agent = agent
+        self.backends = ["UCX"]
+
+    def _main(self) -> None:
+        try:
+            self._create_agent()
+        except BaseException as e:
+            self._ready.set_exception(e)
+            return
+        self._ready.set_result(None)
+        delay = self.options.idle_poll_s
+        while True:
+            try:
+                item = self._cmds.get(timeout=delay) if delay > 0 else self._cmds.get_nowait()
+            except queue.Empty:
+                item = ()
+            if item is None:
+                break
+            while item:
+                fn, args, fut = item
+                if fut.set_running_or_notify_cancel():
+                    try:
+                        fut.set_result(fn(*args))
+                    except BaseException as e:
+                        fut.set_exception(e)
+                try:
+                    item = self._cmds.get_nowait()
+                except queue.Empty:
+                    item = ()
+                if item is None:
+                    self._shutdown()
+                    return
+            try:
+                progressed = self._pump()
+            except Exception:
+                log.exception("NIXL progress failed")
+                progressed = False
+            if self._reads:
+                delay = self.options.busy_poll_s if progressed else min(delay * 2, 1e-3)
+            else:
+                delay = self.options.idle_poll_s
+        self._shutdown()
+
+    def _pump(self) -> bool:
+        progressed = self._post_chunks()
+        now = time.monotonic()
+        for rd in list(self._reads.values()):
+            progressed |= self._check(rd, now)
+        if self._zombies:
+            self._retry_zombies()
+        notifs = self._agent.get_new_notifs()
+        for agent_name, msgs in notifs.items():
+            for payload in msgs:
+                progressed = True
+                self._on_event(NoticeReceived(str(agent_name), bytes(payload)))
+        return progressed
+
+    def _post_chunks(self) -> bool:
+        posted = False
+        agent = self._agent
+        while self._post_queue and self._inflight_chunks < self.options.max_inflight_chunks:
+            req_id = self._post_queue.popleft()
+            rd = self._reads.get(req_id)
+            if rd is None or rd.all_posted:
+                continue
+            lo, hi = rd.next_desc, min(rd.next_desc + rd.chunk_descs, len(rd.local_idx))
+            local = self._local[rd.local_rank]
+            remote = self._peers[rd.peer].ranks[rd.remote_rank]
+            try:
+                handle = agent.make_prepped_xfer(
+                    "READ", local.dlist, rd.local_idx[lo:hi], remote.dlist, rd.remote_idx[lo:hi]
+                )
+            except Exception as e:
+                self._fail(rd, _error_code(e), f"prepare: {e}")
+                continue
+            rd.next_desc = hi
+            rd.handles.append(handle)
+            self._inflight_chunks += 1
+            posted = True
+            try:
+                state = agent.transfer(handle)
+            except Exception as e:
+                self._fail(rd, _error_code(e), f"post: {e}")
+                continue
+            if state == "ERR":
+                self._fail(rd, ErrorCode.TRANSFER_ERROR, "post returned ERR")
+                continue
+            if not rd.all_posted:
+                self._post_queue.append(req_id)
+        return posted
+
+    def _check(self, rd: _Read, now: float) -> bool:
+        agent = self._agent
+        progressed = False
+        for handle in list(rd.handles):
+            try:
+                state = agent.check_xfer_state(handle)
+            except Exception as e:
+                self._fail(rd, _error_code(e), str(e))
+                return True
+            if state == "DONE":
+                rd.handles.remove(handle)
+                self._inflight_chunks -= 1
+                self._release(handle)
+                progressed = True
+            elif state == "ERR":
+                self._fail(rd, ErrorCode.TRANSFER_ERROR, "transfer state ERR")
+                return True
+        if rd.all_posted and not rd.handles:
+            del self._reads[rd.req_id]
+            self.reads_ok += 1
+            self.bytes_read += rd.nbytes
+            self._on_event(
+                ReadFinished(rd.req_id, rd.peer, rd.remote_rank, True, rd.nbytes, now - rd.started)
+            )
+            return True
+        if now > rd.deadline:
+            self._fail(rd, ErrorCode.DEADLINE, f"not finished after {now - rd.started:.3f}s")
+            return True
+        return progressed
+
+    def _fail(self, rd: _Read, code: str, reason: str) -> None:
+        if self._reads.pop(rd.req_id, None) is None:
+            return
+        for handle in rd.handles:
+            self._inflight_chunks -= 1
+            self._release(handle)
+        rd.handles.clear()
+        self.reads_failed += 1
+        self._on_event(
+            ReadFinished(
+                rd.req_id, rd.peer, rd.remote_rank, False, 0, time.monotonic() - rd.started,
+                code, reason,
+            )
+        )
+
+    def _release(self, handle: Any) -> None:
+        try:
+            self._agent.release_xfer_handle(handle)
+        except Exception as e:  # still active in the backend: park it, never touch it again
+            log.debug("xfer handle release deferred: %s", e)
+            self._zombies.append(handle)
+
+    def _retry_zombies(self) -> None:
+        parked, self._zombies = self._zombies, []
+        for handle in parked:
+            self._release(handle)
+
+    def _shutdown(self) -> None:
+        for rd in list(self._reads.values()):
+            self._fail(rd, ErrorCode.DRAINING, "sidecar shutting down")
+        for name in list(self._peers):
+            self.t_remove_peer(name, "sidecar shutting down")
+        for rank in list(self._local):
+            self.t_unregister(rank)
+        # Keep progressing briefly so notifications already sent leave the process.
+        end = time.monotonic() + 0.05
+        while time.monotonic() < end:
+            self._agent.get_new_notifs()
+            time.sleep(0.002)
