@@ -13,6 +13,7 @@ This module never talks to NIXL or sockets; torch is imported only on the CUDA p
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 import secrets
@@ -90,15 +91,11 @@ class SharedKV:
 
     def close(self) -> None:
         del self.data
-        try:
+        with contextlib.suppress(BufferError):  # a caller still holds a view; freed at exit
             self._mm.close()
-        except BufferError:  # a caller still holds a view; the OS frees it at exit
-            pass
         os.close(self._fd)
-        try:
+        with contextlib.suppress(FileNotFoundError):
             os.unlink(self.path)
-        except FileNotFoundError:
-            pass
 
 
 def cuda_ipc_memory(tensor: Any) -> CudaIpcMemory:
@@ -138,10 +135,8 @@ class Mapping:
         for obj in reversed(keep):
             close = getattr(obj, "close", None)
             if close is not None:
-                try:
+                with contextlib.suppress(BufferError):
                     close()
-                except BufferError:
-                    pass
 
 
 def _map_shm(ref: ShmMemory) -> Mapping:

@@ -72,6 +72,7 @@ class NoticeReceived:
 
 
 Event = ReadFinished | NoticeReceived
+_Command = tuple[Callable[..., Any], tuple[Any, ...], concurrent.futures.Future[Any]]
 
 
 @dataclass
@@ -146,7 +147,7 @@ class TransferEngine:
         self.agent_name = agent_name
         self.options = options
         self._on_event = on_event
-        self._cmds: queue.SimpleQueue[tuple[Callable[..., Any], tuple[Any, ...], concurrent.futures.Future[Any]] | None] = queue.SimpleQueue()
+        self._cmds: queue.SimpleQueue[_Command | None] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._main, name="kvxfer-nixl", daemon=True)
         self._ready: concurrent.futures.Future[None] = concurrent.futures.Future()
         self._agent: Any = None

@@ -1,0 +1,72 @@
+"""Whole pipeline: two ``kvxfer serve`` processes, two synthetic engine processes."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from kvxfer.testing.demo import DemoOptions, _summarise, run_demo
+from tests.conftest import PD
+
+
+def test_64_requests_between_engine_processes() -> None:
+    res = run_demo(DemoOptions(requests=64, layers=4, blocks_per_request=4, heads=4, head_dim=64))
+    assert res["problems"] == []
+    assert res["verified"] is True
+    assert res["requests"] == 64
+    assert res["bytes"] == 64 * 4 * (4 * 2 * 16 * 4 * 64 * 2)
+    assert res["released"] == {"read": 65}  # 64 + the warm-up request
+
+
+@pytest.mark.slow
+def test_one_request_of_256_mib() -> None:
+    opts = DemoOptions(requests=1, layers=32, blocks_per_request=128)  # 2 MiB per block
+    assert opts.request_bytes() == 256 << 20
+    res = run_demo(opts)
+    assert res["problems"] == []
+    assert res["verified"] is True
+    assert res["bytes"] == 256 << 20
+
+
+def test_demo_cli_json_contract() -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "kvxfer", "demo", "--requests", "3", "--layers", "2",
+         "--blocks-per-request", "2", "--heads", "2", "--head-dim", "32", "--json",
+         "--ucx-error-mode", "none"],
+        capture_output=True, text=True, timeout=120, check=False,
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    res = json.loads(out.stdout.strip().splitlines()[-1])
+    for key in ("verified", "requests", "bytes", "seconds", "gbps", "prefill_tp", "decode_tp"):
+        assert key in res
+    assert res["verified"] is True
+    assert (res["requests"], res["prefill_tp"], res["decode_tp"]) == (3, 1, 1)
+    assert res["bytes"] == 3 * 2 * (2 * 2 * 16 * 2 * 32 * 2)
+    assert res["gbps"] > 0
+    assert "verify  every byte of every block: OK" in out.stdout
+
+
+def test_verifier_catches_one_flipped_byte(pd: PD) -> None:
+    blocks = pd.d.allocate(2)
+    pd.d.fill("flip", blocks)
+    assert pd.d.verify("flip", blocks)
+    view = pd.d.kv.blocks()
+    view[1, 1, blocks[1], 17] ^= 0x01
+    assert not pd.d.verify("flip", blocks)
+    pd.d.free(blocks)
+
+
+def test_summary_is_not_verified_when_decode_reports_bad_bytes() -> None:
+    opts = DemoOptions(requests=1, layers=1, blocks_per_request=1, heads=1, head_dim=8)
+    good = {"prefill": {"released": {"read": 2}, "errors": []},
+            "decode": {"done": 1, "failed": {}, "bad": [], "verified_requests": 2, "seconds": 1.0}}
+    assert _summarise(opts, good, [], "/nonexistent")["verified"] is True
+    bad = {**good, "decode": {**good["decode"], "bad": ["req-0"], "verified_requests": 1}}
+    res = _summarise(opts, bad, [], "/nonexistent")
+    assert res["verified"] is False
+    assert res["problems"] == ["request req-0: bytes differ"]
+    unreleased = {**good, "prefill": {"released": {"expired": 2}, "errors": []}}
+    assert _summarise(opts, unreleased, [], "/nonexistent")["verified"] is False

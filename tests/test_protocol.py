@@ -1,0 +1,124 @@
+"""The wire format is a contract: pin the encoded bytes of every message."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+
+from kvxfer import protocol as p
+
+LAYOUT = p.KVLayout(
+    num_layers=2, num_blocks=10, block_size=16, num_kv_heads=8, local_kv_heads=8,
+    head_dim=128, dtype="bfloat16",
+)
+
+MESSAGES: dict[str, tuple[object, str]] = {
+    "register": (
+        p.RegisterKV(
+            layout=LAYOUT,
+            memory=[p.ShmMemory(path="/dev/shm/x", size=4096)],
+            regions=[p.KVRegion(memory=0, offset=0, block_len=64, block_stride=64)],
+        ),
+        (
+            "94a872656769737465729da66c61796f7574020a100808cc80a862666c6f6174313602c2a34e4844"
+            "00019193a373686daa2f6465762f73686d2f78cd10009195a6726567696f6e00004040"
+        ),
+    ),
+    "unregister": (p.Unregister(tp_rank=1), "92aa756e726567697374657201"),
+    "hold": (p.Hold(req_id="r1", block_ids=[1, 2, 3], lease_s=2.5, reads=2), "95a4686f6c64a2723193010203cb400400000000000002"),
+    "release": (p.Release(req_id="r1"), "92a772656c65617365a27231"),
+    "recv": (
+        p.Recv(req_id="r1", block_ids=[4, 5], remote_engine_id="P", remote_host="10.0.0.1",
+               remote_port=5700, remote_block_ids=[1, 2]),
+        (
+            "9ba472656376a27231920405a150a831302e302e302e31cd16449201020100a0cb00000000000000"
+            "00"
+        ),
+    ),
+    "ping": (p.Ping(seq=7), "92a470696e6707"),
+    "registered": (
+        p.Registered(tp_rank=0, engine_id="D", agent_name="a", bytes_registered=4096,
+                     handshake_host="h", handshake_port=5700),
+        "97aa7265676973746572656400a144a161cd1000a168cd1644",
+    ),
+    "done": (p.Done(req_id="r1", nbytes=1024, seconds=0.5), "94a4646f6e65a27231cd0400cb3fe0000000000000"),
+    "failed": (p.Failed(req_id="r1", block_ids=[4, 5], code="deadline", reason="late"), "95a66661696c6564a27231920405a8646561646c696e65a46c617465"),
+    "released": (p.Released(req_id="r1", reason="read", reads=1), "94a872656c6561736564a27231a47265616401"),
+    "error": (p.Error(code="malformed", message="bad", req_id="r1"), "94a56572726f72a96d616c666f726d6564a3626164a27231"),
+    "pong": (p.Pong(seq=7, engine_id="D", version=1, handshake_host="h", handshake_port=1), "96a4706f6e6707a14401a16801"),
+    "hello": (p.Hello(version=1, compat_hash="abcd", engine_id="D", agent_name="a"), "95a568656c6c6f01a461626364a144a161"),
+    "welcome": (
+        p.Welcome(version=1, compat_hash="abcd", engine_id="P", agent_name="b",
+                  ranks=[p.RankInfo(layout=LAYOUT, regions=[p.RemoteRegion(addr=4096, block_len=64, block_stride=64)])]),
+        (
+            "96a777656c636f6d6501a461626364a150a1629194a472616e6b9da66c61796f7574020a100808cc"
+            "80a862666c6f6174313602c2a34e484400019195a772726567696f6ecd1000404000a44452414d"
+        ),
+    ),
+    "refused": (p.Refused(version=1, code="incompatible", reason="no"), "94a77265667573656401ac696e636f6d70617469626c65a26e6f"),
+    "read": (p.ReadNotice(req_id="r1", tp_rank=0, ok=True), "94a472656164a2723100c3"),
+}
+
+DECODERS = {
+    p.EngineRequest: p.engine_request_decoder,
+    p.SidecarEvent: p.sidecar_event_decoder,
+    p.HandshakeReply: p.handshake_reply_decoder,
+}
+
+
+def _decoder_for(msg: object) -> msgspec.msgpack.Decoder:  # type: ignore[type-arg]
+    for union, dec in DECODERS.items():
+        if isinstance(msg, union.__args__):  # type: ignore[attr-defined]
+            return dec
+    if isinstance(msg, p.Hello):
+        return p.handshake_request_decoder
+    return p.read_notice_decoder
+
+
+@pytest.mark.parametrize("kind", sorted(MESSAGES))
+def test_encoded_bytes_are_pinned(kind: str) -> None:
+    msg, expected = MESSAGES[kind]
+    assert p.encode(msg).hex() == expected  # type: ignore[arg-type]
+    assert _decoder_for(msg).decode(bytes.fromhex(expected)) == msg
+
+
+def test_every_message_kind_is_pinned() -> None:
+    tags = set()
+    for union in (p.EngineRequest, p.SidecarEvent, p.HandshakeReply):
+        tags |= {t.__struct_config__.tag for t in union.__args__}  # type: ignore[attr-defined]
+    tags |= {p.Hello.__struct_config__.tag, p.ReadNotice.__struct_config__.tag}
+    assert tags == set(MESSAGES)
+
+
+def test_protocol_version_is_pinned() -> None:
+    # Changing the wire format means bumping this and re-pinning the bytes above.
+    assert p.PROTOCOL_VERSION == 1
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        b"\xc1",  # never-used msgpack byte
+        msgspec.msgpack.encode(["hold", "r1", [-1]]),  # negative block id
+        msgspec.msgpack.encode(["hold", "", [1]]),  # empty request id
+        msgspec.msgpack.encode(["recv", "r", [1], "P", "h", 70000, [1]]),  # port out of range
+        msgspec.msgpack.encode(["nope", 1]),  # unknown kind
+        msgspec.msgpack.encode({"tag": "ping"}),  # not array-like
+    ],
+)
+def test_engine_decoder_rejects_bad_input(body: bytes) -> None:
+    with pytest.raises((msgspec.DecodeError, msgspec.ValidationError)):
+        p.engine_request_decoder.decode(body)
+
+
+def test_older_peer_without_trailing_fields_still_decodes() -> None:
+    # Schema evolution: fields appended later have defaults, so a shorter array decodes.
+    short = msgspec.msgpack.encode(["hold", "r1", [1, 2]])
+    assert p.engine_request_decoder.decode(short) == p.Hold(req_id="r1", block_ids=[1, 2])
+
+
+def test_compat_hash_tracks_model_signature() -> None:
+    other = msgspec.structs.replace(LAYOUT, head_dim=64)
+    same_model_other_rank = msgspec.structs.replace(LAYOUT, tp_rank=0, num_blocks=99)
+    assert p.compat_hash(LAYOUT) != p.compat_hash(other)
+    assert p.compat_hash(LAYOUT) == p.compat_hash(same_model_other_rank)

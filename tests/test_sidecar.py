@@ -1,0 +1,240 @@
+"""Two real ``kvxfer serve`` processes, this process as both engines, real NIXL reads."""
+
+from __future__ import annotations
+
+import os
+import stat
+import time
+from collections.abc import Callable
+from urllib.parse import urlparse
+
+import msgspec
+import pytest
+import zmq
+
+from kvxfer.client import Drained, RemoteBlocks, SidecarClient
+from kvxfer.errors import ErrorCode
+from kvxfer.protocol import PROTOCOL_VERSION, Hello, Refused, encode, handshake_reply_decoder
+from kvxfer.testing.engine import SyntheticEngine, make_layout
+from tests.conftest import PD, SidecarFactory
+
+
+def wait_for(client: SidecarClient, pred: Callable[[Drained], bool], timeout: float = 20.0) -> Drained:
+    """Collect events until ``pred`` holds for everything collected so far."""
+    acc = Drained()
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        ev = client.wait(0.2)
+        acc.done += ev.done
+        acc.failed += ev.failed
+        acc.released += ev.released
+        acc.errors += ev.errors
+        if pred(acc):
+            return acc
+    raise AssertionError(f"timed out; got {acc}")
+
+
+def remote(pd: PD, blocks: list[int], **kw: object) -> RemoteBlocks:
+    reg = pd.p.registered
+    assert reg is not None
+    fields = {"engine_id": reg.engine_id, "host": reg.handshake_host, "port": reg.handshake_port,
+              "block_ids": blocks} | kw
+    return RemoteBlocks(**fields)  # type: ignore[arg-type]
+
+
+def test_engine_socket_is_private(pd: PD) -> None:
+    path = urlparse(pd.prefill.endpoint).path or pd.prefill.endpoint[len("ipc://"):]
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+
+
+def test_blocks_move_and_release_only_after_read(pd: PD) -> None:
+    pb, db = pd.p.allocate(5), pd.d.allocate(5)
+    pd.p.fill("rel-1", pb)
+    pd.d.wipe(db)
+    pd.p.client.hold("rel-1", pb)
+    # Held, nobody has read: no release may arrive.
+    assert not pd.p.client.wait(0.3).released
+    pd.d.client.recv("rel-1", db, remote(pd, pb))
+    got = wait_for(pd.d.client, lambda a: bool(a.done or a.failed))
+    assert not got.failed, got.failed
+    assert got.done[0].nbytes == 5 * 4 * 2 * 16 * 4 * 64 * 2
+    assert pd.d.verify("rel-1", db)
+    rel = wait_for(pd.p.client, lambda a: bool(a.released))
+    assert [(r.req_id, r.reason, r.reads) for r in rel.released] == [("rel-1", "read", 1)]
+    pd.p.free(pb)
+    pd.d.free(db)
+
+
+def test_lease_expires_without_read(pd: PD) -> None:
+    pb = pd.p.allocate(2)
+    t0 = time.monotonic()
+    pd.p.client.hold("lease-1", pb, lease_s=0.4)
+    rel = wait_for(pd.p.client, lambda a: bool(a.released), timeout=5)
+    assert time.monotonic() - t0 >= 0.4
+    assert [(r.req_id, r.reason) for r in rel.released] == [("lease-1", "expired")]
+    pd.p.free(pb)
+
+
+def test_release_by_engine_abort(pd: PD) -> None:
+    pb = pd.p.allocate(1)
+    pd.p.client.hold("abort-1", pb)
+    pd.p.client.release("abort-1")
+    rel = wait_for(pd.p.client, lambda a: bool(a.released))
+    assert [(r.req_id, r.reason) for r in rel.released] == [("abort-1", "aborted")]
+    pd.p.client.release("abort-1")
+    err = wait_for(pd.p.client, lambda a: bool(a.errors))
+    assert err.errors[0].code == ErrorCode.UNKNOWN_REQUEST
+    pd.p.free(pb)
+
+
+def test_duplicate_hold_is_refused(pd: PD) -> None:
+    pb = pd.p.allocate(1)
+    pd.p.client.hold("dup-1", pb)
+    pd.p.client.hold("dup-1", pb)
+    err = wait_for(pd.p.client, lambda a: bool(a.errors))
+    assert (err.errors[0].code, err.errors[0].req_id) == (ErrorCode.DUPLICATE_REQUEST, "dup-1")
+    pd.p.client.release("dup-1")
+    wait_for(pd.p.client, lambda a: bool(a.released))
+    pd.p.free(pb)
+
+
+@pytest.mark.parametrize(
+    ("body", "code"),
+    [
+        (b"\xc1garbage", ErrorCode.MALFORMED),
+        (msgspec.msgpack.encode(["launch_missiles", 1]), ErrorCode.UNKNOWN_MESSAGE),
+        (msgspec.msgpack.encode(["hold", "r", ["not-an-int"]]), ErrorCode.MALFORMED),
+        (msgspec.msgpack.encode(["recv", "r", [1], "P", "h", 0, [1]]), ErrorCode.MALFORMED),
+    ],
+)
+def test_malformed_engine_messages_get_typed_errors(pd: PD, body: bytes, code: str) -> None:
+    pd.d.client.send_raw(body)
+    err = wait_for(pd.d.client, lambda a: bool(a.errors))
+    assert err.errors[0].code == code
+    assert pd.d.client.ping(2).engine_id == "decode"  # still serving
+
+
+def test_multi_frame_message_is_refused(pd: PD) -> None:
+    pd.d.client.send_raw(b"a", b"b")
+    err = wait_for(pd.d.client, lambda a: bool(a.errors))
+    assert err.errors[0].code == ErrorCode.MALFORMED
+    assert pd.d.client.ping(2).seq >= 0
+
+
+def test_out_of_range_blocks(pd: PD) -> None:
+    n = pd.p.layout.num_blocks
+    pd.p.client.hold("oor-hold", [1, n])
+    err = wait_for(pd.p.client, lambda a: bool(a.errors))
+    assert (err.errors[0].code, err.errors[0].req_id) == (ErrorCode.BLOCK_OUT_OF_RANGE, "oor-hold")
+
+    pd.d.client.recv("oor-local", [1, n + 5], remote(pd, [1, 2]))
+    got = wait_for(pd.d.client, lambda a: bool(a.failed))
+    assert (got.failed[0].code, got.failed[0].block_ids) == (ErrorCode.BLOCK_OUT_OF_RANGE, [1, n + 5])
+
+    pd.d.client.recv("oor-remote", [3, 4], remote(pd, [1, n]))
+    got = wait_for(pd.d.client, lambda a: bool(a.failed))
+    assert (got.failed[0].code, got.failed[0].block_ids) == (ErrorCode.BLOCK_OUT_OF_RANGE, [3, 4])
+
+
+def test_unknown_peer_engine_id(pd: PD) -> None:
+    pd.d.client.recv("who-1", [3], remote(pd, [1], engine_id="someone-else"))
+    got = wait_for(pd.d.client, lambda a: bool(a.failed))
+    assert got.failed[0].code == ErrorCode.UNKNOWN_PEER
+    assert "someone-else" in got.failed[0].reason
+
+
+def test_unreachable_peer_fails_within_handshake_timeout(pd: PD) -> None:
+    with zmq.Context.instance().socket(zmq.ROUTER) as silent:  # accepts, never answers
+        port = silent.bind_to_random_port("tcp://127.0.0.1")
+        t0 = time.monotonic()
+        pd.d.client.recv("dead-1", [3, 4], remote(pd, [1, 2], port=port))
+        got = wait_for(pd.d.client, lambda a: bool(a.failed), timeout=10)
+    assert got.failed[0].code == ErrorCode.HANDSHAKE_FAILED
+    assert got.failed[0].block_ids == [3, 4]
+    assert time.monotonic() - t0 < 5
+
+
+def test_mismatched_block_counts_are_refused(pd: PD) -> None:
+    pd.d.client.recv("ratio-1", [3, 4], remote(pd, [1]))
+    got = wait_for(pd.d.client, lambda a: bool(a.failed))
+    assert got.failed[0].code == ErrorCode.INCOMPATIBLE
+
+
+def _hello(port: int, body: bytes) -> Refused:
+    with zmq.Context.instance().socket(zmq.DEALER) as s:
+        s.setsockopt(zmq.LINGER, 0)
+        s.connect(f"tcp://127.0.0.1:{port}")
+        s.send(body)
+        assert s.poll(5000), "handshake listener did not answer"
+        reply = handshake_reply_decoder.decode(s.recv_multipart()[0])
+    assert isinstance(reply, Refused)
+    return reply
+
+
+def test_handshake_rejects_bad_input(pd: PD) -> None:
+    reg = pd.p.registered
+    assert reg is not None
+    assert _hello(reg.handshake_port, b"\x00\xffnot msgpack").code == ErrorCode.MALFORMED
+    old = Hello(version=PROTOCOL_VERSION + 1, compat_hash="x", engine_id="x", agent_name="x")
+    refused = _hello(reg.handshake_port, encode(old))
+    assert refused.code == ErrorCode.INCOMPATIBLE
+    assert "protocol version" in refused.reason
+    wrong = Hello(version=PROTOCOL_VERSION, compat_hash="0" * 16, engine_id="x", agent_name="x")
+    assert _hello(reg.handshake_port, encode(wrong)).code == ErrorCode.INCOMPATIBLE
+    assert pd.p.client.ping(2).engine_id == "prefill"
+
+
+def test_incompatible_layout_refused_at_handshake(sidecars: SidecarFactory, pd: PD) -> None:
+    other = sidecars.start("decode-hd32")
+    eng = SyntheticEngine(make_layout(layers=4, num_blocks=16, heads=4, head_dim=32), other.endpoint)
+    try:
+        eng.start()
+        eng.client.recv("incompat-1", [1], remote(pd, [1]))
+        got = wait_for(eng.client, lambda a: bool(a.failed))
+        assert got.failed[0].code == ErrorCode.INCOMPATIBLE
+        assert "refused the handshake" in got.failed[0].reason
+    finally:
+        eng.close()
+
+
+def test_bad_registration_gets_typed_error(sidecars: SidecarFactory) -> None:
+    sc = sidecars.start("badreg")
+    eng = SyntheticEngine(make_layout(layers=2, num_blocks=8, heads=2, head_dim=16), sc.endpoint)
+    try:
+        eng.client.ping(60)
+        msg = eng.kv.register_message()
+        missing = msgspec.structs.replace(
+            msg, memory=[msgspec.structs.replace(msg.memory[0], path="/dev/shm/kvxfer-no-such")]
+        )
+        with pytest.raises(Exception, match="memory_map_failed"):
+            eng.client.register(missing, timeout=10)
+        too_big = msgspec.structs.replace(
+            msg, regions=[msgspec.structs.replace(r, offset=r.offset + (1 << 30)) for r in msg.regions]
+        )
+        with pytest.raises(Exception, match="invalid_layout"):
+            eng.client.register(too_big, timeout=10)
+        # Holding before any registration is refused, then a good registration works.
+        eng.client.hold("early", [1])
+        err = wait_for(eng.client, lambda a: bool(a.errors))
+        assert err.errors[0].code == ErrorCode.NOT_REGISTERED
+        assert eng.client.register(msg, timeout=10).bytes_registered == eng.kv.nbytes
+    finally:
+        eng.close()
+
+
+def test_many_concurrent_requests(pd: PD) -> None:
+    reqs = {f"conc-{i}": (pd.p.allocate(2), pd.d.allocate(2)) for i in range(24)}
+    for name, (pb, _) in reqs.items():
+        pd.p.fill(name, pb)
+        pd.p.client.hold(name, pb)
+    for name, (pb, db) in reqs.items():
+        pd.d.client.recv(name, db, remote(pd, pb))
+    got = wait_for(pd.d.client, lambda a: len(a.done) + len(a.failed) >= len(reqs))
+    assert not got.failed
+    assert all(pd.d.verify(name, db) for name, (_, db) in reqs.items())
+    rel = wait_for(pd.p.client, lambda a: len(a.released) >= len(reqs))
+    assert {r.req_id for r in rel.released} == set(reqs)
+    assert {r.reason for r in rel.released} == {"read"}
+    for pb, db in reqs.values():
+        pd.p.free(pb)
+        pd.d.free(db)

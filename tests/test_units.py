@@ -1,0 +1,144 @@
+"""Pure modules: leases, config, layout validation, byte patterns."""
+
+from __future__ import annotations
+
+import os
+
+import msgspec
+import numpy as np
+import pytest
+
+from kvxfer.config import Config, load_config
+from kvxfer.errors import ConfigError, ErrorCode, RequestError
+from kvxfer.leases import Lease, LeaseTable
+from kvxfer.memory import SharedKV, region_block_len, validate_registration
+from kvxfer.testing.engine import make_layout
+from kvxfer.testing.pattern import request_pattern
+from kvxfer.transfer import desc_indices
+
+
+def lease(req: str, expires: float, reads: int = 1) -> Lease:
+    return Lease(req_id=req, owner=b"w", block_ids=[1], expires=expires, reads_expected=reads)
+
+
+def test_lease_released_once_after_all_reads() -> None:
+    t = LeaseTable()
+    t.add(lease("a", 10.0, reads=2))
+    assert t.note_read("a", reader=0) is None
+    assert t.note_read("a", reader=0) is None  # the same rank twice counts once
+    got = t.note_read("a", reader=1)
+    assert got is not None
+    assert got.reads_seen == 2
+    assert "a" not in t
+    assert t.note_read("a", reader=2) is None
+    assert t.expire(100.0) == []
+
+
+def test_lease_expiry_order_and_duplicates() -> None:
+    t = LeaseTable()
+    t.add(lease("late", 5.0))
+    t.add(lease("early", 1.0))
+    with pytest.raises(RequestError) as ei:
+        t.add(lease("early", 2.0))
+    assert ei.value.code == ErrorCode.DUPLICATE_REQUEST
+    assert t.next_expiry() == 1.0
+    assert [x.req_id for x in t.expire(1.0)] == ["early"]
+    assert t.next_expiry() == 5.0
+    assert t.pop("late") is not None
+    assert t.next_expiry() is None
+    assert t.expired_total == 1
+
+
+def test_drop_owner() -> None:
+    t = LeaseTable()
+    t.add(lease("a", 1.0))
+    t.add(Lease(req_id="b", owner=b"other", block_ids=[], expires=1.0))
+    assert [x.req_id for x in t.drop_owner(b"w")] == ["a"]
+    assert len(t) == 1
+
+
+def test_config_precedence(tmp_path: os.PathLike[str]) -> None:
+    toml = os.path.join(tmp_path, "k.toml")
+    with open(toml, "w") as fh:
+        fh.write('lease_s = 5.0\nengine_id = "from-toml"\nhandshake_port = 6000\n')
+    env = {"KVXFER_CONFIG": toml, "KVXFER_ENGINE_ID": "from-env"}
+    cfg = load_config({"handshake_port": 7000}, env=env)
+    assert (cfg.lease_s, cfg.engine_id, cfg.handshake_port) == (5.0, "from-env", 7000)
+    assert load_config({}, env={}) == Config()
+
+
+@pytest.mark.parametrize(
+    ("flags", "env"),
+    [
+        ({"ucx_error_mode": "sometimes"}, {}),
+        ({}, {"KVXFER_LEASE_S": "soon"}),
+        ({}, {"KVXFER_LEASE_S": "-1"}),
+        ({"handshake_port": 70000}, {}),
+    ],
+)
+def test_config_rejects_bad_values(flags: dict[str, object], env: dict[str, str]) -> None:
+    with pytest.raises(ConfigError):
+        load_config(flags, env=env)
+
+
+def test_config_rejects_unknown_toml_keys(tmp_path: os.PathLike[str]) -> None:
+    toml = os.path.join(tmp_path, "k.toml")
+    with open(toml, "w") as fh:
+        fh.write("leese_s = 5.0\n")
+    with pytest.raises(ConfigError, match="leese_s"):
+        load_config({"config": toml}, env={})
+
+
+def test_shared_kv_registration_is_valid_and_private() -> None:
+    kv = SharedKV.create(make_layout(layers=3, num_blocks=5, heads=2, head_dim=16))
+    try:
+        assert os.stat(kv.path).st_mode & 0o777 == 0o600
+        msg = kv.register_message()
+        validate_registration(msg)
+        assert len(msg.regions) == 6
+        assert kv.nbytes == 6 * 5 * region_block_len(kv.layout)
+    finally:
+        kv.close()
+    assert not os.path.exists(kv.path)
+
+
+@pytest.mark.parametrize(
+    ("change", "fragment"),
+    [
+        (lambda m: msgspec.structs.replace(m, regions=m.regions[:-1]), "regions"),
+        (lambda m: msgspec.structs.replace(
+            m, layout=msgspec.structs.replace(m.layout, tp_rank=3)), "tp_rank"),
+        (lambda m: msgspec.structs.replace(
+            m, layout=msgspec.structs.replace(m.layout, dtype="float7")), "dtype"),
+        (lambda m: msgspec.structs.replace(
+            m, regions=[msgspec.structs.replace(m.regions[0], memory=4), *m.regions[1:]]), "memory"),
+    ],
+)
+def test_validate_registration_rejects(change, fragment: str) -> None:  # type: ignore[no-untyped-def]
+    kv = SharedKV.create(make_layout(layers=1, num_blocks=4, heads=2, head_dim=16))
+    try:
+        with pytest.raises(RequestError, match=fragment) as ei:
+            validate_registration(change(kv.register_message()))
+        assert ei.value.code == ErrorCode.INVALID_LAYOUT
+    finally:
+        kv.close()
+
+
+def test_pattern_distinguishes_requests_blocks_heads_and_tokens() -> None:
+    lay = make_layout(layers=2, num_blocks=8, heads=4, head_dim=8)
+    a = request_pattern(lay, "a", 3)
+    assert a.shape == (2, 2, 3, region_block_len(lay))
+    assert np.array_equal(a, request_pattern(lay, "a", 3))  # deterministic
+    assert not np.array_equal(a, request_pattern(lay, "b", 3))
+    assert not np.array_equal(a[:, :, 0], a[:, :, 1])  # blocks differ
+    assert not np.array_equal(a[0], a[1])  # layers differ
+    assert not np.array_equal(a[:, 0], a[:, 1])  # K differs from V
+    block = a[0, 0, 0].reshape(lay.block_size, lay.local_kv_heads, -1)
+    assert not np.array_equal(block[0], block[1])  # tokens differ
+    assert not np.array_equal(block[:, 0], block[:, 1])  # heads differ
+
+
+def test_desc_indices_region_major() -> None:
+    idx = desc_indices(3, 10, np.array([7, 2]))
+    assert idx.dtype == np.int32
+    assert idx.tolist() == [7, 2, 17, 12, 27, 22]
