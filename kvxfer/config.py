@@ -53,6 +53,11 @@ class Config:
     max_inflight_chunks: int = _doc("Chunks in flight at once across all receives.", default=8)
     idle_poll_ms: float = _doc("NIXL progress poll period when idle (bounds notification "
                                "latency).", default=2.0)
+    cuda: str = _doc("Expect VRAM registrations over CUDA IPC: 'auto' (when /dev/nvidiactl "
+                     "exists), 'on' or 'off'. On, UCX's memory-type cache is disabled: it "
+                     "classifies IPC-imported VRAM as host memory and NIXL refuses to register "
+                     "it (measured on H100, UCX 1.23). Off saves ~10%% on host-memory reads.",
+                     default="auto")
     log_level: str = _doc("Logging level (also KVXFER_LOG_LEVEL).", default="WARNING")
 
     def __post_init__(self) -> None:
@@ -63,12 +68,20 @@ class Config:
         for name in ("lease_s", "transfer_timeout_s", "handshake_timeout_s", "idle_poll_ms"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be > 0")
+        if self.cuda not in ("auto", "on", "off"):
+            raise ConfigError(f"cuda must be auto, on or off, not {self.cuda!r}")
         if self.chunk_mib <= 0 or self.max_inflight_chunks <= 0:
             raise ConfigError("chunk_mib and max_inflight_chunks must be > 0")
 
     @property
     def resolved_engine_id(self) -> str:
         return self.engine_id or f"{socket.gethostname()}-{os.getpid()}"
+
+    @property
+    def cuda_enabled(self) -> bool:
+        if self.cuda == "auto":
+            return os.path.exists("/dev/nvidiactl")
+        return self.cuda == "on"
 
     @property
     def resolved_advertise_host(self) -> str:

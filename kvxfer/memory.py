@@ -98,13 +98,53 @@ class SharedKV:
             os.unlink(self.path)
 
 
+@dataclass
+class CudaKV:
+    """The same paged layout as ``SharedKV``, in GPU memory exported over CUDA IPC.
+
+    ``blocks()`` is a torch uint8 tensor ``[num_layers, kv_parts, num_blocks, block_len]``.
+    The engine must keep this object alive while the sidecar has it registered.
+    """
+
+    layout: KVLayout
+    nbytes: int
+    tensor: Any = field(repr=False)
+
+    @classmethod
+    def create(cls, layout: KVLayout, device: str = "cuda:0") -> CudaKV:
+        import torch
+
+        block_len = region_block_len(layout)
+        shape = (layout.num_layers, layout.kv_parts, layout.num_blocks, block_len)
+        tensor = torch.zeros(shape, dtype=torch.uint8, device=device)
+        return cls(layout, tensor.numel(), tensor)
+
+    def blocks(self) -> Any:
+        return self.tensor
+
+    def register_message(self) -> RegisterKV:
+        block_len = region_block_len(self.layout)
+        span = self.layout.num_blocks * block_len
+        regions = [
+            KVRegion(memory=0, offset=i * span, block_len=block_len, block_stride=block_len)
+            for i in range(self.layout.num_regions)
+        ]
+        return RegisterKV(layout=self.layout, memory=[cuda_ipc_memory(self.tensor)], regions=regions)
+
+    def close(self) -> None:
+        self.tensor = None
+
+
 def cuda_ipc_memory(tensor: Any) -> CudaIpcMemory:
     """Export the storage behind a CUDA tensor for the sidecar to open (engine side)."""
+    import torch
+
     storage = tensor.untyped_storage()
     (device, handle, size, offset, rc_handle, rc_offset, ev_handle, ev_sync) = (
         storage._share_cuda_()
     )
-    import torch
+    # _share_cuda_ describes the whole allocation block; point at this storage inside it.
+    offset = int(offset)
 
     uuid = str(torch.cuda.get_device_properties(device).uuid)
     return CudaIpcMemory(
@@ -165,6 +205,7 @@ def _map_cuda(ref: CudaIpcMemory) -> Mapping:
     try:
         import torch
 
+        torch.cuda._lazy_init()
         storage = torch.UntypedStorage._new_shared_cuda(
             ref.device_index,
             ref.handle,

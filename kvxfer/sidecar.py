@@ -127,6 +127,7 @@ class Sidecar:
             chunk_bytes=config.chunk_mib << 20,
             max_inflight_chunks=config.max_inflight_chunks,
             idle_poll_s=config.idle_poll_ms / 1000.0,
+            cuda=config.cuda_enabled,
         )
         self.transfer = TransferEngine(self.agent_name, opts, self._from_nixl_thread)
         self.stats = {"handshakes": 0, "handshake_failures": 0, "stray_notices": 0,

@@ -51,6 +51,7 @@ class TransferOptions:
     max_inflight_chunks: int = 8
     busy_poll_s: float = 50e-6  # first back-off step while reads are in flight
     idle_poll_s: float = 2e-3  # poll period when nothing is in flight (notification latency)
+    cuda: bool = False  # VRAM over CUDA IPC expected: UCX memtype cache off
 
 
 @dataclass(frozen=True)
@@ -136,6 +137,23 @@ def desc_indices(num_regions: int, num_blocks: int, block_ids: np.ndarray) -> np
     """Descriptor indices of ``block_ids`` in every region, region-major (int32 for NIXL)."""
     base = np.arange(num_regions, dtype=np.int64)[:, None] * num_blocks
     return (base + block_ids[None, :]).ravel().astype(np.int32)
+
+
+def import_nixl() -> tuple[Any, Any]:
+    """The NIXL Python API from whichever single-variant wheel is installed.
+
+    ``nixl_cu12`` / ``nixl_cu13`` import without torch; the ``nixl`` meta package drags
+    torch in (2-3 s), so it is the last resort.
+    """
+    import importlib
+
+    for module in ("nixl_cu12", "nixl_cu13", "nixl._api"):
+        try:
+            mod = importlib.import_module(module)
+        except ImportError:
+            continue
+        return mod.nixl_agent, mod.nixl_agent_config
+    raise ImportError("no NIXL Python package found: pip install nixl-cu12 (or nixl-cu13)")
 
 
 class TransferEngine:
@@ -336,8 +354,11 @@ class TransferEngine:
     # ------------------------------------------------------------------ thread internals
 
     def _create_agent(self) -> None:
-        from nixl_cu12 import nixl_agent, nixl_agent_config
-
+        if self.options.cuda:
+            # UCX's memtype cache only knows allocations it saw being made; IPC-imported
+            # VRAM is classified as host and registration fails. Must be set before UCX init.
+            os.environ.setdefault("UCX_MEMTYPE_CACHE", "n")
+        nixl_agent, nixl_agent_config = import_nixl()
         conf = nixl_agent_config(
             enable_prog_thread=False, backends=[], num_threads=self.options.num_threads
         )

@@ -16,7 +16,8 @@ from kvxfer.client import Drained, RemoteBlocks, SidecarClient
 from kvxfer.errors import ErrorCode
 from kvxfer.protocol import PROTOCOL_VERSION, Hello, Refused, encode, handshake_reply_decoder
 from kvxfer.testing.engine import SyntheticEngine, make_layout
-from tests.conftest import PD, SidecarFactory
+from kvxfer.testing.procs import SidecarFactory
+from tests.conftest import PD
 
 
 def wait_for(client: SidecarClient, pred: Callable[[Drained], bool], timeout: float = 20.0) -> Drained:

@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import random
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
 from kvxfer.client import SidecarClient
-from kvxfer.memory import SharedKV
+from kvxfer.memory import CudaKV, SharedKV
 from kvxfer.protocol import KVLayout, Registered
 from kvxfer.testing.pattern import request_pattern
 
@@ -39,11 +40,18 @@ def make_layout(
 
 
 class SyntheticEngine:
-    """One worker rank. Block 0 is reserved, like vLLM's null block."""
+    """One worker rank. Block 0 is reserved, like vLLM's null block.
 
-    def __init__(self, layout: KVLayout, endpoint: str, *, seed: int = 0) -> None:
+    ``device="cpu"`` keeps the cache in shared host memory; ``"cuda:N"`` in GPU memory
+    handed to the sidecar over CUDA IPC.
+    """
+
+    def __init__(self, layout: KVLayout, endpoint: str, *, seed: int = 0, device: str = "cpu") -> None:
         self.layout = layout
-        self.kv = SharedKV.create(layout)
+        self.device = device
+        self.kv: SharedKV | CudaKV = (
+            SharedKV.create(layout) if device == "cpu" else CudaKV.create(layout, device)
+        )
         self.client = SidecarClient(endpoint)
         self._free = list(range(1, layout.num_blocks))
         random.Random(seed).shuffle(self._free)  # non-contiguous block ids, as in a busy engine
@@ -67,15 +75,42 @@ class SyntheticEngine:
     def free(self, blocks: Sequence[int]) -> None:
         self._free.extend(blocks)
 
+    def _index(self, blocks: Sequence[int]) -> Any:
+        idx = np.asarray(blocks, dtype=np.int64)
+        if self.device == "cpu":
+            return idx
+        import torch
+
+        return torch.from_numpy(idx).to(self.device)
+
+    def _expected(self, req_id: str, n: int) -> Any:
+        pattern = request_pattern(self.layout, req_id, n)
+        if self.device == "cpu":
+            return pattern
+        import torch
+
+        return torch.from_numpy(pattern).to(self.device)
+
     def fill(self, req_id: str, blocks: Sequence[int]) -> None:
-        self.kv.blocks()[:, :, np.asarray(blocks), :] = request_pattern(self.layout, req_id, len(blocks))
+        self.kv.blocks()[:, :, self._index(blocks), :] = self._expected(req_id, len(blocks))
+        self._sync()
 
     def verify(self, req_id: str, blocks: Sequence[int]) -> bool:
-        got = self.kv.blocks()[:, :, np.asarray(blocks), :]
-        return bool(np.array_equal(got, request_pattern(self.layout, req_id, len(blocks))))
+        got = self.kv.blocks()[:, :, self._index(blocks), :]
+        want = self._expected(req_id, len(blocks))
+        if self.device == "cpu":
+            return bool(np.array_equal(got, want))
+        return bool((got == want).all().item())
 
     def wipe(self, blocks: Sequence[int]) -> None:
-        self.kv.blocks()[:, :, np.asarray(blocks), :] = 0
+        self.kv.blocks()[:, :, self._index(blocks), :] = 0
+        self._sync()
+
+    def _sync(self) -> None:
+        if self.device != "cpu":
+            import torch
+
+            torch.cuda.synchronize(self.device)
 
     def close(self) -> None:
         self.client.close()

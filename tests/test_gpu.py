@@ -1,0 +1,54 @@
+"""The CUDA path: engine VRAM exported over CUDA IPC, registered by the sidecar as VRAM,
+read VRAM -> VRAM by a peer sidecar over NIXL. Runs only where a GPU is present (the lent
+device machine); CI machines have none, so it is skipped there."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import pytest
+
+from kvxfer.client import RemoteBlocks
+from kvxfer.testing.engine import SyntheticEngine, make_layout
+from kvxfer.testing.procs import SidecarFactory
+from tests.test_sidecar import wait_for
+
+
+def _has_cuda() -> bool:
+    if importlib.util.find_spec("torch") is None:
+        return False
+    import torch
+
+    return bool(torch.cuda.is_available())
+
+
+pytestmark = pytest.mark.skipif(not _has_cuda(), reason="needs a CUDA GPU")
+
+
+@pytest.mark.parametrize("mode", ["peer", "none"])
+def test_vram_to_vram_over_cuda_ipc(sidecars: SidecarFactory, mode: str) -> None:
+    ps = sidecars.start(f"gpu-p-{mode}", "--ucx-error-mode", mode)
+    ds = sidecars.start(f"gpu-d-{mode}", "--ucx-error-mode", mode)
+    layout = make_layout(layers=4, num_blocks=64, heads=8, head_dim=128)
+    p = SyntheticEngine(layout, ps.endpoint, seed=1, device="cuda:0")
+    d = SyntheticEngine(layout, ds.endpoint, seed=2, device="cuda:0")
+    try:
+        reg = p.start()
+        d.start()
+        pb, db = p.allocate(16), d.allocate(16)
+        p.fill("g1", pb)
+        d.wipe(db)
+        assert not d.verify("g1", db)
+        p.client.hold("g1", pb)
+        d.client.recv("g1", db, RemoteBlocks(reg.engine_id, reg.handshake_host, reg.handshake_port, pb))
+        got = wait_for(d.client, lambda a: bool(a.done or a.failed), timeout=60)
+        assert not got.failed, (got.failed, ds.log()[-3000:], ps.log()[-3000:])
+        assert d.verify("g1", db)
+        rel = wait_for(p.client, lambda a: bool(a.released))
+        assert rel.released[0].reason == "read"
+    finally:
+        p.close()
+        d.close()
+    if os.environ.get("KVXFER_GPU_LOG"):
+        print(ds.log())
