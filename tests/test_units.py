@@ -142,3 +142,10 @@ def test_desc_indices_region_major() -> None:
     idx = desc_indices(3, 10, np.array([7, 2]))
     assert idx.dtype == np.int32
     assert idx.tolist() == [7, 2, 17, 12, 27, 22]
+
+
+def test_demo_defaults_move_at_least_one_gib() -> None:
+    from kvxfer.testing.demo import DemoOptions
+
+    opts = DemoOptions()
+    assert opts.requests * opts.request_bytes() >= 1 << 30
