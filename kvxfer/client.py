@@ -106,8 +106,19 @@ class SidecarClient:
 
     # ------------------------------------------------------------------ non-blocking (hot path)
 
-    def hold(self, req_id: str, block_ids: Iterable[int], lease_s: float = 0.0, reads: int = 1) -> None:
-        self._send(Hold(req_id=req_id, block_ids=list(block_ids), lease_s=lease_s, reads=reads))
+    def hold(
+        self,
+        req_id: str,
+        block_ids: Iterable[int],
+        lease_s: float = 0.0,
+        reads: int = 1,
+        *,
+        notify_ranks: bool = False,
+    ) -> None:
+        self._send(
+            Hold(req_id=req_id, block_ids=list(block_ids), lease_s=lease_s, reads=reads,
+                 notify_ranks=notify_ranks)
+        )
 
     def release(self, req_id: str) -> None:
         self._send(Release(req_id=req_id))
@@ -120,6 +131,7 @@ class SidecarClient:
         *,
         tp_rank: int = 0,
         deadline_s: float = 0.0,
+        reply_to_rank: bool = False,
     ) -> None:
         self._send(
             Recv(
@@ -133,6 +145,7 @@ class SidecarClient:
                 tp_rank=tp_rank,
                 remote_req_id=remote.req_id,
                 deadline_s=deadline_s,
+                reply_to_rank=reply_to_rank,
             )
         )
 

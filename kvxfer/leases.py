@@ -23,6 +23,7 @@ class Lease:
     reads_seen: int = 0
     created: float = 0.0
     readers: set[int] = field(default_factory=set)
+    notify_ranks: bool = False  # release goes to every registered worker of the engine
 
 
 class LeaseTable:

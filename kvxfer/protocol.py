@@ -147,6 +147,7 @@ class Hold(_Msg, tag="hold"):
     block_ids: BlockIds
     lease_s: Annotated[float, Meta(ge=0)] = 0.0  # 0: the sidecar's default lease
     reads: Positive = 1  # read notices expected before release (tp-ratio aware)
+    notify_ranks: bool = False  # Released goes to every registered worker, not the sender
 
 
 class Release(_Msg, tag="release"):
@@ -156,7 +157,11 @@ class Release(_Msg, tag="release"):
 
 
 class Recv(_Msg, tag="recv"):
-    """Decode side: pull a prefilled request's blocks into these local blocks."""
+    """Decode side: pull a prefilled request's blocks into these local blocks.
+
+    An empty ``block_ids`` reads nothing and only tells the prefill side to release
+    (a full prefix-cache hit on decode, or a decode request aborted before its read).
+    """
 
     req_id: ReqId
     block_ids: BlockIds  # local destination blocks
@@ -168,6 +173,7 @@ class Recv(_Msg, tag="recv"):
     tp_rank: NonNeg = 0  # local rank whose memory receives
     remote_req_id: str = ""  # the prefill side's request id, if it differs
     deadline_s: Annotated[float, Meta(ge=0)] = 0.0  # 0: the sidecar's default
+    reply_to_rank: bool = False  # Done/Failed go to the worker that registered tp_rank
 
 
 class Ping(_Msg, tag="ping"):

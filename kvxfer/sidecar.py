@@ -80,10 +80,15 @@ class _Peer:
 
 @dataclass
 class _RecvState:
-    owner: bytes
+    owner: bytes  # where Done / Failed go
     msg: Recv
     peer_agent: str = ""
     remote_rank: int = 0
+
+
+def recv_key(req_id: str, tp_rank: int) -> str:
+    """One receive per (request, local rank): each rank reads its own memory."""
+    return f"{tp_rank}:{req_id}"
 
 
 def ipc_path(endpoint: str) -> str | None:
@@ -261,7 +266,7 @@ class Sidecar:
                 lease = self.leases.pop(req_id)
                 if lease is None:
                     raise RequestError(ErrorCode.UNKNOWN_REQUEST, "not held", req_id)
-                self._send(lease.owner, Released(req_id=req_id, reason="aborted", reads=lease.reads_seen))
+                self._release(lease, "aborted")
             case RegisterKV():
                 self._spawn(self._on_register(ident, msg))
             case Unregister(tp_rank=rank):
@@ -336,13 +341,17 @@ class Sidecar:
                 expires=now + (msg.lease_s or self.config.lease_s),
                 reads_expected=msg.reads,
                 created=now,
+                notify_ranks=msg.notify_ranks,
             )
         )
         self._lease_wakeup.set()
 
     def _on_recv(self, ident: bytes, msg: Recv) -> None:
-        if msg.req_id in self.recvs:
+        key = recv_key(msg.req_id, msg.tp_rank)
+        if key in self.recvs:
             raise RequestError(ErrorCode.DUPLICATE_REQUEST, "receive already in flight", msg.req_id)
+        if msg.reply_to_rank:
+            ident = self.rank_owner.get(msg.tp_rank, ident)
         try:
             local = self.ranks.get(msg.tp_rank)
             if local is None:
@@ -357,25 +366,31 @@ class Sidecar:
         except RequestError as e:
             self._fail(ident, msg.req_id, list(msg.block_ids), e)
             return
-        self.recvs[msg.req_id] = _RecvState(owner=ident, msg=msg)
-        self._spawn(self._run_recv(msg))
+        self.recvs[key] = _RecvState(owner=ident, msg=msg)
+        self._spawn(self._run_recv(key, msg))
 
-    async def _run_recv(self, msg: Recv) -> None:
+    async def _run_recv(self, key: str, msg: Recv) -> None:
         start = time.monotonic()
         deadline_s = msg.deadline_s or self.config.transfer_timeout_s
-        state = self.recvs[msg.req_id]
+        state = self.recvs[key]
         try:
             peer = await asyncio.wait_for(
                 self._get_peer(msg.remote_host, msg.remote_port), timeout=deadline_s
             )
             remote_rank = self._plan(msg, peer)
             state.peer_agent, state.remote_rank = peer.agent_name, remote_rank
+            if not msg.block_ids:
+                # Nothing to read (full prefix hit / abort): just release the prefill side.
+                self.recvs.pop(key, None)
+                self._send(state.owner, Done(req_id=msg.req_id, nbytes=0, seconds=0.0))
+                await self._notify_peer(peer.agent_name, self._notice(msg, ok=True))
+                return
             remaining = deadline_s - (time.monotonic() - start)
             if remaining <= 0:
                 raise RequestError(ErrorCode.DEADLINE, "deadline passed during handshake")
             await self._nixl(
                 self.transfer.t_read,
-                msg.req_id,
+                key,
                 peer.agent_name,
                 msg.tp_rank,
                 list(msg.block_ids),
@@ -385,14 +400,13 @@ class Sidecar:
             )
         except TimeoutError:
             self._finish_recv_error(
-                msg.req_id,
-                RequestError(ErrorCode.HANDSHAKE_FAILED, f"no handshake within {deadline_s}s"),
+                key, RequestError(ErrorCode.HANDSHAKE_FAILED, f"no handshake within {deadline_s}s")
             )
         except RequestError as e:
-            self._finish_recv_error(msg.req_id, e)
+            self._finish_recv_error(key, e)
         except Exception as e:
             log.exception("receive %s failed", msg.req_id)
-            self._finish_recv_error(msg.req_id, RequestError(ErrorCode.TRANSFER_ERROR, repr(e)))
+            self._finish_recv_error(key, RequestError(ErrorCode.TRANSFER_ERROR, repr(e)))
 
     def _plan(self, msg: Recv, peer: _Peer) -> int:
         """Pick the remote rank to read from (same-TP only until the TP mapping lands)."""
@@ -424,10 +438,14 @@ class Sidecar:
         self._check_blocks(msg.req_id, msg.remote_block_ids, remote.layout.num_blocks, "remote")
         return msg.tp_rank
 
-    def _finish_recv_error(self, req_id: str, err: RequestError) -> None:
-        state = self.recvs.pop(req_id, None)
+    def _finish_recv_error(self, key: str, err: RequestError) -> None:
+        state = self.recvs.pop(key, None)
         if state is not None:
-            self._fail(state.owner, req_id, list(state.msg.block_ids), err)
+            self._fail(state.owner, state.msg.req_id, list(state.msg.block_ids), err)
+
+    @staticmethod
+    def _notice(msg: Recv, ok: bool) -> ReadNotice:
+        return ReadNotice(req_id=msg.remote_req_id or msg.req_id, tp_rank=msg.tp_rank, ok=ok)
 
     # ------------------------------------------------------------------ NIXL events
 
@@ -443,13 +461,13 @@ class Sidecar:
         if state is None:
             return
         msg = state.msg
-        notice = ReadNotice(req_id=msg.remote_req_id or msg.req_id, tp_rank=msg.tp_rank, ok=event.ok)
+        notice = self._notice(msg, event.ok)
         if event.ok:
             self.stats["recv_ok"] += 1
-            self._send(state.owner, Done(req_id=event.req_id, nbytes=event.nbytes, seconds=event.seconds))
+            self._send(state.owner, Done(req_id=msg.req_id, nbytes=event.nbytes, seconds=event.seconds))
         else:
-            self._fail(state.owner, event.req_id, list(msg.block_ids),
-                       RequestError(event.code, event.reason, event.req_id))
+            self._fail(state.owner, msg.req_id, list(msg.block_ids),
+                       RequestError(event.code, event.reason, msg.req_id))
         if event.code == ErrorCode.PEER_DISCONNECTED:
             self._spawn(self._drop_peer(event.peer, event.reason))
         else:
@@ -472,11 +490,14 @@ class Sidecar:
             if notice.req_id not in self.leases:
                 self.stats["stray_notices"] += 1
             return
-        self._send(
-            lease.owner,
-            Released(req_id=lease.req_id, reason="read" if notice.ok else "aborted",
-                     reads=lease.reads_seen),
-        )
+        self._release(lease, "read" if notice.ok else "aborted")
+
+    def _release(self, lease: Lease, reason: str) -> None:
+        """Tell the engine it may reuse the blocks: the holder, or every worker."""
+        ev = Released(req_id=lease.req_id, reason=reason, reads=lease.reads_seen)  # type: ignore[arg-type]
+        targets = set(self.rank_owner.values()) if lease.notify_ranks else {lease.owner}
+        for ident in targets or {lease.owner}:
+            self._send(ident, ev)
 
     async def _lease_loop(self) -> None:
         while True:
@@ -489,8 +510,7 @@ class Sidecar:
                 log.warning("lease on request %s expired after %.1fs with %d/%d reads",
                             lease.req_id, time.monotonic() - lease.created,
                             lease.reads_seen, lease.reads_expected)
-                self._send(lease.owner, Released(req_id=lease.req_id, reason="expired",
-                                                 reads=lease.reads_seen))
+                self._release(lease, "expired")
 
     # ------------------------------------------------------------------ peers / handshake
 

@@ -31,8 +31,8 @@ MESSAGES: dict[str, tuple[object, str]] = {
         p.Recv(req_id="r1", block_ids=[4, 5], remote_engine_id="P", remote_host="10.0.0.1",
                remote_port=5700, remote_block_ids=[1, 2]),
         (
-            "9ba472656376a27231920405a150a831302e302e302e31cd16449201020100a0cb00000000000000"
-            "00"
+            "9ca472656376a27231920405a150a831302e302e302e31cd16449201020100a0cb00000000000000"
+            "00c2"
         ),
     ),
     "ping": (p.Ping(seq=7), "92a470696e6707"),
@@ -109,6 +109,15 @@ def test_protocol_version_is_pinned() -> None:
 def test_engine_decoder_rejects_bad_input(body: bytes) -> None:
     with pytest.raises((msgspec.DecodeError, msgspec.ValidationError)):
         p.engine_request_decoder.decode(body)
+
+
+def test_older_decoder_ignores_appended_fields() -> None:
+    class HoldV0(msgspec.Struct, array_like=True, tag="hold"):
+        req_id: str
+        block_ids: list[int]
+
+    new = p.encode(p.Hold(req_id="r1", block_ids=[1], notify_ranks=True))
+    assert msgspec.msgpack.decode(new, type=HoldV0) == HoldV0(req_id="r1", block_ids=[1])
 
 
 def test_older_peer_without_trailing_fields_still_decodes() -> None:
