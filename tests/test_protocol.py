@@ -25,7 +25,7 @@ MESSAGES: dict[str, tuple[object, str]] = {
         ),
     ),
     "unregister": (p.Unregister(tp_rank=1), "92aa756e726567697374657201"),
-    "hold": (p.Hold(req_id="r1", block_ids=[1, 2, 3], lease_s=2.5, reads=2), "95a4686f6c64a2723193010203cb400400000000000002"),
+    "hold": (p.Hold(req_id="r1", block_ids=[1, 2, 3], lease_s=2.5, reads=2), "96a4686f6c64a2723193010203cb400400000000000002c2"),
     "release": (p.Release(req_id="r1"), "92a772656c65617365a27231"),
     "recv": (
         p.Recv(req_id="r1", block_ids=[4, 5], remote_engine_id="P", remote_host="10.0.0.1",
