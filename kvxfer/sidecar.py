@@ -356,7 +356,7 @@ class Sidecar:
             local = self.ranks.get(msg.tp_rank)
             if local is None:
                 raise RequestError(ErrorCode.NOT_REGISTERED, f"tp_rank {msg.tp_rank} not registered")
-            if len(msg.block_ids) != len(msg.remote_block_ids):
+            if msg.block_ids and len(msg.block_ids) != len(msg.remote_block_ids):
                 raise RequestError(
                     ErrorCode.INCOMPATIBLE,
                     f"{len(msg.block_ids)} local blocks for {len(msg.remote_block_ids)} remote "

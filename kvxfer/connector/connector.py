@@ -1,0 +1,218 @@
+"""``KvxferConnector``: vLLM's KV connector interface over the kvxfer sidecar.
+
+Load it with::
+
+    --kv-transfer-config '{"kv_connector":"KvxferConnector",
+                           "kv_connector_module_path":"kvxfer.connector",
+                           "kv_role":"kv_both",
+                           "kv_connector_extra_config":{"sidecar":"ipc:///run/kvxfer/engine.sock"}}'
+
+This module is the only one in kvxfer that imports vLLM. It translates between vLLM's
+objects and ``SchedulerSide`` / ``WorkerSide``, which hold the logic.
+"""
+
+from __future__ import annotations
+
+import logging
+from contextlib import AbstractContextManager
+from typing import TYPE_CHECKING, Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+
+from kvxfer.connector.scheduler import SchedulerSide
+from kvxfer.connector.settings import ConnectorSettings
+from kvxfer.connector.worker import CacheShape, WorkerSide
+
+try:  # vLLM >= 0.33
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
+except ImportError:  # pragma: no cover - older vLLM
+    KVConnectorTransferResults = None  # type: ignore[assignment,misc]
+
+if TYPE_CHECKING:
+    import torch
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+log = logging.getLogger(__name__)
+
+
+class KvxferConnectorMetadata(KVConnectorMetadata):
+    """Per step: receives and holds the scheduler posted, with the engine-side deadlines."""
+
+    def __init__(self, recvs: dict[str, tuple[list[int], float]], holds: dict[str, float]) -> None:
+        self.recvs = recvs
+        self.holds = holds
+
+
+class KvxferStats(KVConnectorStats):
+    """Transfer counters per logging interval (``data``: recv_ok, recv_failed, bytes,
+    seconds, released, expired), summed across workers."""
+
+    def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
+        for k, v in other.data.items():
+            self.data[k] = self.data.get(k, 0) + v
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        d = dict(self.data)
+        secs = d.get("seconds", 0.0)
+        d["gbps"] = round(d.get("bytes", 0) / secs / 1e9, 3) if secs else 0.0
+        return d
+
+    def reset(self) -> None:
+        self.data = {}
+
+    def is_empty(self) -> bool:
+        return not any(self.data.values())
+
+
+def _tp(vllm_config: VllmConfig) -> tuple[int, int]:
+    size = vllm_config.parallel_config.tensor_parallel_size
+    try:
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+        return get_tensor_model_parallel_rank(), size
+    except Exception:  # parallel state not initialised (single process, tests)
+        return 0, size
+
+
+class KvxferConnector(KVConnectorBase_V1):
+    def __init__(
+        self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig | None = None
+    ) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)  # type: ignore[arg-type]
+        assert vllm_config.kv_transfer_config is not None
+        self.settings = ConnectorSettings.from_extra(vllm_config.kv_transfer_config.kv_connector_extra_config)
+        rank, size = _tp(vllm_config)
+        self.scheduler: SchedulerSide | None = None
+        self.worker: WorkerSide | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            self.scheduler = SchedulerSide(self.settings, size)
+        else:
+            device = str(vllm_config.device_config.device_type) if vllm_config.device_config else "cuda"
+            self.worker = WorkerSide(self.settings, rank, size, "cpu" if device == "cpu" else "cuda")
+
+    # ------------------------------------------------------------------ scheduler role
+
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        assert self.scheduler is not None
+        return self.scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        assert self.scheduler is not None
+        unhashed = blocks.get_unhashed_block_ids() if num_external_tokens > 0 else []
+        self.scheduler.update_state_after_alloc(request, unhashed, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        assert self.scheduler is not None
+        plan = self.scheduler.take_plan()
+        return KvxferConnectorMetadata(plan.recvs, plan.holds)
+
+    def request_finished(self, request: Request, block_ids: Any) -> tuple[bool, dict[str, Any] | None]:
+        assert self.scheduler is not None
+        if block_ids and isinstance(block_ids[0], list | tuple):  # per-group lists (vLLM >= 0.33)
+            groups = [list(g) for g in block_ids if len(g)]
+            flat = groups[0] if len(groups) == 1 else ([] if not groups else None)
+            if flat is None:
+                log.warning("request %s: several KV cache groups; not transferring", request.request_id)
+                return False, None
+            block_ids = flat
+        return self.scheduler.request_finished(request, list(block_ids))
+
+    # ------------------------------------------------------------------ worker role
+
+    def get_mem_pool_context(self) -> AbstractContextManager[Any] | None:
+        return self.worker.mem_pool_context() if self.worker is not None else None
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        assert self.worker is not None
+        spec = self._kv_cache_config.kv_cache_groups[0].kv_cache_spec
+        model = self._vllm_config.model_config
+        shape = CacheShape(
+            num_blocks=self._kv_cache_config.num_blocks,
+            block_size=spec.block_size,
+            num_kv_heads=model.get_total_num_kv_heads() if model is not None else spec.num_kv_heads,
+            local_kv_heads=spec.num_kv_heads,
+            head_dim=spec.head_size,
+            mla="MLA" in type(spec).__name__,
+        )
+        self.worker.register_kv_caches(kv_caches, shape)
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        if self.worker is None or not self.has_connector_metadata():
+            return
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, KvxferConnectorMetadata)
+        self.worker.bind(meta.recvs, meta.holds)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return  # whole requests are loaded before they are scheduled (async load)
+
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
+    ) -> None:
+        return  # pull model: the decode side reads prefill blocks in place
+
+    def wait_for_save(self) -> None:
+        return
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        res = self._results()
+        return res.finished_sending or None, res.finished_recving or None
+
+    if KVConnectorTransferResults is not None:
+
+        def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+            res = self._results()
+            return KVConnectorTransferResults(
+                finished_sending=res.finished_sending,
+                finished_recving=res.finished_recving,
+                failed_recving=res.failed_recving,
+            )
+
+    def _results(self) -> Any:
+        assert self.worker is not None
+        if self.has_connector_metadata():
+            meta = self._get_connector_metadata()
+            if isinstance(meta, KvxferConnectorMetadata):
+                self.worker.bind(meta.recvs, meta.holds)
+        return self.worker.get_transfer_results()
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self.worker.take_invalid_block_ids() if self.worker is not None else set()
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        if self.worker is None:
+            return None
+        data = self.worker.stats.take()
+        return KvxferStats(data=data) if any(data.values()) else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:
+        return KvxferStats(data=dict(data or {}))
+
+    @classmethod
+    def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:
+        # The sidecar moves whole blocks between equal-TP ranks, so any layout works
+        # today; heterogeneous TP (head slicing) will ask for HND, where one rank's heads
+        # are a contiguous byte range of each block.
+        return None
+
+    def shutdown(self) -> None:
+        if self.scheduler is not None:
+            self.scheduler.shutdown()
+        if self.worker is not None:
+            self.worker.shutdown()

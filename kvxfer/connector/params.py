@@ -1,0 +1,66 @@
+"""kv_transfer_params as vLLM's P/D routers pass them, validated. vLLM-free, no I/O.
+
+Field names are vLLM's (``do_remote_prefill``, ``do_remote_decode``, ``remote_engine_id``,
+``remote_request_id``, ``remote_block_ids``, ``remote_host``, ``remote_port``, ``tp_size``),
+so vLLM's toy proxy and llm-d's routing sidecar pass them through unchanged. Host and port
+name the prefill *sidecar's* handshake endpoint.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from kvxfer.client import RemoteBlocks
+
+
+class InvalidTransferParams(ValueError):
+    """kv_transfer_params from a client that cannot be used; the request is recomputed."""
+
+
+def _int(params: Mapping[str, Any], key: str, lo: int, hi: int | None = None) -> int:
+    value = params.get(key)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise InvalidTransferParams(f"{key} must be an integer, got {value!r}")
+    if value < lo or (hi is not None and value > hi):
+        raise InvalidTransferParams(f"{key}={value} out of range")
+    return value
+
+
+def _block_ids(value: Any) -> list[int]:
+    """A flat list, or vLLM's per-KV-cache-group list of lists (one group supported)."""
+    if not isinstance(value, Sequence) or isinstance(value, str | bytes):
+        raise InvalidTransferParams(f"remote_block_ids must be a list, got {type(value).__name__}")
+    if value and all(isinstance(g, Sequence) and not isinstance(g, str | bytes) for g in value):
+        groups = [list(g) for g in value if len(g)]
+        if len(groups) > 1:
+            raise InvalidTransferParams("several KV cache groups (hybrid models) are not supported")
+        value = groups[0] if groups else []
+    out = []
+    for b in value:
+        if isinstance(b, bool) or not isinstance(b, int) or b < 0:
+            raise InvalidTransferParams(f"remote_block_ids holds {b!r}, not a block id")
+        out.append(b)
+    return out
+
+
+def parse_remote(params: Mapping[str, Any]) -> RemoteBlocks:
+    """The prefill side's blocks and sidecar endpoint, or InvalidTransferParams."""
+    missing = [k for k in ("remote_engine_id", "remote_host", "remote_port", "remote_block_ids")
+               if params.get(k) is None]
+    if missing:
+        raise InvalidTransferParams(f"kv_transfer_params lacks {', '.join(missing)}")
+    for key in ("remote_engine_id", "remote_host"):
+        if not isinstance(params[key], str) or not params[key]:
+            raise InvalidTransferParams(f"{key} must be a non-empty string")
+    req_id = params.get("remote_request_id") or ""
+    if not isinstance(req_id, str):
+        raise InvalidTransferParams("remote_request_id must be a string")
+    return RemoteBlocks(
+        engine_id=params["remote_engine_id"],
+        host=params["remote_host"],
+        port=_int(params, "remote_port", 1, 65535),
+        block_ids=_block_ids(params["remote_block_ids"]),
+        tp_size=_int(params, "tp_size", 1) if "tp_size" in params else 1,
+        req_id=req_id,
+    )

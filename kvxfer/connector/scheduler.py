@@ -1,0 +1,169 @@
+"""Scheduler-side connector logic: one control message per request, sent the moment
+the scheduler knows it. vLLM objects are duck-typed (``request.request_id``,
+``request.kv_transfer_params``, ``request.status``); nothing here imports vLLM.
+
+Why the scheduler and not the workers drives transfers: on decode the ``Recv`` leaves in
+``update_state_after_alloc``, a whole engine step before a worker's ``start_load_kv``
+could send it (NixlConnector's timing), and it is one message per request per rank from
+one place instead of one per worker. On prefill the ``Hold`` leaves in
+``request_finished``, so the lease starts when the blocks stop changing. Workers still
+register their own memory and report their own rank's completions (vLLM's
+``KVOutputAggregator`` counts one report per worker): the sidecar routes ``Done`` /
+``Failed`` to the worker that registered the rank and ``Released`` to every worker.
+Each message is mirrored into the step's connector metadata with a deadline, so a
+worker can fail or release on its own if the sidecar dies and never answers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvxfer.client import RemoteBlocks, SidecarClient
+from kvxfer.connector.params import InvalidTransferParams, parse_remote
+from kvxfer.connector.settings import ConnectorSettings
+
+log = logging.getLogger(__name__)
+
+FINISHED_OK = {"FINISHED_STOPPED", "FINISHED_LENGTH_CAPPED"}
+
+
+@dataclass
+class StepPlan:
+    """What this step's connector metadata tells the workers."""
+
+    recvs: dict[str, tuple[list[int], float]] = field(default_factory=dict)  # id -> (blocks, deadline)
+    holds: dict[str, float] = field(default_factory=dict)  # id -> deadline
+
+
+class SchedulerSide:
+    def __init__(
+        self, settings: ConnectorSettings, tp_size: int, client: SidecarClient | None = None
+    ) -> None:
+        self.settings = settings
+        self.tp_size = tp_size
+        self.client = client or SidecarClient(settings.sidecar)
+        pong = self.client.ping(settings.sidecar_timeout_s)
+        self.engine_id = pong.engine_id
+        self.handshake_host = pong.handshake_host
+        self.handshake_port = pong.handshake_port
+        self._remote: dict[str, RemoteBlocks] = {}  # decode requests with usable params
+        self._plan = StepPlan()
+        self.errors: dict[str, str] = {}  # request id -> why its params were refused
+
+    # ---------------------------------------------------------------- decode side
+
+    def _remote_for(self, request: Any) -> RemoteBlocks | None:
+        req_id = request.request_id
+        if req_id in self._remote:
+            return self._remote[req_id]
+        if req_id in self.errors:
+            return None
+        try:
+            remote = parse_remote(request.kv_transfer_params)
+        except InvalidTransferParams as e:
+            self.errors[req_id] = str(e)
+            log.warning("request %s: %s; computing the prompt locally", req_id, e)
+            return None
+        self._remote[req_id] = remote
+        return remote
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
+        params = request.kv_transfer_params
+        if not params or not params.get("do_remote_prefill"):
+            return 0, False
+        if self._remote_for(request) is None:
+            return 0, False
+        count = len(request.prompt_token_ids or ()) - num_computed_tokens
+        return (count, True) if count > 0 else (0, False)
+
+    def update_state_after_alloc(
+        self, request: Any, unhashed_block_ids: list[int], num_external_tokens: int
+    ) -> None:
+        params = request.kv_transfer_params
+        if not params or not params.get("do_remote_prefill"):
+            return
+        params["do_remote_prefill"] = False  # one transfer per request
+        remote = self._remote_for(request)
+        if remote is None:
+            return
+        if num_external_tokens == 0:
+            # Full local prefix hit: nothing to read, but the prefill side still holds.
+            self._release_remote(request.request_id, remote)
+            return
+        local = list(unhashed_block_ids)
+        remote_ids = list(remote.block_ids)
+        if len(local) > len(remote_ids):
+            local = local[-len(remote_ids):]
+        remote_ids = remote_ids[len(remote_ids) - len(local):]
+        for rank in range(self.tp_size):
+            self.client.recv(
+                request.request_id,
+                local,
+                RemoteBlocks(remote.engine_id, remote.host, remote.port, remote_ids, remote.tp_size,
+                             remote.req_id),
+                tp_rank=rank,
+                deadline_s=self.settings.transfer_timeout_s,
+                reply_to_rank=True,
+            )
+        deadline = time.monotonic() + self.settings.transfer_timeout_s + self.settings.grace_s
+        self._plan.recvs[request.request_id] = (local, deadline)
+
+    def _release_remote(self, req_id: str, remote: RemoteBlocks) -> None:
+        for rank in range(self.tp_size):
+            self.client.recv(req_id, [], remote, tp_rank=rank)
+
+    # ---------------------------------------------------------------- prefill side
+
+    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        params = request.kv_transfer_params
+        req_id = request.request_id
+        self._remote.pop(req_id, None)
+        error = self.errors.pop(req_id, None)
+        if not params:
+            return False, None
+        if params.get("do_remote_prefill"):
+            # Decode request finished before its blocks were allocated (aborted while
+            # waiting): nothing was read, so tell the prefill side to release.
+            params["do_remote_prefill"] = False
+            with contextlib.suppress(InvalidTransferParams):
+                self._release_remote(req_id, parse_remote(params))
+            return False, ({"kvxfer_error": error} if error else None)
+        if error:
+            return False, {"kvxfer_error": error}
+        if not params.get("do_remote_decode"):
+            return False, None
+        status = getattr(request.status, "name", str(request.status))
+        if status not in FINISHED_OK or not block_ids:
+            return False, None  # aborted / errored prefill: free at once, nothing held
+        self.client.hold(req_id, block_ids, self.settings.lease_s, reads=self.tp_size, notify_ranks=True)
+        self._plan.holds[req_id] = time.monotonic() + self.settings.lease_s + self.settings.grace_s
+        return True, {
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            "remote_engine_id": self.engine_id,
+            "remote_request_id": req_id,
+            "remote_block_ids": list(block_ids),
+            "remote_host": self.handshake_host,
+            "remote_port": self.handshake_port,
+            "tp_size": self.tp_size,
+            "remote_num_tokens": getattr(request, "num_computed_tokens", 0),
+        }
+
+    # ---------------------------------------------------------------- per step
+
+    def take_plan(self) -> StepPlan:
+        """This step's additions for the workers; also drains what the sidecar told us."""
+        drained = self.client.poll()
+        for ev in drained.errors:
+            log.warning("sidecar refused a request %s: [%s] %s", ev.req_id, ev.code, ev.message)
+        for ev in drained.failed:  # release-only receives that could not reach the peer
+            log.warning("release of %s on the prefill side failed: [%s] %s", ev.req_id, ev.code, ev.reason)
+        plan, self._plan = self._plan, StepPlan()
+        return plan
+
+    def shutdown(self) -> None:
+        self.client.close()

@@ -1,0 +1,41 @@
+"""The connector's settings, read from vLLM's ``kv_connector_extra_config``. vLLM-free.
+
+    {"sidecar": "ipc:///run/kvxfer/engine.sock",   # or env KVXFER_SIDECAR
+     "lease_s": 30,            # prefill hold lease (alias: vLLM's "kv_lease_duration")
+     "transfer_timeout_s": 30, # decode receive deadline, handshake included
+     "sidecar_timeout_s": 60,  # how long start-up waits for the sidecar to answer
+     "grace_s": 5,             # the engine's own deadline = sidecar's + grace (sidecar gone)
+     "shm_dir": "/dev/shm"}    # CPU engines: where the KV cache files live
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+DEFAULT_SIDECAR = "ipc:///run/kvxfer/engine.sock"
+
+
+@dataclass(frozen=True)
+class ConnectorSettings:
+    sidecar: str = DEFAULT_SIDECAR
+    lease_s: float = 30.0
+    transfer_timeout_s: float = 30.0
+    sidecar_timeout_s: float = 60.0
+    grace_s: float = 5.0
+    shm_dir: str = "/dev/shm"
+
+    @classmethod
+    def from_extra(cls, extra: Mapping[str, Any] | None) -> ConnectorSettings:
+        extra = dict(extra or {})
+        lease = extra.get("lease_s", extra.get("kv_lease_duration", cls.lease_s))
+        return cls(
+            sidecar=str(extra.get("sidecar") or os.environ.get("KVXFER_SIDECAR") or DEFAULT_SIDECAR),
+            lease_s=float(lease),
+            transfer_timeout_s=float(extra.get("transfer_timeout_s", cls.transfer_timeout_s)),
+            sidecar_timeout_s=float(extra.get("sidecar_timeout_s", cls.sidecar_timeout_s)),
+            grace_s=float(extra.get("grace_s", cls.grace_s)),
+            shm_dir=str(extra.get("shm_dir", cls.shm_dir)),
+        )

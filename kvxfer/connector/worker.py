@@ -1,0 +1,176 @@
+"""Worker-side connector logic: register this rank's KV memory, then report completions.
+
+Nothing here blocks in the engine step: ``start_load_kv`` only records what the
+scheduler posted (from the connector metadata), ``get_transfer_results`` drains the
+sidecar's events with NOBLOCK. Each rank reports only what its own sidecar connection
+was told (``Done``/``Failed`` for its rank, ``Released`` for every rank), as vLLM's
+``KVOutputAggregator`` expects one report per worker. vLLM objects are duck-typed;
+nothing here imports vLLM.
+
+If the sidecar never answers (it died, its socket was replaced), the deadlines that the
+scheduler put in the metadata fire here: an overdue receive is reported failed (vLLM
+recomputes it), an overdue hold as sent (its lease is over; nobody can be reading).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from contextlib import AbstractContextManager
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvxfer.client import SidecarClient
+from kvxfer.connector.layout import registration_from_tensors
+from kvxfer.connector.settings import ConnectorSettings
+from kvxfer.connector.shm_pool import SharedAllocator
+from kvxfer.memory import cuda_ipc_memory
+from kvxfer.protocol import MemoryRef, Registered
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class TransferResults:
+    finished_sending: set[str] = field(default_factory=set)
+    finished_recving: set[str] = field(default_factory=set)
+    failed_recving: set[str] = field(default_factory=set)
+
+
+@dataclass
+class WorkerStats:
+    recv_ok: int = 0
+    recv_failed: int = 0
+    bytes: int = 0
+    seconds: float = 0.0
+    released: int = 0
+    expired: int = 0
+
+    def take(self) -> dict[str, float]:
+        out = dict(self.__dict__)
+        self.__init__()  # type: ignore[misc]
+        return out
+
+
+@dataclass(frozen=True)
+class CacheShape:
+    num_blocks: int
+    block_size: int
+    num_kv_heads: int  # total, model-wide
+    local_kv_heads: int
+    head_dim: int
+    mla: bool
+
+
+class WorkerSide:
+    def __init__(self, settings: ConnectorSettings, tp_rank: int, tp_size: int, device: str) -> None:
+        self.settings = settings
+        self.tp_rank = tp_rank
+        self.tp_size = tp_size
+        self.device = device
+        self.allocator = SharedAllocator(settings.shm_dir) if device == "cpu" else None
+        self.client: SidecarClient | None = None
+        self.registered: Registered | None = None
+        self._recvs: dict[str, tuple[list[int], float]] = {}
+        self._holds: dict[str, float] = {}
+        self._invalid: set[int] = set()
+        self.stats = WorkerStats()
+
+    def mem_pool_context(self) -> AbstractContextManager[Any] | None:
+        return self.allocator
+
+    def _memory_of(self, tensor: Any) -> tuple[MemoryRef, object, int]:
+        if tensor.device.type == "cuda":
+            storage = tensor.untyped_storage()
+            ref = cuda_ipc_memory(tensor)
+            return ref, ("cuda", storage.data_ptr()), tensor.data_ptr() - storage.data_ptr()
+        found = self.allocator.lookup(tensor) if self.allocator is not None else None
+        if found is None:
+            raise RuntimeError(
+                "kvxfer: this CPU KV cache is not in shared memory; it must be allocated inside "
+                "the connector's get_mem_pool_context()"
+            )
+        ref, offset = found
+        return ref, ("shm", ref.path), offset
+
+    def register_kv_caches(self, kv_caches: dict[str, Any], shape: CacheShape) -> Registered:
+        msg = registration_from_tensors(
+            kv_caches,
+            num_blocks=shape.num_blocks,
+            block_size=shape.block_size,
+            num_kv_heads=shape.num_kv_heads,
+            local_kv_heads=shape.local_kv_heads,
+            head_dim=shape.head_dim,
+            tp_rank=self.tp_rank,
+            tp_size=self.tp_size,
+            mla=shape.mla,
+            memory_of=self._memory_of,
+        )
+        self.client = SidecarClient(self.settings.sidecar)
+        self.client.ping(self.settings.sidecar_timeout_s)
+        self.registered = self.client.register(msg, self.settings.sidecar_timeout_s)
+        log.info("rank %d registered %d bytes with sidecar %s", self.tp_rank,
+                 self.registered.bytes_registered, self.settings.sidecar)
+        return self.registered
+
+    def bind(self, recvs: dict[str, tuple[list[int], float]], holds: dict[str, float]) -> None:
+        """Record what the scheduler posted this step (from the connector metadata)."""
+        self._recvs.update(recvs)
+        self._holds.update(holds)
+
+    def get_transfer_results(self) -> TransferResults:
+        out = TransferResults()
+        if self.client is None:
+            return out
+        ev = self.client.poll()
+        for d in ev.done:
+            if self._recvs.pop(d.req_id, None) is not None:
+                out.finished_recving.add(d.req_id)
+                self.stats.recv_ok += 1
+                self.stats.bytes += d.nbytes
+                self.stats.seconds += d.seconds
+        for f in ev.failed:
+            entry = self._recvs.pop(f.req_id, None)
+            if entry is None:
+                continue
+            log.warning("KV load of request %s failed: [%s] %s", f.req_id, f.code, f.reason)
+            self._fail(out, f.req_id, entry[0])
+        for r in ev.released:
+            if self._holds.pop(r.req_id, None) is not None:
+                out.finished_sending.add(r.req_id)
+                self.stats.released += 1
+                self.stats.expired += r.reason == "expired"
+        for e in ev.errors:
+            log.warning("sidecar error for %r: [%s] %s", e.req_id, e.code, e.message)
+        self._expire(out, time.monotonic())
+        return out
+
+    def _fail(self, out: TransferResults, req_id: str, blocks: list[int]) -> None:
+        out.finished_recving.add(req_id)
+        out.failed_recving.add(req_id)
+        self._invalid.update(blocks)
+        self.stats.recv_failed += 1
+
+    def _expire(self, out: TransferResults, now: float) -> None:
+        for req_id, (blocks, deadline) in list(self._recvs.items()):
+            if now > deadline:
+                del self._recvs[req_id]
+                log.warning("no answer from the sidecar for request %s; failing its KV load", req_id)
+                self._fail(out, req_id, blocks)
+        for req_id, deadline in list(self._holds.items()):
+            if now > deadline:
+                del self._holds[req_id]
+                log.warning("no release from the sidecar for request %s; freeing after its lease", req_id)
+                out.finished_sending.add(req_id)
+                self.stats.expired += 1
+
+    def take_invalid_block_ids(self) -> set[int]:
+        out, self._invalid = self._invalid, set()
+        return out
+
+    def shutdown(self) -> None:
+        if self.client is not None:
+            self.client.close()
+            self.client = None
+        if self.allocator is not None:
+            self.allocator.close()

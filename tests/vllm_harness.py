@@ -1,0 +1,218 @@
+"""Drive vLLM's real Scheduler with the kvxfer connector, as vLLM's own connector unit
+tests do: the scheduler is real, the "model" writes KV bytes into the worker's cache and
+samples a fixed token. KV caches live in shared memory allocated through the worker
+connector's ``get_mem_pool_context`` and are registered with a real sidecar."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+
+import json  # noqa: E402
+import time  # noqa: E402
+from collections.abc import Callable  # noqa: E402
+from dataclasses import dataclass, field  # noqa: E402
+from itertools import count  # noqa: E402
+from typing import Any  # noqa: E402
+
+import torch  # noqa: E402
+from vllm import SamplingParams  # noqa: E402
+from vllm.config import (  # noqa: E402
+    CacheConfig,
+    DeviceConfig,
+    KVTransferConfig,
+    ModelConfig,
+    SchedulerConfig,
+    VllmConfig,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  # noqa: E402
+from vllm.utils.hashing import sha256  # noqa: E402
+from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash  # noqa: E402
+from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec  # noqa: E402
+from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput  # noqa: E402
+from vllm.v1.request import Request, RequestStatus  # noqa: E402
+from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
+
+from kvxfer.connector import KvxferConnector  # noqa: E402
+
+BLOCK_SIZE = 16
+NUM_BLOCKS = 64
+LAYERS = ("model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn")
+KV_HEADS = 2
+HEAD_DIM = 64
+EOS = 2
+
+
+def write_tiny_model(path: str) -> str:
+    """A 2-layer Llama config and a word-level tokenizer built locally (nothing fetched)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    os.makedirs(path, exist_ok=True)
+    with open(os.path.join(path, "config.json"), "w") as fh:
+        json.dump({
+            "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 128,
+            "intermediate_size": 256, "num_attention_heads": 4, "num_key_value_heads": KV_HEADS,
+            "head_dim": HEAD_DIM, "num_hidden_layers": len(LAYERS), "vocab_size": 512,
+            "max_position_embeddings": 4096, "rms_norm_eps": 1e-6, "torch_dtype": "float16",
+            "bos_token_id": 1, "eos_token_id": EOS, "tie_word_embeddings": False,
+        }, fh)
+    vocab = {f"t{i}": i for i in range(512)}
+    vocab["<unk>"] = 0
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="t1",
+                            eos_token="t2").save_pretrained(path)
+    return path
+
+
+def make_config(model: str, sidecar: str, *, policy: str = "recompute", **extra: Any) -> VllmConfig:
+    return VllmConfig(
+        model_config=ModelConfig(model=model, dtype="float16", seed=0),
+        scheduler_config=SchedulerConfig(
+            max_num_seqs=16, max_num_batched_tokens=1024, max_model_len=2048,
+            enable_chunked_prefill=True, is_encoder_decoder=False,
+            disable_hybrid_kv_cache_manager=True,
+        ),
+        cache_config=CacheConfig(block_size=BLOCK_SIZE, gpu_memory_utilization=0.9,
+                                 cache_dtype="auto", enable_prefix_caching=True),
+        kv_transfer_config=KVTransferConfig(
+            kv_connector="KvxferConnector", kv_connector_module_path="kvxfer.connector",
+            kv_role="kv_both", kv_load_failure_policy=policy,
+            kv_connector_extra_config={"sidecar": sidecar, **extra},
+        ),
+        device_config=DeviceConfig("cpu"),
+    )
+
+
+_ids = count(1)
+_hash_ready = False
+
+
+def make_request(prompt_len: int, *, params: dict[str, Any] | None = None, max_tokens: int = 1,
+                 seed: int = 0) -> Request:
+    global _hash_ready
+    if not _hash_ready:
+        init_none_hash(sha256)
+        _hash_ready = True
+    sp = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    sp.update_from_generation_config({}, EOS)
+    req = Request(
+        request_id=f"req-{next(_ids)}",
+        prompt_token_ids=[3 + (seed * 7 + i) % 500 for i in range(prompt_len)],
+        sampling_params=sp,
+        pooling_params=None,
+        mm_features=None,
+        block_hasher=get_request_block_hasher(BLOCK_SIZE, sha256),
+    )
+    req.kv_transfer_params = params
+    return req
+
+
+@dataclass
+class Engine:
+    """A scheduler, its connector (SCHEDULER role) and one worker connector (rank 0)."""
+
+    name: str
+    config: VllmConfig
+    scheduler: Scheduler
+    worker: KvxferConnector
+    kv: dict[str, torch.Tensor]
+    outputs: dict[str, Any] = field(default_factory=dict)  # request id -> last EngineCoreOutput
+    scheduled: dict[str, list[int]] = field(default_factory=dict)  # request id -> tokens per step
+
+    @classmethod
+    def start(cls, name: str, config: VllmConfig) -> Engine:
+        spec = FullAttentionSpec(block_size=BLOCK_SIZE, num_kv_heads=KV_HEADS, head_size=HEAD_DIM,
+                                 dtype=torch.float16)
+        kv_cache_config = KVCacheConfig(
+            num_blocks=NUM_BLOCKS, kv_cache_tensors=[],
+            kv_cache_groups=[KVCacheGroupSpec(list(LAYERS), spec)],
+        )
+        config.cache_config.num_gpu_blocks = NUM_BLOCKS
+        worker = KvxferConnector(config, KVConnectorRole.WORKER, kv_cache_config)
+        ctx = worker.get_mem_pool_context()
+        assert ctx is not None
+        with ctx:
+            kv = {layer: torch.zeros(2, NUM_BLOCKS, BLOCK_SIZE, KV_HEADS, HEAD_DIM, dtype=torch.float16)
+                  for layer in LAYERS}
+        worker.register_kv_caches(kv)
+        scheduler = Scheduler(
+            vllm_config=config, kv_cache_config=kv_cache_config, log_stats=True,
+            structured_output_manager=StructuredOutputManager(config), block_size=BLOCK_SIZE,
+        )
+        return cls(name, config, scheduler, worker, kv)
+
+    def blocks(self, req_id: str) -> list[int]:
+        return list(self.scheduler.kv_cache_manager.get_block_ids(req_id)[0])
+
+    def step(self) -> None:
+        out = self.scheduler.schedule()
+        self.worker.bind_connector_metadata(out.kv_connector_metadata)
+        self.worker.start_load_kv(None)  # type: ignore[arg-type]
+        req_ids = list(out.num_scheduled_tokens)
+        for rid in req_ids:  # the "forward pass": write this step's KV bytes
+            self.scheduled.setdefault(rid, []).append(out.num_scheduled_tokens[rid])
+            self._compute(rid, out.num_scheduled_tokens[rid])
+        res = self.worker.get_transfer_results(out.finished_req_ids)
+        invalid = self.worker.get_block_ids_with_load_errors()
+        self.worker.clear_connector_metadata()
+        mro = ModelRunnerOutput(
+            req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
+            sampled_token_ids=[[7] for _ in req_ids], logprobs=None, prompt_logprobs_dict={},
+            pooler_output=None,
+            kv_connector_output=KVConnectorOutput(
+                finished_sending=res.finished_sending or None,
+                finished_recving=res.finished_recving or None,
+                invalid_block_ids=invalid, failed_recving=res.failed_recving,
+            ),
+        )
+        for eco in self.scheduler.update_from_output(out, mro).values():
+            for o in eco.outputs:
+                self.outputs[o.request_id] = o
+
+    def _compute(self, req_id: str, n_tokens: int) -> None:
+        req = self.scheduler.requests[req_id]
+        start = req.num_computed_tokens - n_tokens  # schedule() already advanced it
+        blocks = self.blocks(req_id)
+        for layer_idx, layer in enumerate(LAYERS):
+            for pos in range(start, start + n_tokens):
+                b, off = blocks[pos // BLOCK_SIZE], pos % BLOCK_SIZE
+                token = req.all_token_ids[pos] if pos < len(req.all_token_ids) else 0
+                val = float((token * 31 + pos + layer_idx * 7) % 2048) / 8.0
+                self.kv[layer][0, b, off] = val
+                self.kv[layer][1, b, off] = -val
+
+    def run_until(self, cond: Callable[[], bool], timeout: float = 20.0, what: str = "") -> None:
+        deadline = time.monotonic() + timeout
+        while not cond():
+            if time.monotonic() > deadline:
+                raise AssertionError(f"{self.name}: timed out waiting for {what}")
+            self.step()
+            time.sleep(0.002)
+
+    def is_empty(self) -> bool:
+        s = self.scheduler
+        free = s.kv_cache_manager.block_pool.free_block_queue.num_free_blocks
+        return not s.requests and not s.waiting and not s.running and free == NUM_BLOCKS - 1
+
+    def finished(self, req_id: str) -> bool:
+        o = self.outputs.get(req_id)
+        return o is not None and o.finish_reason is not None
+
+    def abort(self, req_id: str) -> None:
+        self.scheduler.finish_requests(req_id, RequestStatus.FINISHED_ABORTED)
+
+    def shutdown(self) -> None:
+        self.worker.shutdown()
+        if self.scheduler.connector is not None:
+            self.scheduler.connector.shutdown()
+
+
+def kv_bytes(engine: Engine, blocks: list[int]) -> list[torch.Tensor]:
+    idx = torch.tensor(blocks)
+    return [engine.kv[layer][:, idx].clone() for layer in LAYERS]
