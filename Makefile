@@ -7,7 +7,10 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.kvxfer-installed
 PIP_QUIET ?= -q
 
-.PHONY: install demo test lint clean
+.PHONY: install install-vllm demo test lint clean
+
+VLLM_STAMP := $(VENV)/.vllm-installed
+VLLM_VERSION ?= 0.33.0
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -15,7 +18,16 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install $(PIP_QUIET) -e '.[dev]'
 	touch $(STAMP)
 
+# vLLM for the connector tests, CPU-only: its wheel pins a CUDA torch, so it goes in with
+# --no-deps next to the CPU torch, plus the exact modules it imports (never `pip install vllm`).
+$(VLLM_STAMP): $(STAMP) requirements-vllm-cpu.txt
+	$(BIN)/pip install $(PIP_QUIET) --no-deps -r requirements-vllm-cpu.txt
+	$(BIN)/pip install $(PIP_QUIET) --no-deps vllm==$(VLLM_VERSION)
+	touch $(VLLM_STAMP)
+
 install: $(STAMP)
+
+install-vllm: $(VLLM_STAMP)
 
 demo: $(STAMP)
 	$(BIN)/kvxfer demo $(DEMO_ARGS)
@@ -23,7 +35,7 @@ demo: $(STAMP)
 lint: $(STAMP)
 	$(BIN)/ruff check kvxfer tests benchmarks
 
-test: $(STAMP) lint
+test: $(STAMP) $(VLLM_STAMP) lint
 	$(BIN)/pytest $(PYTEST_ARGS)
 
 clean:
