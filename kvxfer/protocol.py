@@ -199,6 +199,7 @@ class Done(_Msg, tag="done"):
     req_id: str
     nbytes: NonNeg
     seconds: float
+    descriptors: NonNeg = 0  # NIXL descriptors read (before NIXL merges contiguous ones)
 
 
 class Failed(_Msg, tag="failed"):

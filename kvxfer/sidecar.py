@@ -464,7 +464,8 @@ class Sidecar:
         notice = self._notice(msg, event.ok)
         if event.ok:
             self.stats["recv_ok"] += 1
-            self._send(state.owner, Done(req_id=msg.req_id, nbytes=event.nbytes, seconds=event.seconds))
+            self._send(state.owner, Done(req_id=msg.req_id, nbytes=event.nbytes, seconds=event.seconds,
+                                         descriptors=event.descriptors))
         else:
             self._fail(state.owner, msg.req_id, list(msg.block_ids),
                        RequestError(event.code, event.reason, msg.req_id))

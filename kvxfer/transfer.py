@@ -64,6 +64,7 @@ class ReadFinished:
     seconds: float
     code: str = ""
     reason: str = ""
+    descriptors: int = 0
 
 
 @dataclass(frozen=True)
@@ -480,7 +481,8 @@ class TransferEngine:
             self.reads_ok += 1
             self.bytes_read += rd.nbytes
             self._on_event(
-                ReadFinished(rd.req_id, rd.peer, rd.remote_rank, True, rd.nbytes, now - rd.started)
+                ReadFinished(rd.req_id, rd.peer, rd.remote_rank, True, rd.nbytes, now - rd.started,
+                             descriptors=len(rd.local_idx))
             )
             return True
         if now > rd.deadline:

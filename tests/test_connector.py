@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import json
 import sys
 from collections.abc import Iterator
 
@@ -56,8 +57,9 @@ def test_remote_prefill_moves_kv_and_frees_blocks(engines: tuple[Engine, Engine]
     assert p_id in p.scheduler.requests
     want = kv_bytes(p, p_blocks)
 
-    # The proxy forwards the params verbatim; that is all D needs.
-    req = make_request(prompt_len, params=copy.deepcopy(params), max_tokens=2, seed=prompt_len)
+    # The proxy forwards the params verbatim (as JSON over HTTP); that is all D needs.
+    forwarded = json.loads(json.dumps(params))
+    req = make_request(prompt_len, params=forwarded, max_tokens=2, seed=prompt_len)
     d.scheduler.add_request(req)
     d.step()
     assert d.scheduler.requests[req.request_id].status.name == "WAITING_FOR_REMOTE_KVS"
@@ -75,6 +77,8 @@ def test_remote_prefill_moves_kv_and_frees_blocks(engines: tuple[Engine, Engine]
     assert stats is not None
     assert stats.data["recv_ok"] == 1
     assert stats.data["bytes"] == len(p_blocks) * 2 * 2 * BLOCK_SIZE * 2 * 64 * 2
+    assert stats.data["descriptors"] == len(p_blocks) * 2 * 2  # blocks x layers x K/V
+    assert stats.data["recv_failed"] == 0
 
 
 def test_prefill_aborted_before_finishing_frees_at_once(engines: tuple[Engine, Engine]) -> None:

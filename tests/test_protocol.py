@@ -41,7 +41,7 @@ MESSAGES: dict[str, tuple[object, str]] = {
                      handshake_host="h", handshake_port=5700),
         "97aa7265676973746572656400a144a161cd1000a168cd1644",
     ),
-    "done": (p.Done(req_id="r1", nbytes=1024, seconds=0.5), "94a4646f6e65a27231cd0400cb3fe0000000000000"),
+    "done": (p.Done(req_id="r1", nbytes=1024, seconds=0.5), "95a4646f6e65a27231cd0400cb3fe000000000000000"),
     "failed": (p.Failed(req_id="r1", block_ids=[4, 5], code="deadline", reason="late"), "95a66661696c6564a27231920405a8646561646c696e65a46c617465"),
     "released": (p.Released(req_id="r1", reason="read", reads=1), "94a872656c6561736564a27231a47265616401"),
     "error": (p.Error(code="malformed", message="bad", req_id="r1"), "94a56572726f72a96d616c666f726d6564a3626164a27231"),

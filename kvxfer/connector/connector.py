@@ -55,7 +55,7 @@ class KvxferConnectorMetadata(KVConnectorMetadata):
 
 class KvxferStats(KVConnectorStats):
     """Transfer counters per logging interval (``data``: recv_ok, recv_failed, bytes,
-    seconds, released, expired), summed across workers."""
+    seconds, descriptors, released, expired), summed across workers."""
 
     def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
         for k, v in other.data.items():

@@ -43,6 +43,7 @@ class WorkerStats:
     recv_failed: int = 0
     bytes: int = 0
     seconds: float = 0.0
+    descriptors: int = 0
     released: int = 0
     expired: int = 0
 
@@ -129,6 +130,7 @@ class WorkerSide:
                 self.stats.recv_ok += 1
                 self.stats.bytes += d.nbytes
                 self.stats.seconds += d.seconds
+                self.stats.descriptors += d.descriptors
         for f in ev.failed:
             entry = self._recvs.pop(f.req_id, None)
             if entry is None:
