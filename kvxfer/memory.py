@@ -41,6 +41,17 @@ def region_block_len(layout: KVLayout) -> int:
     return layout.block_size * layout.local_kv_heads * layout.head_dim * layout.itemsize
 
 
+def _dense_registration(layout: KVLayout, memory: MemoryRef) -> RegisterKV:
+    """One memory holding ``[layers, kv_parts, num_blocks, block_len]`` densely."""
+    block_len = region_block_len(layout)
+    span = layout.num_blocks * block_len
+    regions = [
+        KVRegion(memory=0, offset=i * span, block_len=block_len, block_stride=block_len)
+        for i in range(layout.num_regions)
+    ]
+    return RegisterKV(layout=layout, memory=[memory], regions=regions)
+
+
 @dataclass
 class SharedKV:
     """A paged KV cache in one shared-memory file, laid out like vLLM's per-layer caches.
@@ -79,15 +90,7 @@ class SharedKV:
         return self.data.reshape(lay.num_layers, lay.kv_parts, lay.num_blocks, -1)
 
     def register_message(self) -> RegisterKV:
-        block_len = region_block_len(self.layout)
-        span = self.layout.num_blocks * block_len
-        regions = [
-            KVRegion(memory=0, offset=i * span, block_len=block_len, block_stride=block_len)
-            for i in range(self.layout.num_regions)
-        ]
-        return RegisterKV(
-            layout=self.layout, memory=[ShmMemory(path=self.path, size=self.nbytes)], regions=regions
-        )
+        return _dense_registration(self.layout, ShmMemory(path=self.path, size=self.nbytes))
 
     def close(self) -> None:
         del self.data
@@ -123,13 +126,7 @@ class CudaKV:
         return self.tensor
 
     def register_message(self) -> RegisterKV:
-        block_len = region_block_len(self.layout)
-        span = self.layout.num_blocks * block_len
-        regions = [
-            KVRegion(memory=0, offset=i * span, block_len=block_len, block_stride=block_len)
-            for i in range(self.layout.num_regions)
-        ]
-        return RegisterKV(layout=self.layout, memory=[cuda_ipc_memory(self.tensor)], regions=regions)
+        return _dense_registration(self.layout, cuda_ipc_memory(self.tensor))
 
     def close(self) -> None:
         self.tensor = None

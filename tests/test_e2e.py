@@ -63,10 +63,10 @@ def test_summary_is_not_verified_when_decode_reports_bad_bytes() -> None:
     opts = DemoOptions(requests=1, layers=1, blocks_per_request=1, heads=1, head_dim=8)
     good = {"prefill": {"released": {"read": 2}, "errors": []},
             "decode": {"done": 1, "failed": {}, "bad": [], "verified_requests": 2, "seconds": 1.0}}
-    assert _summarise(opts, good, [], "/nonexistent")["verified"] is True
+    assert _summarise(opts, good, [])["verified"] is True
     bad = {**good, "decode": {**good["decode"], "bad": ["req-0"], "verified_requests": 1}}
-    res = _summarise(opts, bad, [], "/nonexistent")
+    res = _summarise(opts, bad, [])
     assert res["verified"] is False
     assert res["problems"] == ["request req-0: bytes differ"]
     unreleased = {**good, "prefill": {"released": {"expired": 2}, "errors": []}}
-    assert _summarise(opts, unreleased, [], "/nonexistent")["verified"] is False
+    assert _summarise(opts, unreleased, [])["verified"] is False

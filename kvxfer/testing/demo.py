@@ -13,10 +13,6 @@ from __future__ import annotations
 import contextlib
 import multiprocessing as mp
 import os
-import shutil
-import subprocess
-import sys
-import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -25,6 +21,7 @@ from kvxfer.client import RemoteBlocks
 from kvxfer.memory import region_block_len
 from kvxfer.protocol import KVLayout
 from kvxfer.testing.engine import SyntheticEngine, make_layout
+from kvxfer.testing.procs import SidecarFactory, SidecarProc
 
 
 @dataclass(frozen=True)
@@ -140,40 +137,22 @@ def _decode_main(opts: DemoOptions, endpoint: str, from_prefill: Any, results: A
         eng.close()
 
 
-def _serve_cmd(name: str, sock: str, opts: DemoOptions) -> list[str]:
-    return [
-        sys.executable, "-m", "kvxfer", "serve",
-        "--engine-id", name,
-        "--engine-socket", f"ipc://{sock}",
-        "--handshake-host", "127.0.0.1",
-        "--handshake-port", "0",
-        "--lease-s", str(opts.lease_s),
-        "--ucx-error-mode", opts.ucx_error_mode,
-        *opts.extra_serve_args,
-    ]
-
-
 def run_demo(opts: DemoOptions) -> dict[str, Any]:
     """Run the whole pipeline; returns the summary (``verified`` tells if every byte matched)."""
     if opts.prefill_tp != 1 or opts.decode_tp != 1:
         raise ValueError("heterogeneous / multi-rank TP demo arrives with the TP mapping")
-    tmp = tempfile.mkdtemp(prefix="kvxfer-demo-", dir="/tmp")
-    procs: list[subprocess.Popen[bytes]] = []
-    logs = []
+    serve_args = ("--handshake-host", "127.0.0.1", "--lease-s", str(opts.lease_s),
+                  "--ucx-error-mode", opts.ucx_error_mode, *opts.extra_serve_args)
     ctx = mp.get_context("spawn")
     engines: list[Any] = []
+    factory = SidecarFactory()
     try:
-        socks = {}
-        for name in ("prefill", "decode"):
-            socks[name] = os.path.join(tmp, f"{name[0]}.sock")
-            log = open(os.path.join(tmp, f"{name}.log"), "wb")  # noqa: SIM115
-            logs.append(log)
-            procs.append(subprocess.Popen(_serve_cmd(name, socks[name], opts), stdout=log, stderr=log))
+        sidecars = [factory.start(name, *serve_args) for name in ("prefill", "decode")]
         results = ctx.Queue()
         p_conn, d_conn = ctx.Pipe()
         engines = [
-            ctx.Process(target=_prefill_main, args=(opts, f"ipc://{socks['prefill']}", p_conn, results)),
-            ctx.Process(target=_decode_main, args=(opts, f"ipc://{socks['decode']}", d_conn, results)),
+            ctx.Process(target=_prefill_main, args=(opts, sidecars[0].endpoint, p_conn, results)),
+            ctx.Process(target=_decode_main, args=(opts, sidecars[1].endpoint, d_conn, results)),
         ]
         for e in engines:
             e.start()
@@ -183,29 +162,19 @@ def run_demo(opts: DemoOptions) -> dict[str, Any]:
             with contextlib.suppress(Exception):
                 r = results.get(timeout=1.0)
                 got[r["role"]] = r
-            if any(p.poll() is not None for p in procs):
+            if any(sc.proc.poll() is not None for sc in sidecars):
                 break
-        return _summarise(opts, got, procs, tmp)
+        return _summarise(opts, got, sidecars)
     finally:
         for e in engines:
             e.join(10)
             if e.is_alive():
                 e.kill()
-        for p in procs:
-            if p.poll() is None:
-                p.terminate()
-        for p in procs:
-            try:
-                p.wait(10)
-            except subprocess.TimeoutExpired:
-                p.kill()
-        for log in logs:
-            log.close()
-        shutil.rmtree(tmp, ignore_errors=True)
+        factory.close()
 
 
 def _summarise(
-    opts: DemoOptions, got: dict[str, dict[str, Any]], procs: list[Any], tmp: str
+    opts: DemoOptions, got: dict[str, dict[str, Any]], sidecars: list[SidecarProc]
 ) -> dict[str, Any]:
     pre, dec = got.get("prefill", {}), got.get("decode", {})
     nbytes = opts.request_bytes() * int(dec.get("done", 0))
@@ -222,15 +191,13 @@ def _summarise(
     released = pre.get("released", {})
     if released.get("read", 0) != opts.requests + 1:
         problems.append(f"prefill holds released by read: {released} (want {opts.requests + 1})")
-    for p in procs:
-        if p.poll() is not None:
-            problems.append(f"sidecar exited early with {p.returncode}")
+    for sc in sidecars:
+        if sc.proc.poll() is not None:
+            problems.append(f"{sc.name} sidecar exited early with {sc.proc.returncode}")
     if problems:
-        for name in ("prefill", "decode"):
-            path = os.path.join(tmp, f"{name}.log")
-            if os.path.exists(path):
-                with open(path, errors="replace") as fh:
-                    problems.append(f"{name} sidecar log tail: " + fh.read()[-2000:])
+        for sc in sidecars:
+            if os.path.exists(sc.log_path):
+                problems.append(f"{sc.name} sidecar log tail: " + sc.log()[-2000:])
     verified = not problems and dec.get("verified_requests") == opts.requests + 1
     return {
         "verified": verified,
