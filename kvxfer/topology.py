@@ -1,0 +1,192 @@
+"""Tensor-parallel topology mapping: which remote rank's bytes land where in a local block.
+
+Pure functions, no I/O (the job of vLLM's ``TpKVTopology``, done once per rank pair in the
+sidecar). Given the local rank's layout and the remote engine's layout, ``plan_rank``
+returns, per remote rank to read from, the byte segments that copy one remote block into
+one local block — per sub-position when block sizes differ — merged into the fewest
+contiguous runs. The sidecar turns each segment into one NIXL descriptor row.
+
+Heads: with H KV heads and TP size T, rank r holds heads [r*H/T, (r+1)*H/T) when H >= T;
+when H < T each head is replicated on T/H consecutive ranks. MLA's latent is one
+replicated "head" on every rank. A local head is read from exactly one remote rank that
+holds it (replicas are spread across local ranks), so no byte is read twice.
+
+Block layouts: NHD (``[tokens][heads][dim]`` per block) or HND (``[heads][tokens][dim]``);
+HND makes a head slice contiguous, so it needs far fewer descriptors when TP differs.
+Block sizes may differ by an integer ratio: a larger block holds ``ratio`` smaller ones.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvxfer.protocol import KVLayout
+
+
+class Incompatible(ValueError):
+    """The two layouts cannot exchange KV; the message says why."""
+
+
+@dataclass(frozen=True)
+class Segment:
+    local_off: int  # byte offset inside the local block
+    remote_off: int  # byte offset inside the remote block
+    length: int
+
+
+@dataclass(frozen=True)
+class RankPlan:
+    """Read these segments from ``remote_rank``; ``segments[q]`` for sub-position q."""
+
+    remote_rank: int
+    segments: tuple[tuple[Segment, ...], ...]
+
+
+@dataclass(frozen=True)
+class BlockPairing:
+    """How a request's local and remote block lists pair up when block sizes differ."""
+
+    ratio: int  # max(block sizes) // min(block sizes)
+    local_larger: bool  # the local block holds `ratio` remote blocks (else the reverse)
+
+    def pairs(self, n_local: int, n_remote: int) -> list[tuple[int, int, int]]:
+        """(local index, remote index, sub-position q) for every block pair of a request."""
+        r = self.ratio
+        if self.local_larger:
+            if n_local != -(-n_remote // r):
+                raise Incompatible(f"{n_local} local blocks cannot hold {n_remote} remote blocks / {r}")
+            return [(k // r, k, k % r) for k in range(n_remote)]
+        if n_remote != -(-n_local // r):
+            raise Incompatible(f"{n_remote} remote blocks cannot fill {n_local} local blocks x {r}")
+        return [(k, k // r, k % r) for k in range(n_local)]
+
+
+def rank_heads(layout: KVLayout, rank: int | None = None) -> range:
+    """Global KV heads held by ``rank`` (default: the layout's own rank)."""
+    r = layout.tp_rank if rank is None else rank
+    h, t = layout.num_kv_heads, layout.tp_size
+    if layout.mla:
+        return range(0, 1)
+    if h >= t:
+        per = h // t
+        return range(r * per, (r + 1) * per)
+    return range(r // (t // h), r // (t // h) + 1)
+
+
+def check_layout(layout: KVLayout) -> None:
+    h, t = layout.num_kv_heads, layout.tp_size
+    if layout.mla:
+        if layout.local_kv_heads != 1:
+            raise Incompatible("an MLA layout holds one latent 'head' per rank")
+        return
+    if (h >= t and h % t) or (h < t and t % h):
+        raise Incompatible(f"{h} KV heads cannot be split over TP {t}")
+    want = len(rank_heads(layout))
+    if layout.local_kv_heads != want:
+        raise Incompatible(f"rank {layout.tp_rank} should hold {want} KV heads, says {layout.local_kv_heads}")
+
+
+def block_pairing(local: KVLayout, remote: KVLayout) -> BlockPairing:
+    a, b = local.block_size, remote.block_size
+    big, small = max(a, b), min(a, b)
+    if big % small:
+        raise Incompatible(f"block sizes {b} (remote) and {a} (local) are not multiples")
+    return BlockPairing(ratio=big // small, local_larger=a > b)
+
+
+def check_compatible(local: KVLayout, remote: KVLayout) -> None:
+    """Refuse pairs that cannot exchange KV, with a readable reason."""
+    for name in ("num_layers", "num_kv_heads", "head_dim", "dtype", "kv_parts", "mla"):
+        lv, rv = getattr(local, name), getattr(remote, name)
+        if lv != rv:
+            raise Incompatible(f"{name} differs: remote {rv!r}, local {lv!r}")
+    check_layout(local)
+    check_layout(remote)
+    block_pairing(local, remote)
+    same_shape = (
+        local.tp_size == remote.tp_size
+        and local.block_size == remote.block_size
+        and local.head_layout == remote.head_layout
+    )
+    if local.kv_parts == 1 and not local.mla and not same_shape:
+        raise Incompatible(
+            "fused K/V blocks can only be exchanged between identical TP, block size and layout"
+        )
+
+
+def _offset(layout: KVLayout, token: int, local_head: int) -> int:
+    hd = layout.head_dim * layout.itemsize
+    if layout.head_layout == "HND":
+        return (local_head * layout.block_size + token) * hd
+    return (token * layout.local_kv_heads + local_head) * hd
+
+
+def _merge(runs: list[Segment]) -> tuple[Segment, ...]:
+    runs.sort(key=lambda s: s.local_off)
+    out: list[Segment] = []
+    for s in runs:
+        if out:
+            last = out[-1]
+            if (last.local_off + last.length == s.local_off
+                    and last.remote_off + last.length == s.remote_off):
+                out[-1] = Segment(last.local_off, last.remote_off, last.length + s.length)
+                continue
+        out.append(s)
+    return tuple(out)
+
+
+def assign_heads(local: KVLayout, remote: KVLayout) -> dict[int, list[int]]:
+    """remote rank -> the global heads the local rank reads from it (each head once)."""
+    out: dict[int, list[int]] = {}
+    for h in rank_heads(local):
+        holders = [p for p in range(remote.tp_size) if h in rank_heads(remote, p)]
+        if not holders:
+            raise Incompatible(f"no remote rank holds KV head {h}")
+        src = holders[local.tp_rank % len(holders)]
+        out.setdefault(src, []).append(h)
+    return out
+
+
+def plan_rank(local: KVLayout, remote: KVLayout) -> list[RankPlan]:
+    """The reads one local rank makes; ``remote`` is any rank's layout of the remote engine."""
+    check_compatible(local, remote)
+    if local.kv_parts == 1 and not local.mla:  # fused, identical shape: whole blocks
+        blen = local.block_size * local.local_kv_heads * local.head_dim * local.itemsize
+        return [RankPlan(local.tp_rank, ((Segment(0, 0, blen),),))]
+    pairing = block_pairing(local, remote)
+    hd = local.head_dim * local.itemsize
+    lh0 = rank_heads(local).start
+    plans = []
+    for p, heads in sorted(assign_heads(local, remote).items()):
+        rlay = _with_rank(remote, p)
+        rh0 = rank_heads(rlay).start
+        per_q = []
+        for q in range(pairing.ratio):
+            unit = min(local.block_size, remote.block_size)
+            runs = []
+            for t in range(unit):
+                lt = q * unit + t if pairing.local_larger else t
+                rt = t if pairing.local_larger or pairing.ratio == 1 else q * unit + t
+                for h in heads:
+                    runs.append(Segment(_offset(local, lt, h - lh0), _offset(rlay, rt, h - rh0), hd))
+            per_q.append(_merge(runs))
+        plans.append(RankPlan(p, tuple(per_q)))
+    return plans
+
+
+def _with_rank(layout: KVLayout, rank: int) -> KVLayout:
+    import msgspec
+
+    return msgspec.structs.replace(
+        layout, tp_rank=rank, local_kv_heads=len(rank_heads(layout, rank)) if not layout.mla else 1
+    )
+
+
+def readers_of(remote_rank: int, remote: KVLayout, local_tp: KVLayout) -> list[int]:
+    """Local ranks that read from ``remote_rank`` (for release accounting and tests)."""
+    out = []
+    for r in range(local_tp.tp_size):
+        lay = _with_rank(local_tp, r)
+        if remote_rank in {p.remote_rank for p in plan_rank(lay, remote)}:
+            out.append(r)
+    return out
