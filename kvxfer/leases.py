@@ -48,15 +48,18 @@ class LeaseTable:
         self._leases[lease.req_id] = lease
         heapq.heappush(self._heap, (lease.expires, lease.req_id))
 
-    def note_read(self, req_id: str, reader: int) -> Lease | None:
+    def note_read(self, req_id: str, reader: int, expected: int = 0) -> Lease | None:
         """Count one reader's notice; return the lease once all expected reads arrived.
 
         A reader (its tp rank) is counted once, so a duplicated notice cannot release
-        blocks another rank is still reading.
+        blocks another rank is still reading. ``expected`` (the decode side's TP size, sent
+        with each notice) overrides the count the hold guessed.
         """
         lease = self._leases.get(req_id)
         if lease is None or reader in lease.readers:
             return None
+        if expected > 0:
+            lease.reads_expected = expected
         lease.readers.add(reader)
         lease.reads_seen += 1
         if lease.reads_seen >= lease.reads_expected:

@@ -286,6 +286,7 @@ class ReadNotice(_Msg, tag="read"):
     req_id: str
     tp_rank: NonNeg
     ok: bool
+    readers: NonNeg = 0  # notices the prefill side should expect in all (decode TP); 0: Hold.reads
 
 
 # --------------------------------------------------------------------------- codecs

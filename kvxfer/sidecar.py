@@ -62,6 +62,7 @@ from kvxfer.protocol import (
     handshake_request_decoder,
     read_notice_decoder,
 )
+from kvxfer.topology import BlockPairing, Incompatible, RankPlan, block_pairing, plan_rank
 from kvxfer.transfer import NoticeReceived, ReadFinished, TransferEngine, TransferOptions
 
 log = logging.getLogger(__name__)
@@ -83,7 +84,6 @@ class _RecvState:
     owner: bytes  # where Done / Failed go
     msg: Recv
     peer_agent: str = ""
-    remote_rank: int = 0
 
 
 def recv_key(req_id: str, tp_rank: int) -> str:
@@ -356,12 +356,6 @@ class Sidecar:
             local = self.ranks.get(msg.tp_rank)
             if local is None:
                 raise RequestError(ErrorCode.NOT_REGISTERED, f"tp_rank {msg.tp_rank} not registered")
-            if msg.block_ids and len(msg.block_ids) != len(msg.remote_block_ids):
-                raise RequestError(
-                    ErrorCode.INCOMPATIBLE,
-                    f"{len(msg.block_ids)} local blocks for {len(msg.remote_block_ids)} remote "
-                    "blocks (block-size ratio other than 1 is not supported yet)",
-                )
             self._check_blocks(msg.req_id, msg.block_ids, local.layout.num_blocks, "local")
         except RequestError as e:
             self._fail(ident, msg.req_id, list(msg.block_ids), e)
@@ -377,8 +371,8 @@ class Sidecar:
             peer = await asyncio.wait_for(
                 self._get_peer(msg.remote_host, msg.remote_port), timeout=deadline_s
             )
-            remote_rank = self._plan(msg, peer)
-            state.peer_agent, state.remote_rank = peer.agent_name, remote_rank
+            plans, pairing = self._plan(msg, peer)
+            state.peer_agent = peer.agent_name
             if not msg.block_ids:
                 # Nothing to read (full prefix hit / abort): just release the prefill side.
                 self.recvs.pop(key, None)
@@ -394,8 +388,9 @@ class Sidecar:
                 peer.agent_name,
                 msg.tp_rank,
                 list(msg.block_ids),
-                remote_rank,
                 list(msg.remote_block_ids),
+                plans,
+                pairing,
                 remaining,
             )
         except TimeoutError:
@@ -408,44 +403,47 @@ class Sidecar:
             log.exception("receive %s failed", msg.req_id)
             self._finish_recv_error(key, RequestError(ErrorCode.TRANSFER_ERROR, repr(e)))
 
-    def _plan(self, msg: Recv, peer: _Peer) -> int:
-        """Pick the remote rank to read from (same-TP only until the TP mapping lands)."""
+    def _plan(self, msg: Recv, peer: _Peer) -> tuple[list[RankPlan], BlockPairing]:
+        """Which remote ranks to read, and how blocks pair up (kvxfer.topology)."""
         if msg.remote_engine_id and msg.remote_engine_id != peer.engine_id:
             raise RequestError(
                 ErrorCode.UNKNOWN_PEER,
                 f"{peer.endpoint} serves engine {peer.engine_id!r}, not {msg.remote_engine_id!r}",
             )
         local = self.ranks[msg.tp_rank].layout
-        remote_tp = next(iter(peer.ranks.values())).layout.tp_size
-        if msg.remote_tp_size != remote_tp:
+        remote = next(iter(peer.ranks.values())).layout
+        if msg.remote_tp_size != remote.tp_size:
             raise RequestError(
                 ErrorCode.INCOMPATIBLE,
-                f"request says remote tp_size {msg.remote_tp_size}, peer has {remote_tp}",
+                f"request says remote tp_size {msg.remote_tp_size}, peer has {remote.tp_size}",
             )
-        if remote_tp != local.tp_size:
-            raise RequestError(
-                ErrorCode.INCOMPATIBLE,
-                f"heterogeneous TP (remote {remote_tp}, local {local.tp_size}) not supported yet",
-            )
-        remote = peer.ranks.get(msg.tp_rank)
-        if remote is None:
-            raise RequestError(ErrorCode.NOT_REGISTERED, f"peer has no tp_rank {msg.tp_rank}")
-        if remote.layout.block_size != local.block_size:
-            raise RequestError(
-                ErrorCode.INCOMPATIBLE,
-                f"block size {remote.layout.block_size} (remote) != {local.block_size} (local)",
-            )
-        self._check_blocks(msg.req_id, msg.remote_block_ids, remote.layout.num_blocks, "remote")
-        return msg.tp_rank
+        try:
+            plans = plan_rank(local, remote)
+            pairing = block_pairing(local, remote)
+            if msg.block_ids:
+                pairing.pairs(len(msg.block_ids), len(msg.remote_block_ids))
+        except Incompatible as e:
+            raise RequestError(ErrorCode.INCOMPATIBLE, str(e)) from None
+        for plan in plans:
+            info = peer.ranks.get(plan.remote_rank)
+            if info is None:
+                raise RequestError(
+                    ErrorCode.NOT_REGISTERED,
+                    f"peer has {len(peer.ranks)} of {remote.tp_size} ranks registered; "
+                    f"rank {plan.remote_rank} is missing",
+                )
+            self._check_blocks(msg.req_id, msg.remote_block_ids, info.layout.num_blocks, "remote")
+        return plans, pairing
 
     def _finish_recv_error(self, key: str, err: RequestError) -> None:
         state = self.recvs.pop(key, None)
         if state is not None:
             self._fail(state.owner, state.msg.req_id, list(state.msg.block_ids), err)
 
-    @staticmethod
-    def _notice(msg: Recv, ok: bool) -> ReadNotice:
-        return ReadNotice(req_id=msg.remote_req_id or msg.req_id, tp_rank=msg.tp_rank, ok=ok)
+    def _notice(self, msg: Recv, ok: bool) -> ReadNotice:
+        readers = self.ranks[msg.tp_rank].layout.tp_size if msg.tp_rank in self.ranks else 0
+        return ReadNotice(req_id=msg.remote_req_id or msg.req_id, tp_rank=msg.tp_rank, ok=ok,
+                          readers=readers)
 
     # ------------------------------------------------------------------ NIXL events
 
@@ -486,7 +484,7 @@ class Sidecar:
         except (msgspec.DecodeError, msgspec.ValidationError):
             self.stats["stray_notices"] += 1
             return
-        lease = self.leases.note_read(notice.req_id, notice.tp_rank)
+        lease = self.leases.note_read(notice.req_id, notice.tp_rank, notice.readers)
         if lease is None:
             if notice.req_id not in self.leases:
                 self.stats["stray_notices"] += 1

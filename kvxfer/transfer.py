@@ -36,6 +36,7 @@ import numpy as np
 from kvxfer.errors import ErrorCode, RequestError
 from kvxfer.memory import Mapping, map_memory
 from kvxfer.protocol import KVLayout, RankInfo, RegisterKV, RemoteRegion
+from kvxfer.topology import BlockPairing, RankPlan
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +59,6 @@ class TransferOptions:
 class ReadFinished:
     req_id: str
     peer: str
-    remote_rank: int
     ok: bool
     nbytes: int
     seconds: float
@@ -82,21 +82,37 @@ class _LocalRank:
     layout: KVLayout
     mappings: list[Mapping]
     reg_descs: list[Any]
-    dlist: Any
-    block_lens: list[int]
-
-
-@dataclass
-class _RemoteRank:
-    layout: KVLayout
-    dlist: Any
-    block_lens: list[int]
+    info: RankInfo  # absolute region addresses, as peers see them
 
 
 @dataclass
 class _Peer:
     name: str
-    ranks: dict[int, _RemoteRank]
+    ranks: dict[int, RankInfo]
+
+
+@dataclass
+class _PairLists:
+    """Prepared descriptor lists for one (peer, local rank, remote rank) plan.
+
+    Row ``row_base[q][region] + s`` is segment s of sub-position q in that region; a
+    descriptor index is ``row * num_blocks + block``.
+    """
+
+    local: Any
+    remote: Any
+    row_base: list[list[int]]
+    seg_lens: list[list[int]]  # per q: segment lengths
+
+
+@dataclass
+class _Leg:
+    """The part of a read that comes from one remote rank."""
+
+    pair: _PairLists
+    local_idx: np.ndarray
+    remote_idx: np.ndarray
+    next_desc: int = 0
 
 
 @dataclass
@@ -104,19 +120,21 @@ class _Read:
     req_id: str
     peer: str
     local_rank: int
-    remote_rank: int
-    local_idx: np.ndarray
-    remote_idx: np.ndarray
+    legs: list[_Leg]
     nbytes: int
     chunk_descs: int
     deadline: float
     started: float = field(default_factory=time.monotonic)
-    next_desc: int = 0
+    leg: int = 0  # the leg being posted
     handles: list[Any] = field(default_factory=list)
 
     @property
     def all_posted(self) -> bool:
-        return self.next_desc >= len(self.local_idx)
+        return self.leg >= len(self.legs)
+
+    @property
+    def descriptors(self) -> int:
+        return sum(len(leg.local_idx) for leg in self.legs)
 
 
 def _error_code(exc: BaseException) -> str:
@@ -134,10 +152,39 @@ def _strided_rows(regions: list[RemoteRegion], num_blocks: int) -> np.ndarray:
     return rows
 
 
-def desc_indices(num_regions: int, num_blocks: int, block_ids: np.ndarray) -> np.ndarray:
-    """Descriptor indices of ``block_ids`` in every region, region-major (int32 for NIXL)."""
-    base = np.arange(num_regions, dtype=np.int64)[:, None] * num_blocks
-    return (base + block_ids[None, :]).ravel().astype(np.int32)
+def desc_indices(rows: np.ndarray, num_blocks: int, block_ids: np.ndarray) -> np.ndarray:
+    """Descriptor indices of ``block_ids`` in every row, row-major (int32 for NIXL)."""
+    return (rows.astype(np.int64)[:, None] * num_blocks + block_ids[None, :]).ravel().astype(np.int32)
+
+
+def _leg_indices(
+    pl: _PairLists,
+    pairs: list[tuple[int, int, int]],
+    lb: np.ndarray,
+    rb: np.ndarray,
+    local_nb: int,
+    remote_nb: int,
+) -> tuple[np.ndarray, np.ndarray, int]:
+    """Local and remote descriptor indices of one leg, and the bytes they move.
+
+    Grouped by sub-position, then row (region x segment), then block: contiguous blocks
+    stay adjacent so NIXL can merge their descriptors.
+    """
+    li_parts, ri_parts, nbytes = [], [], 0
+    for q, bases in enumerate(pl.row_base):
+        sel = [(li, ri) for li, ri, qq in pairs if qq == q]
+        if not sel:
+            continue
+        lblocks = lb[[a for a, _ in sel]]
+        rblocks = rb[[b for _, b in sel]]
+        nseg = len(pl.seg_lens[q])
+        rows = (np.asarray(bases, dtype=np.int64)[:, None] + np.arange(nseg)[None, :]).ravel()
+        li_parts.append(desc_indices(rows, local_nb, lblocks))
+        ri_parts.append(desc_indices(rows, remote_nb, rblocks))
+        nbytes += len(bases) * sum(pl.seg_lens[q]) * len(sel)
+    if not li_parts:
+        return np.empty(0, np.int32), np.empty(0, np.int32), 0
+    return np.concatenate(li_parts), np.concatenate(ri_parts), nbytes
 
 
 def import_nixl() -> tuple[Any, Any]:
@@ -171,6 +218,7 @@ class TransferEngine:
         self._ready: concurrent.futures.Future[None] = concurrent.futures.Future()
         self._agent: Any = None
         self._local: dict[int, _LocalRank] = {}
+        self._pairs: dict[tuple[str, int, int], _PairLists] = {}
         self._peers: dict[str, _Peer] = {}
         self._reads: dict[str, _Read] = {}
         self._post_queue: collections.deque[str] = collections.deque()
@@ -233,19 +281,15 @@ class TransferEngine:
                 )
                 for r in msg.regions
             ]
-            dlist = agent.prep_xfer_dlist(
-                "NIXL_INIT_AGENT", _strided_rows(remote, layout.num_blocks), mem_type
-            )
         except BaseException:
             for reg in regs:
                 agent.deregister_memory(reg)
             for m in mappings:
                 m.close()
             raise
-        self._local[layout.tp_rank] = _LocalRank(
-            layout, mappings, regs, dlist, [r.block_len for r in msg.regions]
-        )
-        return RankInfo(layout=layout, regions=remote, mem_type=mem_type)  # type: ignore[arg-type]
+        info = RankInfo(layout=layout, regions=remote, mem_type=mem_type)  # type: ignore[arg-type]
+        self._local[layout.tp_rank] = _LocalRank(layout, mappings, regs, info)
+        return info
 
     def t_unregister(self, rank: int) -> bool:
         local = self._local.get(rank)
@@ -254,7 +298,7 @@ class TransferEngine:
         for rd in [r for r in self._reads.values() if r.local_rank == rank]:
             self._fail(rd, ErrorCode.NOT_REGISTERED, "local memory unregistered during the read")
         del self._local[rank]
-        self._agent.release_dlist_handle(local.dlist)
+        self._drop_pairs(lambda key: key[1] == rank)
         for reg in local.reg_descs:
             self._agent.deregister_memory(reg)
         for m in local.mappings:
@@ -262,7 +306,7 @@ class TransferEngine:
         return True
 
     def t_add_peer(self, name: str, metadata: bytes, ranks: list[RankInfo]) -> str:
-        """Load a peer's agent metadata and prepare one descriptor list per remote rank.
+        """Load a peer's agent metadata; descriptor lists are prepared per plan on first use.
 
         Agent names carry a per-process nonce, so a restarted peer arrives under a new
         name; the same name again means the same process re-handshaked: reload it.
@@ -275,29 +319,14 @@ class TransferEngine:
         if loaded != name:
             agent.remove_remote_agent(loaded)
             raise ValueError(f"peer metadata names agent {loaded!r}, handshake said {name!r}")
-        remote: dict[int, _RemoteRank] = {}
-        try:
-            for info in ranks:
-                rows = _strided_rows(info.regions, info.layout.num_blocks)
-                dlist = agent.prep_xfer_dlist(name, rows, info.mem_type)
-                remote[info.layout.tp_rank] = _RemoteRank(
-                    info.layout, dlist, [r.block_len for r in info.regions]
-                )
-        except Exception:
-            for rr in remote.values():
-                agent.release_dlist_handle(rr.dlist)
-            agent.remove_remote_agent(name)
-            raise
-        self._peers[name] = _Peer(name, remote)
+        self._peers[name] = _Peer(name, {info.layout.tp_rank: info for info in ranks})
         return name
 
     def t_remove_peer(self, name: str, reason: str) -> bool:
         peer = self._peers.pop(name, None)
         for rd in [r for r in self._reads.values() if r.peer == name]:
             self._fail(rd, ErrorCode.PEER_DISCONNECTED, reason)
-        if peer is not None:
-            for rr in peer.ranks.values():
-                self._agent.release_dlist_handle(rr.dlist)
+        self._drop_pairs(lambda key: key[0] == name)
         try:
             self._agent.remove_remote_agent(name)
         except Exception as e:  # unknown to NIXL already
@@ -310,29 +339,76 @@ class TransferEngine:
         peer: str,
         local_rank: int,
         local_blocks: list[int],
-        remote_rank: int,
         remote_blocks: list[int],
+        plans: list[RankPlan],
+        pairing: BlockPairing,
         deadline_s: float,
     ) -> None:
-        """Queue a READ; completion arrives later as a ReadFinished event."""
+        """Queue a READ (one leg per remote rank); a ReadFinished event reports the end."""
         local = self._local[local_rank]
-        rr = self._peers[peer].ranks[remote_rank]
+        pairs = pairing.pairs(len(local_blocks), len(remote_blocks))
         lb = np.asarray(local_blocks, dtype=np.int64)
         rb = np.asarray(remote_blocks, dtype=np.int64)
-        nregions = len(local.block_lens)
-        rd = _Read(
+        legs = []
+        nbytes = 0
+        for plan in plans:
+            pl = self._pair_lists(peer, local, plan)
+            remote_nb = self._peers[peer].ranks[plan.remote_rank].layout.num_blocks
+            li, ri, n = _leg_indices(pl, pairs, lb, rb, local.layout.num_blocks, remote_nb)
+            legs.append(_Leg(pl, li, ri))
+            nbytes += n
+        largest = max((max(q) for leg in legs for q in leg.pair.seg_lens if q), default=1)
+        self._reads[req_id] = _Read(
             req_id=req_id,
             peer=peer,
             local_rank=local_rank,
-            remote_rank=remote_rank,
-            local_idx=desc_indices(nregions, local.layout.num_blocks, lb),
-            remote_idx=desc_indices(len(rr.block_lens), rr.layout.num_blocks, rb),
-            nbytes=int(sum(local.block_lens)) * len(lb),
-            chunk_descs=max(1, self.options.chunk_bytes // max(local.block_lens)),
+            legs=legs,
+            nbytes=nbytes,
+            chunk_descs=max(1, self.options.chunk_bytes // largest),
             deadline=time.monotonic() + deadline_s,
         )
-        self._reads[req_id] = rd
         self._post_queue.append(req_id)
+
+    def _pair_lists(self, peer: str, local: _LocalRank, plan: RankPlan) -> _PairLists:
+        key = (peer, local.layout.tp_rank, plan.remote_rank)
+        pl = self._pairs.get(key)
+        if pl is not None:
+            return pl
+        remote = self._peers[peer].ranks[plan.remote_rank]
+        lrows: list[RemoteRegion] = []
+        rrows: list[RemoteRegion] = []
+        row_base: list[list[int]] = []
+        for segs in plan.segments:
+            bases = []
+            for lreg, rreg in zip(local.info.regions, remote.regions, strict=True):
+                bases.append(len(lrows))
+                for s in segs:
+                    lrows.append(RemoteRegion(addr=lreg.addr + s.local_off, block_len=s.length,
+                                              block_stride=lreg.block_stride, device_id=lreg.device_id))
+                    rrows.append(RemoteRegion(addr=rreg.addr + s.remote_off, block_len=s.length,
+                                              block_stride=rreg.block_stride, device_id=rreg.device_id))
+            row_base.append(bases)
+        agent = self._agent
+        ldl = agent.prep_xfer_dlist(
+            "NIXL_INIT_AGENT", _strided_rows(lrows, local.layout.num_blocks), local.info.mem_type
+        )
+        try:
+            rdl = agent.prep_xfer_dlist(peer, _strided_rows(rrows, remote.layout.num_blocks), remote.mem_type)
+        except Exception:
+            agent.release_dlist_handle(ldl)
+            raise
+        pl = _PairLists(ldl, rdl, row_base, [[s.length for s in segs] for segs in plan.segments])
+        self._pairs[key] = pl
+        return pl
+
+    def _drop_pairs(self, match: Callable[[tuple[str, int, int]], bool]) -> None:
+        for key in [k for k in self._pairs if match(k)]:
+            pl = self._pairs.pop(key)
+            for handle in (pl.local, pl.remote):
+                try:
+                    self._agent.release_dlist_handle(handle)
+                except Exception as e:
+                    log.debug("release_dlist_handle: %s", e)
 
     def t_cancel(self, req_id: str, code: str, reason: str) -> bool:
         rd = self._reads.get(req_id)
@@ -433,17 +509,19 @@ class TransferEngine:
             rd = self._reads.get(req_id)
             if rd is None or rd.all_posted:
                 continue
-            lo, hi = rd.next_desc, min(rd.next_desc + rd.chunk_descs, len(rd.local_idx))
-            local = self._local[rd.local_rank]
-            remote = self._peers[rd.peer].ranks[rd.remote_rank]
+            leg = rd.legs[rd.leg]
+            lo = leg.next_desc
+            hi = min(lo + rd.chunk_descs, len(leg.local_idx))
             try:
                 handle = agent.make_prepped_xfer(
-                    "READ", local.dlist, rd.local_idx[lo:hi], remote.dlist, rd.remote_idx[lo:hi]
+                    "READ", leg.pair.local, leg.local_idx[lo:hi], leg.pair.remote, leg.remote_idx[lo:hi]
                 )
             except Exception as e:
                 self._fail(rd, _error_code(e), f"prepare: {e}")
                 continue
-            rd.next_desc = hi
+            leg.next_desc = hi
+            if hi >= len(leg.local_idx):
+                rd.leg += 1
             rd.handles.append(handle)
             self._inflight_chunks += 1
             posted = True
@@ -481,8 +559,8 @@ class TransferEngine:
             self.reads_ok += 1
             self.bytes_read += rd.nbytes
             self._on_event(
-                ReadFinished(rd.req_id, rd.peer, rd.remote_rank, True, rd.nbytes, now - rd.started,
-                             descriptors=len(rd.local_idx))
+                ReadFinished(rd.req_id, rd.peer, True, rd.nbytes, now - rd.started,
+                             descriptors=rd.descriptors)
             )
             return True
         if now > rd.deadline:
@@ -499,10 +577,7 @@ class TransferEngine:
         rd.handles.clear()
         self.reads_failed += 1
         self._on_event(
-            ReadFinished(
-                rd.req_id, rd.peer, rd.remote_rank, False, 0, time.monotonic() - rd.started,
-                code, reason,
-            )
+            ReadFinished(rd.req_id, rd.peer, False, 0, time.monotonic() - rd.started, code, reason)
         )
 
     def _release(self, handle: Any) -> None:

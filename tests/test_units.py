@@ -139,7 +139,7 @@ def test_pattern_distinguishes_requests_blocks_heads_and_tokens() -> None:
 
 
 def test_desc_indices_region_major() -> None:
-    idx = desc_indices(3, 10, np.array([7, 2]))
+    idx = desc_indices(np.arange(3), 10, np.array([7, 2]))
     assert idx.dtype == np.int32
     assert idx.tolist() == [7, 2, 17, 12, 27, 22]
 
