@@ -25,6 +25,11 @@ def _demo_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-
     p.add_argument("--dtype", default=d.dtype)
     p.add_argument("--prefill-tp", type=int, default=d.prefill_tp)
     p.add_argument("--decode-tp", type=int, default=d.decode_tp)
+    p.add_argument("--kv-heads", type=int, default=None, help="alias of --heads")
+    p.add_argument("--mla", action="store_true", help="MLA: one latent of head-dim, on every rank")
+    p.add_argument("--prefill-block-size", type=int, default=0, help="default: --block-size")
+    p.add_argument("--decode-block-size", type=int, default=0, help="default: --block-size")
+    p.add_argument("--head-layout", choices=["NHD", "HND"], default=d.head_layout)
     p.add_argument("--ucx-error-mode", choices=["peer", "none"], default=d.ucx_error_mode)
     p.add_argument("--timeout", type=float, default=d.timeout_s, help="seconds")
     p.add_argument("--json", action="store_true", help="last line: one JSON object")
@@ -38,20 +43,30 @@ def _run_demo(args: argparse.Namespace) -> int:
         layers=args.layers,
         blocks_per_request=args.blocks_per_request,
         block_size=args.block_size,
-        heads=args.heads,
+        heads=args.kv_heads or args.heads,
         head_dim=args.head_dim,
         dtype=args.dtype,
         prefill_tp=args.prefill_tp,
         decode_tp=args.decode_tp,
+        mla=args.mla,
+        prefill_block_size=args.prefill_block_size,
+        decode_block_size=args.decode_block_size,
+        head_layout=args.head_layout,
         ucx_error_mode=args.ucx_error_mode,
         timeout_s=args.timeout,
     )
-    mib = opts.request_bytes() / (1 << 20)
+    try:
+        mib = opts.request_bytes() / (1 << 20)
+    except (KeyError, ValueError) as e:
+        print(f"kvxfer demo: {e}", file=sys.stderr)
+        return 2
+    kv = "MLA latent" if opts.mla else f"K/V x {opts.heads} heads"
     print(
         f"kvxfer demo: {opts.requests} requests x {opts.blocks_per_request} blocks "
-        f"({mib:.1f} MiB each; {opts.layers} layers x K/V x {opts.block_size} tokens x "
-        f"{opts.heads} heads x {opts.head_dim} {opts.dtype}), prefill TP {opts.prefill_tp} -> "
-        f"decode TP {opts.decode_tp}, NIXL UCX ({opts.ucx_error_mode} mode) over host memory",
+        f"({mib:.1f} MiB each; {opts.layers} layers x {kv} x {opts.head_dim} {opts.dtype}, "
+        f"blocks of {opts.block_size_of('prefill')} -> {opts.block_size_of('decode')} tokens, "
+        f"{opts.head_layout}), prefill TP {opts.prefill_tp} -> decode TP {opts.decode_tp}, "
+        f"NIXL UCX ({opts.ucx_error_mode} mode) over host memory",
         flush=True,
     )
     res = run_demo(opts)
@@ -62,6 +77,7 @@ def _run_demo(args: argparse.Namespace) -> int:
         f"{res['seconds']:.3f} s = {res['gbps']:.2f} GB/s (decode Recv -> Done, warm peer)"
     )
     print(f"  first   transfer with handshake (cold): {res['first_transfer_ms_cold']:.1f} ms")
+    print(f"  descs   {res['descriptors_per_request']} NIXL descriptors per request (all decode ranks)")
     print(f"  release prefill holds released: {res['released']}")
     print(f"  verify  every byte of every block: {'OK' if res['verified'] else 'FAILED'}")
     if args.json:

@@ -62,7 +62,14 @@ from kvxfer.protocol import (
     handshake_request_decoder,
     read_notice_decoder,
 )
-from kvxfer.topology import BlockPairing, Incompatible, RankPlan, block_pairing, plan_rank
+from kvxfer.topology import (
+    BlockPairing,
+    Incompatible,
+    RankPlan,
+    block_pairing,
+    check_layout,
+    plan_rank,
+)
 from kvxfer.transfer import NoticeReceived, ReadFinished, TransferEngine, TransferOptions
 
 log = logging.getLogger(__name__)
@@ -287,6 +294,10 @@ class Sidecar:
         try:
             validate_registration(msg)
             lay = msg.layout
+            try:
+                check_layout(lay)
+            except Incompatible as e:
+                raise RequestError(ErrorCode.INVALID_LAYOUT, str(e)) from None
             for other in self.ranks.values():
                 if other.layout.tp_rank == lay.tp_rank:
                     continue

@@ -1,11 +1,13 @@
 """``kvxfer demo``: a prefill and a decode sidecar (``kvxfer serve`` processes) with a
 synthetic engine process each, moving KV blocks over NIXL and checking every byte.
 
-Phases: start everything; the prefill engine fills and holds all requests (the decode
-side gets their kv_transfer_params over a pipe, as a router would forward them); one
-warm-up request pays the handshake; the decode engine then posts every receive at once
-and the clock runs from the first ``Recv`` to the last ``Done``; every received byte is
-verified; the prefill engine waits until every hold is released by a read notice.
+Each engine process holds one KV cache per TP rank, each registered separately over its
+own connection, as separate GPUs' workers would. Phases: the prefill engine fills and
+holds all requests (the decode side gets their kv_transfer_params over a pipe, as a router
+would forward them); one warm-up request pays the handshake; the decode engine then posts
+every rank's receive at once and the clock runs from the first ``Recv`` to the last
+``Done``; every received byte of every rank is verified; the prefill engine waits until
+every hold is released by read notices.
 """
 
 from __future__ import annotations
@@ -18,7 +20,6 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from kvxfer.client import RemoteBlocks
-from kvxfer.memory import region_block_len
 from kvxfer.protocol import KVLayout
 from kvxfer.testing.engine import SyntheticEngine, make_layout
 from kvxfer.testing.procs import SidecarFactory, SidecarProc
@@ -28,46 +29,76 @@ from kvxfer.testing.procs import SidecarFactory, SidecarProc
 class DemoOptions:
     requests: int = 64
     layers: int = 32
-    blocks_per_request: int = 8
+    blocks_per_request: int = 8  # in prefill blocks
     block_size: int = 16
     heads: int = 8
     head_dim: int = 128
     dtype: str = "bfloat16"
     prefill_tp: int = 1
     decode_tp: int = 1
+    mla: bool = False
+    prefill_block_size: int = 0  # 0: block_size
+    decode_block_size: int = 0
+    head_layout: str = "NHD"
     lease_s: float = 60.0
     timeout_s: float = 300.0
     ucx_error_mode: str = "peer"
     extra_serve_args: tuple[str, ...] = field(default=())
 
-    def layout(self, tp_rank: int = 0, tp_size: int = 1) -> KVLayout:
+    def side_blocks(self, side: str) -> int:
+        """Blocks per request on a side (the decode side may use another block size)."""
+        tokens = self.blocks_per_request * self.block_size_of("prefill")
+        bs = self.block_size_of(side)
+        if tokens % bs:
+            raise ValueError(f"{tokens} tokens per request do not fill whole {side} blocks of {bs}")
+        return tokens // bs
+
+    def block_size_of(self, side: str) -> int:
+        size = self.prefill_block_size if side == "prefill" else self.decode_block_size
+        return size or self.block_size
+
+    def layout(self, side: str, rank: int = 0) -> KVLayout:
         return make_layout(
             layers=self.layers,
-            num_blocks=self.requests * self.blocks_per_request + 2,  # + null + warm-up block
-            block_size=self.block_size,
+            num_blocks=(self.requests + 1) * self.side_blocks(side) + 1,  # + warm-up + null
+            block_size=self.block_size_of(side),
             heads=self.heads,
             head_dim=self.head_dim,
             dtype=self.dtype,
-            tp_rank=tp_rank,
-            tp_size=tp_size,
+            tp_rank=rank,
+            tp_size=self.prefill_tp if side == "prefill" else self.decode_tp,
+            mla=self.mla,
+            head_layout=self.head_layout,
         )
 
     def request_bytes(self) -> int:
-        lay = self.layout()
-        return lay.num_regions * region_block_len(lay) * self.blocks_per_request
+        """KV bytes of one request as the whole decode engine holds it (all its ranks)."""
+        lay = self.layout("decode")
+        block = lay.block_size * lay.local_kv_heads * lay.head_dim * lay.itemsize * lay.kv_parts
+        return block * lay.num_layers * self.side_blocks("decode") * self.decode_tp
+
+
+def _engines(opts: DemoOptions, side: str, endpoints: str, seed: int) -> list[SyntheticEngine]:
+    tp = opts.prefill_tp if side == "prefill" else opts.decode_tp
+    return [SyntheticEngine(opts.layout(side, r), endpoints, seed=seed) for r in range(tp)]
 
 
 def _prefill_main(opts: DemoOptions, endpoint: str, to_decode: Any, results: Any) -> None:
-    eng = SyntheticEngine(opts.layout(), endpoint, seed=1)
+    engines = _engines(opts, "prefill", endpoint, 1)
+    lead = engines[0]
     try:
-        reg = eng.start()
+        for e in engines:
+            e.start()
+        reg = lead.registered
+        assert reg is not None
         params = []
         t0 = time.perf_counter()
         names = ["warmup"] + [f"req-{i}" for i in range(opts.requests)]
         for name in names:
-            blocks = eng.allocate(1 if name == "warmup" else opts.blocks_per_request)
-            eng.fill(name, blocks)
-            eng.client.hold(name, blocks, lease_s=opts.lease_s)
+            blocks = lead.allocate(opts.side_blocks("prefill"))  # block ids are engine-wide
+            for e in engines:
+                e.fill(name, blocks)
+            lead.client.hold(name, blocks, lease_s=opts.lease_s)
             params.append(
                 {"req_id": name, "engine_id": reg.engine_id, "host": reg.handshake_host,
                  "port": reg.handshake_port, "block_ids": blocks, "tp_size": opts.prefill_tp}
@@ -78,7 +109,7 @@ def _prefill_main(opts: DemoOptions, endpoint: str, to_decode: Any, results: Any
         errors: list[str] = []
         deadline = time.monotonic() + opts.timeout_s
         while sum(reasons.values()) < len(names) and time.monotonic() < deadline:
-            ev = eng.client.wait(0.5)
+            ev = lead.client.wait(0.5)
             for r in ev.released:
                 reasons[r.reason] = reasons.get(r.reason, 0) + 1
             errors += [f"{e.code}: {e.message}" for e in ev.errors]
@@ -86,61 +117,81 @@ def _prefill_main(opts: DemoOptions, endpoint: str, to_decode: Any, results: Any
     except BaseException as e:
         results.put({"role": "prefill", "fatal": repr(e)})
     finally:
-        eng.close()
+        for e in engines:
+            e.close()
 
 
 def _decode_main(opts: DemoOptions, endpoint: str, from_prefill: Any, results: Any) -> None:
-    eng = SyntheticEngine(opts.layout(), endpoint, seed=2)
+    engines = _engines(opts, "decode", endpoint, 2)
+    lead = engines[0]
     try:
-        eng.start()
+        for e in engines:
+            e.start()
         params = from_prefill.recv()
         local: dict[str, list[int]] = {}
+        stats = {"bytes": 0, "descriptors": 0}
 
         def post(p: dict[str, Any]) -> None:
-            blocks = eng.allocate(len(p["block_ids"]))
+            blocks = lead.allocate(opts.side_blocks("decode"))
             local[p["req_id"]] = blocks
             remote = RemoteBlocks(p["engine_id"], p["host"], p["port"], p["block_ids"], p["tp_size"])
-            eng.client.recv(p["req_id"], blocks, remote, deadline_s=opts.timeout_s)
+            for e in engines:
+                e.client.recv(p["req_id"], blocks, remote, tp_rank=e.layout.tp_rank,
+                              deadline_s=opts.timeout_s)
 
-        def collect(n: int) -> tuple[dict[str, float], dict[str, str]]:
+        def collect(names: list[str]) -> tuple[dict[str, float], dict[str, str]]:
+            """A request is done when every rank is done; returns done times and failures."""
+            ranks_done: dict[str, int] = {}
             done: dict[str, float] = {}
             failed: dict[str, str] = {}
             deadline = time.monotonic() + opts.timeout_s
-            while len(done) + len(failed) < n and time.monotonic() < deadline:
-                ev = eng.client.wait(0.5)
-                now = time.perf_counter()
-                done.update({d.req_id: now for d in ev.done})
-                failed.update({f.req_id: f"{f.code}: {f.reason}" for f in ev.failed})
-                failed.update({e.req_id or "?": f"{e.code}: {e.message}" for e in ev.errors})
+            while len(done) + len(failed) < len(names) and time.monotonic() < deadline:
+                got_any = False
+                for e in engines:
+                    ev = e.client.wait(0.01 if got_any else 0.5 / len(engines))
+                    now = time.perf_counter()
+                    for d in ev.done:
+                        got_any = True
+                        stats["bytes"] += d.nbytes
+                        stats["descriptors"] += d.descriptors
+                        ranks_done[d.req_id] = ranks_done.get(d.req_id, 0) + 1
+                        if ranks_done[d.req_id] == len(engines):
+                            done[d.req_id] = now
+                    failed.update({f.req_id: f"rank {e.layout.tp_rank}: {f.code}: {f.reason}"
+                                   for f in ev.failed})
+                    failed.update({x.req_id or "?": f"{x.code}: {x.message}" for x in ev.errors})
             return done, failed
 
         t_cold = time.perf_counter()
         post(params[0])
-        done, failed = collect(1)
+        done, failed = collect([params[0]["req_id"]])
         cold_ms = (time.perf_counter() - t_cold) * 1e3
+        stats = {"bytes": 0, "descriptors": 0}
         t0 = time.perf_counter()
         for p in params[1:]:
             post(p)
-        d2, f2 = collect(len(params) - 1)
+        d2, f2 = collect([p["req_id"] for p in params[1:]])
         done.update(d2)
         failed.update(f2)
         seconds = (max(d2.values()) - t0) if d2 else 0.0
-        bad = [r for r in done if not eng.verify(r, local[r])]
+        bad = [f"{r} (rank {e.layout.tp_rank})" for r in done for e in engines
+               if not e.verify(r, local[r])]
         results.put({
             "role": "decode", "done": len(d2), "failed": failed, "bad": bad,
-            "verified_requests": len(done) - len(bad), "seconds": seconds,
-            "first_transfer_ms_cold": cold_ms,
+            "verified_requests": len(done) if not bad else 0, "seconds": seconds,
+            "first_transfer_ms_cold": cold_ms, "bytes": stats["bytes"],
+            "descriptors": stats["descriptors"],
         })
     except BaseException as e:
         results.put({"role": "decode", "fatal": repr(e)})
     finally:
-        eng.close()
+        for e in engines:
+            e.close()
 
 
 def run_demo(opts: DemoOptions) -> dict[str, Any]:
     """Run the whole pipeline; returns the summary (``verified`` tells if every byte matched)."""
-    if opts.prefill_tp != 1 or opts.decode_tp != 1:
-        raise ValueError("heterogeneous / multi-rank TP demo arrives with the TP mapping")
+    opts.side_blocks("decode")  # refuse impossible block-size combinations up front
     serve_args = ("--handshake-host", "127.0.0.1", "--lease-s", str(opts.lease_s),
                   "--ucx-error-mode", opts.ucx_error_mode, *opts.extra_serve_args)
     ctx = mp.get_context("spawn")
@@ -177,7 +228,7 @@ def _summarise(
     opts: DemoOptions, got: dict[str, dict[str, Any]], sidecars: list[SidecarProc]
 ) -> dict[str, Any]:
     pre, dec = got.get("prefill", {}), got.get("decode", {})
-    nbytes = opts.request_bytes() * int(dec.get("done", 0))
+    nbytes = int(dec.get("bytes", opts.request_bytes() * int(dec.get("done", 0))))
     seconds = float(dec.get("seconds", 0.0))
     problems: list[str] = []
     for role, r in (("prefill", pre), ("decode", dec)):
@@ -191,6 +242,8 @@ def _summarise(
     released = pre.get("released", {})
     if released.get("read", 0) != opts.requests + 1:
         problems.append(f"prefill holds released by read: {released} (want {opts.requests + 1})")
+    if nbytes != opts.request_bytes() * int(dec.get("done", 0)):
+        problems.append(f"moved {nbytes} bytes, expected {opts.request_bytes()} per request")
     for sc in sidecars:
         if sc.proc.poll() is not None:
             problems.append(f"{sc.name} sidecar exited early with {sc.proc.returncode}")
@@ -199,9 +252,11 @@ def _summarise(
             if os.path.exists(sc.log_path):
                 problems.append(f"{sc.name} sidecar log tail: " + sc.log()[-2000:])
     verified = not problems and dec.get("verified_requests") == opts.requests + 1
+    done = int(dec.get("done", 0))
+    descriptors = int(dec.get("descriptors", 0))
     return {
         "verified": verified,
-        "requests": int(dec.get("done", 0)),
+        "requests": done,
         "bytes": nbytes,
         "seconds": round(seconds, 6),
         "gbps": round(nbytes / seconds / 1e9, 3) if seconds > 0 else 0.0,
@@ -210,6 +265,8 @@ def _summarise(
         "first_transfer_ms_cold": round(float(dec.get("first_transfer_ms_cold", 0.0)), 3),
         "released": released,
         "request_bytes": opts.request_bytes(),
+        "descriptors": descriptors,
+        "descriptors_per_request": descriptors // done if done else 0,
         "options": {k: v for k, v in asdict(opts).items() if k != "extra_serve_args"},
         "problems": problems,
     }

@@ -25,15 +25,23 @@ def make_layout(
     dtype: str = "bfloat16",
     tp_rank: int = 0,
     tp_size: int = 1,
+    mla: bool = False,
+    head_layout: str = "NHD",
 ) -> KVLayout:
+    """A vLLM-like layout; with ``mla`` one latent of ``head_dim`` replicated on every rank."""
+    if mla:
+        heads = 1
     return KVLayout(
         num_layers=layers,
         num_blocks=num_blocks,
         block_size=block_size,
         num_kv_heads=heads,
-        local_kv_heads=heads // tp_size,
+        local_kv_heads=1 if mla else max(1, heads // tp_size),
         head_dim=head_dim,
         dtype=dtype,
+        kv_parts=1 if mla else 2,
+        mla=mla,
+        head_layout=head_layout,  # type: ignore[arg-type]
         tp_rank=tp_rank,
         tp_size=tp_size,
     )
