@@ -149,3 +149,30 @@ def test_demo_defaults_move_at_least_one_gib() -> None:
 
     opts = DemoOptions()
     assert opts.requests * opts.request_bytes() >= 1 << 30
+
+
+def test_connector_layout_reads_nhd_hnd_and_fused_tensors() -> None:
+    import torch
+
+    from kvxfer.connector.layout import registration_from_tensors
+    from kvxfer.protocol import ShmMemory
+
+    def reg(kv: dict) -> object:
+        return registration_from_tensors(
+            kv, num_blocks=6, block_size=4, num_kv_heads=2, local_kv_heads=2, head_dim=8,
+            tp_rank=0, tp_size=1, mla=False,
+            memory_of=lambda t: (ShmMemory(path="/x", size=1 << 20), "x", 0),
+        )
+
+    nhd = torch.zeros(2, 6, 4, 2, 8, dtype=torch.float16)
+    r = reg({"a": nhd, "b": nhd})
+    assert (r.layout.kv_parts, r.layout.head_layout) == (2, "NHD")
+    assert [x.block_len for x in r.regions] == [4 * 2 * 8 * 2] * 4
+    assert r.regions[1].offset == 6 * 4 * 2 * 8 * 2  # V after all K blocks
+    hnd = torch.zeros(2, 6, 2, 4, 8, dtype=torch.float16).permute(0, 1, 3, 2, 4)  # vLLM's HND view
+    assert reg({"a": hnd}).layout.head_layout == "HND"
+    fused = torch.zeros(6, 2, 4, 16, dtype=torch.int8)  # CPU backend: one buffer per block
+    r = reg({"a": fused})
+    assert (r.layout.kv_parts, r.regions[0].block_len) == (1, 2 * 4 * 16)
+    with pytest.raises(RequestError, match="not contiguous"):
+        reg({"a": torch.zeros(2, 6, 4, 2, 16)[..., :8]})

@@ -206,9 +206,9 @@ class KvxferConnector(KVConnectorBase_V1):
 
     @classmethod
     def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:
-        # The sidecar moves whole blocks between equal-TP ranks, so any layout works
-        # today; heterogeneous TP (head slicing) will ask for HND, where one rank's heads
-        # are a contiguous byte range of each block.
+        # No requirement: the sidecar maps any NHD/HND pair (kvxfer.topology), and
+        # forcing HND would change engines that never see heterogeneous TP. With
+        # different P/D TP sizes, running both sides HND cuts descriptors 16x (block 16).
         return None
 
     def shutdown(self) -> None:

@@ -20,8 +20,15 @@ from kvxfer.protocol import KVLayout, KVRegion, MemoryRef, RegisterKV
 MemoryOf = Callable[[Any], tuple[MemoryRef, object, int]]
 
 
-def _layer_regions(name: str, t: Any, num_blocks: int) -> tuple[int, list[tuple[int, int, int]]]:
-    """(kv_parts, [(byte offset from tensor start, block_len, block_stride)])."""
+def _layer_regions(
+    name: str, t: Any, num_blocks: int
+) -> tuple[int, str, list[tuple[int, int, int]]]:
+    """(kv_parts, head layout, [(byte offset from tensor start, block_len, block_stride)]).
+
+    The dims after the block dim may be permuted in memory (vLLM allocates HND caches as
+    a permuted view of the logical ``[..., tokens, heads, dim]`` shape): a block must be
+    contiguous in stride order, and that order tells NHD from HND.
+    """
     shape, stride, item = tuple(t.shape), tuple(t.stride()), t.element_size()
     try:
         bdim = shape.index(num_blocks)
@@ -29,18 +36,22 @@ def _layer_regions(name: str, t: Any, num_blocks: int) -> tuple[int, list[tuple[
         raise RequestError(
             ErrorCode.INVALID_LAYOUT, f"layer {name}: no dimension of size num_blocks={num_blocks} in {shape}"
         ) from None
-    inner = shape[bdim + 1 :]
+    inner = list(range(bdim + 1, len(shape)))
+    order = sorted(inner, key=lambda d: (-stride[d], d))  # outermost first
     expect = 1
-    for size, st in zip(reversed(inner), reversed(stride[bdim + 1 :]), strict=True):
-        if size > 1 and st != expect:
+    for d in reversed(order):
+        if shape[d] > 1 and stride[d] != expect:
             raise RequestError(ErrorCode.INVALID_LAYOUT, f"layer {name}: a block is not contiguous")
-        expect *= size
-    block_len = math.prod(inner) * item
+        expect *= shape[d]
+    head_layout = "NHD"
+    if len(inner) == 3 and order[:2] == [inner[1], inner[0]]:  # heads outside tokens
+        head_layout = "HND"
+    block_len = math.prod(shape[d] for d in inner) * item
     block_stride = stride[bdim] * item
     if bdim >= 1 and shape[bdim - 1] == 2:
         kv_stride = stride[bdim - 1] * item
-        return 2, [(p * kv_stride, block_len, block_stride) for p in range(2)]
-    return 1, [(0, block_len, block_stride)]
+        return 2, head_layout, [(p * kv_stride, block_len, block_stride) for p in range(2)]
+    return 1, head_layout, [(0, block_len, block_stride)]
 
 
 def registration_from_tensors(
@@ -60,21 +71,23 @@ def registration_from_tensors(
     index: dict[object, int] = {}
     regions: list[KVRegion] = []
     parts_seen: set[int] = set()
+    layouts: set[str] = set()
     dtypes: set[str] = set()
     for name, t in kv_caches.items():
         ref, key, base = memory_of(t)
         if key not in index:
             index[key] = len(memory)
             memory.append(ref)
-        parts, layer = _layer_regions(name, t, num_blocks)
+        parts, head_layout, layer = _layer_regions(name, t, num_blocks)
         parts_seen.add(parts)
+        layouts.add(head_layout)
         dtypes.add(str(t.dtype).removeprefix("torch."))
         regions += [
             KVRegion(memory=index[key], offset=base + off, block_len=blen, block_stride=bstride)
             for off, blen, bstride in layer
         ]
-    if len(parts_seen) != 1 or len(dtypes) != 1:
-        raise RequestError(ErrorCode.INVALID_LAYOUT, "layers disagree on K/V split or dtype")
+    if len(parts_seen) != 1 or len(dtypes) != 1 or len(layouts) != 1:
+        raise RequestError(ErrorCode.INVALID_LAYOUT, "layers disagree on K/V split, layout or dtype")
     layout = KVLayout(
         num_layers=len(kv_caches),
         num_blocks=num_blocks,
@@ -85,6 +98,7 @@ def registration_from_tensors(
         dtype=dtypes.pop(),
         kv_parts=parts_seen.pop(),
         mla=mla,
+        head_layout=layouts.pop(),  # type: ignore[arg-type]
         tp_rank=tp_rank,
         tp_size=tp_size,
     )
