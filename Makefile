@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.kvxfer-installed
 PIP_QUIET ?= -q
 
-.PHONY: install install-vllm demo test lint clean
+.PHONY: install install-vllm demo test lint proto clean
 
 VLLM_STAMP := $(VENV)/.vllm-installed
 VLLM_VERSION ?= 0.33.0
@@ -31,6 +31,12 @@ install-vllm: $(VLLM_STAMP)
 
 demo: $(STAMP)
 	$(BIN)/kvxfer demo $(DEMO_ARGS)
+
+# Regenerate the gRPC stubs with the pinned grpcio-tools (the output is committed;
+# tests/test_control.py fails when it is stale).
+proto: $(STAMP)
+	$(BIN)/python -m grpc_tools.protoc -Iproto --python_out=. --grpc_python_out=. --pyi_out=. \
+		proto/kvxfer/control/v1/control.proto
 
 lint: $(STAMP)
 	$(BIN)/ruff check kvxfer tests benchmarks

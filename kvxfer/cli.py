@@ -1,4 +1,5 @@
-"""``kvxfer`` command line: ``serve`` (the sidecar daemon) and ``demo``."""
+"""``kvxfer`` command line: ``serve`` (the sidecar daemon), ``demo``, and the control
+verbs ``status``, ``peers``, ``drain``, ``cancel``."""
 
 from __future__ import annotations
 
@@ -92,7 +93,12 @@ def main(argv: list[str] | None = None) -> int:
     serve = sub.add_parser("serve", help="run the sidecar daemon")
     add_arguments(serve)
     _demo_parser(sub)
+    from kvxfer.control.client_cli import add_commands
+
+    add_commands(sub)
     args = parser.parse_args(argv)
+    if hasattr(args, "func"):
+        return int(args.func(args))
     if args.command == "serve":
         try:
             config = load_config(vars(args))

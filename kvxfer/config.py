@@ -38,6 +38,15 @@ class Config:
     advertise_host: str = _doc("Host peers should dial (goes into kv_transfer_params' "
                                "remote_host). Default: handshake_host, or this host's name "
                                "when that is 0.0.0.0.", default="")
+    control_target: str = _doc("gRPC control/health listener: host:port or unix:///path "
+                               "('' disables it).", default="127.0.0.1:5701")
+    metrics_host: str = _doc("Address the Prometheus /metrics listener binds.", default="0.0.0.0")
+    metrics_port: int = _doc("Port of the Prometheus /metrics listener (0 disables it).",
+                             default=9400)
+    role: str = _doc("What this engine does, for status and routers: prefill, decode or both.",
+                     default="both")
+    drain_timeout_s: float = _doc("How long SIGTERM waits for in-flight work before exiting.",
+                                  default=20.0)
     lease_s: float = _doc("Default lease on held prefill blocks; released when it expires "
                           "with no read.", default=30.0)
     transfer_timeout_s: float = _doc("Default deadline of one receive (handshake included).",
@@ -68,6 +77,10 @@ class Config:
         for name in ("lease_s", "transfer_timeout_s", "handshake_timeout_s", "idle_poll_ms"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be > 0")
+        if self.role not in ("prefill", "decode", "both"):
+            raise ConfigError(f"role must be prefill, decode or both, not {self.role!r}")
+        if not 0 <= self.metrics_port < 65536:
+            raise ConfigError(f"metrics_port out of range: {self.metrics_port}")
         if self.cuda not in ("auto", "on", "off"):
             raise ConfigError(f"cuda must be auto, on or off, not {self.cuda!r}")
         if self.chunk_mib <= 0 or self.max_inflight_chunks <= 0:

@@ -92,6 +92,16 @@ class LeaseTable:
             heapq.heappop(self._heap)
         return self._heap[0][0] if self._heap else None
 
+    def drain_all(self) -> list[Lease]:
+        """Remove and return every lease (shutdown)."""
+        out = list(self._leases.values())
+        for lease in out:
+            self.pop(lease.req_id)
+        return out
+
+    def items(self) -> list[Lease]:
+        return list(self._leases.values())
+
     def drop_owner(self, owner: bytes) -> list[Lease]:
         gone = [lease for lease in self._leases.values() if lease.owner == owner]
         for lease in gone:

@@ -36,30 +36,26 @@ from kvxfer.config import Config
 from kvxfer.errors import ErrorCode, RequestError
 from kvxfer.leases import Lease, LeaseTable
 from kvxfer.memory import validate_registration
+from kvxfer.observe import Event, Observer, start_metrics_server
+from kvxfer.peers import Peer, PeersMixin
 from kvxfer.protocol import (
     PROTOCOL_VERSION,
     Done,
     Error,
     Failed,
-    Hello,
     Hold,
     Ping,
     Pong,
     RankInfo,
     ReadNotice,
     Recv,
-    Refused,
     Registered,
     RegisterKV,
     Release,
     Released,
     Unregister,
-    Welcome,
-    compat_hash,
     encode,
     engine_request_decoder,
-    handshake_reply_decoder,
-    handshake_request_decoder,
     read_notice_decoder,
 )
 from kvxfer.topology import (
@@ -78,19 +74,18 @@ _ENGINE_TAGS = {"register", "unregister", "hold", "release", "recv", "ping"}
 
 
 @dataclass
-class _Peer:
-    endpoint: str
-    engine_id: str
-    agent_name: str
-    ranks: dict[int, RankInfo]
-    handshake_s: float
-
-
-@dataclass
 class _RecvState:
     owner: bytes  # where Done / Failed go
     msg: Recv
+    nbytes: int  # bytes this rank will receive
+    started: float
+    deadline: float
+    state: str = "handshake"  # -> "reading"
     peer_agent: str = ""
+
+    @property
+    def peer(self) -> str:
+        return f"{self.msg.remote_host}:{self.msg.remote_port}"
 
 
 def recv_key(req_id: str, tp_rank: int) -> str:
@@ -113,7 +108,7 @@ def classify_bad_message(body: bytes) -> ErrorCode:
     return ErrorCode.MALFORMED
 
 
-class Sidecar:
+class Sidecar(PeersMixin):
     def __init__(self, config: Config) -> None:
         self.config = config
         self.engine_id = config.resolved_engine_id
@@ -127,8 +122,8 @@ class Sidecar:
         self.rank_owner: dict[int, bytes] = {}
         self.leases = LeaseTable()
         self.recvs: dict[str, _RecvState] = {}
-        self.peers: dict[str, _Peer] = {}  # by handshake endpoint "host:port"
-        self._handshakes: dict[str, asyncio.Future[_Peer]] = {}
+        self.peers: dict[str, Peer] = {}  # by handshake endpoint "host:port"
+        self._handshakes: dict[str, asyncio.Future[Peer]] = {}
         self._tasks: set[asyncio.Task[Any]] = set()
         self._stop = asyncio.Event()
         self._lease_wakeup = asyncio.Event()
@@ -142,8 +137,11 @@ class Sidecar:
             cuda=config.cuda_enabled,
         )
         self.transfer = TransferEngine(self.agent_name, opts, self._from_nixl_thread)
-        self.stats = {"handshakes": 0, "handshake_failures": 0, "stray_notices": 0,
-                      "bad_messages": 0, "recv_ok": 0, "recv_failed": 0}
+        self.observer = Observer()
+        self.draining = False
+        self.ready = False
+        self._idle = asyncio.Event()  # nothing in flight, nothing held
+        self.on_drain: Any = None  # async callback (the control server flips readiness)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -151,14 +149,24 @@ class Sidecar:
         self.loop = asyncio.get_running_loop()
         await asyncio.wrap_future(self.transfer.start())
         self._bind()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            with contextlib.suppress(NotImplementedError, RuntimeError):
-                self.loop.add_signal_handler(sig, self._stop.set)
+        self.ready = True
+        self.observer.g_ready.set(1)
+        control = None
+        if self.config.control_target:
+            from kvxfer.control.service import start_control_server
+
+            control = await start_control_server(self, self.config.control_target)
+        if self.config.metrics_port:
+            start_metrics_server(self.observer, self.config.metrics_host, self.config.metrics_port)
+        with contextlib.suppress(NotImplementedError, RuntimeError):
+            self.loop.add_signal_handler(signal.SIGINT, self._stop.set)  # operator: stop now
+            self.loop.add_signal_handler(signal.SIGTERM, self._graceful_stop)  # orchestrator
         print(
             f"kvxfer {__version__} ready: engine_id={self.engine_id} "
             f"engine_socket={self.config.engine_socket} "
             f"handshake={self.config.resolved_advertise_host}:{self.handshake_port} "
-            f"agent={self.agent_name} ucx_error_mode={self.config.ucx_error_mode}",
+            f"agent={self.agent_name} ucx_error_mode={self.config.ucx_error_mode} "
+            f"control={self.config.control_target or '-'} metrics_port={self.config.metrics_port or '-'}",
             file=sys.stderr,
             flush=True,
         )
@@ -173,11 +181,24 @@ class Sidecar:
             for t in loops + list(self._tasks):
                 t.cancel()
             await asyncio.gather(*loops, *self._tasks, return_exceptions=True)
+            if control is not None:
+                await control.stop(0.5)
             await asyncio.to_thread(self.transfer.stop)
             self._close()
 
     def request_stop(self) -> None:
         self._stop.set()
+
+    def _graceful_stop(self) -> None:
+        """SIGTERM: readiness off, drain within drain_timeout_s, then stop."""
+
+        async def run() -> None:
+            drained, failed, released, took = await self.drain(self.config.drain_timeout_s)
+            log.warning("drained in %.2fs (failed %d receives, released %d holds); stopping",
+                        took, failed, released)
+            self._stop.set()
+
+        self._spawn(run())
 
     def _bind(self) -> None:
         self.engine_sock = self.ctx.socket(zmq.ROUTER)
@@ -233,7 +254,6 @@ class Sidecar:
 
     def _fail(self, ident: bytes, req_id: str, block_ids: list[int], err: RequestError) -> None:
         log.warning("request %s failed: [%s] %s", req_id, err.code, err.reason)
-        self.stats["recv_failed"] += 1
         self._send(ident, Failed(req_id=req_id, block_ids=block_ids, code=err.code, reason=err.reason))
 
     async def _engine_loop(self) -> None:
@@ -242,13 +262,13 @@ class Sidecar:
             frames = await self.engine_sock.recv_multipart()
             ident, body = frames[0], frames[-1]
             if len(frames) != 2:
-                self.stats["bad_messages"] += 1
+                self.observer.bad_message("engine")
                 self._send(ident, Error(code=ErrorCode.MALFORMED, message="expected one frame"))
                 continue
             try:
                 msg = engine_request_decoder.decode(body)
             except (msgspec.DecodeError, msgspec.ValidationError) as e:
-                self.stats["bad_messages"] += 1
+                self.observer.bad_message("engine")
                 code = classify_bad_message(body)
                 log.warning("bad engine message (%s): %s", code, e)
                 self._send(ident, Error(code=code, message=str(e)))
@@ -339,6 +359,8 @@ class Sidecar:
             )
 
     def _on_hold(self, ident: bytes, msg: Hold) -> None:
+        if self.draining:
+            raise RequestError(ErrorCode.DRAINING, "sidecar is draining; no new holds", msg.req_id)
         if not self.ranks:
             raise RequestError(ErrorCode.NOT_REGISTERED, "no KV cache registered", msg.req_id)
         num_blocks = min(r.layout.num_blocks for r in self.ranks.values())
@@ -355,6 +377,7 @@ class Sidecar:
                 notify_ranks=msg.notify_ranks,
             )
         )
+        self.observer.g_leases.set(len(self.leases))
         self._lease_wakeup.set()
 
     def _on_recv(self, ident: bytes, msg: Recv) -> None:
@@ -364,6 +387,8 @@ class Sidecar:
         if msg.reply_to_rank:
             ident = self.rank_owner.get(msg.tp_rank, ident)
         try:
+            if self.draining:
+                raise RequestError(ErrorCode.DRAINING, "sidecar is draining; no new receives")
             local = self.ranks.get(msg.tp_rank)
             if local is None:
                 raise RequestError(ErrorCode.NOT_REGISTERED, f"tp_rank {msg.tp_rank} not registered")
@@ -371,7 +396,13 @@ class Sidecar:
         except RequestError as e:
             self._fail(ident, msg.req_id, list(msg.block_ids), e)
             return
-        self.recvs[key] = _RecvState(owner=ident, msg=msg)
+        now = time.monotonic()
+        block_bytes = sum(r.block_len for r in local.regions)
+        self.recvs[key] = _RecvState(
+            owner=ident, msg=msg, nbytes=block_bytes * len(msg.block_ids), started=now,
+            deadline=now + (msg.deadline_s or self.config.transfer_timeout_s),
+        )
+        self._gauges()
         self._spawn(self._run_recv(key, msg))
 
     async def _run_recv(self, key: str, msg: Recv) -> None:
@@ -380,19 +411,23 @@ class Sidecar:
         state = self.recvs[key]
         try:
             peer = await asyncio.wait_for(
-                self._get_peer(msg.remote_host, msg.remote_port), timeout=deadline_s
+                self.get_peer(msg.remote_host, msg.remote_port), timeout=deadline_s
             )
+            if self.recvs.get(key) is not state:
+                return  # cancelled or failed while the handshake ran
             plans, pairing = self._plan(msg, peer)
             state.peer_agent = peer.agent_name
             if not msg.block_ids:
                 # Nothing to read (full prefix hit / abort): just release the prefill side.
                 self.recvs.pop(key, None)
+                self._gauges()
                 self._send(state.owner, Done(req_id=msg.req_id, nbytes=0, seconds=0.0))
                 await self._notify_peer(peer.agent_name, self._notice(msg, ok=True))
                 return
             remaining = deadline_s - (time.monotonic() - start)
             if remaining <= 0:
                 raise RequestError(ErrorCode.DEADLINE, "deadline passed during handshake")
+            state.state = "reading"
             await self._nixl(
                 self.transfer.t_read,
                 key,
@@ -414,7 +449,7 @@ class Sidecar:
             log.exception("receive %s failed", msg.req_id)
             self._finish_recv_error(key, RequestError(ErrorCode.TRANSFER_ERROR, repr(e)))
 
-    def _plan(self, msg: Recv, peer: _Peer) -> tuple[list[RankPlan], BlockPairing]:
+    def _plan(self, msg: Recv, peer: Peer) -> tuple[list[RankPlan], BlockPairing]:
         """Which remote ranks to read, and how blocks pair up (kvxfer.topology)."""
         if msg.remote_engine_id and msg.remote_engine_id != peer.engine_id:
             raise RequestError(
@@ -449,7 +484,22 @@ class Sidecar:
     def _finish_recv_error(self, key: str, err: RequestError) -> None:
         state = self.recvs.pop(key, None)
         if state is not None:
+            self.observer.transfer_failed(
+                state.msg.req_id, state.peer, state.msg.tp_rank, err.code, err.reason
+            )
             self._fail(state.owner, state.msg.req_id, list(state.msg.block_ids), err)
+            self._gauges()
+
+    def _gauges(self) -> None:
+        o = self.observer
+        o.g_inflight.set(len(self.recvs))
+        o.g_inflight_bytes.set(sum(r.nbytes for r in self.recvs.values()))
+        o.g_leases.set(len(self.leases))
+        o.g_peers.set(len(self.peers))
+        if self.recvs or self.leases:
+            self._idle.clear()
+        else:
+            self._idle.set()
 
     def _notice(self, msg: Recv, ok: bool) -> ReadNotice:
         readers = self.ranks[msg.tp_rank].layout.tp_size if msg.tp_rank in self.ranks else 0
@@ -460,7 +510,8 @@ class Sidecar:
 
     def _from_nixl_thread(self, event: ReadFinished | NoticeReceived) -> None:
         assert self.loop is not None
-        self.loop.call_soon_threadsafe(self._on_nixl_event, event)
+        with contextlib.suppress(RuntimeError):  # loop already closed at shutdown
+            self.loop.call_soon_threadsafe(self._on_nixl_event, event)
 
     def _on_nixl_event(self, event: ReadFinished | NoticeReceived) -> None:
         if isinstance(event, NoticeReceived):
@@ -471,15 +522,24 @@ class Sidecar:
             return
         msg = state.msg
         notice = self._notice(msg, event.ok)
+        peer = next((p for p in self.peers.values() if p.agent_name == event.peer), None)
         if event.ok:
-            self.stats["recv_ok"] += 1
+            self.observer.transfer_done(msg.req_id, state.peer, msg.tp_rank, event.nbytes,
+                                        event.seconds, event.descriptors)
+            if peer is not None:
+                peer.reads += 1
+                peer.bytes += event.nbytes
             self._send(state.owner, Done(req_id=msg.req_id, nbytes=event.nbytes, seconds=event.seconds,
                                          descriptors=event.descriptors))
         else:
+            self.observer.transfer_failed(msg.req_id, state.peer, msg.tp_rank, event.code, event.reason)
+            if peer is not None:
+                peer.failures += 1
             self._fail(state.owner, msg.req_id, list(msg.block_ids),
                        RequestError(event.code, event.reason, msg.req_id))
+        self._gauges()
         if event.code == ErrorCode.PEER_DISCONNECTED:
-            self._spawn(self._drop_peer(event.peer, event.reason))
+            self._spawn(self.drop_peer(event.peer, event.reason))
         else:
             self._spawn(self._notify_peer(event.peer, notice))
 
@@ -493,18 +553,20 @@ class Sidecar:
         try:
             notice = read_notice_decoder.decode(event.payload)
         except (msgspec.DecodeError, msgspec.ValidationError):
-            self.stats["stray_notices"] += 1
+            self.observer.totals.stray_notices += 1
             return
         lease = self.leases.note_read(notice.req_id, notice.tp_rank, notice.readers)
         if lease is None:
             if notice.req_id not in self.leases:
-                self.stats["stray_notices"] += 1
+                self.observer.totals.stray_notices += 1
             return
         self._release(lease, "read" if notice.ok else "aborted")
 
     def _release(self, lease: Lease, reason: str) -> None:
         """Tell the engine it may reuse the blocks: the holder, or every worker."""
         ev = Released(req_id=lease.req_id, reason=reason, reads=lease.reads_seen)  # type: ignore[arg-type]
+        self.observer.lease_released(lease.req_id, reason)
+        self._gauges()
         targets = set(self.rank_owner.values()) if lease.notify_ranks else {lease.owner}
         for ident in targets or {lease.owner}:
             self._send(ident, ev)
@@ -522,123 +584,62 @@ class Sidecar:
                             lease.reads_seen, lease.reads_expected)
                 self._release(lease, "expired")
 
-    # ------------------------------------------------------------------ peers / handshake
 
-    async def _get_peer(self, host: str, port: int) -> _Peer:
-        key = f"{host}:{port}"
-        peer = self.peers.get(key)
-        if peer is not None:
-            return peer
-        fut = self._handshakes.get(key)
-        if fut is None:
-            fut = asyncio.ensure_future(self._handshake(host, port))
-            self._handshakes[key] = fut
-            fut.add_done_callback(lambda _f: self._handshakes.pop(key, None))
-        return await asyncio.shield(fut)
+    # ------------------------------------------------------------------ control operations
 
-    async def _handshake(self, host: str, port: int) -> _Peer:
-        key = f"{host}:{port}"
-        local = next(iter(self.ranks.values()), None)
-        sock = self.ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        start = time.monotonic()
-        try:
-            sock.connect(f"tcp://{key}")
-            hello = Hello(
-                version=PROTOCOL_VERSION,
-                compat_hash=compat_hash(local.layout if local else None),
-                engine_id=self.engine_id,
-                agent_name=self.agent_name,
-            )
-            await sock.send(encode(hello))
-            timeout_ms = int(self.config.handshake_timeout_s * 1000)
-            if not await sock.poll(timeout_ms):
-                raise RequestError(
-                    ErrorCode.HANDSHAKE_FAILED,
-                    f"no handshake answer from {key} within {self.config.handshake_timeout_s}s",
-                )
-            frames = await sock.recv_multipart()
-            try:
-                reply = handshake_reply_decoder.decode(frames[0])
-            except (msgspec.DecodeError, msgspec.ValidationError) as e:
-                raise RequestError(ErrorCode.HANDSHAKE_FAILED, f"bad reply from {key}: {e}") from e
-            if isinstance(reply, Refused):
-                raise RequestError(reply.code, f"{key} refused the handshake: {reply.reason}")
-            if reply.version != PROTOCOL_VERSION or reply.compat_hash != hello.compat_hash:
-                raise RequestError(
-                    ErrorCode.INCOMPATIBLE,
-                    f"{key} runs protocol {reply.version} hash {reply.compat_hash}; "
-                    f"we run {PROTOCOL_VERSION} hash {hello.compat_hash}",
-                )
-            if len(frames) != 2 or not reply.ranks:
-                raise RequestError(ErrorCode.HANDSHAKE_FAILED, f"{key}: welcome without metadata")
-            await self._nixl(self.transfer.t_add_peer, reply.agent_name, frames[1], reply.ranks)
-        except RequestError:
-            self.stats["handshake_failures"] += 1
-            raise
-        finally:
-            sock.close(0)
-        peer = _Peer(
-            endpoint=key,
-            engine_id=reply.engine_id,
-            agent_name=reply.agent_name,
-            ranks={r.layout.tp_rank: r for r in reply.ranks},
-            handshake_s=time.monotonic() - start,
-        )
-        self.peers[key] = peer
-        self.stats["handshakes"] += 1
-        log.info("handshake with %s (%s) in %.1f ms", key, peer.engine_id, peer.handshake_s * 1e3)
+    async def connect_peer(self, host: str, port: int) -> Peer:
+        """Pre-warm: handshake now so the first request does not pay for it."""
+        if not self.ranks:
+            raise RequestError(ErrorCode.NOT_REGISTERED,
+                               "register the engine's KV cache first: the handshake carries its layout")
+        peer = await self.get_peer(host, port)
+        self._gauges()
         return peer
 
-    async def _drop_peer(self, agent: str, reason: str) -> None:
-        for key, peer in list(self.peers.items()):
-            if peer.agent_name == agent:
-                del self.peers[key]
-        log.warning("dropped peer %s: %s", agent, reason)
-        with contextlib.suppress(Exception):
-            await self._nixl(self.transfer.t_remove_peer, agent, reason)
+    async def disconnect_peer(self, which: str) -> bool:
+        """Forget a peer by endpoint (host:port) or engine id."""
+        agents = {p.agent_name for k, p in self.peers.items() if which in (k, p.engine_id)}
+        dropped = False
+        for agent in agents:
+            dropped |= await self.drop_peer(agent, "disconnected by operator")
+        self._gauges()
+        return dropped
 
-    async def _handshake_loop(self) -> None:
-        assert self.hs_sock is not None
-        while True:
-            frames = await self.hs_sock.recv_multipart()
-            ident, body = frames[0], frames[-1]
-            reply, extra = await self._answer_hello(body)
-            self.hs_sock.send_multipart([ident, encode(reply), *extra])
+    async def cancel(self, req_id: str, code: ErrorCode = ErrorCode.CANCELLED,
+                     reason: str = "cancelled by operator") -> int:
+        """Fail every rank's receive of a request now; returns how many were cancelled."""
+        keys = [k for k, st in self.recvs.items() if st.msg.req_id == req_id or not req_id]
+        for key in keys:
+            state = self.recvs.get(key)
+            if state is None:
+                continue
+            if state.state == "reading" and await self._nixl(self.transfer.t_cancel, key, code, reason):
+                continue  # the NIXL thread reports the failure through the usual path
+            self._finish_recv_error(key, RequestError(code, reason, req_id))
+        return len(keys)
 
-    async def _answer_hello(self, body: bytes) -> tuple[Welcome | Refused, list[bytes]]:
-        def refuse(code: ErrorCode, reason: str) -> tuple[Refused, list[bytes]]:
-            log.warning("handshake refused: %s", reason)
-            return Refused(version=PROTOCOL_VERSION, code=code, reason=reason), []
-
-        try:
-            hello = handshake_request_decoder.decode(body)
-        except (msgspec.DecodeError, msgspec.ValidationError) as e:
-            self.stats["bad_messages"] += 1
-            return refuse(ErrorCode.MALFORMED, f"bad hello: {e}")
-        if hello.version != PROTOCOL_VERSION:
-            return refuse(
-                ErrorCode.INCOMPATIBLE,
-                f"protocol version {hello.version}, this sidecar speaks {PROTOCOL_VERSION}",
-            )
-        if not self.ranks:
-            return refuse(ErrorCode.NOT_REGISTERED, "no KV cache registered yet")
-        ours = compat_hash(next(iter(self.ranks.values())).layout)
-        if hello.compat_hash != ours:
-            return refuse(
-                ErrorCode.INCOMPATIBLE,
-                f"compatibility hash {hello.compat_hash} != {ours} (model layout differs: "
-                f"{next(iter(self.ranks.values())).layout.model_signature()})",
-            )
-        metadata: bytes = await self._nixl(self.transfer.t_metadata)
-        welcome = Welcome(
-            version=PROTOCOL_VERSION,
-            compat_hash=ours,
-            engine_id=self.engine_id,
-            agent_name=self.agent_name,
-            ranks=[self.ranks[r] for r in sorted(self.ranks)],
-        )
-        return welcome, [metadata]
+    async def drain(self, timeout_s: float) -> tuple[bool, int, int, float]:
+        """Refuse new holds/receives; wait for in-flight work; fail/release what is left."""
+        start = time.monotonic()
+        if not self.draining:
+            self.draining = True
+            self.observer.g_ready.set(0)
+            self.observer.emit(Event("drain_started"))
+            if self.on_drain is not None:
+                await self.on_drain()
+        self._gauges()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._idle.wait(), timeout_s)
+        failed = len(self.recvs)
+        if failed:
+            await self.cancel("", ErrorCode.DRAINING, "sidecar drained before the transfer finished")
+        released = 0
+        for lease in self.leases.drain_all():
+            self._release(lease, "aborted")
+            released += 1
+        took = time.monotonic() - start
+        self.observer.emit(Event("drained", seconds=took))
+        return failed == 0 and released == 0, failed, released, took
 
 
 def run_server(config: Config) -> None:

@@ -1,0 +1,198 @@
+"""``kvxfer status``, ``kvxfer peers ...``, ``kvxfer drain``, ``kvxfer cancel``: thin
+command-line verbs over the gRPC control API. Exit codes: 0 fine, 1 the sidecar answered
+but is not serving (or the operation failed), 2 the sidecar could not be reached."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from typing import Any
+
+import grpc
+from google.protobuf.json_format import MessageToDict
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from kvxfer.control.v1 import control_pb2 as pb
+from kvxfer.control.v1 import control_pb2_grpc as pb_grpc
+
+DEFAULT_TARGET = "127.0.0.1:5701"
+
+
+def add_target(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--target", default=os.environ.get("KVXFER_CONTROL_TARGET", DEFAULT_TARGET),
+                   help=f"sidecar gRPC target, host:port or unix:///path (env KVXFER_CONTROL_TARGET; "
+                        f"default {DEFAULT_TARGET})")
+    p.add_argument("--timeout", type=float, default=5.0, help="seconds per RPC")
+
+
+def _human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+def _dur(s: float) -> str:
+    s = int(s)
+    return f"{s // 3600}h{s % 3600 // 60:02d}m{s % 60:02d}s" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"
+
+
+def render(st: pb.Status, serving: bool, rate: float | None = None) -> str:
+    i = st.identity
+    state = "SERVING" if serving else ("DRAINING" if st.draining else "NOT SERVING")
+    lines = [
+        f"kvxfer sidecar {i.engine_id} (role {i.role}, v{i.version}, protocol {i.protocol_version}) "
+        f"up {_dur(st.uptime_s)} - {state}",
+        f"  handshake  {i.handshake_endpoint}   agent {i.agent_name}   NIXL {','.join(i.nixl_backends)} "
+        f"({i.ucx_error_mode})",
+    ]
+    if not st.ranks:
+        lines.append("  ranks      none registered")
+    for r in st.ranks:
+        kv = "MLA" if r.mla else f"{r.local_kv_heads}/{r.num_kv_heads} heads"
+        lines.append(
+            f"  rank       tp {r.tp_rank}/{r.tp_size}: {r.num_layers} layers x {r.num_blocks} blocks x "
+            f"{r.block_size} tok, {kv} x {r.head_dim} {r.dtype} {r.head_layout}, "
+            f"{_human_bytes(r.bytes_registered)} {r.mem_type}"
+        )
+    lines.append(f"  peers      {len(st.peers)}")
+    if st.peers:
+        lines.append(f"    {'ENDPOINT':<24}{'ENGINE':<20}{'STATE':<11}{'HANDSHAKE':>10}{'READS':>8}"
+                     f"{'BYTES':>12}{'FAILED':>8}")
+        for p in st.peers:
+            lines.append(f"    {p.endpoint:<24}{p.engine_id[:19]:<20}{p.state:<11}{p.handshake_ms:>8.1f}ms"
+                         f"{p.reads:>8}{_human_bytes(p.bytes):>12}{p.failures:>8}")
+    if st.leases:
+        oldest = max(x.age_s for x in st.leases)
+        nxt = min(x.expires_in_s for x in st.leases)
+        lines.append(f"  leases     {len(st.leases)} held, {sum(x.num_blocks for x in st.leases)} blocks "
+                     f"(oldest {oldest:.1f}s, next expiry in {nxt:.1f}s)")
+    else:
+        lines.append("  leases     0 held")
+    reading = [t for t in st.transfers if t.state == "reading"]
+    lines.append(f"  in-flight  {len(reading)} reading, {len(st.transfers) - len(reading)} in handshake, "
+                 f"{_human_bytes(sum(t.bytes for t in st.transfers))}")
+    t = st.totals
+    avg = t.bytes / st.uptime_s / 1e9 if st.uptime_s > 0 else 0.0
+    thr = f"{rate:.2f} GB/s now" if rate is not None else f"{avg:.3f} GB/s average since start"
+    lines.append(f"  totals     {t.transfers_ok} transfers ok, {t.transfers_failed} failed, "
+                 f"{_human_bytes(t.bytes)} received ({thr})")
+    lines.append(f"             leases {t.leases_released} released, {t.leases_expired} expired; "
+                 f"handshakes {t.handshakes} ok, {t.handshake_failures} failed; "
+                 f"{t.bad_messages} bad messages")
+    return "\n".join(lines)
+
+
+def _fetch(target: str, timeout: float) -> tuple[pb.Status, bool]:
+    with grpc.insecure_channel(target) as ch:
+        st = pb_grpc.ControlStub(ch).GetStatus(pb.GetStatusRequest(), timeout=timeout)
+        h = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=""), timeout=timeout)
+    return st, h.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def _unreachable(verb: str, target: str, e: grpc.RpcError) -> int:
+    print(f"kvxfer {verb}: cannot reach sidecar at {target}: {e.code().name}: {e.details()}",
+          file=sys.stderr)
+    return 2
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    last: tuple[float, int] | None = None
+    while True:
+        try:
+            st, serving = _fetch(args.target, args.timeout)
+        except grpc.RpcError as e:
+            return _unreachable("status", args.target, e)
+        if args.json:
+            d = MessageToDict(st, preserving_proto_field_name=True,
+                              always_print_fields_with_no_presence=True)
+            print(json.dumps(d | {"serving": serving, "target": args.target}), flush=True)
+        else:
+            now = time.monotonic()
+            rate = None
+            if last is not None and now > last[0]:
+                rate = (st.totals.bytes - last[1]) / (now - last[0]) / 1e9
+            last = (now, st.totals.bytes)
+            if args.watch:
+                print("\033[2J\033[H", end="")
+            print(render(st, serving, rate), flush=True)
+        if not args.watch:
+            if not serving:
+                why = "draining" if st.draining else "not ready"
+                print(f"kvxfer status: sidecar at {args.target} is not serving ({why})", file=sys.stderr)
+                return 1
+            return 0
+        time.sleep(args.watch)
+
+
+def _call(args: argparse.Namespace, verb: str, fn: Any) -> int:
+    try:
+        with grpc.insecure_channel(args.target) as ch:
+            out = fn(pb_grpc.ControlStub(ch))
+    except grpc.RpcError as e:
+        if e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED) and \
+                "refused" in (e.details() or "").lower():
+            return _unreachable(verb, args.target, e)
+        print(f"kvxfer {verb}: {e.code().name}: {e.details()}", file=sys.stderr)
+        return 1
+    d = MessageToDict(out, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
+    print(json.dumps(d) if args.json else "\n".join(f"{k}: {v}" for k, v in d.items()))
+    return 0
+
+
+def cmd_peers(args: argparse.Namespace) -> int:
+    if args.peers_cmd == "connect":
+        host, _, port = args.endpoint.rpartition(":")
+        if not host or not port.isdigit():
+            print(f"kvxfer peers connect: expected HOST:PORT, got {args.endpoint!r}", file=sys.stderr)
+            return 2
+        req = pb.ConnectPeerRequest(host=host, port=int(port))
+        return _call(args, "peers connect",
+                     lambda s: s.ConnectPeer(req, timeout=max(args.timeout, 10)))
+    if args.peers_cmd == "disconnect":
+        req2 = pb.DisconnectPeerRequest(endpoint=args.endpoint)
+        return _call(args, "peers disconnect", lambda s: s.DisconnectPeer(req2, timeout=args.timeout))
+    return _call(args, "peers list", lambda s: s.ListPeers(pb.ListPeersRequest(), timeout=args.timeout))
+
+
+def cmd_drain(args: argparse.Namespace) -> int:
+    req = pb.DrainRequest(timeout_s=args.drain_timeout)
+    return _call(args, "drain", lambda s: s.Drain(req, timeout=args.drain_timeout + args.timeout))
+
+
+def cmd_cancel(args: argparse.Namespace) -> int:
+    req = pb.CancelTransferRequest(request_id=args.request_id)
+    return _call(args, "cancel", lambda s: s.CancelTransfer(req, timeout=args.timeout))
+
+
+def add_commands(sub: Any) -> None:
+    p = sub.add_parser("status", help="show a sidecar's peers, leases, in-flight work and totals")
+    add_target(p)
+    p.add_argument("--json", action="store_true", help="one JSON object (per poll with --watch)")
+    p.add_argument("--watch", type=float, nargs="?", const=2.0, default=0.0, metavar="SECONDS",
+                   help="refresh every SECONDS (default 2) until interrupted")
+    p.set_defaults(func=cmd_status)
+    p = sub.add_parser("peers", help="list, pre-connect or forget peer sidecars")
+    psub = p.add_subparsers(dest="peers_cmd", required=True)
+    for name, helptext in (("list", "list peers"), ("connect", "handshake now with HOST:PORT"),
+                           ("disconnect", "forget a peer (HOST:PORT or engine id)")):
+        q = psub.add_parser(name, help=helptext)
+        if name != "list":
+            q.add_argument("endpoint")
+        add_target(q)
+        q.add_argument("--json", action="store_true")
+        q.set_defaults(func=cmd_peers)
+    p = sub.add_parser("drain", help="stop new work, finish or fail in-flight work")
+    add_target(p)
+    p.add_argument("--drain-timeout", type=float, default=20.0, help="seconds to wait for in-flight work")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_drain)
+    p = sub.add_parser("cancel", help="fail a request's receive now")
+    p.add_argument("request_id")
+    add_target(p)
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_cancel)

@@ -1,0 +1,181 @@
+"""The gRPC servicer: a thin translation between ``Control`` RPCs and the sidecar.
+
+It reads the sidecar's state to build replies and calls its operations (``connect_peer``,
+``disconnect_peer``, ``cancel``, ``drain``); it never touches NIXL or ZMQ itself. Health:
+"" and "liveness" are SERVING while the loop runs; "readiness" (and "") only while NIXL is
+up, the engine socket listens and the sidecar is not draining.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Any
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1._async import HealthServicer
+from grpc_reflection.v1alpha import reflection
+
+from kvxfer import __version__
+from kvxfer.control.v1 import control_pb2 as pb
+from kvxfer.control.v1 import control_pb2_grpc as pb_grpc
+from kvxfer.errors import ErrorCode, RequestError
+from kvxfer.protocol import PROTOCOL_VERSION
+
+if TYPE_CHECKING:
+    from kvxfer.observe import Event
+    from kvxfer.peers import Peer
+    from kvxfer.sidecar import Sidecar
+
+SERVICE = pb.DESCRIPTOR.services_by_name["Control"].full_name
+_GRPC_CODE = {
+    ErrorCode.NOT_REGISTERED: grpc.StatusCode.FAILED_PRECONDITION,
+    ErrorCode.INCOMPATIBLE: grpc.StatusCode.FAILED_PRECONDITION,
+    ErrorCode.HANDSHAKE_FAILED: grpc.StatusCode.UNAVAILABLE,
+    ErrorCode.DRAINING: grpc.StatusCode.UNAVAILABLE,
+}
+
+
+def peer_proto(p: Peer) -> pb.Peer:
+    tp = next(iter(p.ranks.values())).layout.tp_size if p.ranks else 0
+    return pb.Peer(endpoint=p.endpoint, engine_id=p.engine_id, agent_name=p.agent_name,
+                   state="connected", last_handshake_unix=p.connected_unix,
+                   handshake_ms=p.handshake_s * 1e3, tp_size=tp, reads=p.reads, bytes=p.bytes,
+                   failures=p.failures)
+
+
+def transfers_proto(sc: Sidecar, req_id: str = "", state: str = "") -> list[pb.Transfer]:
+    now = time.monotonic()
+    return [
+        pb.Transfer(request_id=st.msg.req_id, tp_rank=st.msg.tp_rank, peer=st.peer, state=st.state,
+                    num_blocks=len(st.msg.block_ids), bytes=st.nbytes, age_s=now - st.started,
+                    deadline_in_s=st.deadline - now)
+        for st in sc.recvs.values()
+        if (not req_id or st.msg.req_id == req_id) and (not state or st.state == state)
+    ]
+
+
+def status_proto(sc: Sidecar) -> pb.Status:
+    now = time.monotonic()
+    cfg = sc.config
+    ident = pb.Identity(
+        engine_id=sc.engine_id, role=cfg.role, version=__version__, nixl_backends=sc.transfer.backends,
+        handshake_endpoint=f"{cfg.resolved_advertise_host}:{sc.handshake_port}",
+        agent_name=sc.agent_name, protocol_version=PROTOCOL_VERSION, ucx_error_mode=cfg.ucx_error_mode,
+    )
+    ranks = []
+    for r in sorted(sc.ranks):
+        info = sc.ranks[r]
+        lay = info.layout
+        ranks.append(pb.RankRegistration(
+            tp_rank=lay.tp_rank, tp_size=lay.tp_size, num_layers=lay.num_layers,
+            num_blocks=lay.num_blocks, block_size=lay.block_size, num_kv_heads=lay.num_kv_heads,
+            local_kv_heads=lay.local_kv_heads, head_dim=lay.head_dim, dtype=lay.dtype,
+            kv_parts=lay.kv_parts, mla=lay.mla, head_layout=lay.head_layout,
+            bytes_registered=sum(x.block_len for x in info.regions) * lay.num_blocks,
+            mem_type=info.mem_type,
+        ))
+    leases = [
+        pb.Lease(request_id=lease.req_id, num_blocks=len(lease.block_ids), age_s=now - lease.created,
+                 expires_in_s=lease.expires - now, reads_seen=lease.reads_seen,
+                 reads_expected=lease.reads_expected)
+        for lease in sc.leases.items()
+    ]
+    t = sc.observer.totals
+    totals = pb.Totals(bytes=t.bytes, transfers_ok=t.transfers_ok, transfers_failed=t.transfers_failed,
+                       leases_released=t.leases_released, leases_expired=t.leases_expired,
+                       handshakes=t.handshakes, handshake_failures=t.handshake_failures,
+                       bad_messages=t.bad_messages)
+    return pb.Status(identity=ident, ranks=ranks, peers=[peer_proto(p) for p in sc.peers.values()],
+                     leases=leases, transfers=transfers_proto(sc), totals=totals,
+                     uptime_s=now - sc.started, ready=sc.ready and not sc.draining,
+                     draining=sc.draining)
+
+
+def load_proto(sc: Sidecar) -> pb.Load:
+    queued = [st for st in sc.recvs.values() if st.state != "reading"]
+    reading = [st for st in sc.recvs.values() if st.state == "reading"]
+    return pb.Load(
+        queued_requests=len(queued), queued_bytes=sum(s.nbytes for s in queued),
+        inflight_requests=len(reading), inflight_bytes=sum(s.nbytes for s in reading),
+        held_requests=len(sc.leases), held_blocks=sum(len(x.block_ids) for x in sc.leases.items()),
+        draining=sc.draining,
+    )
+
+
+def event_proto(ev: Event) -> pb.Event:
+    return pb.Event(time_unix=ev.time_unix, kind=ev.kind, request_id=ev.request_id, peer=ev.peer,
+                    code=ev.code, reason=ev.reason, bytes=ev.bytes, seconds=ev.seconds,
+                    tp_rank=ev.tp_rank)
+
+
+class ControlService(pb_grpc.ControlServicer):
+    def __init__(self, sidecar: Sidecar) -> None:
+        self.sc = sidecar
+
+    async def GetStatus(self, request: pb.GetStatusRequest, context: Any) -> pb.Status:
+        return status_proto(self.sc)
+
+    async def ListPeers(self, request: pb.ListPeersRequest, context: Any) -> pb.ListPeersResponse:
+        return pb.ListPeersResponse(peers=[peer_proto(p) for p in self.sc.peers.values()])
+
+    async def ConnectPeer(self, request: pb.ConnectPeerRequest, context: Any) -> pb.Peer:
+        if not request.host or not 0 < request.port < 65536:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "host and a port in 1..65535 are required")
+        try:
+            return peer_proto(await self.sc.connect_peer(request.host, request.port))
+        except RequestError as e:
+            await context.abort(_GRPC_CODE.get(e.code, grpc.StatusCode.UNKNOWN), f"[{e.code}] {e.reason}")
+            raise  # unreachable: abort raises
+
+    async def DisconnectPeer(
+        self, request: pb.DisconnectPeerRequest, context: Any
+    ) -> pb.DisconnectPeerResponse:
+        return pb.DisconnectPeerResponse(disconnected=await self.sc.disconnect_peer(request.endpoint))
+
+    async def ListTransfers(self, request: pb.ListTransfersRequest, context: Any) -> pb.ListTransfersResponse:
+        return pb.ListTransfersResponse(transfers=transfers_proto(self.sc, request.request_id, request.state))
+
+    async def CancelTransfer(
+        self, request: pb.CancelTransferRequest, context: Any
+    ) -> pb.CancelTransferResponse:
+        if not request.request_id:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id is required")
+        return pb.CancelTransferResponse(cancelled=await self.sc.cancel(request.request_id))
+
+    async def Drain(self, request: pb.DrainRequest, context: Any) -> pb.DrainResponse:
+        timeout = request.timeout_s if request.timeout_s > 0 else self.sc.config.drain_timeout_s
+        drained, failed, released, took = await self.sc.drain(timeout)
+        return pb.DrainResponse(drained=drained, failed=failed, released=released, seconds=took)
+
+    async def WatchEvents(self, request: pb.WatchEventsRequest, context: Any) -> Any:
+        with self.sc.observer.subscribe(frozenset(request.kinds)) as queue:
+            while True:
+                yield event_proto(await queue.get())
+
+    async def GetLoad(self, request: pb.GetLoadRequest, context: Any) -> pb.Load:
+        return load_proto(self.sc)
+
+
+async def start_control_server(sidecar: Sidecar, target: str) -> grpc.aio.Server:
+    server = grpc.aio.server()
+    pb_grpc.add_ControlServicer_to_server(ControlService(sidecar), server)
+    health = HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health, server)
+    reflection.enable_server_reflection(
+        [SERVICE, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME],
+        server,
+    )
+    if server.add_insecure_port(target) == 0:
+        raise OSError(f"cannot listen for gRPC on {target}")
+    await server.start()
+    serving, not_serving = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
+    for name in ("", "liveness", "readiness", SERVICE):
+        await health.set(name, serving if sidecar.ready else not_serving)
+
+    async def on_drain() -> None:
+        for name in ("", "readiness", SERVICE):
+            await health.set(name, not_serving)
+
+    sidecar.on_drain = on_drain
+    return server

@@ -1,0 +1,154 @@
+"""What the sidecar tells the outside world: totals, Prometheus metrics and an event feed.
+
+The sidecar calls one method per thing that happened; this module counts it, updates
+the ``kvxfer_*`` metrics (histogram buckets as vLLM's NIXL connector uses, so dashboards
+compare) and fans an ``Event`` out to every ``WatchEvents`` subscriber (bounded queues:
+a slow watcher loses events, never the sidecar's memory). No sockets, no NIXL; the
+``/metrics`` HTTP server is started by ``start_metrics_server``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+TIME_BUCKETS = [0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 5.0]
+BYTES_BUCKETS = [2 ** (10 + i) for i in range(1, 25, 2)]
+DESC_BUCKETS = [10, 20, 30, 50, 75, 100, 200, 400, 1000, 2000, 4000, 10000, 20000, 50000]
+
+
+@dataclass
+class Event:
+    kind: str
+    request_id: str = ""
+    peer: str = ""
+    code: str = ""
+    reason: str = ""
+    bytes: int = 0
+    seconds: float = 0.0
+    tp_rank: int = 0
+    time_unix: float = field(default_factory=time.time)
+
+
+@dataclass
+class Totals:
+    bytes: int = 0
+    transfers_ok: int = 0
+    transfers_failed: int = 0
+    leases_released: int = 0
+    leases_expired: int = 0
+    handshakes: int = 0
+    handshake_failures: int = 0
+    bad_messages: int = 0
+    stray_notices: int = 0
+
+
+class Observer:
+    def __init__(self) -> None:
+        self.totals = Totals()
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.m_duration = Histogram("kvxfer_transfer_duration_seconds",
+                                    "Duration of one receive (NIXL READs of a request on one rank).",
+                                    buckets=TIME_BUCKETS, registry=r)
+        self.m_bytes = Histogram("kvxfer_transfer_bytes", "Bytes moved per receive.",
+                                 buckets=BYTES_BUCKETS, registry=r)
+        self.m_descs = Histogram("kvxfer_transfer_descriptors", "NIXL descriptors per receive.",
+                                 buckets=DESC_BUCKETS, registry=r)
+        self.m_transfers = Counter("kvxfer_transfers", "Receives finished, by result.", ["result"],
+                                   registry=r)
+        self.m_failures = Counter("kvxfer_transfer_failures", "Failed receives, by reason code.",
+                                  ["reason"], registry=r)
+        self.m_bytes_total = Counter("kvxfer_transferred_bytes", "Bytes received over NIXL.", registry=r)
+        self.m_leases = Counter("kvxfer_leases_released", "Prefill holds released, by reason.",
+                                ["reason"], registry=r)
+        self.m_expired = Counter("kvxfer_leases_expired", "Prefill holds whose lease ran out.", registry=r)
+        self.m_handshakes = Counter("kvxfer_handshakes", "Peer handshakes, by result.", ["result"],
+                                    registry=r)
+        self.m_handshake_s = Histogram("kvxfer_handshake_duration_seconds", "Peer handshake duration.",
+                                       buckets=TIME_BUCKETS, registry=r)
+        self.m_bad = Counter("kvxfer_bad_messages", "Messages refused as malformed or unknown.",
+                             ["socket"], registry=r)
+        self.g_inflight = Gauge("kvxfer_inflight_transfers", "Receives in flight (handshake or reading).",
+                                registry=r)
+        self.g_inflight_bytes = Gauge("kvxfer_inflight_bytes", "Bytes of receives in flight.", registry=r)
+        self.g_leases = Gauge("kvxfer_held_leases", "Prefill holds waiting for a read.", registry=r)
+        self.g_peers = Gauge("kvxfer_peers", "Peers with a completed handshake.", registry=r)
+        self.g_ready = Gauge("kvxfer_ready", "1 when NIXL is up and the engine socket listens.", registry=r)
+        self._subscribers: list[tuple[asyncio.Queue[Event], frozenset[str]]] = []
+
+    # ---------------------------------------------------------------- events
+
+    @contextmanager
+    def subscribe(
+        self, kinds: frozenset[str] = frozenset(), maxsize: int = 1024
+    ) -> Iterator[asyncio.Queue[Event]]:
+        q: asyncio.Queue[Event] = asyncio.Queue(maxsize)
+        entry = (q, kinds)
+        self._subscribers.append(entry)
+        try:
+            yield q
+        finally:
+            self._subscribers.remove(entry)
+
+    def emit(self, ev: Event) -> None:
+        for q, kinds in self._subscribers:
+            if (not kinds or ev.kind in kinds) and not q.full():
+                q.put_nowait(ev)
+
+    # ---------------------------------------------------------------- what happened
+
+    def transfer_done(
+        self, req_id: str, peer: str, rank: int, nbytes: int, seconds: float, descs: int
+    ) -> None:
+        t = self.totals
+        t.transfers_ok += 1
+        t.bytes += nbytes
+        self.m_transfers.labels("ok").inc()
+        self.m_bytes_total.inc(nbytes)
+        self.m_duration.observe(seconds)
+        self.m_bytes.observe(nbytes)
+        self.m_descs.observe(descs)
+        self.emit(Event("transfer_done", req_id, peer, bytes=nbytes, seconds=seconds, tp_rank=rank))
+
+    def transfer_failed(self, req_id: str, peer: str, rank: int, code: str, reason: str) -> None:
+        self.totals.transfers_failed += 1
+        self.m_transfers.labels("failed").inc()
+        self.m_failures.labels(code).inc()
+        self.emit(Event("transfer_failed", req_id, peer, code=code, reason=reason, tp_rank=rank))
+
+    def lease_released(self, req_id: str, reason: str) -> None:
+        if reason == "expired":
+            self.totals.leases_expired += 1
+            self.m_expired.inc()
+        else:
+            self.totals.leases_released += 1
+        self.m_leases.labels(reason).inc()
+        self.emit(Event("lease_expired" if reason == "expired" else "lease_released", req_id, reason=reason))
+
+    def handshake(self, peer: str, ok: bool, seconds: float, reason: str = "") -> None:
+        if ok:
+            self.totals.handshakes += 1
+            self.m_handshake_s.observe(seconds)
+            self.emit(Event("peer_connected", peer=peer, seconds=seconds))
+        else:
+            self.totals.handshake_failures += 1
+            self.emit(Event("peer_disconnected", peer=peer, reason=reason))
+        self.m_handshakes.labels("ok" if ok else "failed").inc()
+
+    def peer_dropped(self, peer: str, reason: str) -> None:
+        self.emit(Event("peer_disconnected", peer=peer, reason=reason))
+
+    def bad_message(self, socket: str) -> None:
+        self.totals.bad_messages += 1
+        self.m_bad.labels(socket).inc()
+
+
+def start_metrics_server(observer: Observer, host: str, port: int) -> None:
+    """Serve ``/metrics`` from a daemon thread (prometheus_client's own server)."""
+    start_http_server(port, addr=host, registry=observer.registry)

@@ -1,0 +1,201 @@
+"""Peer sidecars: the handshake, both as the listener (prefill side answers ``Hello``)
+and as the dialer (decode side, once per peer endpoint, shared by concurrent requests).
+
+A mixin of ``Sidecar``: it uses the sidecar's ZMQ context, its registered ranks, its NIXL
+thread and its observer, and keeps ``self.peers`` (by handshake endpoint). The
+compatibility hash is checked in both directions before any payload is used; the NIXL
+agent metadata travels as its own frame.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+import zmq
+
+from kvxfer.errors import ErrorCode, RequestError
+from kvxfer.protocol import (
+    PROTOCOL_VERSION,
+    Hello,
+    RankInfo,
+    Refused,
+    Welcome,
+    compat_hash,
+    encode,
+    handshake_reply_decoder,
+    handshake_request_decoder,
+)
+
+if TYPE_CHECKING:
+    import zmq.asyncio
+
+    from kvxfer.config import Config
+    from kvxfer.observe import Observer
+    from kvxfer.transfer import TransferEngine
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Peer:
+    endpoint: str  # host:port of its handshake listener
+    engine_id: str
+    agent_name: str
+    ranks: dict[int, RankInfo]
+    handshake_s: float
+    connected_unix: float
+    reads: int = 0
+    bytes: int = 0
+    failures: int = 0
+
+
+class PeersMixin:
+    # provided by Sidecar
+    config: Config
+    ctx: zmq.asyncio.Context
+    engine_id: str
+    agent_name: str
+    ranks: dict[int, RankInfo]
+    transfer: TransferEngine
+    observer: Observer
+    hs_sock: zmq.asyncio.Socket | None
+    peers: dict[str, Peer]
+    _handshakes: dict[str, asyncio.Future[Peer]]
+
+    async def _nixl(self, fn: Any, *args: Any) -> Any:
+        raise NotImplementedError
+
+    # ---------------------------------------------------------------- dialer
+
+    async def get_peer(self, host: str, port: int) -> Peer:
+        """The peer at host:port, handshaking once however many requests ask at once."""
+        key = f"{host}:{port}"
+        peer = self.peers.get(key)
+        if peer is not None:
+            return peer
+        fut = self._handshakes.get(key)
+        if fut is None:
+            fut = asyncio.ensure_future(self._handshake(host, port))
+            self._handshakes[key] = fut
+            fut.add_done_callback(lambda _f: self._handshakes.pop(key, None))
+        return await asyncio.shield(fut)
+
+    async def _handshake(self, host: str, port: int) -> Peer:
+        key = f"{host}:{port}"
+        local = next(iter(self.ranks.values()), None)
+        sock = self.ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        start = time.monotonic()
+        try:
+            sock.connect(f"tcp://{key}")
+            hello = Hello(
+                version=PROTOCOL_VERSION,
+                compat_hash=compat_hash(local.layout if local else None),
+                engine_id=self.engine_id,
+                agent_name=self.agent_name,
+            )
+            await sock.send(encode(hello))
+            timeout_ms = int(self.config.handshake_timeout_s * 1000)
+            if not await sock.poll(timeout_ms):
+                raise RequestError(
+                    ErrorCode.HANDSHAKE_FAILED,
+                    f"no handshake answer from {key} within {self.config.handshake_timeout_s}s",
+                )
+            frames = await sock.recv_multipart()
+            try:
+                reply = handshake_reply_decoder.decode(frames[0])
+            except (msgspec.DecodeError, msgspec.ValidationError) as e:
+                raise RequestError(ErrorCode.HANDSHAKE_FAILED, f"bad reply from {key}: {e}") from e
+            if isinstance(reply, Refused):
+                raise RequestError(reply.code, f"{key} refused the handshake: {reply.reason}")
+            if reply.version != PROTOCOL_VERSION or reply.compat_hash != hello.compat_hash:
+                raise RequestError(
+                    ErrorCode.INCOMPATIBLE,
+                    f"{key} runs protocol {reply.version} hash {reply.compat_hash}; "
+                    f"we run {PROTOCOL_VERSION} hash {hello.compat_hash}",
+                )
+            if len(frames) != 2 or not reply.ranks:
+                raise RequestError(ErrorCode.HANDSHAKE_FAILED, f"{key}: welcome without metadata")
+            await self._nixl(self.transfer.t_add_peer, reply.agent_name, frames[1], reply.ranks)
+        except RequestError as e:
+            self.observer.handshake(key, False, time.monotonic() - start, e.reason)
+            raise
+        finally:
+            sock.close(0)
+        took = time.monotonic() - start
+        peer = Peer(
+            endpoint=key,
+            engine_id=reply.engine_id,
+            agent_name=reply.agent_name,
+            ranks={r.layout.tp_rank: r for r in reply.ranks},
+            handshake_s=took,
+            connected_unix=time.time(),
+        )
+        self.peers[key] = peer
+        self.observer.handshake(key, True, took)
+        log.info("handshake with %s (%s) in %.1f ms", key, peer.engine_id, took * 1e3)
+        return peer
+
+    async def drop_peer(self, agent: str, reason: str) -> bool:
+        """Forget a peer (by agent name); its next request handshakes afresh."""
+        dropped = False
+        for key, peer in list(self.peers.items()):
+            if peer.agent_name == agent:
+                del self.peers[key]
+                dropped = True
+                self.observer.peer_dropped(key, reason)
+        log.warning("dropped peer %s: %s", agent, reason)
+        with contextlib.suppress(Exception):
+            await self._nixl(self.transfer.t_remove_peer, agent, reason)
+        return dropped
+
+    # ---------------------------------------------------------------- listener
+
+    async def _handshake_loop(self) -> None:
+        assert self.hs_sock is not None
+        while True:
+            frames = await self.hs_sock.recv_multipart()
+            ident, body = frames[0], frames[-1]
+            reply, extra = await self._answer_hello(body)
+            self.hs_sock.send_multipart([ident, encode(reply), *extra])
+
+    async def _answer_hello(self, body: bytes) -> tuple[Welcome | Refused, list[bytes]]:
+        def refuse(code: ErrorCode, reason: str) -> tuple[Refused, list[bytes]]:
+            log.warning("handshake refused: %s", reason)
+            return Refused(version=PROTOCOL_VERSION, code=code, reason=reason), []
+
+        try:
+            hello = handshake_request_decoder.decode(body)
+        except (msgspec.DecodeError, msgspec.ValidationError) as e:
+            self.observer.bad_message("handshake")
+            return refuse(ErrorCode.MALFORMED, f"bad hello: {e}")
+        if hello.version != PROTOCOL_VERSION:
+            return refuse(
+                ErrorCode.INCOMPATIBLE,
+                f"protocol version {hello.version}, this sidecar speaks {PROTOCOL_VERSION}",
+            )
+        if not self.ranks:
+            return refuse(ErrorCode.NOT_REGISTERED, "no KV cache registered yet")
+        layout = next(iter(self.ranks.values())).layout
+        ours = compat_hash(layout)
+        if hello.compat_hash != ours:
+            return refuse(
+                ErrorCode.INCOMPATIBLE,
+                f"compatibility hash {hello.compat_hash} != {ours} (model layout differs: "
+                f"{layout.model_signature()})",
+            )
+        metadata: bytes = await self._nixl(self.transfer.t_metadata)
+        welcome = Welcome(
+            version=PROTOCOL_VERSION,
+            compat_hash=ours,
+            engine_id=self.engine_id,
+            agent_name=self.agent_name,
+            ranks=[self.ranks[r] for r in sorted(self.ranks)],
+        )
+        return welcome, [metadata]
