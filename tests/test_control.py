@@ -6,12 +6,10 @@ import asyncio
 import filecmp
 import json
 import os
-import socket
 import subprocess
 import sys
 import threading
 import time
-import urllib.request
 from collections.abc import Iterator
 
 import grpc
@@ -25,24 +23,16 @@ from kvxfer.control.v1 import control_pb2 as pb
 from kvxfer.control.v1 import control_pb2_grpc as pb_grpc
 from kvxfer.errors import ErrorCode
 from kvxfer.testing.engine import SyntheticEngine, make_layout
-from kvxfer.testing.procs import SidecarFactory, SidecarProc
+from kvxfer.testing.procs import SidecarFactory, SidecarProc, free_port
 from tests.test_sidecar import wait_for
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class Pair:
     def __init__(self, f: SidecarFactory, tag: str) -> None:
-        self.metrics_port = free_port()
-        self.ps = f.start(f"{tag}-p", "--metrics-port", str(self.metrics_port), "--metrics-host", "127.0.0.1",
-                          "--role", "prefill", "--handshake-timeout-s", "1")
-        self.d_metrics_port = free_port()
-        self.ds = f.start(f"{tag}-d", "--metrics-port", str(self.d_metrics_port),
-                          "--metrics-host", "127.0.0.1", "--role", "decode", "--handshake-timeout-s", "1")
+        self.ps = f.start(f"{tag}-p", "--role", "prefill", "--handshake-timeout-s", "1",
+                          metrics_port=free_port())
+        self.ds = f.start(f"{tag}-d", "--role", "decode", "--handshake-timeout-s", "1",
+                          metrics_port=free_port())
         lay = make_layout(layers=2, num_blocks=32, heads=2, head_dim=32)
         self.p = SyntheticEngine(lay, self.ps.endpoint, seed=1)
         self.d = SyntheticEngine(lay, self.ds.endpoint, seed=2)
@@ -154,6 +144,17 @@ def test_connect_peer_prewarms_handshake_and_watch_sees_transfer(pair: Pair) -> 
     assert st.peers[0].reads >= 1
 
 
+def test_disconnect_peer_forces_a_new_handshake(pair: Pair) -> None:
+    d = stub(pair.ds)
+    pair.move("pre-disconnect")
+    before = d.GetStatus(pb.GetStatusRequest(), timeout=5).totals.handshakes
+    assert d.DisconnectPeer(pb.DisconnectPeerRequest(endpoint="ctl-p"), timeout=5).disconnected is True
+    assert not d.ListPeers(pb.ListPeersRequest(), timeout=5).peers
+    assert d.DisconnectPeer(pb.DisconnectPeerRequest(endpoint="ctl-p"), timeout=5).disconnected is False
+    pair.move("post-disconnect")
+    assert d.GetStatus(pb.GetStatusRequest(), timeout=5).totals.handshakes == before + 1
+
+
 def test_list_cancel_and_load_of_a_stuck_transfer(pair: Pair) -> None:
     d = stub(pair.ds)
     with zmq.Context.instance().socket(zmq.ROUTER) as silent:  # accepts, never answers
@@ -175,25 +176,17 @@ def test_list_cancel_and_load_of_a_stuck_transfer(pair: Pair) -> None:
     pair.d.free(db)
 
 
-def scrape(port: int) -> dict[str, float]:
-    body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
-    out = {}
-    for line in body.splitlines():
-        if line.startswith("kvxfer"):
-            name, _, value = line.rpartition(" ")
-            out[name] = float(value)
-    return out
-
-
 def test_metrics_show_transfers(pair: Pair) -> None:
     pair.move("metered")
-    d, p = scrape(pair.d_metrics_port), scrape(pair.metrics_port)
+    d, p = pair.ds.scrape(), pair.ps.scrape()
     assert d['kvxfer_transfers_total{result="ok"}'] >= 1
     assert d["kvxfer_transfer_duration_seconds_count"] >= 1
     assert d["kvxfer_transfer_bytes_sum"] > 0
     assert d["kvxfer_transfer_descriptors_count"] >= 1
     assert d['kvxfer_transfer_descriptors_bucket{le="10.0"}'] >= 0
-    assert d['kvxfer_handshakes_total{result="ok"}'] == 1  # one handshake, however many transfers
+    st = stub(pair.ds).GetStatus(pb.GetStatusRequest(), timeout=5)
+    assert d['kvxfer_handshakes_total{result="ok"}'] == st.totals.handshakes  # not one per transfer
+    assert d['kvxfer_transfers_total{result="ok"}'] == st.totals.transfers_ok > st.totals.handshakes
     assert d["kvxfer_inflight_transfers"] == 0
     assert p['kvxfer_leases_released_total{reason="read"}'] >= 1
     assert p["kvxfer_ready"] == 1.0

@@ -19,6 +19,13 @@ def test_64_requests_between_engine_processes() -> None:
     assert res["requests"] == 64
     assert res["bytes"] == 64 * 4 * (4 * 2 * 16 * 4 * 64 * 2)
     assert res["released"] == {"read": 65}  # 64 + the warm-up request
+    # /metrics scraped at the end of the run, as Prometheus would see it
+    dec, pre = res["metrics"]["decode"], res["metrics"]["prefill"]
+    assert dec['kvxfer_transfers_total{result="ok"}'] == 65
+    assert dec["kvxfer_transfer_duration_seconds_count"] == 65
+    assert dec["kvxfer_transferred_bytes_total"] == res["bytes"] + res["request_bytes"]  # + warm-up
+    assert dec['kvxfer_handshakes_total{result="ok"}'] == 1
+    assert pre['kvxfer_leases_released_total{reason="read"}'] == 65
 
 
 @pytest.mark.slow

@@ -22,7 +22,7 @@ from typing import Any
 from kvxfer.client import RemoteBlocks
 from kvxfer.protocol import KVLayout
 from kvxfer.testing.engine import SyntheticEngine, make_layout
-from kvxfer.testing.procs import SidecarFactory, SidecarProc
+from kvxfer.testing.procs import SidecarFactory, SidecarProc, free_port
 
 
 @dataclass(frozen=True)
@@ -198,7 +198,8 @@ def run_demo(opts: DemoOptions) -> dict[str, Any]:
     engines: list[Any] = []
     factory = SidecarFactory()
     try:
-        sidecars = [factory.start(name, *serve_args) for name in ("prefill", "decode")]
+        sidecars = [factory.start(name, *serve_args, metrics_port=free_port())
+                    for name in ("prefill", "decode")]
         results = ctx.Queue()
         p_conn, d_conn = ctx.Pipe()
         engines = [
@@ -215,13 +216,41 @@ def run_demo(opts: DemoOptions) -> dict[str, Any]:
                 got[r["role"]] = r
             if any(sc.proc.poll() is not None for sc in sidecars):
                 break
-        return _summarise(opts, got, sidecars)
+        summary = _summarise(opts, got, sidecars)
+        summary["metrics"] = _metrics(sidecars)
+        return summary
     finally:
         for e in engines:
             e.join(10)
             if e.is_alive():
                 e.kill()
         factory.close()
+
+
+_SERIES = (
+    'kvxfer_transfers_total{result="ok"}',
+    'kvxfer_transfers_total{result="failed"}',
+    "kvxfer_transferred_bytes_total",
+    "kvxfer_transfer_duration_seconds_count",
+    "kvxfer_transfer_duration_seconds_sum",
+    "kvxfer_transfer_descriptors_sum",
+    'kvxfer_handshakes_total{result="ok"}',
+    'kvxfer_leases_released_total{reason="read"}',
+    "kvxfer_leases_expired_total",
+)
+
+
+def _metrics(sidecars: list[SidecarProc]) -> dict[str, dict[str, float]]:
+    """Scrape each sidecar's /metrics at the end of the run (what Prometheus would see)."""
+    out = {}
+    for sc in sidecars:
+        try:
+            got = sc.scrape()
+        except OSError as e:
+            out[sc.name] = {"error": str(e)}  # type: ignore[dict-item]
+            continue
+        out[sc.name] = {k: got[k] for k in _SERIES if k in got}
+    return out
 
 
 def _summarise(

@@ -5,9 +5,11 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
+import urllib.request
 from dataclasses import dataclass
 
 
@@ -18,6 +20,24 @@ class SidecarProc:
     proc: subprocess.Popen[bytes]
     log_path: str
     control: str  # gRPC target
+    metrics_port: int = 0  # 0: /metrics disabled
+
+    def scrape(self) -> dict[str, float]:
+        """The sidecar's kvxfer_* Prometheus series, by name with labels."""
+        body = urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=5).read()
+        out = {}
+        for line in body.decode().splitlines():
+            if line.startswith("kvxfer"):
+                name, _, value = line.rpartition(" ")
+                out[name] = float(value)
+        return out
+
+
+def free_port() -> int:
+    """A TCP port free right now on 127.0.0.1 (tests and the demo)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
     def log(self) -> str:
         with open(self.log_path, errors="replace") as fh:
@@ -30,18 +50,19 @@ class SidecarFactory:
         self.dir = tempfile.mkdtemp(prefix="kvx", dir="/tmp")
         self.procs: list[SidecarProc] = []
 
-    def start(self, name: str, *args: str) -> SidecarProc:
+    def start(self, name: str, *args: str, metrics_port: int = 0) -> SidecarProc:
         sock = os.path.join(self.dir, f"{name}.sock")
         log_path = os.path.join(self.dir, f"{name}.log")
         control = f"unix://{os.path.join(self.dir, name)}.ctl"
         cmd = [
             sys.executable, "-m", "kvxfer", "serve", "--engine-id", name,
             "--engine-socket", f"ipc://{sock}", "--handshake-port", "0",
-            "--control-target", control, "--metrics-port", "0", *args,
+            "--control-target", control, "--metrics-port", str(metrics_port),
+            "--metrics-host", "127.0.0.1", *args,
         ]
         with open(log_path, "wb") as log:
             proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
-        sc = SidecarProc(name, f"ipc://{sock}", proc, log_path, control)
+        sc = SidecarProc(name, f"ipc://{sock}", proc, log_path, control, metrics_port)
         self.procs.append(sc)
         return sc
 
