@@ -15,11 +15,11 @@ import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-import msgspec
 import zmq
 
 from kvxfer.errors import ErrorCode, ProtocolError, RequestError, SidecarUnavailable
 from kvxfer.protocol import (
+    DECODE_ERRORS,
     Done,
     EngineRequest,
     Error,
@@ -189,7 +189,7 @@ class SidecarClient:
     def _decode(self, body: bytes) -> SidecarEvent:
         try:
             return sidecar_event_decoder.decode(body)
-        except (msgspec.DecodeError, msgspec.ValidationError) as e:
+        except DECODE_ERRORS as e:
             raise ProtocolError(f"undecodable message from sidecar: {e}") from e
 
     def _wait_one(self, deadline: float, what: str) -> SidecarEvent:

@@ -12,15 +12,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import socket
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-import msgspec
 import zmq
 
 from kvxfer.errors import ErrorCode, RequestError
 from kvxfer.protocol import (
+    DECODE_ERRORS,
     PROTOCOL_VERSION,
     Hello,
     RankInfo,
@@ -59,6 +60,7 @@ class PeersMixin:
     # provided by Sidecar
     config: Config
     ctx: zmq.asyncio.Context
+    dial_ctx: zmq.asyncio.Context  # handshake dialing never shares the engine socket's I/O thread
     engine_id: str
     agent_name: str
     ranks: dict[int, RankInfo]
@@ -89,11 +91,17 @@ class PeersMixin:
     async def _handshake(self, host: str, port: int) -> Peer:
         key = f"{host}:{port}"
         local = next(iter(self.ranks.values()), None)
-        sock = self.ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
         start = time.monotonic()
         try:
-            sock.connect(f"tcp://{key}")
+            addr = await self._resolve(host, port)
+        except RequestError as e:
+            self.observer.handshake(key, False, time.monotonic() - start, e.reason)
+            raise
+        sock = self.dial_ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.IPV6, 1)
+        try:
+            sock.connect(addr)
             hello = Hello(
                 version=PROTOCOL_VERSION,
                 compat_hash=compat_hash(local.layout if local else None),
@@ -110,7 +118,7 @@ class PeersMixin:
             frames = await sock.recv_multipart()
             try:
                 reply = handshake_reply_decoder.decode(frames[0])
-            except (msgspec.DecodeError, msgspec.ValidationError) as e:
+            except DECODE_ERRORS as e:
                 raise RequestError(ErrorCode.HANDSHAKE_FAILED, f"bad reply from {key}: {e}") from e
             if isinstance(reply, Refused):
                 raise RequestError(reply.code, f"{key} refused the handshake: {reply.reason}")
@@ -142,6 +150,25 @@ class PeersMixin:
         log.info("handshake with %s (%s) in %.1f ms", key, peer.engine_id, took * 1e3)
         return peer
 
+    async def _resolve(self, host: str, port: int) -> str:
+        """host -> a tcp:// address with an IP literal, resolved off the ZMQ I/O thread.
+
+        ZMQ resolves names inside its I/O thread, so one unresolvable host would stall
+        every socket of the context for the resolver's timeout.
+        """
+        try:
+            infos = await asyncio.wait_for(
+                asyncio.get_running_loop().getaddrinfo(host, port, type=socket.SOCK_STREAM),
+                self.config.handshake_timeout_s,
+            )
+        except (OSError, UnicodeError, ValueError, TimeoutError) as e:
+            raise RequestError(ErrorCode.HANDSHAKE_FAILED, f"cannot resolve {host!r}: {e}") from None
+        if not infos:
+            raise RequestError(ErrorCode.HANDSHAKE_FAILED, f"cannot resolve {host!r}")
+        family, _, _, _, sockaddr = infos[0]
+        ip = sockaddr[0]
+        return f"tcp://[{ip}]:{port}" if family == socket.AF_INET6 else f"tcp://{ip}:{port}"
+
     async def drop_peer(self, agent: str, reason: str) -> bool:
         """Forget a peer (by agent name); its next request handshakes afresh."""
         dropped = False
@@ -172,7 +199,7 @@ class PeersMixin:
 
         try:
             hello = handshake_request_decoder.decode(body)
-        except (msgspec.DecodeError, msgspec.ValidationError) as e:
+        except DECODE_ERRORS as e:
             self.observer.bad_message("handshake")
             return refuse(ErrorCode.MALFORMED, f"bad hello: {e}")
         if hello.version != PROTOCOL_VERSION:

@@ -291,6 +291,10 @@ class ReadNotice(_Msg, tag="read"):
 
 # --------------------------------------------------------------------------- codecs
 
+# Everything a decoder may raise on hostile bytes: msgspec's own errors, and ValueError
+# subclasses it lets through (UnicodeDecodeError for invalid UTF-8 in a str field).
+DECODE_ERRORS: tuple[type[Exception], ...] = (msgspec.DecodeError, ValueError)
+
 _encoder = msgspec.msgpack.Encoder()
 
 

@@ -39,6 +39,7 @@ from kvxfer.memory import validate_registration
 from kvxfer.observe import Event, Observer, start_metrics_server
 from kvxfer.peers import Peer, PeersMixin
 from kvxfer.protocol import (
+    DECODE_ERRORS,
     PROTOCOL_VERSION,
     Done,
     Error,
@@ -71,6 +72,8 @@ from kvxfer.transfer import NoticeReceived, ReadFinished, TransferEngine, Transf
 log = logging.getLogger(__name__)
 
 _ENGINE_TAGS = {"register", "unregister", "hold", "release", "recv", "ping"}
+MAX_MESSAGE = 16 << 20  # larger engine messages get a typed error (a million block ids is ~5 MiB)
+HARD_MAX_MESSAGE = 64 << 20  # ZMQ drops the connection of a peer that sends more
 
 
 @dataclass
@@ -101,7 +104,7 @@ def classify_bad_message(body: bytes) -> ErrorCode:
     """UNKNOWN_MESSAGE for a well-formed message of an unknown kind, else MALFORMED."""
     try:
         raw = msgspec.msgpack.decode(body)
-    except msgspec.DecodeError:
+    except DECODE_ERRORS:
         return ErrorCode.MALFORMED
     if isinstance(raw, list) and raw and isinstance(raw[0], str) and raw[0] not in _ENGINE_TAGS:
         return ErrorCode.UNKNOWN_MESSAGE
@@ -115,6 +118,7 @@ class Sidecar(PeersMixin):
         self.agent_name = f"kvxfer-{self.engine_id}-{secrets.token_hex(4)}"
         self.started = time.monotonic()
         self.ctx = zmq.asyncio.Context()
+        self.dial_ctx = zmq.asyncio.Context()
         self.engine_sock: zmq.asyncio.Socket | None = None
         self.hs_sock: zmq.asyncio.Socket | None = None
         self.handshake_port = config.handshake_port
@@ -141,6 +145,7 @@ class Sidecar(PeersMixin):
         self.draining = False
         self.ready = False
         self._idle = asyncio.Event()  # nothing in flight, nothing held
+        self.exit_code = 0
         self.on_drain: Any = None  # async callback (the control server flips readiness)
 
     # ------------------------------------------------------------------ lifecycle
@@ -175,6 +180,8 @@ class Sidecar(PeersMixin):
             asyncio.ensure_future(self._handshake_loop()),
             asyncio.ensure_future(self._lease_loop()),
         ]
+        for task in loops:
+            task.add_done_callback(self._loop_died)
         try:
             await self._stop.wait()
         finally:
@@ -187,6 +194,15 @@ class Sidecar(PeersMixin):
             self._close()
 
     def request_stop(self) -> None:
+        self._stop.set()
+
+    def _loop_died(self, task: asyncio.Task[Any]) -> None:
+        """A serving loop must never end while running: log why and stop (the supervisor restarts)."""
+        if task.cancelled() or self._stop.is_set():
+            return
+        log.critical("serving loop %s died: %r; stopping", task, task.exception(),
+                     exc_info=task.exception())
+        self.exit_code = 1
         self._stop.set()
 
     def _graceful_stop(self) -> None:
@@ -204,6 +220,7 @@ class Sidecar(PeersMixin):
         self.engine_sock = self.ctx.socket(zmq.ROUTER)
         self.engine_sock.setsockopt(zmq.LINGER, 0)
         self.engine_sock.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a restarted worker reclaims its id
+        self.engine_sock.setsockopt(zmq.MAXMSGSIZE, HARD_MAX_MESSAGE)
         path = ipc_path(self.config.engine_socket)
         if path:
             directory = os.path.dirname(path) or "."
@@ -219,6 +236,7 @@ class Sidecar(PeersMixin):
             self.engine_sock.bind(self.config.engine_socket)
         self.hs_sock = self.ctx.socket(zmq.ROUTER)
         self.hs_sock.setsockopt(zmq.LINGER, 0)
+        self.hs_sock.setsockopt(zmq.MAXMSGSIZE, 1 << 20)  # a Hello is a few hundred bytes
         addr = f"tcp://{self.config.handshake_host}"
         if self.config.handshake_port == 0:
             self.handshake_port = self.hs_sock.bind_to_random_port(addr)
@@ -230,6 +248,7 @@ class Sidecar(PeersMixin):
             if sock is not None:
                 sock.close(0)
         self.ctx.term()
+        self.dial_ctx.term()
         path = ipc_path(self.config.engine_socket)
         if path:
             with contextlib.suppress(FileNotFoundError):
@@ -265,9 +284,14 @@ class Sidecar(PeersMixin):
                 self.observer.bad_message("engine")
                 self._send(ident, Error(code=ErrorCode.MALFORMED, message="expected one frame"))
                 continue
+            if len(body) > MAX_MESSAGE:
+                self.observer.bad_message("engine")
+                why = f"message of {len(body)} bytes is too large (max {MAX_MESSAGE})"
+                self._send(ident, Error(code=ErrorCode.MALFORMED, message=why))
+                continue
             try:
                 msg = engine_request_decoder.decode(body)
-            except (msgspec.DecodeError, msgspec.ValidationError) as e:
+            except DECODE_ERRORS as e:
                 self.observer.bad_message("engine")
                 code = classify_bad_message(body)
                 log.warning("bad engine message (%s): %s", code, e)
@@ -297,6 +321,9 @@ class Sidecar(PeersMixin):
             case RegisterKV():
                 self._spawn(self._on_register(ident, msg))
             case Unregister(tp_rank=rank):
+                if self.rank_owner.get(rank) != ident:
+                    raise RequestError(ErrorCode.NOT_REGISTERED,
+                                       f"tp_rank {rank} is not registered by this connection")
                 await self._nixl(self.transfer.t_unregister, rank)
                 self.ranks.pop(rank, None)
                 self.rank_owner.pop(rank, None)
@@ -552,7 +579,7 @@ class Sidecar(PeersMixin):
     def _on_notice(self, event: NoticeReceived) -> None:
         try:
             notice = read_notice_decoder.decode(event.payload)
-        except (msgspec.DecodeError, msgspec.ValidationError):
+        except DECODE_ERRORS:
             self.observer.totals.stray_notices += 1
             return
         lease = self.leases.note_read(notice.req_id, notice.tp_rank, notice.readers)
@@ -643,7 +670,11 @@ class Sidecar(PeersMixin):
 
 
 def run_server(config: Config) -> None:
+    import faulthandler
+
     import uvloop
+
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1` dumps every stack
 
     logging.basicConfig(
         level=os.environ.get("KVXFER_LOG_LEVEL", config.log_level).upper(),

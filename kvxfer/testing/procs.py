@@ -22,6 +22,10 @@ class SidecarProc:
     control: str  # gRPC target
     metrics_port: int = 0  # 0: /metrics disabled
 
+    def log(self) -> str:
+        with open(self.log_path, errors="replace") as fh:
+            return fh.read()
+
     def scrape(self) -> dict[str, float]:
         """The sidecar's kvxfer_* Prometheus series, by name with labels."""
         body = urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=5).read()
@@ -38,10 +42,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
-
-    def log(self) -> str:
-        with open(self.log_path, errors="replace") as fh:
-            return fh.read()
 
 
 class SidecarFactory:

@@ -1,0 +1,168 @@
+"""Faults with real processes and real NIXL: peer death, restarts, and garbage input."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import msgspec
+import zmq
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvxfer.client import RemoteBlocks
+from kvxfer.errors import ErrorCode
+from kvxfer.testing.engine import SyntheticEngine, make_layout
+from kvxfer.testing.procs import SidecarFactory
+from tests.test_sidecar import wait_for
+
+BIG = make_layout(layers=32, num_blocks=260, heads=8, head_dim=128)  # 2 MiB per block
+
+
+def remote_of(eng: SyntheticEngine, blocks: list[int]) -> RemoteBlocks:
+    reg = eng.registered
+    assert reg is not None
+    return RemoteBlocks(reg.engine_id, reg.handshake_host, reg.handshake_port, blocks)
+
+
+def test_prefill_sidecar_killed_mid_transfer(sidecars: SidecarFactory) -> None:
+    ds = sidecars.start("fault-d", "--chunk-mib", "2", "--max-inflight-chunks", "1",
+                        "--handshake-timeout-s", "2")
+    d = SyntheticEngine(BIG, ds.endpoint, seed=2)
+    d.start()
+    try:
+        failed = None
+        for attempt in range(3):  # the kill must land while the read runs
+            ps = sidecars.start(f"fault-p{attempt}")
+            p = SyntheticEngine(BIG, ps.endpoint, seed=1)
+            try:
+                p.start()
+                pb, db = p.allocate(256), d.allocate(256)  # 512 MiB
+                p.client.hold("victim", pb)
+                d.client.recv("warm", [], remote_of(p, []))  # handshake first
+                wait_for(d.client, lambda a: bool(a.done))
+                d.client.recv(f"victim-{attempt}", db, remote_of(p, pb), deadline_s=30)
+                time.sleep(0.03)
+                t_kill = time.monotonic()
+                os.kill(ps.proc.pid, signal.SIGKILL)
+                got = wait_for(d.client, lambda a: bool(a.done or a.failed), timeout=30)
+                took = time.monotonic() - t_kill
+                d.free(db)
+            finally:
+                p.close()
+            if got.failed:
+                failed = got.failed[0]
+                break
+        assert failed is not None, "the read always finished before the kill"
+        assert failed.code in (ErrorCode.PEER_DISCONNECTED, ErrorCode.TRANSFER_ERROR)
+        assert failed.block_ids == db
+        assert took < 5, f"failure reported after {took:.1f}s"
+        assert d.client.ping(2).engine_id == "fault-d"  # the decode sidecar lives on
+
+        # A restarted prefill sidecar (new address, new agent) is handshaked afresh.
+        ps2 = sidecars.start("fault-p-new")
+        p2 = SyntheticEngine(BIG, ps2.endpoint, seed=3)
+        try:
+            p2.start()
+            pb, db = p2.allocate(4), d.allocate(4)
+            p2.fill("after", pb)
+            p2.client.hold("after", pb)
+            d.client.recv("after", db, remote_of(p2, pb))
+            got = wait_for(d.client, lambda a: bool(a.done or a.failed), timeout=30)
+            assert not got.failed, got.failed
+            assert d.verify("after", db)
+        finally:
+            p2.close()
+    finally:
+        d.close()
+
+
+def test_decode_that_never_reads_lets_the_lease_expire(sidecars: SidecarFactory) -> None:
+    ps = sidecars.start("lease-p")
+    ds = sidecars.start("lease-d")
+    lay = make_layout(layers=2, num_blocks=16, heads=2, head_dim=16)
+    p, d = SyntheticEngine(lay, ps.endpoint), SyntheticEngine(lay, ds.endpoint)
+    try:
+        p.start()
+        d.start()
+        pb = p.allocate(2)
+        p.client.hold("orphan", pb, lease_s=0.5)
+        os.kill(ds.proc.pid, signal.SIGKILL)  # the decode side dies before reading
+        rel = wait_for(p.client, lambda a: bool(a.released), timeout=5)
+        assert [(r.req_id, r.reason) for r in rel.released] == [("orphan", "expired")]
+    finally:
+        p.close()
+        d.close()
+
+
+frames = st.lists(st.binary(max_size=300), min_size=1, max_size=3)
+tagged = st.builds(
+    lambda tag, rest: msgspec.msgpack.encode([tag, *rest]),
+    st.sampled_from(["register", "unregister", "hold", "release", "recv", "ping", "nope", ""]),
+    st.lists(st.one_of(st.integers(-(2**63), 2**64 - 1), st.text(max_size=20), st.binary(max_size=20),
+                       st.lists(st.integers(-5, 1 << 40), max_size=5), st.none(), st.floats()),
+             max_size=12),
+)
+
+
+def test_fuzz_engine_and_handshake_sockets_then_move_bytes(sidecars: SidecarFactory) -> None:
+    ps = sidecars.start("fuzz-p")
+    ds = sidecars.start("fuzz-d")
+    lay = make_layout(layers=2, num_blocks=32, heads=2, head_dim=16)
+    p, d = SyntheticEngine(lay, ps.endpoint, seed=1), SyntheticEngine(lay, ds.endpoint, seed=2)
+    ctx = zmq.Context.instance()
+    sent = {"n": 0}
+    try:
+        p.start()
+        d.start()
+        reg = p.registered
+        assert reg is not None
+        raw = ctx.socket(zmq.DEALER)
+        raw.connect(ds.endpoint)
+        hs = ctx.socket(zmq.DEALER)
+        hs.connect(f"tcp://127.0.0.1:{reg.handshake_port}")
+
+        @settings(max_examples=1500, deadline=None, suppress_health_check=list(HealthCheck))
+        @given(st.one_of(frames, tagged.map(lambda b: [b])), st.booleans())
+        def throw(parts: list[bytes], to_handshake: bool) -> None:
+            (hs if to_handshake else raw).send_multipart(parts)
+            sent["n"] += 1
+
+        throw()
+        time.sleep(0.5)
+        for sock in (raw, hs):  # every frame got an answer (typed error or refusal)
+            answers = 0
+            while sock.poll(200):
+                sock.recv_multipart()
+                answers += 1
+            assert answers > 0
+        raw.close(0)
+        hs.close(0)
+        # Both sidecars still move bytes correctly.
+        pb, db = p.allocate(3), d.allocate(3)
+        p.fill("post-fuzz", pb)
+        d.wipe(db)
+        p.client.hold("post-fuzz", pb)
+        d.client.recv("post-fuzz", db, remote_of(p, pb))
+        got = wait_for(d.client, lambda a: bool(a.done or a.failed), timeout=30)
+        assert not got.failed, got.failed
+        assert d.verify("post-fuzz", db)
+        assert sent["n"] >= 1000
+    finally:
+        p.close()
+        d.close()
+
+
+def test_oversized_message_is_refused(sidecars: SidecarFactory) -> None:
+    ds = sidecars.start("big-msg")
+    c = SyntheticEngine(make_layout(layers=1, num_blocks=8, heads=1, head_dim=8), ds.endpoint)
+    try:
+        c.client.ping(60)
+        c.client.send_raw(b"\x00" * (20 << 20))
+        err = wait_for(c.client, lambda a: bool(a.errors), timeout=20)
+        assert err.errors[0].code == ErrorCode.MALFORMED
+        assert "too large" in err.errors[0].message
+        assert c.client.ping(5).engine_id == "big-msg"
+    finally:
+        c.close()
