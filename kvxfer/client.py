@@ -15,6 +15,7 @@ import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
+import msgspec
 import zmq
 
 from kvxfer.errors import ErrorCode, ProtocolError, RequestError, SidecarUnavailable
@@ -58,6 +59,7 @@ class Drained:
     failed: list[Failed] = field(default_factory=list)
     released: list[Released] = field(default_factory=list)
     errors: list[Error] = field(default_factory=list)
+    pongs: list[Pong] = field(default_factory=list)
 
     def __bool__(self) -> bool:
         return bool(self.done or self.failed or self.released or self.errors)
@@ -88,6 +90,8 @@ class SidecarClient:
 
     def register(self, msg: RegisterKV, timeout: float = 60.0) -> Registered:
         """Register one rank's KV cache; raises RequestError with the sidecar's reason."""
+        if not msg.pid:
+            msg = msgspec.structs.replace(msg, pid=os.getpid())
         self._send(msg)
         deadline = time.monotonic() + timeout
         while True:
@@ -149,6 +153,10 @@ class SidecarClient:
             )
         )
 
+    def heartbeat(self) -> None:
+        """Ask for a Pong without waiting; ``poll`` hands it back in ``Drained.pongs``."""
+        self._send(Ping(seq=0))
+
     def poll(self) -> Drained:
         """Drain every event that already arrived; never blocks."""
         events, self._pending = self._pending, []
@@ -169,6 +177,8 @@ class SidecarClient:
                     out.released.append(ev)
                 case Error():
                     out.errors.append(ev)
+                case Pong():
+                    out.pongs.append(ev)
         return out
 
     def send_raw(self, *frames: bytes) -> None:

@@ -47,6 +47,8 @@ class Config:
                      default="both")
     drain_timeout_s: float = _doc("How long SIGTERM waits for in-flight work before exiting.",
                                   default=20.0)
+    engine_check_s: float = _doc("How often to check that registered engine processes live.",
+                                 default=1.0)
     lease_s: float = _doc("Default lease on held prefill blocks; released when it expires "
                           "with no read.", default=30.0)
     transfer_timeout_s: float = _doc("Default deadline of one receive (handshake included).",

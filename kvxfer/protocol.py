@@ -134,6 +134,7 @@ class RegisterKV(_Msg, tag="register"):
     layout: KVLayout
     memory: list[MemoryRef]
     regions: list[KVRegion]
+    pid: NonNeg = 0  # the engine process; when the sidecar can see it, its death is noticed
 
 
 class Unregister(_Msg, tag="unregister"):
@@ -227,6 +228,7 @@ class Pong(_Msg, tag="pong"):
     version: int
     handshake_host: str
     handshake_port: NonNeg
+    instance: str = ""  # the sidecar's agent name: changes when the sidecar restarts
 
 
 SidecarEvent = Registered | Done | Failed | Released | Error | Pong

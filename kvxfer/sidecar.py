@@ -124,6 +124,7 @@ class Sidecar(PeersMixin):
         self.handshake_port = config.handshake_port
         self.ranks: dict[int, RankInfo] = {}
         self.rank_owner: dict[int, bytes] = {}
+        self.rank_pid: dict[int, tuple[int, str | None]] = {}  # engine pid, its /proc start time
         self.leases = LeaseTable()
         self.recvs: dict[str, _RecvState] = {}
         self.peers: dict[str, Peer] = {}  # by handshake endpoint "host:port"
@@ -179,6 +180,7 @@ class Sidecar(PeersMixin):
             asyncio.ensure_future(self._engine_loop()),
             asyncio.ensure_future(self._handshake_loop()),
             asyncio.ensure_future(self._lease_loop()),
+            asyncio.ensure_future(self._engine_watch_loop()),
         ]
         for task in loops:
             task.add_done_callback(self._loop_died)
@@ -335,6 +337,7 @@ class Sidecar(PeersMixin):
             version=PROTOCOL_VERSION,
             handshake_host=self.config.resolved_advertise_host,
             handshake_port=self.handshake_port,
+            instance=self.agent_name,
         )
 
     async def _on_register(self, ident: bytes, msg: RegisterKV) -> None:
@@ -362,6 +365,7 @@ class Sidecar(PeersMixin):
             return
         self.ranks[lay.tp_rank] = info
         self.rank_owner[lay.tp_rank] = ident
+        self.rank_pid[lay.tp_rank] = (msg.pid, _start_time(msg.pid))
         nbytes = sum(m.size for m in msg.memory)
         log.info("registered tp_rank %d: %d bytes", lay.tp_rank, nbytes)
         self._send(
@@ -612,6 +616,37 @@ class Sidecar(PeersMixin):
                 self._release(lease, "expired")
 
 
+    # ------------------------------------------------------------------ engine death
+
+    async def _engine_watch_loop(self) -> None:
+        """Notice engine processes that died: drop their memory, leases and receives."""
+        while True:
+            await asyncio.sleep(self.config.engine_check_s)
+            for rank, (pid, start) in list(self.rank_pid.items()):
+                if start is not None and _start_time(pid) != start:
+                    await self._engine_gone(rank, f"engine process {pid} exited")
+
+    async def _engine_gone(self, rank: int, reason: str) -> None:
+        log.warning("tp_rank %d: %s; dropping its registration, receives and holds", rank, reason)
+        owner = self.rank_owner.pop(rank, None)
+        self.rank_pid.pop(rank, None)
+        for key, st in list(self.recvs.items()):
+            if st.msg.tp_rank == rank:
+                if st.state == "reading":
+                    await self._nixl(self.transfer.t_cancel, key, ErrorCode.NOT_REGISTERED, reason)
+                else:
+                    self._finish_recv_error(key, RequestError(ErrorCode.NOT_REGISTERED, reason))
+        await self._nixl(self.transfer.t_unregister, rank)
+        self.ranks.pop(rank, None)
+        if not self.ranks:  # the whole engine is gone: nobody will free or read its holds
+            for lease in self.leases.drain_all():
+                self.observer.lease_released(lease.req_id, "aborted")
+        elif owner is not None:
+            for lease in self.leases.drop_owner(owner):
+                self.observer.lease_released(lease.req_id, "aborted")
+        self.observer.emit(Event("engine_gone", reason=reason, tp_rank=rank))
+        self._gauges()
+
     # ------------------------------------------------------------------ control operations
 
     async def connect_peer(self, host: str, port: int) -> Peer:
@@ -667,6 +702,18 @@ class Sidecar(PeersMixin):
         took = time.monotonic() - start
         self.observer.emit(Event("drained", seconds=took))
         return failed == 0 and released == 0, failed, released, took
+
+
+def _start_time(pid: int) -> str | None:
+    """A process's start time from /proc (None: not visible from here, e.g. another pid
+    namespace), so a recycled pid is not mistaken for the engine."""
+    if pid <= 0:
+        return None
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as fh:
+            return fh.read().rsplit(b")", 1)[1].split()[19].decode()
+    except (OSError, IndexError):
+        return ""
 
 
 def run_server(config: Config) -> None:

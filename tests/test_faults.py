@@ -166,3 +166,76 @@ def test_oversized_message_is_refused(sidecars: SidecarFactory) -> None:
         assert c.client.ping(5).engine_id == "big-msg"
     finally:
         c.close()
+
+
+def _engine_that_dies(endpoint: str, conn: object) -> None:
+    eng = SyntheticEngine(make_layout(layers=2, num_blocks=16, heads=2, head_dim=16), endpoint)
+    eng.start()
+    eng.client.hold("held-by-the-dead", eng.allocate(2), lease_s=300)
+    eng.client.ping(5)  # the hold has been processed
+    conn.send(os.getpid())  # type: ignore[attr-defined]
+    os._exit(0)  # no clean-up, like a crash
+
+
+def test_engine_death_drops_its_registration_and_holds(sidecars: SidecarFactory) -> None:
+    import multiprocessing as mp
+
+    import grpc
+
+    from kvxfer.control.v1 import control_pb2 as pb
+    from kvxfer.control.v1 import control_pb2_grpc as pb_grpc
+
+    sc = sidecars.start("death", "--engine-check-s", "0.2")
+    ctx = mp.get_context("spawn")
+    here, there = ctx.Pipe()
+    proc = ctx.Process(target=_engine_that_dies, args=(sc.endpoint, there))
+    proc.start()
+    assert here.poll(60)
+    here.recv()
+    proc.join(10)
+    ctl = pb_grpc.ControlStub(grpc.insecure_channel(sc.control))
+    deadline = time.monotonic() + 10
+    while True:
+        st = ctl.GetStatus(pb.GetStatusRequest(), timeout=5)
+        if not st.ranks and not st.leases:
+            break
+        assert time.monotonic() < deadline, f"still registered: {st.ranks} {st.leases}"
+        time.sleep(0.1)
+    assert st.totals.leases_released == 1
+    assert "engine process" in sc.log()
+
+
+def test_connector_worker_survives_a_sidecar_restart(sidecars: SidecarFactory) -> None:
+    import torch
+
+    from kvxfer.connector.settings import ConnectorSettings
+    from kvxfer.connector.worker import CacheShape, WorkerSide
+
+    sc = sidecars.start("restart")
+    ws = WorkerSide(ConnectorSettings(sidecar=sc.endpoint, heartbeat_s=0.1), 0, 1, "cpu")
+    ctx = ws.mem_pool_context()
+    assert ctx is not None
+    with ctx:
+        kv = {"l0": torch.zeros(2, 8, 16, 8, 64, dtype=torch.float16)}  # above min_bytes
+    try:
+        first = ws.register_kv_caches(kv, CacheShape(8, 16, 8, 8, 64, False))
+        far = time.monotonic() + 600
+        ws.bind({"in-flight": ([1, 2], far)}, {"held": far})
+        os.kill(sc.proc.pid, signal.SIGKILL)
+        sc.proc.wait()
+        sidecars.start("restart")  # same socket path, new process
+        sending, recving, failed = set(), set(), set()
+        deadline = time.monotonic() + 60
+        while "in-flight" not in failed or "held" not in sending:
+            assert time.monotonic() < deadline, "the restart was not noticed"
+            res = ws.get_transfer_results()
+            sending |= res.finished_sending
+            recving |= res.finished_recving
+            failed |= res.failed_recving
+            time.sleep(0.05)
+        assert "in-flight" in recving  # failed loads are also finished, so vLLM stops waiting
+        assert ws.take_invalid_block_ids() == {1, 2}
+        assert ws.registered is not None
+        assert ws.registered.agent_name != first.agent_name  # re-registered with the new sidecar
+    finally:
+        ws.shutdown()

@@ -20,8 +20,8 @@ MESSAGES: dict[str, tuple[object, str]] = {
             regions=[p.KVRegion(memory=0, offset=0, block_len=64, block_stride=64)],
         ),
         (
-            "94a872656769737465729da66c61796f7574020a100808cc80a862666c6f6174313602c2a34e4844"
-            "00019193a373686daa2f6465762f73686d2f78cd10009195a6726567696f6e00004040"
+            "95a872656769737465729da66c61796f7574020a100808cc80a862666c6f6174313602c2a34e4844"
+            "00019193a373686daa2f6465762f73686d2f78cd10009195a6726567696f6e0000404000"
         ),
     ),
     "unregister": (p.Unregister(tp_rank=1), "92aa756e726567697374657201"),
@@ -45,7 +45,7 @@ MESSAGES: dict[str, tuple[object, str]] = {
     "failed": (p.Failed(req_id="r1", block_ids=[4, 5], code="deadline", reason="late"), "95a66661696c6564a27231920405a8646561646c696e65a46c617465"),
     "released": (p.Released(req_id="r1", reason="read", reads=1), "94a872656c6561736564a27231a47265616401"),
     "error": (p.Error(code="malformed", message="bad", req_id="r1"), "94a56572726f72a96d616c666f726d6564a3626164a27231"),
-    "pong": (p.Pong(seq=7, engine_id="D", version=1, handshake_host="h", handshake_port=1), "96a4706f6e6707a14401a16801"),
+    "pong": (p.Pong(seq=7, engine_id="D", version=1, handshake_host="h", handshake_port=1), "97a4706f6e6707a14401a16801a0"),
     "hello": (p.Hello(version=1, compat_hash="abcd", engine_id="D", agent_name="a"), "95a568656c6c6f01a461626364a144a161"),
     "welcome": (
         p.Welcome(version=1, compat_hash="abcd", engine_id="P", agent_name="b",

@@ -5,6 +5,7 @@
      "transfer_timeout_s": 30, # decode receive deadline, handshake included
      "sidecar_timeout_s": 60,  # how long start-up waits for the sidecar to answer
      "grace_s": 5,             # the engine's own deadline = sidecar's + grace (sidecar gone)
+     "heartbeat_s": 1,         # how often a worker pings its sidecar (restart detection)
      "shm_dir": "/dev/shm"}    # CPU engines: where the KV cache files live
 """
 
@@ -25,6 +26,7 @@ class ConnectorSettings:
     transfer_timeout_s: float = 30.0
     sidecar_timeout_s: float = 60.0
     grace_s: float = 5.0
+    heartbeat_s: float = 1.0
     shm_dir: str = "/dev/shm"
 
     @classmethod
@@ -37,5 +39,6 @@ class ConnectorSettings:
             transfer_timeout_s=float(extra.get("transfer_timeout_s", cls.transfer_timeout_s)),
             sidecar_timeout_s=float(extra.get("sidecar_timeout_s", cls.sidecar_timeout_s)),
             grace_s=float(extra.get("grace_s", cls.grace_s)),
+            heartbeat_s=float(extra.get("heartbeat_s", cls.heartbeat_s)),
             shm_dir=str(extra.get("shm_dir", cls.shm_dir)),
         )

@@ -9,7 +9,9 @@ nothing here imports vLLM.
 
 If the sidecar never answers (it died, its socket was replaced), the deadlines that the
 scheduler put in the metadata fire here: an overdue receive is reported failed (vLLM
-recomputes it), an overdue hold as sent (its lease is over; nobody can be reading).
+recomputes it), an overdue hold as sent (its lease is over; nobody can be reading). A
+heartbeat (a Ping about once a second, answered with the sidecar's instance name) notices
+a restarted sidecar at once: loads in flight fail, holds are freed, memory re-registered.
 """
 
 from __future__ import annotations
@@ -76,6 +78,9 @@ class WorkerSide:
         self._holds: dict[str, float] = {}
         self._invalid: set[int] = set()
         self.stats = WorkerStats()
+        self._registration: Any = None
+        self._instance = ""
+        self._next_heartbeat = 0.0
 
     def mem_pool_context(self) -> AbstractContextManager[Any] | None:
         return self.allocator
@@ -110,6 +115,8 @@ class WorkerSide:
         self.client = SidecarClient(self.settings.sidecar)
         self.client.ping(self.settings.sidecar_timeout_s)
         self.registered = self.client.register(msg, self.settings.sidecar_timeout_s)
+        self._registration = msg
+        self._instance = self.registered.agent_name
         log.info("rank %d registered %d bytes with sidecar %s", self.tp_rank,
                  self.registered.bytes_registered, self.settings.sidecar)
         return self.registered
@@ -123,7 +130,14 @@ class WorkerSide:
         out = TransferResults()
         if self.client is None:
             return out
+        now = time.monotonic()
+        if now >= self._next_heartbeat:
+            self._next_heartbeat = now + self.settings.heartbeat_s
+            self.client.heartbeat()
         ev = self.client.poll()
+        if any(p.instance and p.instance != self._instance for p in ev.pongs):
+            self._sidecar_restarted(out)
+            return out
         for d in ev.done:
             if self._recvs.pop(d.req_id, None) is not None:
                 out.finished_recving.add(d.req_id)
@@ -146,6 +160,23 @@ class WorkerSide:
             log.warning("sidecar error for %r: [%s] %s", e.req_id, e.code, e.message)
         self._expire(out, time.monotonic())
         return out
+
+    def _sidecar_restarted(self, out: TransferResults) -> None:
+        """A new sidecar answers on our socket: everything the old one held is gone."""
+        log.warning("sidecar %s restarted: failing %d loads, freeing %d holds, re-registering",
+                    self.settings.sidecar, len(self._recvs), len(self._holds))
+        for req_id, (blocks, _) in list(self._recvs.items()):
+            self._fail(out, req_id, blocks)
+        self._recvs.clear()
+        out.finished_sending.update(self._holds)
+        self._holds.clear()
+        assert self.client is not None
+        assert self._registration is not None
+        try:
+            self.registered = self.client.register(self._registration, self.settings.sidecar_timeout_s)
+            self._instance = self.registered.agent_name
+        except Exception as e:  # keep the engine running; loads fail until it comes back
+            log.error("re-registration with the restarted sidecar failed: %s", e)
 
     def _fail(self, out: TransferResults, req_id: str, blocks: list[int]) -> None:
         out.finished_recving.add(req_id)
