@@ -47,6 +47,8 @@ class Config:
                      default="both")
     drain_timeout_s: float = _doc("How long SIGTERM waits for in-flight work before exiting.",
                                   default=20.0)
+    secret_file: str = _doc("File holding the shared secret peers must prove at handshake "
+                            "(HMAC); also KVXFER_SECRET. Unset: no authentication.", default="")
     engine_check_s: float = _doc("How often to check that registered engine processes live.",
                                  default=1.0)
     lease_s: float = _doc("Default lease on held prefill blocks; released when it expires "
@@ -91,6 +93,20 @@ class Config:
     @property
     def resolved_engine_id(self) -> str:
         return self.engine_id or f"{socket.gethostname()}-{os.getpid()}"
+
+    def load_secret(self, env: Mapping[str, str] | None = None) -> bytes:
+        """The handshake secret: the file's content (stripped), else KVXFER_SECRET."""
+        env = os.environ if env is None else env
+        if self.secret_file:
+            try:
+                with open(self.secret_file, "rb") as fh:
+                    secret = fh.read().strip()
+            except OSError as e:
+                raise ConfigError(f"secret_file {self.secret_file}: {e}") from e
+            if not secret:
+                raise ConfigError(f"secret_file {self.secret_file} is empty")
+            return secret
+        return env.get(ENV_PREFIX + "SECRET", "").encode()
 
     @property
     def cuda_enabled(self) -> bool:

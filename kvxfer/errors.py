@@ -35,6 +35,7 @@ class ErrorCode(enum.StrEnum):
     DEADLINE = "deadline"  # the transfer did not finish before its deadline
     TRANSFER_ERROR = "transfer_error"  # any other NIXL failure
     DRAINING = "draining"  # the sidecar is shutting down and takes no new work
+    UNAUTHORIZED = "unauthorized"  # handshake without (or with a wrong) shared-secret proof
     CANCELLED = "cancelled"  # an operator cancelled the transfer (gRPC CancelTransfer / drain)
     INTERNAL = "internal"  # a bug in kvxfer; logged with a traceback
 

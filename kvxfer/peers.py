@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import zmq
 
+from kvxfer.auth import ReplayGuard, check_welcome, sign_hello, sign_welcome
 from kvxfer.errors import ErrorCode, RequestError
 from kvxfer.protocol import (
     DECODE_ERRORS,
@@ -68,6 +69,8 @@ class PeersMixin:
     observer: Observer
     hs_sock: zmq.asyncio.Socket | None
     peers: dict[str, Peer]
+    secret: bytes  # empty: no handshake authentication
+    replay_guard: ReplayGuard
     _handshakes: dict[str, asyncio.Future[Peer]]
 
     async def _nixl(self, fn: Any, *args: Any) -> Any:
@@ -108,6 +111,8 @@ class PeersMixin:
                 engine_id=self.engine_id,
                 agent_name=self.agent_name,
             )
+            if self.secret:
+                hello = sign_hello(self.secret, hello)
             await sock.send(encode(hello))
             timeout_ms = int(self.config.handshake_timeout_s * 1000)
             if not await sock.poll(timeout_ms):
@@ -130,6 +135,8 @@ class PeersMixin:
                 )
             if len(frames) != 2 or not reply.ranks:
                 raise RequestError(ErrorCode.HANDSHAKE_FAILED, f"{key}: welcome without metadata")
+            if self.secret and not check_welcome(self.secret, reply, hello.nonce, frames[1]):
+                raise RequestError(ErrorCode.UNAUTHORIZED, f"{key} cannot prove it holds the shared secret")
             await self._nixl(self.transfer.t_add_peer, reply.agent_name, frames[1], reply.ranks)
         except RequestError as e:
             self.observer.handshake(key, False, time.monotonic() - start, e.reason)
@@ -202,6 +209,10 @@ class PeersMixin:
         except DECODE_ERRORS as e:
             self.observer.bad_message("handshake")
             return refuse(ErrorCode.MALFORMED, f"bad hello: {e}")
+        if self.secret:
+            why = self.replay_guard.check_hello(self.secret, hello)
+            if why is not None:
+                return refuse(ErrorCode.UNAUTHORIZED, why)
         if hello.version != PROTOCOL_VERSION:
             return refuse(
                 ErrorCode.INCOMPATIBLE,
@@ -225,4 +236,6 @@ class PeersMixin:
             agent_name=self.agent_name,
             ranks=[self.ranks[r] for r in sorted(self.ranks)],
         )
+        if self.secret:
+            welcome = sign_welcome(self.secret, welcome, hello.nonce, metadata)
         return welcome, [metadata]

@@ -242,6 +242,9 @@ class Hello(_Msg, tag="hello"):
     compat_hash: str
     engine_id: str
     agent_name: str
+    nonce: str = ""  # with a shared secret: random, never reused
+    ts: float = 0.0  # sender's wall clock (replay window)
+    mac: str = ""  # HMAC-SHA256 of the fields above (kvxfer.auth)
 
 
 HandshakeRequest = Hello
@@ -268,6 +271,7 @@ class Welcome(_Msg, tag="welcome"):
     engine_id: str
     agent_name: str
     ranks: list[RankInfo]
+    mac: str = ""  # with a shared secret: proves the answer comes from a holder of it
 
 
 class Refused(_Msg, tag="refused"):

@@ -32,6 +32,7 @@ import zmq
 import zmq.asyncio
 
 from kvxfer import __version__
+from kvxfer.auth import ReplayGuard
 from kvxfer.config import Config
 from kvxfer.errors import ErrorCode, RequestError
 from kvxfer.leases import Lease, LeaseTable
@@ -143,6 +144,8 @@ class Sidecar(PeersMixin):
         )
         self.transfer = TransferEngine(self.agent_name, opts, self._from_nixl_thread)
         self.observer = Observer()
+        self.secret = config.load_secret()
+        self.replay_guard = ReplayGuard()
         self.draining = False
         self.ready = False
         self._idle = asyncio.Event()  # nothing in flight, nothing held

@@ -239,3 +239,75 @@ def test_connector_worker_survives_a_sidecar_restart(sidecars: SidecarFactory) -
         assert ws.registered.agent_name != first.agent_name  # re-registered with the new sidecar
     finally:
         ws.shutdown()
+
+
+def test_shared_secret_handshake(sidecars: SidecarFactory, tmp_path: os.PathLike[str]) -> None:
+    from kvxfer.protocol import PROTOCOL_VERSION, Hello, Refused, handshake_reply_decoder
+
+    good, bad = os.path.join(tmp_path, "good"), os.path.join(tmp_path, "bad")
+    for path, secret in ((good, "correct horse"), (bad, "battery staple")):
+        with open(path, "w") as fh:
+            fh.write(secret + "\n")
+    lay = make_layout(layers=2, num_blocks=16, heads=2, head_dim=16)
+    ps = sidecars.start("auth-p", "--secret-file", good)
+    engines = []
+    try:
+        p = SyntheticEngine(lay, ps.endpoint, seed=1)
+        engines.append(p)
+        p.start()
+        reg = p.registered
+        assert reg is not None
+        results = {}
+        for name, args in (("auth-ok", ("--secret-file", good)), ("auth-none", ()),
+                           ("auth-wrong", ("--secret-file", bad))):
+            d = SyntheticEngine(lay, sidecars.start(name, *args).endpoint, seed=2)
+            engines.append(d)
+            d.start()
+            pb, db = p.allocate(2), d.allocate(2)
+            p.fill(name, pb)
+            p.client.hold(name, pb)
+            d.client.recv(name, db, remote_of(p, pb))
+            got = wait_for(d.client, lambda a: bool(a.done or a.failed), timeout=30)
+            results[name] = got.failed[0] if got.failed else ("done", d.verify(name, db))
+        assert results["auth-ok"] == ("done", True)
+        for name in ("auth-none", "auth-wrong"):
+            assert results[name].code == ErrorCode.UNAUTHORIZED, results[name]
+        assert "requires the shared secret" in results["auth-none"].reason
+        # An outsider on the port gets a refusal and no NIXL metadata frame.
+        with zmq.Context.instance().socket(zmq.DEALER) as s:
+            s.connect(f"tcp://127.0.0.1:{reg.handshake_port}")
+            s.send(encode_hello(Hello(version=PROTOCOL_VERSION, compat_hash="x", engine_id="x",
+                                      agent_name="x")))
+            assert s.poll(5000)
+            frames = s.recv_multipart()
+        assert len(frames) == 1
+        reply = handshake_reply_decoder.decode(frames[0])
+        assert isinstance(reply, Refused)
+        assert reply.code == ErrorCode.UNAUTHORIZED
+    finally:
+        for e in engines:
+            e.close()
+
+
+def encode_hello(hello: object) -> bytes:
+    from kvxfer.protocol import encode
+
+    return encode(hello)  # type: ignore[arg-type]
+
+
+def test_replay_guard() -> None:
+    from kvxfer.auth import ReplayGuard, check_welcome, sign_hello, sign_welcome
+    from kvxfer.protocol import Hello, Welcome
+
+    hello = sign_hello(b"s", Hello(version=1, compat_hash="h", engine_id="e", agent_name="a"))
+    guard = ReplayGuard()
+    assert guard.check_hello(b"s", hello) is None
+    assert guard.check_hello(b"s", hello) == "replayed handshake"
+    assert "signature" in (guard.check_hello(b"t", sign_hello(b"s", hello)) or "")
+    assert "timestamp" in (ReplayGuard().check_hello(b"s", hello, now=hello.ts + 3600) or "")
+    assert "requires" in (ReplayGuard().check_hello(b"s", msgspec.structs.replace(hello, mac="")) or "")
+    w = sign_welcome(b"s", Welcome(version=1, compat_hash="h", engine_id="p", agent_name="b", ranks=[]),
+                     hello.nonce, b"metadata")
+    assert check_welcome(b"s", w, hello.nonce, b"metadata")
+    assert not check_welcome(b"s", w, hello.nonce, b"other metadata")
+    assert not check_welcome(b"x", w, hello.nonce, b"metadata")
