@@ -66,6 +66,15 @@ class LeaseTable:
             return self.pop(req_id)
         return None
 
+    def extend(self, req_id: str, until: float) -> bool:
+        """Keep a lease at least until ``until`` (a reader started and has this deadline)."""
+        lease = self._leases.get(req_id)
+        if lease is None or until <= lease.expires:
+            return lease is not None
+        lease.expires = until
+        heapq.heappush(self._heap, (until, req_id))
+        return True
+
     def pop(self, req_id: str) -> Lease | None:
         lease = self._leases.pop(req_id, None)
         if lease is not None:

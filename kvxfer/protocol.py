@@ -293,6 +293,7 @@ class ReadNotice(_Msg, tag="read"):
     tp_rank: NonNeg
     ok: bool
     readers: NonNeg = 0  # notices the prefill side should expect in all (decode TP); 0: Hold.reads
+    reading_s: Annotated[float, Meta(ge=0)] = 0.0  # >0: "started; done or failed within this"
 
 
 # --------------------------------------------------------------------------- codecs

@@ -462,6 +462,10 @@ class Sidecar(PeersMixin):
             if remaining <= 0:
                 raise RequestError(ErrorCode.DEADLINE, "deadline passed during handshake")
             state.state = "reading"
+            # The prefill side must not let its lease run out under a read in progress.
+            started = ReadNotice(req_id=msg.remote_req_id or msg.req_id, tp_rank=msg.tp_rank, ok=True,
+                                 reading_s=remaining)
+            await self._notify_peer(peer.agent_name, started)
             await self._nixl(
                 self.transfer.t_read,
                 key,
@@ -588,6 +592,10 @@ class Sidecar(PeersMixin):
             notice = read_notice_decoder.decode(event.payload)
         except DECODE_ERRORS:
             self.observer.totals.stray_notices += 1
+            return
+        if notice.reading_s > 0:
+            if self.leases.extend(notice.req_id, time.monotonic() + notice.reading_s + 1.0):
+                self._lease_wakeup.set()
             return
         lease = self.leases.note_read(notice.req_id, notice.tp_rank, notice.readers)
         if lease is None:

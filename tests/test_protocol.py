@@ -56,7 +56,7 @@ MESSAGES: dict[str, tuple[object, str]] = {
         ),
     ),
     "refused": (p.Refused(version=1, code="incompatible", reason="no"), "94a77265667573656401ac696e636f6d70617469626c65a26e6f"),
-    "read": (p.ReadNotice(req_id="r1", tp_rank=0, ok=True, readers=2), "95a472656164a2723100c302"),
+    "read": (p.ReadNotice(req_id="r1", tp_rank=0, ok=True, readers=2), "96a472656164a2723100c302cb0000000000000000"),
 }
 
 DECODERS = {

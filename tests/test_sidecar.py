@@ -239,3 +239,34 @@ def test_many_concurrent_requests(pd: PD) -> None:
     for pb, db in reqs.values():
         pd.p.free(pb)
         pd.d.free(db)
+
+
+def test_lease_outlives_a_read_in_progress(sidecars: SidecarFactory) -> None:
+    """A read that starts before the lease ends keeps the prefill blocks held until it is over."""
+    ps = sidecars.start("ext-p")
+    ds = sidecars.start("ext-d", "--chunk-mib", "1", "--max-inflight-chunks", "1")
+    lay = make_layout(layers=32, num_blocks=200, heads=8, head_dim=128)  # 2 MiB blocks
+    p, d = SyntheticEngine(lay, ps.endpoint, seed=1), SyntheticEngine(lay, ds.endpoint, seed=2)
+    try:
+        p.start()
+        d.start()
+        reg = p.registered
+        assert reg is not None
+        rem = RemoteBlocks(reg.engine_id, reg.handshake_host, reg.handshake_port, [])
+        d.client.recv("warm", [], rem)  # pay the handshake first
+        wait_for(d.client, lambda a: bool(a.done))
+        pb, db = p.allocate(190), d.allocate(190)  # 380 MiB in 1 MiB chunks, one at a time
+        p.fill("long", pb)
+        t0 = time.monotonic()
+        p.client.hold("long", pb, lease_s=0.05)
+        d.client.recv("long", db, RemoteBlocks(reg.engine_id, reg.handshake_host, reg.handshake_port, pb))
+        got = wait_for(d.client, lambda a: bool(a.done or a.failed), timeout=60)
+        took = time.monotonic() - t0
+        assert not got.failed, got.failed
+        assert d.verify("long", db)
+        rel = wait_for(p.client, lambda a: bool(a.released))
+        assert [(r.req_id, r.reason) for r in rel.released] == [("long", "read")]
+        assert took > 0.05  # the read outlasted the original lease
+    finally:
+        p.close()
+        d.close()

@@ -176,3 +176,14 @@ def test_connector_layout_reads_nhd_hnd_and_fused_tensors() -> None:
     assert (r.layout.kv_parts, r.regions[0].block_len) == (1, 2 * 4 * 16)
     with pytest.raises(RequestError, match="not contiguous"):
         reg({"a": torch.zeros(2, 6, 4, 2, 16)[..., :8]})
+
+
+def test_lease_extended_while_a_reader_is_reading() -> None:
+    t = LeaseTable()
+    t.add(lease("a", 1.0))
+    assert t.extend("a", 5.0)
+    assert t.extend("a", 2.0)  # never shortened
+    assert t.expire(1.5) == []
+    assert t.next_expiry() == 5.0
+    assert [x.req_id for x in t.expire(5.0)] == ["a"]
+    assert not t.extend("a", 9.0)
