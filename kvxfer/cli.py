@@ -107,6 +107,5 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         from kvxfer.sidecar import run_server
 
-        run_server(config)
-        return 0
+        return run_server(config)
     return _run_demo(args)

@@ -34,7 +34,7 @@ import zmq.asyncio
 from kvxfer import __version__
 from kvxfer.auth import ReplayGuard
 from kvxfer.config import Config
-from kvxfer.errors import ErrorCode, RequestError
+from kvxfer.errors import ConfigError, ErrorCode, RequestError
 from kvxfer.leases import Lease, LeaseTable
 from kvxfer.memory import validate_registration
 from kvxfer.observe import Event, Observer, start_metrics_server
@@ -60,6 +60,7 @@ from kvxfer.protocol import (
     engine_request_decoder,
     read_notice_decoder,
 )
+from kvxfer.systemd import Notifier
 from kvxfer.topology import (
     BlockPairing,
     Incompatible,
@@ -144,6 +145,7 @@ class Sidecar(PeersMixin):
         )
         self.transfer = TransferEngine(self.agent_name, opts, self._from_nixl_thread)
         self.observer = Observer()
+        self.systemd = Notifier()
         self.secret = config.load_secret()
         self.replay_guard = ReplayGuard()
         self.draining = False
@@ -185,11 +187,15 @@ class Sidecar(PeersMixin):
             asyncio.ensure_future(self._lease_loop()),
             asyncio.ensure_future(self._engine_watch_loop()),
         ]
+        if self.systemd.enabled:
+            loops.append(asyncio.ensure_future(self._systemd_loop()))
         for task in loops:
             task.add_done_callback(self._loop_died)
+        self.systemd.ready(self._status_line())
         try:
             await self._stop.wait()
         finally:
+            self.systemd.stopping("stopping")
             for t in loops + list(self._tasks):
                 t.cancel()
             await asyncio.gather(*loops, *self._tasks, return_exceptions=True)
@@ -212,6 +218,8 @@ class Sidecar(PeersMixin):
 
     def _graceful_stop(self) -> None:
         """SIGTERM: readiness off, drain within drain_timeout_s, then stop."""
+
+        self.systemd.stopping("draining")
 
         async def run() -> None:
             drained, failed, released, took = await self.drain(self.config.drain_timeout_s)
@@ -627,6 +635,23 @@ class Sidecar(PeersMixin):
                 self._release(lease, "expired")
 
 
+    # ------------------------------------------------------------------ systemd
+
+    def _status_line(self) -> str:
+        t = self.observer.totals
+        state = "draining" if self.draining else "serving"
+        return (f"{state}: {len(self.ranks)} ranks, {len(self.peers)} peers, {len(self.leases)} held, "
+                f"{len(self.recvs)} in flight, {t.transfers_ok} transfers, {t.transfers_failed} failed")
+
+    async def _systemd_loop(self) -> None:
+        """Watchdog pings (only while the loop itself runs) and a STATUS= line."""
+        period = self.systemd.watchdog_s or 5.0
+        while True:
+            await asyncio.sleep(period)
+            if self.systemd.watchdog_s:
+                self.systemd.watchdog()
+            self.systemd.status(self._status_line())
+
     # ------------------------------------------------------------------ engine death
 
     async def _engine_watch_loop(self) -> None:
@@ -727,7 +752,8 @@ def _start_time(pid: int) -> str | None:
         return ""
 
 
-def run_server(config: Config) -> None:
+def run_server(config: Config) -> int:
+    """Run the daemon until SIGINT, or SIGTERM and a drain; returns the exit status."""
     import faulthandler
 
     import uvloop
@@ -738,4 +764,14 @@ def run_server(config: Config) -> None:
         level=os.environ.get("KVXFER_LOG_LEVEL", config.log_level).upper(),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
-    uvloop.run(Sidecar(config).serve())
+    try:
+        sidecar = Sidecar(config)
+    except ConfigError as e:  # e.g. an unreadable secret file: refuse to start rather than run open
+        log.critical("%s", e)
+        return 2
+    try:
+        uvloop.run(sidecar.serve())
+    except OSError as e:  # a listener could not bind
+        log.critical("cannot start: %s", e)
+        return 2
+    return sidecar.exit_code

@@ -50,7 +50,9 @@ class SidecarFactory:
         self.dir = tempfile.mkdtemp(prefix="kvx", dir="/tmp")
         self.procs: list[SidecarProc] = []
 
-    def start(self, name: str, *args: str, metrics_port: int = 0) -> SidecarProc:
+    def start(
+        self, name: str, *args: str, metrics_port: int = 0, env: dict[str, str] | None = None
+    ) -> SidecarProc:
         sock = os.path.join(self.dir, f"{name}.sock")
         log_path = os.path.join(self.dir, f"{name}.log")
         control = f"unix://{os.path.join(self.dir, name)}.ctl"
@@ -61,7 +63,8 @@ class SidecarFactory:
             "--metrics-host", "127.0.0.1", *args,
         ]
         with open(log_path, "wb") as log:
-            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
+                                    env=None if env is None else {**os.environ, **env})
         sc = SidecarProc(name, f"ipc://{sock}", proc, log_path, control, metrics_port)
         self.procs.append(sc)
         return sc

@@ -1,0 +1,182 @@
+"""deploy/: Kubernetes manifests against the offline schemas, systemd units with
+systemd-analyze, and the daemon's systemd notify protocol with a drain in flight."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+import kubernetes_validate
+import pytest
+import yaml
+
+from kvxfer.client import RemoteBlocks
+from kvxfer.testing.engine import SyntheticEngine, make_layout
+from kvxfer.testing.procs import SidecarFactory
+from tests.test_sidecar import wait_for
+
+K8S = Path("deploy/k8s")
+K8S_VERSION = "1.37.0"
+
+
+def _apply_json6902(doc: dict[str, Any], ops: list[dict[str, Any]]) -> None:
+    for op in ops:
+        assert op["op"] in ("replace", "add"), op
+        *parents, last = op["path"].strip("/").split("/")
+        node: Any = doc
+        for part in parents:
+            node = node[int(part)] if isinstance(node, list) else node[part]
+        if isinstance(node, list):
+            idx = len(node) if last == "-" else int(last)
+            if op["op"] == "replace":
+                node[idx] = op["value"]
+            else:
+                node.insert(idx, op["value"])
+        else:
+            assert op["op"] == "add" or last in node, f"{op['path']} does not exist"
+            node[last] = op["value"]
+
+
+def render(directory: Path) -> list[dict[str, Any]]:
+    """The subset of kustomize these manifests use: resources, labels, JSON6902 patches."""
+    k = yaml.safe_load((directory / "kustomization.yaml").read_text())
+    docs: list[dict[str, Any]] = []
+    for res in k["resources"]:
+        path = directory / res
+        docs += render(path) if path.is_dir() else [d for d in yaml.safe_load_all(path.read_text()) if d]
+    for entry in k.get("labels", []):
+        for d in docs:
+            d["metadata"].setdefault("labels", {}).update(entry["pairs"])
+            if entry.get("includeSelectors") and d["kind"] == "Deployment":
+                d["spec"]["selector"]["matchLabels"].update(entry["pairs"])
+                d["spec"]["template"]["metadata"]["labels"].update(entry["pairs"])
+            if entry.get("includeSelectors") and d["kind"] == "Service":
+                d["spec"]["selector"].update(entry["pairs"])
+    for patch in k.get("patches", []):
+        ops = yaml.safe_load((directory / patch["path"]).read_text())
+        targets = [d for d in docs if d["kind"] == patch["target"]["kind"]
+                   and d["metadata"]["name"] == patch["target"]["name"]]
+        assert targets, patch
+        for d in targets:
+            _apply_json6902(d, ops)
+    return copy.deepcopy(docs)
+
+
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+def test_overlays_render_and_validate(role: str) -> None:
+    docs = render(K8S / "overlays" / role)
+    for d in docs:
+        kubernetes_validate.validate(d, K8S_VERSION, strict=True)
+    by_kind = {d["kind"]: d for d in docs}
+    dep, svc = by_kind["Deployment"], by_kind["Service"]
+    assert dep["metadata"]["name"] == svc["metadata"]["name"] == f"{role}-vllm"
+    pod = dep["spec"]["template"]
+    assert dep["spec"]["selector"]["matchLabels"]["kvxfer.io/role"] == role
+    assert svc["spec"]["selector"] == pod["metadata"]["labels"]
+    (kvx,) = pod["spec"]["initContainers"]
+    (vllm,) = pod["spec"]["containers"]
+    assert kvx["restartPolicy"] == "Always"  # native sidecar
+    env = {e["name"]: e.get("value") for e in kvx["env"]}
+    assert env["KVXFER_ROLE"] == role
+    assert env["KVXFER_CONTROL_TARGET"].endswith(":5701")
+    assert int(env["KVXFER_DRAIN_TIMEOUT_S"]) < pod["spec"]["terminationGracePeriodSeconds"]
+    assert kvx["readinessProbe"]["grpc"] == {"port": 5701, "service": "readiness"}
+    assert kvx["livenessProbe"]["grpc"] == {"port": 5701, "service": "liveness"}
+    assert kvx["startupProbe"]["grpc"]["service"] == "readiness"
+    assert "IPC_LOCK" in kvx["securityContext"]["capabilities"]["add"]
+    # Same socket dir, same /dev/shm, same GPU claim for engine and sidecar.
+    for c in (kvx, vllm):
+        assert {m["name"] for m in c["volumeMounts"]} == {"kvxfer-run", "dshm"}
+        assert c["resources"]["claims"] == [{"name": "gpu"}]
+    assert "ipc:///run/kvxfer/engine.sock" in " ".join(vllm["args"])
+    assert env["KVXFER_ENGINE_SOCKET"] == "ipc:///run/kvxfer/engine.sock"
+    # Every name the pod refers to exists in the rendered output.
+    claim = pod["spec"]["resourceClaims"][0]["resourceClaimTemplateName"]
+    assert by_kind["ResourceClaimTemplate"]["metadata"]["name"] == claim
+    secret = next(e for e in kvx["env"] if e["name"] == "KVXFER_SECRET")["valueFrom"]["secretKeyRef"]
+    assert by_kind["Secret"]["metadata"]["name"] == secret["name"]
+    assert pod["metadata"]["annotations"]["prometheus.io/port"] == "9400"
+
+
+def test_validator_catches_a_broken_manifest() -> None:
+    dep = next(d for d in render(K8S / "overlays" / "prefill") if d["kind"] == "Deployment")
+    dep["spec"]["template"]["spec"]["initContainers"][0]["restartPolicy"] = 42
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(dep, K8S_VERSION, strict=True)
+
+
+def _verify(path: Path) -> list[str]:
+    """systemd-analyze's complaints about a unit file (it exits 0 on unknown keys)."""
+    out = subprocess.run(["systemd-analyze", "verify", "--man=no", str(path)],
+                         capture_output=True, text=True, timeout=60, check=False)
+    return [line for line in (out.stdout + out.stderr).splitlines() if path.name in line] + (
+        [f"exit {out.returncode}"] if out.returncode else [])
+
+
+@pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="systemd-analyze not installed")
+def test_systemd_units_verify(tmp_path: Path) -> None:
+    true = shutil.which("true") or "/bin/true"
+    for unit in ("kvxfer@.service", "vllm@.service"):
+        text = (Path("deploy/systemd") / unit).read_text()
+        # verify checks that ExecStart binaries exist; point them at one that does.
+        text = text.replace("/opt/kvxfer/bin/kvxfer", true).replace("/opt/vllm/bin/vllm", true)
+        path = tmp_path / unit.replace("@", "@test")
+        path.write_text(text)
+        assert _verify(path) == [], unit
+    bad = tmp_path / "bad@test.service"
+    bad.write_text(f"[Service]\nType=notifyy\nExecStart={true}\n")
+    assert _verify(bad)  # the check can fail
+
+
+def test_systemd_notify_ready_watchdog_and_drain_on_sigterm(sidecars: SidecarFactory, tmp_path: Path) -> None:
+    addr = str(tmp_path / "notify")
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    sock.bind(addr)
+    sock.settimeout(0.2)
+    got: list[str] = []
+
+    def read_until(pred: Any, timeout: float) -> None:
+        end = time.monotonic() + timeout
+        while time.monotonic() < end and not pred():
+            with contextlib.suppress(TimeoutError):
+                got.extend(sock.recv(4096).decode().splitlines())
+        assert pred(), got
+
+    ps = sidecars.start("sd-p")
+    ds = sidecars.start("sd-d", "--chunk-mib", "1", "--max-inflight-chunks", "1", "--drain-timeout-s", "30",
+                        env={"NOTIFY_SOCKET": addr, "WATCHDOG_USEC": "200000"})
+    lay = make_layout(layers=32, num_blocks=160, heads=8, head_dim=128)  # 2 MiB blocks
+    p, d = SyntheticEngine(lay, ps.endpoint, seed=1), SyntheticEngine(lay, ds.endpoint, seed=2)
+    try:
+        read_until(lambda: "READY=1" in got, 60)
+        assert any(line.startswith("STATUS=serving") for line in got)
+        read_until(lambda: got.count("WATCHDOG=1") >= 3, 5)
+        p.start()
+        d.start()
+        reg = p.registered
+        assert reg is not None
+        pb, db = p.allocate(150), d.allocate(150)  # 300 MiB, 1 MiB at a time
+        p.fill("drained", pb)
+        p.client.hold("drained", pb)
+        d.client.recv("drained", db, RemoteBlocks(reg.engine_id, reg.handshake_host, reg.handshake_port, pb))
+        time.sleep(0.1)  # the read is under way
+        ds.proc.send_signal(signal.SIGTERM)
+        read_until(lambda: "STOPPING=1" in got, 10)
+        done = wait_for(d.client, lambda a: bool(a.done or a.failed), timeout=60)
+        assert not done.failed, done.failed  # the drain let the read finish
+        assert d.verify("drained", db)
+        assert ds.proc.wait(30) == 0
+        assert "drained in" in ds.log()
+    finally:
+        p.close()
+        d.close()
+        sock.close()
+        os.unlink(addr)
