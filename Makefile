@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.kvxfer-installed
 PIP_QUIET ?= -q
 
-.PHONY: install install-vllm demo test lint proto clean
+.PHONY: install install-vllm demo bench test lint proto clean
 
 VLLM_STAMP := $(VENV)/.vllm-installed
 VLLM_VERSION ?= 0.33.0
@@ -31,6 +31,11 @@ install-vllm: $(VLLM_STAMP)
 
 demo: $(STAMP)
 	$(BIN)/kvxfer demo $(DEMO_ARGS)
+
+# Side by side: kvxfer vs raw NIXL vs memcpy (+ step overhead, first transfer, scale).
+bench: $(STAMP)
+	$(BIN)/pip install $(PIP_QUIET) -e '.[bench]'
+	$(BIN)/kvxfer bench --plot benchmarks/latest.png --json $(BENCH_ARGS) | tee benchmarks/latest.txt
 
 # Regenerate the gRPC stubs with the pinned grpcio-tools (the output is committed;
 # tests/test_control.py fails when it is stale).

@@ -96,9 +96,18 @@ def main(argv: list[str] | None = None) -> int:
     from kvxfer.control.client_cli import add_commands
 
     add_commands(sub)
+    b = sub.add_parser("bench", help="kvxfer vs raw NIXL vs memcpy, step overhead, first transfer")
+    b.add_argument("--quick", action="store_true", help="small sizes, under a minute (CI smoke)")
+    b.add_argument("--json", action="store_true", help="last line: one JSON object")
+    b.add_argument("--plot", metavar="PNG", help="write a plot (needs matplotlib)")
+    b.add_argument("--ucx-error-mode", choices=["peer", "none"], default="peer")
     args = parser.parse_args(argv)
     if hasattr(args, "func"):
         return int(args.func(args))
+    if args.command == "bench":
+        from kvxfer.bench import main as bench_main
+
+        return bench_main(args)
     if args.command == "serve":
         try:
             config = load_config(vars(args))

@@ -470,10 +470,6 @@ class Sidecar(PeersMixin):
             if remaining <= 0:
                 raise RequestError(ErrorCode.DEADLINE, "deadline passed during handshake")
             state.state = "reading"
-            # The prefill side must not let its lease run out under a read in progress.
-            started = ReadNotice(req_id=msg.remote_req_id or msg.req_id, tp_rank=msg.tp_rank, ok=True,
-                                 reading_s=remaining)
-            await self._notify_peer(peer.agent_name, started)
             await self._nixl(
                 self.transfer.t_read,
                 key,
@@ -485,6 +481,11 @@ class Sidecar(PeersMixin):
                 pairing,
                 remaining,
             )
+            # The prefill side must not let its lease run out under a read in progress
+            # (sent after the read is queued: it must not delay it).
+            started = ReadNotice(req_id=msg.remote_req_id or msg.req_id, tp_rank=msg.tp_rank, ok=True,
+                                 reading_s=remaining)
+            self._spawn(self._notify_peer(peer.agent_name, started))
         except TimeoutError:
             self._finish_recv_error(
                 key, RequestError(ErrorCode.HANDSHAKE_FAILED, f"no handshake within {deadline_s}s")

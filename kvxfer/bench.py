@@ -1,0 +1,459 @@
+"""``kvxfer bench``: kvxfer against raw NIXL and against memcpy, side by side, one run.
+
+Every size is measured by the three methods in turn, repeat after repeat, so drift hits
+all of them alike:
+
+* **kvxfer** — engine -> sidecar -> NIXL -> sidecar -> engine: the decode engine sends
+  ``Recv`` and the clock stops when ``Done`` arrives (two real ``kvxfer serve`` processes).
+* **raw NIXL** — what an in-engine connector does: this process's agent READs the same
+  descriptors (strided lists, same block ids) from a second process's agent that maps the
+  prefill engine's memory, in one transfer, polling until done.
+* **memcpy** — a gather/scatter copy of exactly those blocks inside one process: the
+  machine's limit for this access pattern.
+
+Plus: the per-step cost of the connector's calls with 0/16/256 requests in flight, time
+to first transfer with a cold and a warm peer, 1..64 concurrent requests, 1..4 decode
+engines pulling from one prefill, and descriptor preparation for 10k/100k blocks.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import os
+import platform
+import statistics
+import time
+from typing import Any
+
+import numpy as np
+
+from kvxfer.client import Drained, RemoteBlocks
+from kvxfer.memory import SharedKV
+from kvxfer.protocol import KVLayout
+from kvxfer.testing.engine import SyntheticEngine, make_layout
+from kvxfer.testing.procs import SidecarFactory
+from kvxfer.transfer import _strided_rows, desc_indices, import_nixl
+
+BLOCK_BYTES = 2 << 20  # 32 layers x K/V x 16 tokens x 8 heads x 128 x bf16
+
+
+def _layout(num_blocks: int) -> KVLayout:
+    return make_layout(layers=32, num_blocks=num_blocks, block_size=16, heads=8, head_dim=128)
+
+
+def _agent(name: str, mode: str) -> Any:
+    nixl_agent, nixl_agent_config = import_nixl()
+    a = nixl_agent(name, nixl_agent_config(enable_prog_thread=False, backends=[]))
+    a.create_backend("UCX", {"ucx_error_handling_mode": mode})
+    return a
+
+
+def _raw_target(path: str, size: int, mode: str, conn: Any) -> None:
+    """The prefill side of raw NIXL: map the engine's memory, register it, make progress."""
+    import mmap
+
+    agent = _agent("raw-target", mode)
+    fd = os.open(path, os.O_RDWR)
+    mm = mmap.mmap(fd, size)
+    os.close(fd)
+    addr = int(np.frombuffer(mm, dtype=np.uint8).ctypes.data)
+    agent.register_memory([(addr, size, 0, "")], "DRAM")
+    conn.send((bytes(agent.get_agent_metadata()), addr))
+    while not conn.poll(0.001):
+        agent.get_new_notifs()  # the target of a READ must progress in UCX peer mode
+    conn.recv()
+
+
+class RawNixl:
+    def __init__(self, src: SharedKV, dst: SharedKV, mode: str) -> None:
+        ctx = mp.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_raw_target, args=(src.path, src.nbytes, mode, child), daemon=True)
+        self.proc.start()
+        md, remote_addr = self.conn.recv()
+        self.agent = _agent("raw-init", mode)
+        local_addr = int(dst.data.ctypes.data)
+        self.agent.register_memory([(local_addr, dst.nbytes, 0, "")], "DRAM")
+        name = self.agent.add_remote_agent(md)
+        name = name.decode() if isinstance(name, bytes) else name
+        lay = dst.layout
+        reg = dst.register_message().regions
+        from kvxfer.protocol import RemoteRegion
+
+        def rows(base: int) -> np.ndarray:
+            return _strided_rows([RemoteRegion(addr=base + r.offset, block_len=r.block_len,
+                                               block_stride=r.block_stride) for r in reg], lay.num_blocks)
+
+        self.local = self.agent.prep_xfer_dlist("NIXL_INIT_AGENT", rows(local_addr), "DRAM")
+        self.remote = self.agent.prep_xfer_dlist(name, rows(remote_addr), "DRAM")
+        self.regions = np.arange(len(reg))
+        self.nb = lay.num_blocks
+
+    def read(self, src_blocks: list[int], dst_blocks: list[int]) -> float:
+        li = desc_indices(self.regions, self.nb, np.asarray(dst_blocks))
+        ri = desc_indices(self.regions, self.nb, np.asarray(src_blocks))
+        t0 = time.perf_counter()
+        h = self.agent.make_prepped_xfer("READ", self.local, li, self.remote, ri)
+        state = self.agent.transfer(h)
+        while state == "PROC":
+            time.sleep(20e-6)
+            state = self.agent.check_xfer_state(h)
+        took = time.perf_counter() - t0
+        self.agent.release_xfer_handle(h)
+        if state != "DONE":
+            raise RuntimeError(f"raw NIXL read ended in {state}")
+        return took
+
+    def close(self) -> None:
+        self.conn.send("stop")
+        self.proc.join(10)
+
+
+def _memcpy(src: SharedKV, dst: SharedKV, src_blocks: list[int], dst_blocks: list[int]) -> float:
+    s, d = src.blocks(), dst.blocks()
+    t0 = time.perf_counter()
+    for a, b in zip(src_blocks, dst_blocks, strict=True):
+        d[:, :, b] = s[:, :, a]
+    return time.perf_counter() - t0
+
+
+def _wait(eng: SyntheticEngine, n: int, timeout: float = 120) -> Drained:
+    acc = Drained()
+    end = time.monotonic() + timeout
+    while len(acc.done) + len(acc.failed) < n and time.monotonic() < end:
+        ev = eng.client.wait(0.5)
+        acc.done += ev.done
+        acc.failed += ev.failed
+    if acc.failed or len(acc.done) < n:
+        raise RuntimeError(f"kvxfer transfers failed: {acc.failed[:3]}")
+    return acc
+
+
+def _summary(xs: list[float]) -> dict[str, float]:
+    return {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "n": len(xs)}
+
+
+def run_bench(quick: bool = False, mode: str = "peer") -> dict[str, Any]:
+    sizes = [1, 8, 32] if quick else [1, 8, 32, 128, 256]
+    repeats = 3 if quick else 5
+    nb = max(sizes) * 2 + 2
+    lay = _layout(nb)
+    out: dict[str, Any] = {"machine": _machine(), "ucx_error_mode": mode, "quick": quick,
+                           "layout": "32 layers x K/V x 16 tokens x 8 heads x 128 x bf16 (2 MiB/block, "
+                                     "32 KiB descriptors), random non-contiguous blocks"}
+    with SidecarFactory() as f:
+        ps, ds = f.start("bench-p", "--ucx-error-mode", mode), f.start("bench-d", "--ucx-error-mode", mode)
+        p, d = SyntheticEngine(lay, ps.endpoint, seed=1), SyntheticEngine(lay, ds.endpoint, seed=2)
+        raw = None
+        try:
+            reg = p.start()
+            d.start()
+            rem = RemoteBlocks(reg.engine_id, reg.handshake_host, reg.handshake_port, [])
+            pb_all, db_all = p.allocate(nb - 2), d.allocate(nb - 2)  # shuffled: non-contiguous
+            p.fill("bench", pb_all)
+            raw = RawNixl(p.kv, d.kv, mode)
+            d.client.recv("warmup", [], rem)
+            _wait(d, 1)
+            rows = []
+            for n in sizes:
+                pb, db = pb_all[:n], db_all[:n]
+                t = {"kvxfer": [], "raw_nixl": [], "memcpy": []}
+                for r in range(repeats):
+                    p.client.hold(f"s{n}-{r}", pb, lease_s=120)
+                    t0 = time.perf_counter()
+                    d.client.recv(f"s{n}-{r}", db, RemoteBlocks(reg.engine_id, reg.handshake_host,
+                                                              reg.handshake_port, pb))
+                    _wait(d, 1)
+                    t["kvxfer"].append(time.perf_counter() - t0)
+                    if r == 0:
+                        _check(p, d, pb, db, "kvxfer")
+                        d.wipe(db)
+                    t["raw_nixl"].append(raw.read(pb, db))
+                    if r == 0:
+                        _check(p, d, pb, db, "raw NIXL")
+                    t["memcpy"].append(_memcpy(p.kv, d.kv, pb, db))
+                nbytes = n * BLOCK_BYTES
+                row: dict[str, Any] = {"blocks": n, "bytes": nbytes, "descriptors": n * 64}
+                for k, v in t.items():
+                    row[f"{k}_gbps"] = round(nbytes / statistics.median(v) / 1e9, 3)
+                    row[f"{k}_ms"] = {a: round(b * 1e3, 3) if a != "n" else b for a, b in _summary(v).items()}
+                row["ratio_vs_raw_nixl"] = round(row["kvxfer_gbps"] / row["raw_nixl_gbps"], 3)
+                row["ratio_vs_memcpy"] = round(row["kvxfer_gbps"] / row["memcpy_gbps"], 3)
+                rows.append(row)
+            out["sizes"] = rows
+            out["first_transfer_ms_cold"], out["first_transfer_ms_warm"] = _first_transfer(
+                ds.control, d, p, rem, pb_all, db_all)
+            out["concurrency"] = _concurrency(p, d, reg, pb_all, db_all, [1, 8] if quick else [1, 8, 32, 64])
+        finally:
+            if raw is not None:
+                raw.close()
+            p.close()
+            d.close()
+        out["step_overhead"] = _step_overhead(f, [0, 16] if quick else [0, 16, 256])
+        out["fan_in"] = _fan_in(f, [1, 2] if quick else [1, 2, 4], mode)
+    out["descriptor_prep_ms"] = _desc_prep([10_000] if quick else [10_000, 100_000], mode)
+    large = [r for r in out["sizes"] if r["bytes"] >= 16 << 20]
+    huge = [r for r in out["sizes"] if r["bytes"] >= 256 << 20] or out["sizes"][-1:]
+    out["throughput_ratio_vs_raw_nixl"] = statistics.median(r["ratio_vs_raw_nixl"] for r in large)
+    out["throughput_ratio_vs_memcpy"] = statistics.median(r["ratio_vs_memcpy"] for r in huge)
+    top = out["step_overhead"][-1]
+    out["step_overhead_us_p50"], out["step_overhead_us_p99"] = top["p50_us"], top["p99_us"]
+    return out
+
+
+def _check(p: SyntheticEngine, d: SyntheticEngine, pb: list[int], db: list[int], what: str) -> None:
+    if not np.array_equal(p.kv.blocks()[:, :, pb], d.kv.blocks()[:, :, db]):
+        raise RuntimeError(f"{what}: received bytes differ")
+
+
+def _first_transfer(control: str, d: SyntheticEngine, p: SyntheticEngine, rem: RemoteBlocks,
+                    pb_all: list[int], db_all: list[int]) -> tuple[float, float]:
+    """One block with a cold peer (handshake included) and right after (warm), 5 times."""
+    import grpc
+
+    from kvxfer.control.v1 import control_pb2 as pb
+    from kvxfer.control.v1 import control_pb2_grpc as pb_grpc
+
+    from_d = pb_grpc.ControlStub(grpc.insecure_channel(control))
+    cold, warm = [], []
+    for i in range(5):
+        from_d.DisconnectPeer(pb.DisconnectPeerRequest(endpoint=f"{rem.host}:{rem.port}"), timeout=5)
+        for bucket in (cold, warm):
+            name = f"first-{i}-{len(bucket)}-{id(bucket)}"
+            p.client.hold(name, pb_all[:1])
+            t0 = time.perf_counter()
+            d.client.recv(name, db_all[:1], RemoteBlocks(rem.engine_id, rem.host, rem.port, pb_all[:1]))
+            _wait(d, 1)
+            bucket.append((time.perf_counter() - t0) * 1e3)
+    return round(statistics.median(cold), 3), round(statistics.median(warm), 3)
+
+
+def _concurrency(p: SyntheticEngine, d: SyntheticEngine, reg: Any, pb_all: list[int], db_all: list[int],
+                 levels: list[int]) -> list[dict[str, Any]]:
+    out = []
+    per = 8  # 16 MiB requests
+    for n in levels:
+        n = min(n, len(pb_all) // per)
+        names = [f"c{n}-{i}" for i in range(n)]
+        for i, name in enumerate(names):
+            p.client.hold(name, pb_all[i * per:(i + 1) * per], lease_s=120)
+        t0 = time.perf_counter()
+        for i, name in enumerate(names):
+            d.client.recv(name, db_all[i * per:(i + 1) * per],
+                          RemoteBlocks(reg.engine_id, reg.handshake_host, reg.handshake_port,
+                                       pb_all[i * per:(i + 1) * per]))
+        _wait(d, n)
+        took = time.perf_counter() - t0
+        out.append({"concurrent": n, "gbps": round(n * per * BLOCK_BYTES / took / 1e9, 3),
+                    "seconds": round(took, 4)})
+    return out
+
+
+def _step_overhead(f: SidecarFactory, inflight: list[int]) -> list[dict[str, Any]]:
+    """Per-step connector work (metadata build, bind, drain) with N receives in flight."""
+    import zmq
+
+    from kvxfer.connector.scheduler import SchedulerSide
+    from kvxfer.connector.settings import ConnectorSettings
+    from kvxfer.connector.worker import WorkerSide
+
+    sc = f.start("bench-step", "--transfer-timeout-s", "600", "--handshake-timeout-s", "600")
+    eng = SyntheticEngine(make_layout(layers=2, num_blocks=512, heads=2, head_dim=16), sc.endpoint)
+    out = []
+    silent = zmq.Context.instance().socket(zmq.ROUTER)  # a peer that never answers: reads stay in flight
+    port = silent.bind_to_random_port("tcp://127.0.0.1")
+    try:
+        eng.start()
+        settings = ConnectorSettings(sidecar=sc.endpoint, transfer_timeout_s=600)
+        sched = SchedulerSide(settings, tp_size=1)
+        worker = WorkerSide(settings, 0, 1, "cpu")
+        worker.client = eng.client  # registered rank 0's connection
+        worker._instance = eng.registered.agent_name if eng.registered else ""
+        posted = 0
+
+        class Req:
+            def __init__(self, i: int) -> None:
+                self.request_id = f"step-{i}"
+                self.prompt_token_ids = list(range(16))
+                self.kv_transfer_params = {"do_remote_prefill": True, "remote_engine_id": "silent",
+                                           "remote_host": "127.0.0.1", "remote_port": port,
+                                           "remote_block_ids": [1]}
+
+        for n in inflight:
+            while posted < n:
+                r = Req(posted)
+                sched.get_num_new_matched_tokens(r, 0)
+                sched.update_state_after_alloc(r, [1 + posted % 500], 16)
+                posted += 1
+            plan = sched.take_plan()
+            worker.bind(plan.recvs, plan.holds)
+            samples = []
+            for _ in range(3000):
+                t0 = time.perf_counter_ns()
+                plan = sched.take_plan()  # build_connector_meta
+                worker.bind(plan.recvs, plan.holds)  # start_load_kv
+                worker.get_transfer_results()  # get_finished; wait_for_save is a no-op
+                samples.append((time.perf_counter_ns() - t0) / 1e3)
+            samples.sort()
+            out.append({"inflight": n, "p50_us": round(samples[len(samples) // 2], 2),
+                        "p99_us": round(samples[int(len(samples) * 0.99)], 2)})
+        sched.shutdown()
+    finally:
+        silent.close(0)
+        eng.close()
+    return out
+
+
+def _fan_in(f: SidecarFactory, engines: list[int], mode: str) -> list[dict[str, Any]]:
+    """1..N decode sidecars pulling 16 MiB requests from one prefill at once."""
+    per, reqs = 8, 4
+    lay = _layout(max(engines) * reqs * per + 2)
+    ps = f.start("fan-p", "--ucx-error-mode", mode)
+    p = SyntheticEngine(lay, ps.endpoint, seed=1)
+    decs = []
+    out = []
+    try:
+        reg = p.start()
+        pbs = p.allocate(max(engines) * reqs * per)
+        for i in range(max(engines)):
+            ds = f.start(f"fan-d{i}", "--ucx-error-mode", mode)
+            d = SyntheticEngine(_layout(reqs * per + 2), ds.endpoint, seed=10 + i)
+            d.start()
+            decs.append((d, d.allocate(reqs * per)))
+            d.client.recv("warm", [], RemoteBlocks(reg.engine_id, reg.handshake_host, reg.handshake_port, []))
+            _wait(d, 1)
+        for n in engines:
+            t0 = time.perf_counter()
+            for k, (d, dbs) in enumerate(decs[:n]):
+                for j in range(reqs):
+                    src = pbs[(k * reqs + j) * per:(k * reqs + j + 1) * per]
+                    name = f"fan{n}-{k}-{j}"
+                    p.client.hold(name, src, lease_s=120)
+                    d.client.recv(name, dbs[j * per:(j + 1) * per],
+                                  RemoteBlocks(reg.engine_id, reg.handshake_host, reg.handshake_port, src))
+            for d, _ in decs[:n]:
+                _wait(d, reqs)
+            took = time.perf_counter() - t0
+            out.append({"decode_engines": n, "gbps": round(n * reqs * per * BLOCK_BYTES / took / 1e9, 3)})
+    finally:
+        p.close()
+        for d, _ in decs:
+            d.close()
+    return out
+
+
+def _desc_prep(block_counts: list[int], mode: str) -> list[dict[str, Any]]:
+    """prep_xfer_dlist (strided, per registration) and make_prepped_xfer for a whole request."""
+    agent = _agent("prep", mode)
+    out = []
+    for n in block_counts:
+        lay = make_layout(layers=32, num_blocks=n, block_size=1, heads=1, head_dim=16, dtype="uint8")
+        kv = SharedKV.create(lay)
+        try:
+            base = int(kv.data.ctypes.data)
+            reg = agent.register_memory([(base, kv.nbytes, 0, "")], "DRAM")
+            from kvxfer.protocol import RemoteRegion
+
+            regs = kv.register_message().regions
+            rows = _strided_rows([RemoteRegion(addr=base + r.offset, block_len=r.block_len,
+                                               block_stride=r.block_stride) for r in regs], n)
+            t0 = time.perf_counter()
+            dl = agent.prep_xfer_dlist("NIXL_INIT_AGENT", rows, "DRAM")
+            t1 = time.perf_counter()
+            loop = agent.prep_xfer_dlist("prep", rows, "DRAM")  # loopback "remote" side
+            blocks = np.random.default_rng(0).permutation(n)
+            idx = desc_indices(np.arange(len(regs)), n, blocks)
+            t2 = time.perf_counter()
+            h = agent.make_prepped_xfer("WRITE", dl, idx, loop, idx[::-1].copy())  # not posted
+            t3 = time.perf_counter()
+            agent.release_xfer_handle(h)
+            agent.release_dlist_handle(loop)
+            agent.release_dlist_handle(dl)
+            agent.deregister_memory(reg)
+            out.append({"blocks": n, "descriptors": len(idx), "prep_dlist_ms": round((t1 - t0) * 1e3, 3),
+                        "index_build_ms": round((t2 - t1) * 1e3, 3),
+                        "make_prepped_xfer_ms": round((t3 - t2) * 1e3, 3)})
+        finally:
+            kv.close()
+    return out
+
+
+def _machine() -> dict[str, Any]:
+    import importlib.metadata as md
+
+    def ver(name: str) -> str:
+        try:
+            return md.version(name)
+        except md.PackageNotFoundError:
+            return "-"
+
+    cpu = platform.processor() or "?"
+    try:
+        with open("/proc/cpuinfo") as fh:
+            cpu = next(line.split(":", 1)[1].strip() for line in fh if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return {"cpu": cpu, "cores": os.cpu_count(), "python": platform.python_version(),
+            "nixl": ver("nixl-cu12") if ver("nixl-cu12") != "-" else ver("nixl-cu13"),
+            "kvxfer": ver("kvxfer"), "numpy": np.__version__}
+
+
+def print_table(res: dict[str, Any]) -> None:
+    print(f"kvxfer bench ({'quick' if res['quick'] else 'full'}, UCX {res['ucx_error_mode']} mode) on "
+          f"{res['machine']['cpu']}, {res['machine']['cores']} cores; {res['layout']}")
+    print(f"  {'size':>9} {'descs':>7} {'kvxfer':>10} {'raw NIXL':>10} {'memcpy':>10} {'vs raw':>7} "
+          f"{'vs memcpy':>9}")
+    for r in res["sizes"]:
+        print(f"  {r['bytes'] / (1 << 20):>6.0f} MiB {r['descriptors']:>7} {r['kvxfer_gbps']:>6.2f} GB/s "
+              f"{r['raw_nixl_gbps']:>6.2f} GB/s {r['memcpy_gbps']:>6.2f} GB/s {r['ratio_vs_raw_nixl']:>7.2f} "
+              f"{r['ratio_vs_memcpy']:>9.2f}")
+    print("  step overhead: " + ", ".join(
+        f"{s['inflight']} in flight p50 {s['p50_us']} us p99 {s['p99_us']} us" for s in res["step_overhead"]))
+    print(f"  first transfer (1 block): cold {res['first_transfer_ms_cold']} ms, "
+          f"warm {res['first_transfer_ms_warm']} ms")
+    print("  concurrency (16 MiB each): " + ", ".join(
+        f"{c['concurrent']}: {c['gbps']} GB/s" for c in res["concurrency"]))
+    print("  decode engines pulling from one prefill: " + ", ".join(f"{c['decode_engines']}: {c['gbps']} GB/s"
+                                                                    for c in res["fan_in"]))
+    print("  descriptor prep: " + ", ".join(
+        f"{x['blocks']} blocks ({x['descriptors']} descs): dlist {x['prep_dlist_ms']} ms, "
+        f"make_prepped_xfer {x['make_prepped_xfer_ms']} ms" for x in res["descriptor_prep_ms"]))
+
+
+def plot(res: dict[str, Any], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4.5))
+    mib = [r["bytes"] / (1 << 20) for r in res["sizes"]]
+    for key, label in (("kvxfer_gbps", "kvxfer (sidecar)"), ("raw_nixl_gbps", "raw NIXL (in-engine)"),
+                       ("memcpy_gbps", "memcpy (same blocks)")):
+        a.plot(mib, [r[key] for r in res["sizes"]], marker="o", label=label)
+    a.set_xscale("log", base=2)
+    a.set_xlabel("request size (MiB)")
+    a.set_ylabel("GB/s")
+    a.set_title("Throughput vs request size")
+    a.grid(alpha=0.3)
+    a.legend()
+    c = res["concurrency"]
+    b.bar([str(x["concurrent"]) for x in c], [x["gbps"] for x in c])
+    b.set_xlabel("concurrent 16 MiB requests")
+    b.set_ylabel("GB/s")
+    b.set_title(f"Concurrency; step overhead p50 {res['step_overhead_us_p50']} us")
+    fig.suptitle(f"kvxfer bench on {res['machine']['cpu']} ({res['machine']['cores']} cores)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(args: Any) -> int:
+    res = run_bench(quick=args.quick, mode=args.ucx_error_mode)
+    print_table(res)
+    if args.plot:
+        plot(res, args.plot)
+        print(f"  plot: {args.plot}")
+    if args.json:
+        print(json.dumps(res))
+    return 0

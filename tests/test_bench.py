@@ -1,0 +1,28 @@
+"""`kvxfer bench --quick` as a smoke test: it runs end to end and reports every field.
+No thresholds here: performance is measured by the benchmark, never asserted in tests."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+FIELDS = ("throughput_ratio_vs_raw_nixl", "throughput_ratio_vs_memcpy", "step_overhead_us_p50",
+          "step_overhead_us_p99", "first_transfer_ms_cold", "first_transfer_ms_warm", "sizes")
+
+
+def test_bench_quick_reports_every_field() -> None:
+    out = subprocess.run([sys.executable, "-m", "kvxfer", "bench", "--quick", "--json"],
+                         capture_output=True, text=True, timeout=300, check=False)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    res = json.loads(out.stdout.strip().splitlines()[-1])
+    for key in FIELDS:
+        assert key in res, key
+    assert [r["blocks"] for r in res["sizes"]] == [1, 8, 32]
+    for r in res["sizes"]:
+        assert r["kvxfer_gbps"] > 0
+        assert r["raw_nixl_gbps"] > 0
+        assert r["memcpy_gbps"] > 0
+    assert [s["inflight"] for s in res["step_overhead"]] == [0, 16]
+    assert res["descriptor_prep_ms"][0]["descriptors"] == 10_000 * 64
+    assert "raw NIXL" in out.stdout  # the human table
