@@ -25,6 +25,7 @@ from vllm.config import (  # noqa: E402
     DeviceConfig,
     KVTransferConfig,
     ModelConfig,
+    ParallelConfig,
     SchedulerConfig,
     VllmConfig,
 )
@@ -70,7 +71,21 @@ def write_tiny_model(path: str) -> str:
     return path
 
 
-def make_config(model: str, sidecar: str, *, policy: str = "recompute", **extra: Any) -> VllmConfig:
+def make_config(model: str, sidecar: str, *, policy: str = "recompute", multi: str = "",
+                storage: str = "", tp: int = 1, **extra: Any) -> VllmConfig:
+    """``multi``: "" (kvxfer alone), "first" or "second" (kvxfer's place in a
+    MultiConnector next to vLLM's ExampleConnector storing under ``storage``)."""
+    kvxfer = {"kv_connector": "KvxferConnector", "kv_connector_module_path": "kvxfer.connector",
+              "kv_role": "kv_both", "kv_connector_extra_config": {"sidecar": sidecar, **extra}}
+    if multi:
+        other = {"kv_connector": "ExampleConnector", "kv_role": "kv_both",
+                 "kv_connector_extra_config": {"shared_storage_path": storage}}
+        chain = [kvxfer, other] if multi == "first" else [other, kvxfer]
+        transfer = KVTransferConfig(kv_connector="MultiConnector", kv_role="kv_both",
+                                    kv_load_failure_policy=policy,
+                                    kv_connector_extra_config={"connectors": chain})
+    else:
+        transfer = KVTransferConfig(kv_load_failure_policy=policy, **kvxfer)
     return VllmConfig(
         model_config=ModelConfig(model=model, dtype="float16", seed=0),
         scheduler_config=SchedulerConfig(
@@ -80,11 +95,8 @@ def make_config(model: str, sidecar: str, *, policy: str = "recompute", **extra:
         ),
         cache_config=CacheConfig(block_size=BLOCK_SIZE, gpu_memory_utilization=0.9,
                                  cache_dtype="auto", enable_prefix_caching=True),
-        kv_transfer_config=KVTransferConfig(
-            kv_connector="KvxferConnector", kv_connector_module_path="kvxfer.connector",
-            kv_role="kv_both", kv_load_failure_policy=policy,
-            kv_connector_extra_config={"sidecar": sidecar, **extra},
-        ),
+        kv_transfer_config=transfer,
+        parallel_config=ParallelConfig(tensor_parallel_size=tp),
         device_config=DeviceConfig("cpu"),
     )
 
@@ -216,3 +228,123 @@ class Engine:
 def kv_bytes(engine: Engine, blocks: list[int]) -> list[torch.Tensor]:
     idx = torch.tensor(blocks)
     return [engine.kv[layer][:, idx].clone() for layer in LAYERS]
+
+
+@dataclass
+class TPEngine:
+    """A scheduler and ``tp`` worker connectors (ranks), outputs merged by vLLM's own
+    ``KVOutputAggregator`` as the multiprocess executor does. ``lag[r]`` delays rank r's
+    reports by that many steps (a rank finishing late). Works with any connector class
+    the config names (KvxferConnector, or MultiConnector around it)."""
+
+    name: str
+    config: VllmConfig
+    scheduler: Scheduler
+    workers: list[Any]
+    kv: list[dict[str, torch.Tensor]]
+    aggregator: Any
+    lag: dict[int, int] = field(default_factory=dict)
+    outputs: dict[str, Any] = field(default_factory=dict)
+    scheduled: dict[str, list[int]] = field(default_factory=dict)
+    _queued: dict[int, list[Any]] = field(default_factory=dict)
+
+    @classmethod
+    def start(cls, name: str, config: VllmConfig, tp: int) -> TPEngine:
+        from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+        from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
+
+        heads = max(1, KV_HEADS // tp)  # fewer KV heads than ranks: replicated
+        spec = FullAttentionSpec(block_size=BLOCK_SIZE, num_kv_heads=heads, head_size=HEAD_DIM,
+                                 dtype=torch.float16)
+        kv_cache_config = KVCacheConfig(num_blocks=NUM_BLOCKS, kv_cache_tensors=[],
+                                        kv_cache_groups=[KVCacheGroupSpec(list(LAYERS), spec)])
+        config.cache_config.num_gpu_blocks = NUM_BLOCKS
+        workers, caches = [], []
+        for rank in range(tp):
+            w = KVConnectorFactory.create_connector(config, KVConnectorRole.WORKER, kv_cache_config)
+            for c in _kvxfer_children(w):
+                assert c.worker is not None
+                c.worker.tp_rank = rank  # no torch.distributed here: set the rank by hand
+            ctx = w.get_mem_pool_context()
+            assert ctx is not None
+            with ctx:
+                kv = {layer: torch.zeros(2, NUM_BLOCKS, BLOCK_SIZE, heads, HEAD_DIM, dtype=torch.float16)
+                      for layer in LAYERS}
+            w.register_kv_caches(kv)
+            workers.append(w)
+            caches.append(kv)
+        scheduler = Scheduler(
+            vllm_config=config, kv_cache_config=kv_cache_config, log_stats=True,
+            structured_output_manager=StructuredOutputManager(config), block_size=BLOCK_SIZE,
+        )
+        agg = KVOutputAggregator.from_connector(workers[0], tp)
+        return cls(name, config, scheduler, workers, caches, agg)
+
+    def blocks(self, req_id: str) -> list[int]:
+        return list(self.scheduler.kv_cache_manager.get_block_ids(req_id)[0])
+
+    def step(self) -> None:
+        from types import SimpleNamespace
+
+        out = self.scheduler.schedule()
+        req_ids = list(out.num_scheduled_tokens)
+        for rid in req_ids:
+            self.scheduled.setdefault(rid, []).append(out.num_scheduled_tokens[rid])
+        forward = SimpleNamespace(attn_metadata=None, no_compile_layers={})
+        outputs = []
+        for rank, w in enumerate(self.workers):
+            w.bind_connector_metadata(out.kv_connector_metadata)
+            w.start_load_kv(forward)
+            for rid in req_ids:
+                self._compute(rank, rid, out.num_scheduled_tokens[rid])
+            res = w.get_transfer_results(out.finished_req_ids)
+            invalid = w.get_block_ids_with_load_errors()
+            w.clear_connector_metadata()
+            self._queued.setdefault(rank, []).append((res, invalid))
+            lag = self.lag.get(rank, 0)
+            if len(self._queued[rank]) > lag:
+                res, invalid = self._queued[rank].pop(0)
+            else:
+                res, invalid = None, set()
+            outputs.append(ModelRunnerOutput(
+                req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
+                sampled_token_ids=[[7] for _ in req_ids], logprobs=None, prompt_logprobs_dict={},
+                pooler_output=None,
+                kv_connector_output=KVConnectorOutput(
+                    finished_sending=(res.finished_sending or None) if res else None,
+                    finished_recving=(res.finished_recving or None) if res else None,
+                    invalid_block_ids=invalid, failed_recving=res.failed_recving if res else set(),
+                ),
+            ))
+        merged = self.aggregator.aggregate(outputs)
+        for eco in self.scheduler.update_from_output(out, merged).values():
+            for o in eco.outputs:
+                self.outputs[o.request_id] = o
+
+    def _compute(self, rank: int, req_id: str, n_tokens: int) -> None:
+        req = self.scheduler.requests[req_id]
+        start = req.num_computed_tokens - n_tokens
+        blocks = self.blocks(req_id)
+        for layer_idx, layer in enumerate(LAYERS):
+            for pos in range(start, start + n_tokens):
+                b, off = blocks[pos // BLOCK_SIZE], pos % BLOCK_SIZE
+                token = req.all_token_ids[pos] if pos < len(req.all_token_ids) else 0
+                val = float((token * 31 + pos + layer_idx * 7 + rank * 3) % 2048) / 8.0
+                self.kv[rank][layer][0, b, off] = val
+                self.kv[rank][layer][1, b, off] = -val
+
+    run_until = Engine.run_until
+    is_empty = Engine.is_empty
+    finished = Engine.finished
+    abort = Engine.abort
+
+    def shutdown(self) -> None:
+        for w in self.workers:
+            w.shutdown()
+        if self.scheduler.connector is not None:
+            self.scheduler.connector.shutdown()
+
+
+def _kvxfer_children(connector: Any) -> list[Any]:
+    subs = getattr(connector, "sub_connectors", None)
+    return [c for c in (subs if subs is not None else [connector]) if type(c).__name__ == "KvxferConnector"]
