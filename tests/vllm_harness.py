@@ -62,12 +62,11 @@ def write_tiny_model(path: str) -> str:
             "max_position_embeddings": 4096, "rms_norm_eps": 1e-6, "torch_dtype": "float16",
             "bos_token_id": 1, "eos_token_id": EOS, "tie_word_embeddings": False,
         }, fh)
-    vocab = {f"t{i}": i for i in range(512)}
-    vocab["<unk>"] = 0
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2} | {f"t{i}": i for i in range(3, 512)}
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="t1",
-                            eos_token="t2").save_pretrained(path)
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>",
+                            eos_token="</s>").save_pretrained(path)
     return path
 
 

@@ -52,6 +52,7 @@ class SchedulerSide:
         self.handshake_port = pong.handshake_port
         self._remote: dict[str, RemoteBlocks] = {}  # decode requests with usable params
         self._plan = StepPlan()
+        self._next_heartbeat = time.monotonic() + settings.heartbeat_s
         self.errors: dict[str, str] = {}  # request id -> why its params were refused
 
     # ---------------------------------------------------------------- decode side
@@ -157,7 +158,17 @@ class SchedulerSide:
 
     def take_plan(self) -> StepPlan:
         """This step's additions for the workers; also drains what the sidecar told us."""
+        now = time.monotonic()
+        if now >= self._next_heartbeat:
+            self._next_heartbeat = now + self.settings.heartbeat_s
+            self.client.heartbeat()
         drained = self.client.poll()
+        for pong in drained.pongs:  # a restarted sidecar may listen on another port
+            endpoint = (pong.handshake_host, pong.handshake_port)
+            if endpoint != (self.handshake_host, self.handshake_port):
+                log.warning("sidecar handshake endpoint is now %s:%d", *endpoint)
+            self.engine_id, self.handshake_host, self.handshake_port = (
+                pong.engine_id, pong.handshake_host, pong.handshake_port)
         for ev in drained.errors:
             log.warning("sidecar refused a request %s: [%s] %s", ev.req_id, ev.code, ev.message)
         for ev in drained.failed:  # release-only receives that could not reach the peer
