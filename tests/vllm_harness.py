@@ -11,7 +11,6 @@ os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
-import json  # noqa: E402
 import time  # noqa: E402
 from collections.abc import Callable  # noqa: E402
 from dataclasses import dataclass, field  # noqa: E402
@@ -49,25 +48,12 @@ EOS = 2
 
 
 def write_tiny_model(path: str) -> str:
-    """A 2-layer Llama config and a word-level tokenizer built locally (nothing fetched)."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
+    """The 2-layer Llama of kvxfer.testing.vllm_pd, shaped like the KV caches built here."""
+    from kvxfer.testing.vllm_pd import write_model
 
-    os.makedirs(path, exist_ok=True)
-    with open(os.path.join(path, "config.json"), "w") as fh:
-        json.dump({
-            "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 128,
-            "intermediate_size": 256, "num_attention_heads": 4, "num_key_value_heads": KV_HEADS,
-            "head_dim": HEAD_DIM, "num_hidden_layers": len(LAYERS), "vocab_size": 512,
-            "max_position_embeddings": 4096, "rms_norm_eps": 1e-6, "torch_dtype": "float16",
-            "bos_token_id": 1, "eos_token_id": EOS, "tie_word_embeddings": False,
-        }, fh)
-    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2} | {f"t{i}": i for i in range(3, 512)}
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>",
-                            eos_token="</s>").save_pretrained(path)
-    return path
+    return write_model(path, hidden_size=128, intermediate_size=256, num_key_value_heads=KV_HEADS,
+                       head_dim=HEAD_DIM, num_hidden_layers=len(LAYERS), torch_dtype="float16",
+                       eos_token_id=EOS)
 
 
 def make_config(model: str, sidecar: str, *, policy: str = "recompute", multi: str = "",

@@ -26,18 +26,20 @@ from kvxfer.testing.procs import SidecarFactory, SidecarProc, free_port
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def write_model(path: str) -> str:
-    """A 2-layer Llama config and a word-level tokenizer (tokens t0..t511), built locally."""
+def write_model(path: str, **overrides: Any) -> str:
+    """A tiny Llama config (2 layers unless overridden) and a word-level tokenizer (tokens
+    t3..t511 plus <unk>, <s>, </s>), built locally: nothing is fetched."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
     os.makedirs(path, exist_ok=True)
+    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 256,
+              "intermediate_size": 512, "num_attention_heads": 4, "num_key_value_heads": 2,
+              "num_hidden_layers": 2, "vocab_size": 512, "max_position_embeddings": 4096,
+              "rms_norm_eps": 1e-6, "torch_dtype": "float32", "bos_token_id": 1, "eos_token_id": 2,
+              "tie_word_embeddings": False} | overrides
     with open(os.path.join(path, "config.json"), "w") as fh:
-        json.dump({"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 256,
-                   "intermediate_size": 512, "num_attention_heads": 4, "num_key_value_heads": 2,
-                   "num_hidden_layers": 2, "vocab_size": 512, "max_position_embeddings": 4096,
-                   "rms_norm_eps": 1e-6, "torch_dtype": "float32", "bos_token_id": 1, "eos_token_id": 2,
-                   "tie_word_embeddings": False}, fh)
+        json.dump(config, fh)
     vocab = {"<unk>": 0, "<s>": 1, "</s>": 2} | {f"t{i}": i for i in range(3, 512)}
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
