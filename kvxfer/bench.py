@@ -33,7 +33,7 @@ from kvxfer.memory import SharedKV
 from kvxfer.protocol import KVLayout
 from kvxfer.testing.engine import SyntheticEngine, make_layout
 from kvxfer.testing.procs import SidecarFactory
-from kvxfer.transfer import _strided_rows, desc_indices, import_nixl
+from kvxfer.transfer import desc_indices, import_nixl, strided_rows
 
 BLOCK_BYTES = 2 << 20  # 32 layers x K/V x 16 tokens x 8 heads x 128 x bf16
 
@@ -82,7 +82,7 @@ class RawNixl:
         from kvxfer.protocol import RemoteRegion
 
         def rows(base: int) -> np.ndarray:
-            return _strided_rows([RemoteRegion(addr=base + r.offset, block_len=r.block_len,
+            return strided_rows([RemoteRegion(addr=base + r.offset, block_len=r.block_len,
                                                block_stride=r.block_stride) for r in reg], lay.num_blocks)
 
         self.local = self.agent.prep_xfer_dlist("NIXL_INIT_AGENT", rows(local_addr), "DRAM")
@@ -356,7 +356,7 @@ def _desc_prep(block_counts: list[int], mode: str) -> list[dict[str, Any]]:
             from kvxfer.protocol import RemoteRegion
 
             regs = kv.register_message().regions
-            rows = _strided_rows([RemoteRegion(addr=base + r.offset, block_len=r.block_len,
+            rows = strided_rows([RemoteRegion(addr=base + r.offset, block_len=r.block_len,
                                                block_stride=r.block_stride) for r in regs], n)
             t0 = time.perf_counter()
             dl = agent.prep_xfer_dlist("NIXL_INIT_AGENT", rows, "DRAM")

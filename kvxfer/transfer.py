@@ -144,7 +144,7 @@ def _error_code(exc: BaseException) -> str:
     return ErrorCode.TRANSFER_ERROR
 
 
-def _strided_rows(regions: list[RemoteRegion], num_blocks: int) -> np.ndarray:
+def strided_rows(regions: list[RemoteRegion], num_blocks: int) -> np.ndarray:
     """NIXL's strided N x 5 form: one row (addr, len, dev, stride, count) per region."""
     rows = np.empty((len(regions), 5), dtype=np.int64)
     for i, r in enumerate(regions):
@@ -390,10 +390,10 @@ class TransferEngine:
             row_base.append(bases)
         agent = self._agent
         ldl = agent.prep_xfer_dlist(
-            "NIXL_INIT_AGENT", _strided_rows(lrows, local.layout.num_blocks), local.info.mem_type
+            "NIXL_INIT_AGENT", strided_rows(lrows, local.layout.num_blocks), local.info.mem_type
         )
         try:
-            rdl = agent.prep_xfer_dlist(peer, _strided_rows(rrows, remote.layout.num_blocks), remote.mem_type)
+            rdl = agent.prep_xfer_dlist(peer, strided_rows(rrows, remote.layout.num_blocks), remote.mem_type)
         except Exception:
             agent.release_dlist_handle(ldl)
             raise
