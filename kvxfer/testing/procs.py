@@ -51,13 +51,19 @@ class SidecarFactory:
         self.procs: list[SidecarProc] = []
 
     def start(
-        self, name: str, *args: str, metrics_port: int = 0, env: dict[str, str] | None = None
+        self,
+        name: str,
+        *args: str,
+        metrics_port: int = 0,
+        env: dict[str, str] | None = None,
+        prefix: tuple[str, ...] = (),
     ) -> SidecarProc:
+        """Start ``kvxfer serve``; ``prefix`` wraps the command (e.g. ``ip netns exec NS``)."""
         sock = os.path.join(self.dir, f"{name}.sock")
         log_path = os.path.join(self.dir, f"{name}.log")
         control = f"unix://{os.path.join(self.dir, name)}.ctl"
         cmd = [
-            sys.executable, "-m", "kvxfer", "serve", "--engine-id", name,
+            *prefix, sys.executable, "-m", "kvxfer", "serve", "--engine-id", name,
             "--engine-socket", f"ipc://{sock}", "--handshake-port", "0",
             "--control-target", control, "--metrics-port", str(metrics_port),
             "--metrics-host", "127.0.0.1", *args,

@@ -1,0 +1,128 @@
+"""Two sidecars on two "hosts": network namespaces joined by a veth pair, UCX forced onto
+TCP so the data really crosses the link. Peer death and link-down are then network
+failures, not only a killed process. Needs root (`ip netns`); skipped without it."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from kvxfer.client import RemoteBlocks
+from kvxfer.errors import ErrorCode
+from kvxfer.testing.engine import SyntheticEngine, make_layout
+from kvxfer.testing.procs import SidecarFactory
+from tests.test_sidecar import wait_for
+
+NS_P, NS_D = f"kvxp{os.getpid() % 10000}", f"kvxd{os.getpid() % 10000}"
+VETH_P, VETH_D = f"kvp{os.getpid() % 10000}", f"kvd{os.getpid() % 10000}"
+IP_P, IP_D = "10.231.7.1", "10.231.7.2"
+TCP_ONLY = {"UCX_TLS": "tcp", "UCX_NET_DEVICES": "all"}
+
+
+def ip(*args: str) -> None:
+    subprocess.run(["ip", *args], check=True, capture_output=True, timeout=10)
+
+
+@pytest.fixture(scope="module")
+def hosts() -> Iterator[None]:
+    try:
+        ip("netns", "add", NS_P)
+    except (OSError, subprocess.CalledProcessError) as e:
+        pytest.skip(f"cannot create network namespaces here: {e}")
+    try:
+        ip("netns", "add", NS_D)
+        ip("link", "add", VETH_P, "type", "veth", "peer", "name", VETH_D)
+        ip("link", "set", VETH_P, "netns", NS_P)
+        ip("link", "set", VETH_D, "netns", NS_D)
+        for ns, dev, addr in ((NS_P, VETH_P, IP_P), (NS_D, VETH_D, IP_D)):
+            ip("-n", ns, "addr", "add", f"{addr}/24", "dev", dev)
+            ip("-n", ns, "link", "set", dev, "up")
+            ip("-n", ns, "link", "set", "lo", "up")
+        yield
+    finally:
+        for ns in (NS_P, NS_D):
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=10, check=False)
+
+
+def start_pair(f: SidecarFactory, tag: str) -> tuple[SyntheticEngine, SyntheticEngine, object, object]:
+    ps = f.start(f"{tag}-p", "--handshake-host", IP_P, "--ucx-error-mode", "peer", env=TCP_ONLY,
+                 prefix=("ip", "netns", "exec", NS_P))
+    ds = f.start(f"{tag}-d", "--handshake-host", IP_D, "--ucx-error-mode", "peer",
+                 "--handshake-timeout-s", "2", env=TCP_ONLY, prefix=("ip", "netns", "exec", NS_D))
+    lay = make_layout(layers=32, num_blocks=80, heads=8, head_dim=128)  # 2 MiB blocks
+    p, d = SyntheticEngine(lay, ps.endpoint, seed=1), SyntheticEngine(lay, ds.endpoint, seed=2)
+    p.start()
+    d.start()
+    return p, d, ps, ds
+
+
+def move(p: SyntheticEngine, d: SyntheticEngine, name: str, n: int, deadline_s: float = 0.0) -> None:
+    reg = p.registered
+    assert reg is not None
+    pb, db = p.allocate(n), d.allocate(n)
+    p.fill(name, pb)
+    p.client.hold(name, pb)
+    d.client.recv(name, db, RemoteBlocks(reg.engine_id, reg.handshake_host, reg.handshake_port, pb),
+                  deadline_s=deadline_s)
+    move.last = (pb, db)  # type: ignore[attr-defined]
+
+
+def test_transfer_across_namespaces_then_prefill_host_dies(hosts: None, sidecars: SidecarFactory) -> None:
+    p, d, ps, _ = start_pair(sidecars, "ns1")
+    try:
+        assert p.registered is not None
+        assert p.registered.handshake_host == IP_P
+        move(p, d, "across", 4)
+        got = wait_for(d.client, lambda a: bool(a.done or a.failed), timeout=60)
+        assert not got.failed, got.failed
+        assert d.verify("across", move.last[1])  # type: ignore[attr-defined]
+        move(p, d, "dying", 60, deadline_s=30)  # 120 MiB over TCP
+        time.sleep(0.05)
+        os.kill(ps.proc.pid, signal.SIGKILL)  # type: ignore[attr-defined]
+        t0 = time.monotonic()
+        got = wait_for(d.client, lambda a: bool(a.done or a.failed), timeout=60)
+        took = time.monotonic() - t0
+        print(f"\nprefill host killed mid-read: {got.failed or got.done} after {took:.3f}s")
+        assert got.failed, "the 120 MiB read over TCP finished before the kill"
+        assert got.failed[0].code in (ErrorCode.PEER_DISCONNECTED, ErrorCode.TRANSFER_ERROR)
+        assert got.failed[0].block_ids == move.last[1]  # type: ignore[attr-defined]
+        assert took < 10
+        assert d.client.ping(5).engine_id == "ns1-d"
+    finally:
+        p.close()
+        d.close()
+
+
+def test_link_down_mid_transfer_fails_by_the_deadline(hosts: None, sidecars: SidecarFactory) -> None:
+    p, d, _, _ = start_pair(sidecars, "ns2")
+    try:
+        move(p, d, "warm", 1)
+        assert not wait_for(d.client, lambda a: bool(a.done or a.failed), timeout=60).failed
+        move(p, d, "cut", 60, deadline_s=3)
+        time.sleep(0.05)
+        ip("-n", NS_D, "link", "set", VETH_D, "down")
+        try:
+            t0 = time.monotonic()
+            got = wait_for(d.client, lambda a: bool(a.done or a.failed), timeout=30)
+            took = time.monotonic() - t0
+            print(f"\nlink cut mid-read: {got.failed or got.done} after {took:.3f}s")
+        finally:
+            ip("-n", NS_D, "link", "set", VETH_D, "up")
+        assert got.failed, "the 120 MiB read over TCP finished before the cut"
+        assert got.failed[0].code in (ErrorCode.DEADLINE, ErrorCode.PEER_DISCONNECTED,
+                                      ErrorCode.TRANSFER_ERROR)
+        assert got.failed[0].block_ids == move.last[1]  # type: ignore[attr-defined]
+        assert took < 10
+        # The sidecar stays up and, with the link back, moves bytes again.
+        assert d.client.ping(5).engine_id == "ns2-d"
+        move(p, d, "after", 2)
+        got = wait_for(d.client, lambda a: bool(a.done or a.failed), timeout=60)
+        assert not got.failed or got.failed[0].code == ErrorCode.PEER_DISCONNECTED, got.failed
+    finally:
+        p.close()
+        d.close()
