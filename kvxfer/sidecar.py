@@ -55,6 +55,7 @@ from kvxfer.protocol import (
     RegisterKV,
     Release,
     Released,
+    ShmMemory,
     Unregister,
     encode,
     engine_request_decoder,
@@ -127,6 +128,7 @@ class Sidecar(PeersMixin):
         self.ranks: dict[int, RankInfo] = {}
         self.rank_owner: dict[int, bytes] = {}
         self.rank_pid: dict[int, tuple[int, str | None]] = {}  # engine pid, its /proc start time
+        self.rank_files: dict[int, list[str]] = {}  # shm files of each rank's KV cache
         self.leases = LeaseTable()
         self.recvs: dict[str, _RecvState] = {}
         self.peers: dict[str, Peer] = {}  # by handshake endpoint "host:port"
@@ -377,6 +379,7 @@ class Sidecar(PeersMixin):
         self.ranks[lay.tp_rank] = info
         self.rank_owner[lay.tp_rank] = ident
         self.rank_pid[lay.tp_rank] = (msg.pid, _start_time(msg.pid))
+        self.rank_files[lay.tp_rank] = [m.path for m in msg.memory if isinstance(m, ShmMemory)]
         nbytes = sum(m.size for m in msg.memory)
         log.info("registered tp_rank %d: %d bytes", lay.tp_rank, nbytes)
         self._send(
@@ -675,6 +678,9 @@ class Sidecar(PeersMixin):
                     self._finish_recv_error(key, RequestError(ErrorCode.NOT_REGISTERED, reason))
         await self._nixl(self.transfer.t_unregister, rank)
         self.ranks.pop(rank, None)
+        for path in self.rank_files.pop(rank, []):  # the dead engine cannot remove them
+            with contextlib.suppress(OSError):
+                os.unlink(path)
         if not self.ranks:  # the whole engine is gone: nobody will free or read its holds
             for lease in self.leases.drain_all():
                 self.observer.lease_released(lease.req_id, "aborted")

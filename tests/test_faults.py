@@ -203,6 +203,7 @@ def test_engine_death_drops_its_registration_and_holds(sidecars: SidecarFactory)
         time.sleep(0.1)
     assert st.totals.leases_released == 1
     assert "engine process" in sc.log()
+    assert not [f for f in os.listdir("/dev/shm") if f.startswith(f"kvxfer-{proc.pid}-")]  # cleaned up
 
 
 def test_connector_worker_survives_a_sidecar_restart(sidecars: SidecarFactory) -> None:
