@@ -20,14 +20,7 @@ from kvxfer.testing.procs import SidecarFactory
 
 
 def _collect(eng: SyntheticEngine, n: int, timeout: float) -> Drained:
-    acc = Drained()
-    deadline = time.monotonic() + timeout
-    while len(acc.done) + len(acc.failed) < n and time.monotonic() < deadline:
-        ev = eng.client.wait(0.5)
-        acc.done += ev.done
-        acc.failed += ev.failed
-        acc.errors += ev.errors
-    return acc
+    return eng.client.wait_until(lambda a: len(a.done) + len(a.failed) >= n, timeout)
 
 
 def main() -> int:

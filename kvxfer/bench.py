@@ -119,12 +119,7 @@ def _memcpy(src: SharedKV, dst: SharedKV, src_blocks: list[int], dst_blocks: lis
 
 
 def _wait(eng: SyntheticEngine, n: int, timeout: float = 120) -> Drained:
-    acc = Drained()
-    end = time.monotonic() + timeout
-    while len(acc.done) + len(acc.failed) < n and time.monotonic() < end:
-        ev = eng.client.wait(0.5)
-        acc.done += ev.done
-        acc.failed += ev.failed
+    acc = eng.client.wait_until(lambda a: len(a.done) + len(a.failed) >= n, timeout)
     if acc.failed or len(acc.done) < n:
         raise RuntimeError(f"kvxfer transfers failed: {acc.failed[:3]}")
     return acc

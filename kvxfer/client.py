@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 import msgspec
@@ -64,6 +64,13 @@ class Drained:
     def __bool__(self) -> bool:
         return bool(self.done or self.failed or self.released or self.errors)
 
+    def merge(self, other: Drained) -> None:
+        self.done += other.done
+        self.failed += other.failed
+        self.released += other.released
+        self.errors += other.errors
+        self.pongs += other.pongs
+
 
 class SidecarClient:
     def __init__(self, endpoint: str, *, context: zmq.Context | None = None) -> None:
@@ -107,6 +114,15 @@ class SidecarClient:
         if not self._pending and self._sock.poll(int(timeout * 1000)) == 0:
             return Drained()
         return self.poll()
+
+    def wait_until(self, pred: Callable[[Drained], bool], timeout: float) -> Drained:
+        """Collect events until ``pred`` holds for all of them or ``timeout`` passes (tests,
+        tools); returns what was collected either way."""
+        acc = Drained()
+        deadline = time.monotonic() + timeout
+        while not pred(acc) and time.monotonic() < deadline:
+            acc.merge(self.wait(min(0.2, max(0.0, deadline - time.monotonic()))))
+        return acc
 
     # ------------------------------------------------------------------ non-blocking (hot path)
 

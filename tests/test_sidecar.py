@@ -22,17 +22,10 @@ from tests.conftest import PD
 
 def wait_for(client: SidecarClient, pred: Callable[[Drained], bool], timeout: float = 20.0) -> Drained:
     """Collect events until ``pred`` holds for everything collected so far."""
-    acc = Drained()
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        ev = client.wait(0.2)
-        acc.done += ev.done
-        acc.failed += ev.failed
-        acc.released += ev.released
-        acc.errors += ev.errors
-        if pred(acc):
-            return acc
-    raise AssertionError(f"timed out; got {acc}")
+    acc = client.wait_until(pred, timeout)
+    if not pred(acc):
+        raise AssertionError(f"timed out; got {acc}")
+    return acc
 
 
 def remote(pd: PD, blocks: list[int], **kw: object) -> RemoteBlocks:

@@ -37,8 +37,6 @@ from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput  # noqa: E402
 from vllm.v1.request import Request, RequestStatus  # noqa: E402
 from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
 
-from kvxfer.connector import KvxferConnector  # noqa: E402
-
 BLOCK_SIZE = 16
 NUM_BLOCKS = 64
 LAYERS = ("model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn")
@@ -110,109 +108,9 @@ def make_request(prompt_len: int, *, params: dict[str, Any] | None = None, max_t
     return req
 
 
-@dataclass
-class Engine:
-    """A scheduler, its connector (SCHEDULER role) and one worker connector (rank 0)."""
-
-    name: str
-    config: VllmConfig
-    scheduler: Scheduler
-    worker: KvxferConnector
-    kv: dict[str, torch.Tensor]
-    outputs: dict[str, Any] = field(default_factory=dict)  # request id -> last EngineCoreOutput
-    scheduled: dict[str, list[int]] = field(default_factory=dict)  # request id -> tokens per step
-
-    @classmethod
-    def start(cls, name: str, config: VllmConfig) -> Engine:
-        spec = FullAttentionSpec(block_size=BLOCK_SIZE, num_kv_heads=KV_HEADS, head_size=HEAD_DIM,
-                                 dtype=torch.float16)
-        kv_cache_config = KVCacheConfig(
-            num_blocks=NUM_BLOCKS, kv_cache_tensors=[],
-            kv_cache_groups=[KVCacheGroupSpec(list(LAYERS), spec)],
-        )
-        config.cache_config.num_gpu_blocks = NUM_BLOCKS
-        worker = KvxferConnector(config, KVConnectorRole.WORKER, kv_cache_config)
-        ctx = worker.get_mem_pool_context()
-        assert ctx is not None
-        with ctx:
-            kv = {layer: torch.zeros(2, NUM_BLOCKS, BLOCK_SIZE, KV_HEADS, HEAD_DIM, dtype=torch.float16)
-                  for layer in LAYERS}
-        worker.register_kv_caches(kv)
-        scheduler = Scheduler(
-            vllm_config=config, kv_cache_config=kv_cache_config, log_stats=True,
-            structured_output_manager=StructuredOutputManager(config), block_size=BLOCK_SIZE,
-        )
-        return cls(name, config, scheduler, worker, kv)
-
-    def blocks(self, req_id: str) -> list[int]:
-        return list(self.scheduler.kv_cache_manager.get_block_ids(req_id)[0])
-
-    def step(self) -> None:
-        out = self.scheduler.schedule()
-        self.worker.bind_connector_metadata(out.kv_connector_metadata)
-        self.worker.start_load_kv(None)  # type: ignore[arg-type]
-        req_ids = list(out.num_scheduled_tokens)
-        for rid in req_ids:  # the "forward pass": write this step's KV bytes
-            self.scheduled.setdefault(rid, []).append(out.num_scheduled_tokens[rid])
-            self._compute(rid, out.num_scheduled_tokens[rid])
-        res = self.worker.get_transfer_results(out.finished_req_ids)
-        invalid = self.worker.get_block_ids_with_load_errors()
-        self.worker.clear_connector_metadata()
-        mro = ModelRunnerOutput(
-            req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
-            sampled_token_ids=[[7] for _ in req_ids], logprobs=None, prompt_logprobs_dict={},
-            pooler_output=None,
-            kv_connector_output=KVConnectorOutput(
-                finished_sending=res.finished_sending or None,
-                finished_recving=res.finished_recving or None,
-                invalid_block_ids=invalid, failed_recving=res.failed_recving,
-            ),
-        )
-        for eco in self.scheduler.update_from_output(out, mro).values():
-            for o in eco.outputs:
-                self.outputs[o.request_id] = o
-
-    def _compute(self, req_id: str, n_tokens: int) -> None:
-        req = self.scheduler.requests[req_id]
-        start = req.num_computed_tokens - n_tokens  # schedule() already advanced it
-        blocks = self.blocks(req_id)
-        for layer_idx, layer in enumerate(LAYERS):
-            for pos in range(start, start + n_tokens):
-                b, off = blocks[pos // BLOCK_SIZE], pos % BLOCK_SIZE
-                token = req.all_token_ids[pos] if pos < len(req.all_token_ids) else 0
-                val = float((token * 31 + pos + layer_idx * 7) % 2048) / 8.0
-                self.kv[layer][0, b, off] = val
-                self.kv[layer][1, b, off] = -val
-
-    def run_until(self, cond: Callable[[], bool], timeout: float = 20.0, what: str = "") -> None:
-        deadline = time.monotonic() + timeout
-        while not cond():
-            if time.monotonic() > deadline:
-                raise AssertionError(f"{self.name}: timed out waiting for {what}")
-            self.step()
-            time.sleep(0.002)
-
-    def is_empty(self) -> bool:
-        s = self.scheduler
-        free = s.kv_cache_manager.block_pool.free_block_queue.num_free_blocks
-        return not s.requests and not s.waiting and not s.running and free == NUM_BLOCKS - 1
-
-    def finished(self, req_id: str) -> bool:
-        o = self.outputs.get(req_id)
-        return o is not None and o.finish_reason is not None
-
-    def abort(self, req_id: str) -> None:
-        self.scheduler.finish_requests(req_id, RequestStatus.FINISHED_ABORTED)
-
-    def shutdown(self) -> None:
-        self.worker.shutdown()
-        if self.scheduler.connector is not None:
-            self.scheduler.connector.shutdown()
-
-
-def kv_bytes(engine: Engine, blocks: list[int]) -> list[torch.Tensor]:
+def kv_bytes(engine: TPEngine, blocks: list[int], rank: int = 0) -> list[torch.Tensor]:
     idx = torch.tensor(blocks)
-    return [engine.kv[layer][:, idx].clone() for layer in LAYERS]
+    return [engine.kv[rank][layer][:, idx].clone() for layer in LAYERS]
 
 
 @dataclass
@@ -234,7 +132,7 @@ class TPEngine:
     _queued: dict[int, list[Any]] = field(default_factory=dict)
 
     @classmethod
-    def start(cls, name: str, config: VllmConfig, tp: int) -> TPEngine:
+    def start(cls, name: str, config: VllmConfig, tp: int = 1) -> TPEngine:
         from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
         from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
 
@@ -264,6 +162,11 @@ class TPEngine:
         )
         agg = KVOutputAggregator.from_connector(workers[0], tp)
         return cls(name, config, scheduler, workers, caches, agg)
+
+    @property
+    def worker(self) -> Any:
+        """Rank 0's worker connector."""
+        return self.workers[0]
 
     def blocks(self, req_id: str) -> list[int]:
         return list(self.scheduler.kv_cache_manager.get_block_ids(req_id)[0])
@@ -318,16 +221,35 @@ class TPEngine:
                 self.kv[rank][layer][0, b, off] = val
                 self.kv[rank][layer][1, b, off] = -val
 
-    run_until = Engine.run_until
-    is_empty = Engine.is_empty
-    finished = Engine.finished
-    abort = Engine.abort
+    def run_until(self, cond: Callable[[], bool], timeout: float = 20.0, what: str = "") -> None:
+        deadline = time.monotonic() + timeout
+        while not cond():
+            if time.monotonic() > deadline:
+                raise AssertionError(f"{self.name}: timed out waiting for {what}")
+            self.step()
+            time.sleep(0.002)
+
+    def is_empty(self) -> bool:
+        s = self.scheduler
+        free = s.kv_cache_manager.block_pool.free_block_queue.num_free_blocks
+        return not s.requests and not s.waiting and not s.running and free == NUM_BLOCKS - 1
+
+    def finished(self, req_id: str) -> bool:
+        o = self.outputs.get(req_id)
+        return o is not None and o.finish_reason is not None
+
+    def abort(self, req_id: str) -> None:
+        self.scheduler.finish_requests(req_id, RequestStatus.FINISHED_ABORTED)
+
 
     def shutdown(self) -> None:
         for w in self.workers:
             w.shutdown()
         if self.scheduler.connector is not None:
             self.scheduler.connector.shutdown()
+
+
+Engine = TPEngine  # one worker (tp 1), as tests/test_connector.py uses it
 
 
 def _kvxfer_children(connector: Any) -> list[Any]:
