@@ -39,7 +39,24 @@ class Config:
                                "remote_host). Default: handshake_host, or this host's name "
                                "when that is 0.0.0.0.", default="")
     control_target: str = _doc("gRPC control/health listener: host:port or unix:///path "
-                               "('' disables it).", default="127.0.0.1:5701")
+                               "('' disables it); several, comma-separated. TCP listeners use "
+                               "TLS when control_tls_cert is set; unix:// ones never do.",
+                               default="127.0.0.1:5701")
+    control_tls_cert: str = _doc("PEM certificate (chain) for the gRPC control listeners; set "
+                                 "it whenever control listens beyond loopback.", default="")
+    control_tls_key: str = _doc("PEM private key of control_tls_cert.", default="")
+    control_tls_client_ca: str = _doc("PEM CA bundle: when set, TCP control callers must present "
+                                      "a client certificate it signed (mutual TLS).", default="")
+    control_mutating: str = _doc("Who may call ConnectPeer, DisconnectPeer, CancelTransfer and "
+                                 "Drain: local (unix/loopback or authenticated callers), "
+                                 "authenticated (token or admitted client cert), any, or none.",
+                                 default="local")
+    control_token_file: str = _doc("File holding a bearer token that authenticates a control "
+                                   "caller (also KVXFER_CONTROL_TOKEN).", default="")
+    control_admins: str = _doc("Client-certificate names (CN or SAN, comma-separated) admitted to "
+                               "the mutating RPCs; empty: any certificate the CA signed.", default="")
+    health_target: str = _doc("Extra plaintext listener serving only gRPC health (kubelet "
+                              "probes cannot do TLS), e.g. 0.0.0.0:5702 ('' : none).", default="")
     metrics_host: str = _doc("Address the Prometheus /metrics listener binds.", default="0.0.0.0")
     metrics_port: int = _doc("Port of the Prometheus /metrics listener (0 disables it).",
                              default=9400)
@@ -87,6 +104,13 @@ class Config:
             raise ConfigError(f"metrics_port out of range: {self.metrics_port}")
         if self.cuda not in ("auto", "on", "off"):
             raise ConfigError(f"cuda must be auto, on or off, not {self.cuda!r}")
+        if self.control_mutating not in ("local", "authenticated", "any", "none"):
+            raise ConfigError("control_mutating must be local, authenticated, any or none, "
+                              f"not {self.control_mutating!r}")
+        if bool(self.control_tls_cert) != bool(self.control_tls_key):
+            raise ConfigError("control_tls_cert and control_tls_key go together")
+        if self.control_tls_client_ca and not self.control_tls_cert:
+            raise ConfigError("control_tls_client_ca needs control_tls_cert and control_tls_key")
         if self.chunk_mib <= 0 or self.max_inflight_chunks <= 0:
             raise ConfigError("chunk_mib and max_inflight_chunks must be > 0")
 

@@ -10,6 +10,7 @@ a slow watcher loses events, never the sidecar's memory). No sockets, no NIXL; t
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -17,6 +18,7 @@ from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
+log = logging.getLogger(__name__)
 TIME_BUCKETS = [0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 5.0]
 BYTES_BUCKETS = [2 ** (10 + i) for i in range(1, 25, 2)]
 DESC_BUCKETS = [10, 20, 30, 50, 75, 100, 200, 400, 1000, 2000, 4000, 10000, 20000, 50000]
@@ -46,6 +48,7 @@ class Totals:
     handshake_failures: int = 0
     bad_messages: int = 0
     stray_notices: int = 0
+    control_denied: int = 0
 
 
 class Observer:
@@ -80,6 +83,8 @@ class Observer:
         self.g_leases = Gauge("kvxfer_held_leases", "Prefill holds waiting for a read.", registry=r)
         self.g_peers = Gauge("kvxfer_peers", "Peers with a completed handshake.", registry=r)
         self.g_ready = Gauge("kvxfer_ready", "1 when NIXL is up and the engine socket listens.", registry=r)
+        self.m_denied = Counter("kvxfer_control_denied", "Control RPCs refused, by method and status.",
+                                ["method", "code"], registry=r)
         self._subscribers: list[tuple[asyncio.Queue[Event], frozenset[str]]] = []
 
     # ---------------------------------------------------------------- events
@@ -143,6 +148,11 @@ class Observer:
 
     def peer_dropped(self, peer: str, reason: str) -> None:
         self.emit(Event("peer_disconnected", peer=peer, reason=reason))
+
+    def control_denied(self, method: str, code: str, peer: str, reason: str) -> None:
+        self.totals.control_denied += 1
+        self.m_denied.labels(method, code).inc()
+        log.warning("control %s from %s refused: %s", method, peer, reason)
 
     def bad_message(self, socket: str) -> None:
         self.totals.bad_messages += 1

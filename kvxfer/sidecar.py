@@ -34,6 +34,7 @@ import zmq.asyncio
 from kvxfer import __version__
 from kvxfer.auth import ReplayGuard
 from kvxfer.config import Config
+from kvxfer.control.access import load_policy
 from kvxfer.errors import ConfigError, ErrorCode, RequestError
 from kvxfer.leases import Lease, LeaseTable
 from kvxfer.memory import validate_registration
@@ -149,6 +150,7 @@ class Sidecar(PeersMixin):
         self.observer = Observer()
         self.systemd = Notifier()
         self.secret = config.load_secret()
+        self.control_policy = load_policy(config)
         self.replay_guard = ReplayGuard()
         self.draining = False
         self.ready = False
@@ -164,11 +166,12 @@ class Sidecar(PeersMixin):
         self._bind()
         self.ready = True
         self.observer.g_ready.set(1)
-        control = None
-        if self.config.control_target:
+        control: list[Any] = []
+        if self.config.control_target or self.config.health_target:
             from kvxfer.control.service import start_control_server
 
-            control = await start_control_server(self, self.config.control_target)
+            control = await start_control_server(self, self.config.control_target, self.control_policy,
+                                                 self.config.health_target)
         if self.config.metrics_port:
             start_metrics_server(self.observer, self.config.metrics_host, self.config.metrics_port)
         with contextlib.suppress(NotImplementedError, RuntimeError):
@@ -201,8 +204,7 @@ class Sidecar(PeersMixin):
             for t in loops + list(self._tasks):
                 t.cancel()
             await asyncio.gather(*loops, *self._tasks, return_exceptions=True)
-            if control is not None:
-                await control.stop(0.5)
+            await asyncio.gather(*(c.stop(0.5) for c in control))
             await asyncio.to_thread(self.transfer.stop)
             self._close()
 

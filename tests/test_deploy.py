@@ -19,6 +19,7 @@ import pytest
 import yaml
 
 from kvxfer.client import RemoteBlocks
+from kvxfer.config import load_config
 from kvxfer.testing.engine import SyntheticEngine, make_layout
 from kvxfer.testing.procs import SidecarFactory
 from tests.test_sidecar import wait_for
@@ -86,15 +87,27 @@ def test_overlays_render_and_validate(role: str) -> None:
     assert kvx["restartPolicy"] == "Always"  # native sidecar
     env = {e["name"]: e.get("value") for e in kvx["env"]}
     assert env["KVXFER_ROLE"] == role
-    assert env["KVXFER_CONTROL_TARGET"].endswith(":5701")
+    # Control: unix socket first (in-pod CLI), the pod IP with mutual TLS; probes on the
+    # plaintext health-only port (kubelet cannot do TLS). Every setting parses.
+    assert env["KVXFER_CONTROL_TARGET"].split(",") == ["unix:///run/kvxfer/control.sock", "0.0.0.0:5701"]
+    cfg = load_config(env={k: v for k, v in env.items() if v is not None and k != "KVXFER_CONFIG"})
+    assert cfg.control_mutating == "local"
+    assert cfg.health_target == "0.0.0.0:5702"
+    tls = next(v for v in pod["spec"]["volumes"] if v["name"] == "control-tls")
+    assert tls["secret"]["secretName"] == "kvxfer-control-tls"
+    mount = next(m for m in kvx["volumeMounts"] if m["name"] == "control-tls")
+    for path in (cfg.control_tls_cert, cfg.control_tls_key, cfg.control_tls_client_ca):
+        assert os.path.dirname(path) == mount["mountPath"]
     assert int(env["KVXFER_DRAIN_TIMEOUT_S"]) < pod["spec"]["terminationGracePeriodSeconds"]
-    assert kvx["readinessProbe"]["grpc"] == {"port": 5701, "service": "readiness"}
-    assert kvx["livenessProbe"]["grpc"] == {"port": 5701, "service": "liveness"}
-    assert kvx["startupProbe"]["grpc"]["service"] == "readiness"
+    ports = {p["name"]: p["containerPort"] for p in kvx["ports"]}
+    assert ports["control"] == 5701 and ports["health"] == 5702
+    assert kvx["readinessProbe"]["grpc"] == {"port": 5702, "service": "readiness"}
+    assert kvx["livenessProbe"]["grpc"] == {"port": 5702, "service": "liveness"}
+    assert kvx["startupProbe"]["grpc"] == {"port": 5702, "service": "readiness"}
     assert "IPC_LOCK" in kvx["securityContext"]["capabilities"]["add"]
     # Same socket dir, same /dev/shm, same GPU claim for engine and sidecar.
     for c in (kvx, vllm):
-        assert {m["name"] for m in c["volumeMounts"]} == {"kvxfer-run", "dshm"}
+        assert {"kvxfer-run", "dshm"} <= {m["name"] for m in c["volumeMounts"]}
         assert c["resources"]["claims"] == [{"name": "gpu"}]
     assert "ipc:///run/kvxfer/engine.sock" in " ".join(vllm["args"])
     assert env["KVXFER_ENGINE_SOCKET"] == "ipc:///run/kvxfer/engine.sock"

@@ -15,17 +15,78 @@ import grpc
 from google.protobuf.json_format import MessageToDict
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from kvxfer.control.access import TOKEN_ENV, is_unix, split_targets
 from kvxfer.control.v1 import control_pb2 as pb
 from kvxfer.control.v1 import control_pb2_grpc as pb_grpc
 
 DEFAULT_TARGET = "127.0.0.1:5701"
 
 
+def _default_target() -> str:
+    # The sidecar's own KVXFER_CONTROL_TARGET may list several listeners: the first is ours
+    # (put the unix socket first, so `kubectl exec ... kvxfer status` needs no certificate).
+    targets = split_targets(os.environ.get("KVXFER_CONTROL_TARGET", ""))
+    return targets[0] if targets else DEFAULT_TARGET
+
+
 def add_target(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--target", default=os.environ.get("KVXFER_CONTROL_TARGET", DEFAULT_TARGET),
-                   help=f"sidecar gRPC target, host:port or unix:///path (env KVXFER_CONTROL_TARGET; "
-                        f"default {DEFAULT_TARGET})")
+    env = os.environ.get
+    p.add_argument("--target", default=_default_target(),
+                   help=f"sidecar gRPC target, host:port or unix:///path (env KVXFER_CONTROL_TARGET, "
+                        f"its first entry; default {DEFAULT_TARGET})")
     p.add_argument("--timeout", type=float, default=5.0, help="seconds per RPC")
+    p.add_argument("--tls-ca", default=env("KVXFER_CLI_TLS_CA", ""),
+                   help="PEM CA that signed the sidecar's control certificate: dial with TLS "
+                        "(env KVXFER_CLI_TLS_CA; ignored for unix:// targets)")
+    p.add_argument("--tls-cert", default=env("KVXFER_CLI_TLS_CERT", ""),
+                   help="PEM client certificate for mutual TLS (env KVXFER_CLI_TLS_CERT)")
+    p.add_argument("--tls-key", default=env("KVXFER_CLI_TLS_KEY", ""),
+                   help="PEM key of --tls-cert (env KVXFER_CLI_TLS_KEY)")
+    p.add_argument("--tls-server-name", default=env("KVXFER_CLI_TLS_SERVER_NAME", ""),
+                   help="name to verify in the sidecar's certificate when it differs from the "
+                        "target's host (env KVXFER_CLI_TLS_SERVER_NAME)")
+    p.add_argument("--token-file", default=env("KVXFER_CONTROL_TOKEN_FILE", ""),
+                   help="file with the control bearer token (env KVXFER_CONTROL_TOKEN_FILE, "
+                        "or the token itself in KVXFER_CONTROL_TOKEN)")
+
+
+class CliError(Exception):
+    pass
+
+
+def _file(path: str, what: str) -> bytes:
+    try:
+        with open(path, "rb") as fh:
+            return fh.read()
+    except OSError as e:
+        raise CliError(f"{what}: {e}") from e
+
+
+def open_channel(args: argparse.Namespace) -> grpc.Channel:
+    """An insecure channel, or a TLS one (client certificate included) when --tls-ca is set
+    and the target is TCP."""
+    if not args.tls_ca or is_unix(args.target):
+        if args.tls_cert and not args.tls_ca:
+            raise CliError("--tls-cert needs --tls-ca")
+        return grpc.insecure_channel(args.target)
+    if bool(args.tls_cert) != bool(args.tls_key):
+        raise CliError("--tls-cert and --tls-key go together")
+    creds = grpc.ssl_channel_credentials(
+        root_certificates=_file(args.tls_ca, "--tls-ca"),
+        private_key=_file(args.tls_key, "--tls-key") if args.tls_key else None,
+        certificate_chain=_file(args.tls_cert, "--tls-cert") if args.tls_cert else None,
+    )
+    options = [("grpc.ssl_target_name_override", args.tls_server_name)] if args.tls_server_name else []
+    return grpc.secure_channel(args.target, creds, options=options)
+
+
+def call_metadata(args: argparse.Namespace) -> list[tuple[str, str]]:
+    token = ""
+    if args.token_file:
+        token = _file(args.token_file, "--token-file").decode().strip()
+    elif os.environ.get(TOKEN_ENV):
+        token = os.environ[TOKEN_ENV].strip()
+    return [("authorization", f"Bearer {token}")] if token else []
 
 
 def _human_bytes(n: float) -> str:
@@ -83,14 +144,16 @@ def render(st: pb.Status, serving: bool, rate: float | None = None) -> str:
                  f"{_human_bytes(t.bytes)} received ({thr})")
     lines.append(f"             leases {t.leases_released} released, {t.leases_expired} expired; "
                  f"handshakes {t.handshakes} ok, {t.handshake_failures} failed; "
-                 f"{t.bad_messages} bad messages")
+                 f"{t.bad_messages} bad messages; {t.control_denied} control calls refused")
     return "\n".join(lines)
 
 
-def _fetch(target: str, timeout: float) -> tuple[pb.Status, bool]:
-    with grpc.insecure_channel(target) as ch:
-        st = pb_grpc.ControlStub(ch).GetStatus(pb.GetStatusRequest(), timeout=timeout)
-        h = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=""), timeout=timeout)
+def _fetch(args: argparse.Namespace) -> tuple[pb.Status, bool]:
+    md = call_metadata(args)
+    with open_channel(args) as ch:
+        st = pb_grpc.ControlStub(ch).GetStatus(pb.GetStatusRequest(), timeout=args.timeout, metadata=md)
+        h = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=""),
+                                                 timeout=args.timeout, metadata=md)
     return st, h.status == health_pb2.HealthCheckResponse.SERVING
 
 
@@ -104,7 +167,10 @@ def cmd_status(args: argparse.Namespace) -> int:
     last: tuple[float, int] | None = None
     while True:
         try:
-            st, serving = _fetch(args.target, args.timeout)
+            st, serving = _fetch(args)
+        except CliError as e:
+            print(f"kvxfer status: {e}", file=sys.stderr)
+            return 2
         except grpc.RpcError as e:
             return _unreachable("status", args.target, e)
         if args.json:
@@ -130,9 +196,14 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def _call(args: argparse.Namespace, verb: str, fn: Any) -> int:
+    """Run ``fn(stub, metadata)``; print the reply (JSON with --json)."""
     try:
-        with grpc.insecure_channel(args.target) as ch:
-            out = fn(pb_grpc.ControlStub(ch))
+        md = call_metadata(args)
+        with open_channel(args) as ch:
+            out = fn(pb_grpc.ControlStub(ch), md)
+    except CliError as e:
+        print(f"kvxfer {verb}: {e}", file=sys.stderr)
+        return 2
     except grpc.RpcError as e:
         if e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED) and \
                 "refused" in (e.details() or "").lower():
@@ -152,21 +223,24 @@ def cmd_peers(args: argparse.Namespace) -> int:
             return 2
         req = pb.ConnectPeerRequest(host=host, port=int(port))
         return _call(args, "peers connect",
-                     lambda s: s.ConnectPeer(req, timeout=max(args.timeout, 10)))
+                     lambda s, md: s.ConnectPeer(req, timeout=max(args.timeout, 10), metadata=md))
     if args.peers_cmd == "disconnect":
         req2 = pb.DisconnectPeerRequest(endpoint=args.endpoint)
-        return _call(args, "peers disconnect", lambda s: s.DisconnectPeer(req2, timeout=args.timeout))
-    return _call(args, "peers list", lambda s: s.ListPeers(pb.ListPeersRequest(), timeout=args.timeout))
+        return _call(args, "peers disconnect", lambda s, md: s.DisconnectPeer(req2, timeout=args.timeout,
+                                                                       metadata=md))
+    return _call(args, "peers list", lambda s, md: s.ListPeers(pb.ListPeersRequest(), timeout=args.timeout,
+                                                                  metadata=md))
 
 
 def cmd_drain(args: argparse.Namespace) -> int:
     req = pb.DrainRequest(timeout_s=args.drain_timeout)
-    return _call(args, "drain", lambda s: s.Drain(req, timeout=args.drain_timeout + args.timeout))
+    return _call(args, "drain", lambda s, md: s.Drain(req, timeout=args.drain_timeout + args.timeout,
+                                                          metadata=md))
 
 
 def cmd_cancel(args: argparse.Namespace) -> int:
     req = pb.CancelTransferRequest(request_id=args.request_id)
-    return _call(args, "cancel", lambda s: s.CancelTransfer(req, timeout=args.timeout))
+    return _call(args, "cancel", lambda s, md: s.CancelTransfer(req, timeout=args.timeout, metadata=md))
 
 
 def add_commands(sub: Any) -> None:

@@ -3,11 +3,13 @@
 It reads the sidecar's state to build replies and calls its operations (``connect_peer``,
 ``disconnect_peer``, ``cancel``, ``drain``); it never touches NIXL or ZMQ itself. Health:
 "" and "liveness" are SERVING while the loop runs; "readiness" (and "") only while NIXL is
-up, the engine socket listens and the sidecar is not draining.
+up, the engine socket listens and the sidecar is not draining. Who may call what:
+``kvxfer/control/access.py``.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -17,6 +19,7 @@ from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
 from kvxfer import __version__
+from kvxfer.control.access import AccessPolicy, is_unix, split_targets
 from kvxfer.control.v1 import control_pb2 as pb
 from kvxfer.control.v1 import control_pb2_grpc as pb_grpc
 from kvxfer.errors import ErrorCode, RequestError
@@ -27,6 +30,7 @@ if TYPE_CHECKING:
     from kvxfer.peers import Peer
     from kvxfer.sidecar import Sidecar
 
+log = logging.getLogger(__name__)
 SERVICE = pb.DESCRIPTOR.services_by_name["Control"].full_name
 _GRPC_CODE = {
     ErrorCode.NOT_REGISTERED: grpc.StatusCode.FAILED_PRECONDITION,
@@ -85,7 +89,7 @@ def status_proto(sc: Sidecar) -> pb.Status:
     totals = pb.Totals(bytes=t.bytes, transfers_ok=t.transfers_ok, transfers_failed=t.transfers_failed,
                        leases_released=t.leases_released, leases_expired=t.leases_expired,
                        handshakes=t.handshakes, handshake_failures=t.handshake_failures,
-                       bad_messages=t.bad_messages)
+                       bad_messages=t.bad_messages, control_denied=t.control_denied)
     return pb.Status(identity=ident, ranks=ranks, peers=[peer_proto(p) for p in sc.peers.values()],
                      leases=leases, transfers=transfers_proto(sc), totals=totals,
                      uptime_s=now - sc.started, ready=sc.ready and not sc.draining,
@@ -110,8 +114,18 @@ def event_proto(ev: Event) -> pb.Event:
 
 
 class ControlService(pb_grpc.ControlServicer):
-    def __init__(self, sidecar: Sidecar) -> None:
+    def __init__(self, sidecar: Sidecar, policy: AccessPolicy) -> None:
         self.sc = sidecar
+        self.policy = policy
+
+    async def _authorize(self, method: str, context: Any) -> None:
+        peer = context.peer() or ""
+        verdict = self.policy.decide(method, peer, context.invocation_metadata() or (),
+                                     context.auth_context() or {})
+        if verdict is not None:
+            code, reason = verdict
+            self.sc.observer.control_denied(method, code, peer, reason)
+            await context.abort(getattr(grpc.StatusCode, code), reason)
 
     async def GetStatus(self, request: pb.GetStatusRequest, context: Any) -> pb.Status:
         return status_proto(self.sc)
@@ -120,6 +134,7 @@ class ControlService(pb_grpc.ControlServicer):
         return pb.ListPeersResponse(peers=[peer_proto(p) for p in self.sc.peers.values()])
 
     async def ConnectPeer(self, request: pb.ConnectPeerRequest, context: Any) -> pb.Peer:
+        await self._authorize("ConnectPeer", context)
         if not request.host or not 0 < request.port < 65536:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "host and a port in 1..65535 are required")
         try:
@@ -131,6 +146,7 @@ class ControlService(pb_grpc.ControlServicer):
     async def DisconnectPeer(
         self, request: pb.DisconnectPeerRequest, context: Any
     ) -> pb.DisconnectPeerResponse:
+        await self._authorize("DisconnectPeer", context)
         return pb.DisconnectPeerResponse(disconnected=await self.sc.disconnect_peer(request.endpoint))
 
     async def ListTransfers(self, request: pb.ListTransfersRequest, context: Any) -> pb.ListTransfersResponse:
@@ -139,11 +155,13 @@ class ControlService(pb_grpc.ControlServicer):
     async def CancelTransfer(
         self, request: pb.CancelTransferRequest, context: Any
     ) -> pb.CancelTransferResponse:
+        await self._authorize("CancelTransfer", context)
         if not request.request_id:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id is required")
         return pb.CancelTransferResponse(cancelled=await self.sc.cancel(request.request_id))
 
     async def Drain(self, request: pb.DrainRequest, context: Any) -> pb.DrainResponse:
+        await self._authorize("Drain", context)
         timeout = request.timeout_s if request.timeout_s > 0 else self.sc.config.drain_timeout_s
         drained, failed, released, took = await self.sc.drain(timeout)
         return pb.DrainResponse(drained=drained, failed=failed, released=released, seconds=took)
@@ -157,25 +175,59 @@ class ControlService(pb_grpc.ControlServicer):
         return load_proto(self.sc)
 
 
-async def start_control_server(sidecar: Sidecar, target: str) -> grpc.aio.Server:
+def _listen(server: grpc.aio.Server, target: str, policy: AccessPolicy | None) -> None:
+    tls = policy.tls if policy is not None and not is_unix(target) else None
+    if tls is None:
+        port = server.add_insecure_port(target)
+    else:
+        creds = grpc.ssl_server_credentials(
+            [(tls.key, tls.cert)], root_certificates=tls.client_ca,
+            require_client_auth=tls.client_ca is not None,
+        )
+        port = server.add_secure_port(target, creds)
+    if port == 0:
+        raise OSError(f"cannot listen for gRPC on {target}")
+
+
+async def start_control_server(
+    sidecar: Sidecar, target: str, policy: AccessPolicy, health_target: str = ""
+) -> list[grpc.aio.Server]:
+    """The control server on each of ``target``'s listeners, plus a health-only plaintext
+    server on ``health_target`` when set. Both report the same health states."""
     server = grpc.aio.server()
-    pb_grpc.add_ControlServicer_to_server(ControlService(sidecar), server)
+    pb_grpc.add_ControlServicer_to_server(ControlService(sidecar, policy), server)
     health = HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     reflection.enable_server_reflection(
         [SERVICE, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME],
         server,
     )
-    if server.add_insecure_port(target) == 0:
-        raise OSError(f"cannot listen for gRPC on {target}")
-    await server.start()
+    for t in split_targets(target):
+        _listen(server, t, policy)
+        if not is_unix(t) and policy.tls is None and not t.startswith(("127.", "localhost:", "[::1]:")):
+            log.warning("gRPC control on %s is plaintext: set control_tls_cert/control_tls_key "
+                        "when it is reachable from other hosts", t)
+    servers = [server]
+    healths = [health]
+    if health_target:
+        hserver = grpc.aio.server()
+        hhealth = HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(hhealth, hserver)
+        for t in split_targets(health_target):
+            _listen(hserver, t, None)
+        servers.append(hserver)
+        healths.append(hhealth)
+    for s in servers:
+        await s.start()
     serving, not_serving = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
-    for name in ("", "liveness", "readiness", SERVICE):
-        await health.set(name, serving if sidecar.ready else not_serving)
+    for h in healths:
+        for name in ("", "liveness", "readiness", SERVICE):
+            await h.set(name, serving if sidecar.ready else not_serving)
 
     async def on_drain() -> None:
-        for name in ("", "readiness", SERVICE):
-            await health.set(name, not_serving)
+        for h in healths:
+            for name in ("", "readiness", SERVICE):
+                await h.set(name, not_serving)
 
     sidecar.on_drain = on_drain
-    return server
+    return servers

@@ -1,0 +1,160 @@
+"""Who may reach the control API, and who may change things through it.
+
+Transport: each ``control_target`` (comma-separated) is one listener. TCP listeners use TLS
+when ``control_tls_cert``/``control_tls_key`` are set, and then demand a client certificate
+signed by ``control_tls_client_ca`` when that is set (mutual TLS). ``unix://`` listeners are
+always plaintext: the socket file's permissions are the access control. ``health_target``
+is a separate plaintext listener that serves only ``grpc.health.v1`` (kubelet's gRPC probes
+cannot speak TLS), so the control service itself never has to be exposed in the clear.
+
+Authorization: reads (status, peers, transfers, load, events, health) are open to whoever
+the transport let in. Mutating RPCs (``MUTATING``) follow ``control_mutating``:
+
+- ``local`` (default): callers over a unix socket or loopback TCP, and authenticated callers;
+- ``authenticated``: only authenticated callers;
+- ``any``: whoever the transport let in;
+- ``none``: nobody (a read-only control plane).
+
+A caller is authenticated by a bearer token (``authorization: Bearer <token>`` metadata;
+the token from ``control_token_file`` or ``KVXFER_CONTROL_TOKEN``) or by a verified client
+certificate whose common name or a subject alternative name is in ``control_admins`` (any
+verified certificate when that list is empty). A wrong token is refused (UNAUTHENTICATED)
+even from a local caller, so a misconfigured client finds out at once.
+"""
+
+from __future__ import annotations
+
+import hmac
+import ipaddress
+import os
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from kvxfer.errors import ConfigError
+
+if TYPE_CHECKING:
+    from kvxfer.config import Config
+
+MUTATING = frozenset({"ConnectPeer", "DisconnectPeer", "CancelTransfer", "Drain"})
+MODES = ("local", "authenticated", "any", "none")
+TOKEN_ENV = "KVXFER_CONTROL_TOKEN"
+
+
+def split_targets(spec: str) -> list[str]:
+    return [t.strip() for t in spec.split(",") if t.strip()]
+
+
+def is_unix(target: str) -> bool:
+    return target.startswith("unix:")
+
+
+def is_local_peer(peer: str) -> bool:
+    """True for gRPC peer strings of unix sockets and loopback TCP ("ipv4:127.0.0.1:5",
+    "ipv6:[::1]:5", "ipv6:[::ffff:127.0.0.1]:5", "unix:/run/x.sock", "unix:")."""
+    if peer.startswith("unix"):
+        return True
+    kind, _, rest = peer.partition(":")
+    if kind not in ("ipv4", "ipv6"):
+        return False
+    host = rest.rsplit(":", 1)[0].strip("[]")
+    try:
+        addr = ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    if isinstance(addr, ipaddress.IPv6Address) and addr.ipv4_mapped is not None:
+        addr = addr.ipv4_mapped
+    return addr.is_loopback
+
+
+def _read(path: str, what: str) -> bytes:
+    try:
+        with open(path, "rb") as fh:
+            data = fh.read()
+    except OSError as e:
+        raise ConfigError(f"{what} {path}: {e}") from e
+    if not data.strip():
+        raise ConfigError(f"{what} {path} is empty")
+    return data
+
+
+@dataclass(frozen=True)
+class TlsFiles:
+    cert: bytes
+    key: bytes
+    client_ca: bytes | None
+
+
+@dataclass(frozen=True)
+class AccessPolicy:
+    mode: str = "local"
+    token: bytes = b""
+    admins: frozenset[str] = frozenset()
+    tls: TlsFiles | None = None
+
+    @property
+    def mtls(self) -> bool:
+        return self.tls is not None and self.tls.client_ca is not None
+
+    def decide(
+        self, method: str, peer: str, metadata: Iterable[tuple[str, Any]],
+        identities: Mapping[str, Iterable[bytes]],
+    ) -> tuple[str, str] | None:
+        """None when ``method`` may run; else (grpc status name, reason)."""
+        if method not in MUTATING or self.mode == "any":
+            return None
+        if self.mode == "none":
+            return "PERMISSION_DENIED", f"{method} is disabled on this sidecar (control_mutating=none)"
+        presented = _bearer(metadata)
+        if presented is not None and not (self.token and hmac.compare_digest(presented, self.token)):
+            return "UNAUTHENTICATED", "the bearer token is not this sidecar's control token"
+        authenticated = presented is not None or self._cert_admin(identities)
+        if authenticated or (self.mode == "local" and is_local_peer(peer)):
+            return None
+        need = "a control token or an admitted client certificate"
+        where = "" if self.mode == "authenticated" else " from a non-local caller"
+        return "PERMISSION_DENIED", f"{method}{where} needs {need} (control_mutating={self.mode})"
+
+    def _cert_admin(self, identities: Mapping[str, Iterable[bytes]]) -> bool:
+        if not self.mtls or list(identities.get("transport_security_type", [])) != [b"ssl"]:
+            return False
+        names = {n.decode(errors="replace") for key in ("x509_common_name", "x509_subject_alternative_name")
+                 for n in identities.get(key, [])}
+        return bool(names) and (not self.admins or bool(names & self.admins))
+
+
+def _bearer(metadata: Iterable[tuple[str, Any]]) -> bytes | None:
+    for key, value in metadata:
+        if key.lower() == "authorization":
+            text = value.decode() if isinstance(value, bytes) else str(value)
+            scheme, _, token = text.partition(" ")
+            return token.strip().encode() if scheme.lower() == "bearer" else b"\0invalid"
+    return None
+
+
+def load_policy(config: Config, env: Mapping[str, str] | None = None) -> AccessPolicy:
+    """Read the token and TLS files named by the config; ConfigError when one is unusable."""
+    env = os.environ if env is None else env
+    token = b""
+    if config.control_token_file:
+        token = _read(config.control_token_file, "control_token_file").strip()
+    elif env.get(TOKEN_ENV):
+        token = env[TOKEN_ENV].strip().encode()
+    tls = None
+    if config.control_tls_cert:
+        tls = TlsFiles(
+            cert=_read(config.control_tls_cert, "control_tls_cert"),
+            key=_read(config.control_tls_key, "control_tls_key"),
+            client_ca=_read(config.control_tls_client_ca, "control_tls_client_ca")
+            if config.control_tls_client_ca else None,
+        )
+    policy = AccessPolicy(
+        mode=config.control_mutating,
+        token=token,
+        admins=frozenset(a.strip() for a in config.control_admins.split(",") if a.strip()),
+        tls=tls,
+    )
+    if policy.mode == "authenticated" and not policy.token and not policy.mtls:
+        raise ConfigError("control_mutating=authenticated needs control_token_file (or "
+                          f"{TOKEN_ENV}) or control_tls_client_ca: nobody could drain or cancel")
+    return policy
