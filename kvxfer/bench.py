@@ -14,6 +14,10 @@ all of them alike:
 Plus: the per-step cost of the connector's calls with 0/16/256 requests in flight, time
 to first transfer with a cold and a warm peer, 1..64 concurrent requests, 1..4 decode
 engines pulling from one prefill, and descriptor preparation for 10k/100k blocks.
+
+``--device`` picks where the KV caches live: ``cpu`` (shared host memory), ``cuda[:N]``
+(VRAM, registered with the sidecars over CUDA IPC; the raw-NIXL target opens the same IPC
+handle, memcpy is a gather/scatter on the GPU), or ``auto`` (the GPU when torch sees one).
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ from typing import Any
 import numpy as np
 
 from kvxfer.client import Drained, RemoteBlocks
-from kvxfer.memory import SharedKV
+from kvxfer.memory import CudaKV, SharedKV
 from kvxfer.protocol import KVLayout
 from kvxfer.testing.engine import SyntheticEngine, make_layout
 from kvxfer.testing.procs import SidecarFactory
@@ -49,44 +53,57 @@ def _agent(name: str, mode: str) -> Any:
     return a
 
 
-def _raw_target(path: str, size: int, mode: str, conn: Any) -> None:
-    """The prefill side of raw NIXL: map the engine's memory, register it, make progress."""
-    import mmap
+def _raw_target(ref: bytes, mode: str, conn: Any) -> None:
+    """The prefill side of raw NIXL: open the engine's memory (the shm file or the CUDA IPC
+    handle the sidecar gets), register it, make progress until told to stop."""
+    import msgspec
 
+    from kvxfer.memory import map_memory
+    from kvxfer.protocol import MemoryRef
+
+    m = map_memory(msgspec.msgpack.decode(ref, type=MemoryRef))  # type: ignore[arg-type]
     agent = _agent("raw-target", mode)
-    fd = os.open(path, os.O_RDWR)
-    mm = mmap.mmap(fd, size)
-    os.close(fd)
-    addr = int(np.frombuffer(mm, dtype=np.uint8).ctypes.data)
-    agent.register_memory([(addr, size, 0, "")], "DRAM")
-    conn.send((bytes(agent.get_agent_metadata()), addr))
+    agent.register_memory([(m.addr, m.size, m.device_id, "")], m.mem_type)
+    conn.send((bytes(agent.get_agent_metadata()), m.addr, m.device_id, m.mem_type))
     while not conn.poll(0.001):
         agent.get_new_notifs()  # the target of a READ must progress in UCX peer mode
     conn.recv()
 
 
+def _local_memory(kv: SharedKV | CudaKV) -> tuple[int, int, str]:
+    """(address, device id, NIXL memory type) of a KV cache this process owns."""
+    if isinstance(kv, SharedKV):
+        return int(kv.data.ctypes.data), 0, "DRAM"
+    return int(kv.tensor.data_ptr()), int(kv.tensor.device.index or 0), "VRAM"
+
+
 class RawNixl:
-    def __init__(self, src: SharedKV, dst: SharedKV, mode: str) -> None:
+    def __init__(self, src: SharedKV | CudaKV, dst: SharedKV | CudaKV, mode: str) -> None:
+        import msgspec
+
         ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_raw_target, args=(src.path, src.nbytes, mode, child), daemon=True)
+        (ref,) = src.register_message().memory
+        self.proc = ctx.Process(target=_raw_target, args=(msgspec.msgpack.encode(ref), mode, child),
+                                daemon=True)
         self.proc.start()
-        md, remote_addr = self.conn.recv()
+        md, remote_addr, remote_dev, mem_type = self.conn.recv()
         self.agent = _agent("raw-init", mode)
-        local_addr = int(dst.data.ctypes.data)
-        self.agent.register_memory([(local_addr, dst.nbytes, 0, "")], "DRAM")
+        local_addr, local_dev, local_type = _local_memory(dst)
+        self.agent.register_memory([(local_addr, dst.nbytes, local_dev, "")], local_type)
         name = self.agent.add_remote_agent(md)
         name = name.decode() if isinstance(name, bytes) else name
         lay = dst.layout
         reg = dst.register_message().regions
         from kvxfer.protocol import RemoteRegion
 
-        def rows(base: int) -> np.ndarray:
+        def rows(base: int, dev: int) -> np.ndarray:
             return strided_rows([RemoteRegion(addr=base + r.offset, block_len=r.block_len,
-                                               block_stride=r.block_stride) for r in reg], lay.num_blocks)
+                                               block_stride=r.block_stride, device_id=dev) for r in reg],
+                                lay.num_blocks)
 
-        self.local = self.agent.prep_xfer_dlist("NIXL_INIT_AGENT", rows(local_addr), "DRAM")
-        self.remote = self.agent.prep_xfer_dlist(name, rows(remote_addr), "DRAM")
+        self.local = self.agent.prep_xfer_dlist("NIXL_INIT_AGENT", rows(local_addr, local_dev), local_type)
+        self.remote = self.agent.prep_xfer_dlist(name, rows(remote_addr, remote_dev), mem_type)
         self.regions = np.arange(len(reg))
         self.nb = lay.num_blocks
 
@@ -110,12 +127,35 @@ class RawNixl:
         self.proc.join(10)
 
 
-def _memcpy(src: SharedKV, dst: SharedKV, src_blocks: list[int], dst_blocks: list[int]) -> float:
+def _memcpy(src: SharedKV | CudaKV, dst: SharedKV | CudaKV, src_blocks: list[int],
+            dst_blocks: list[int]) -> float:
     s, d = src.blocks(), dst.blocks()
+    if isinstance(src, CudaKV):  # one gather/scatter kernel pair on the GPU
+        import torch
+
+        si = torch.tensor(src_blocks, device=s.device)
+        di = torch.tensor(dst_blocks, device=d.device)
+        torch.cuda.synchronize(s.device)
+        t0 = time.perf_counter()
+        d[:, :, di] = s[:, :, si]
+        torch.cuda.synchronize(s.device)
+        return time.perf_counter() - t0
     t0 = time.perf_counter()
     for a, b in zip(src_blocks, dst_blocks, strict=True):
         d[:, :, b] = s[:, :, a]
     return time.perf_counter() - t0
+
+
+def resolve_device(device: str) -> str:
+    """``auto``: the first GPU when torch sees one, else ``cpu``."""
+    if device != "auto":
+        return device
+    try:
+        import torch
+
+        return "cuda:0" if torch.cuda.is_available() else "cpu"
+    except ImportError:
+        return "cpu"
 
 
 def _wait(eng: SyntheticEngine, n: int, timeout: float = 120) -> Drained:
@@ -129,17 +169,24 @@ def _summary(xs: list[float]) -> dict[str, float]:
     return {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "n": len(xs)}
 
 
-def run_bench(quick: bool = False, mode: str = "peer") -> dict[str, Any]:
+def run_bench(quick: bool = False, mode: str = "peer", device: str = "cpu") -> dict[str, Any]:
+    device = resolve_device(device)
+    cuda = device.startswith("cuda")
+    if cuda:  # as the sidecar does with --cuda: UCX must not classify IPC-imported VRAM as host
+        os.environ.setdefault("UCX_MEMTYPE_CACHE", "n")
     sizes = [1, 8, 32] if quick else [1, 8, 32, 128, 256]
     repeats = 3 if quick else 5
     nb = max(sizes) * 2 + 2
     lay = _layout(nb)
-    out: dict[str, Any] = {"machine": _machine(), "ucx_error_mode": mode, "quick": quick,
+    out: dict[str, Any] = {"machine": _machine(device), "ucx_error_mode": mode, "quick": quick,
+                           "device": device, "memory": "VRAM (CUDA IPC)" if cuda else "shared host memory",
                            "layout": "32 layers x K/V x 16 tokens x 8 heads x 128 x bf16 (2 MiB/block, "
                                      "32 KiB descriptors), random non-contiguous blocks"}
+    serve = ["--ucx-error-mode", mode, "--cuda", "on" if cuda else "off"]
     with SidecarFactory() as f:
-        ps, ds = f.start("bench-p", "--ucx-error-mode", mode), f.start("bench-d", "--ucx-error-mode", mode)
-        p, d = SyntheticEngine(lay, ps.endpoint, seed=1), SyntheticEngine(lay, ds.endpoint, seed=2)
+        ps, ds = f.start("bench-p", *serve), f.start("bench-d", *serve)
+        p = SyntheticEngine(lay, ps.endpoint, seed=1, device=device)
+        d = SyntheticEngine(lay, ds.endpoint, seed=2, device=device)
         raw = None
         try:
             reg = p.start()
@@ -186,7 +233,7 @@ def run_bench(quick: bool = False, mode: str = "peer") -> dict[str, Any]:
             p.close()
             d.close()
         out["step_overhead"] = _step_overhead(f, [0, 16] if quick else [0, 16, 256])
-        out["fan_in"] = _fan_in(f, [1, 2] if quick else [1, 2, 4], mode)
+        out["fan_in"] = _fan_in(f, [1, 2] if quick else [1, 2, 4], serve, device)
     out["descriptor_prep_ms"] = _desc_prep([10_000] if quick else [10_000, 100_000], mode)
     large = [r for r in out["sizes"] if r["bytes"] >= 16 << 20]
     huge = [r for r in out["sizes"] if r["bytes"] >= 256 << 20] or out["sizes"][-1:]
@@ -198,7 +245,9 @@ def run_bench(quick: bool = False, mode: str = "peer") -> dict[str, Any]:
 
 
 def _check(p: SyntheticEngine, d: SyntheticEngine, pb: list[int], db: list[int], what: str) -> None:
-    if not np.array_equal(p.kv.blocks()[:, :, pb], d.kv.blocks()[:, :, db]):
+    src, dst = p.kv.blocks()[:, :, pb], d.kv.blocks()[:, :, db]
+    same = np.array_equal(src, dst) if isinstance(src, np.ndarray) else bool((src == dst).all().item())
+    if not same:
         raise RuntimeError(f"{what}: received bytes differ")
 
 
@@ -300,20 +349,20 @@ def _step_overhead(f: SidecarFactory, inflight: list[int]) -> list[dict[str, Any
     return out
 
 
-def _fan_in(f: SidecarFactory, engines: list[int], mode: str) -> list[dict[str, Any]]:
+def _fan_in(f: SidecarFactory, engines: list[int], serve: list[str], device: str) -> list[dict[str, Any]]:
     """1..N decode sidecars pulling 16 MiB requests from one prefill at once."""
     per, reqs = 8, 4
     lay = _layout(max(engines) * reqs * per + 2)
-    ps = f.start("fan-p", "--ucx-error-mode", mode)
-    p = SyntheticEngine(lay, ps.endpoint, seed=1)
+    ps = f.start("fan-p", *serve)
+    p = SyntheticEngine(lay, ps.endpoint, seed=1, device=device)
     decs = []
     out = []
     try:
         reg = p.start()
         pbs = p.allocate(max(engines) * reqs * per)
         for i in range(max(engines)):
-            ds = f.start(f"fan-d{i}", "--ucx-error-mode", mode)
-            d = SyntheticEngine(_layout(reqs * per + 2), ds.endpoint, seed=10 + i)
+            ds = f.start(f"fan-d{i}", *serve)
+            d = SyntheticEngine(_layout(reqs * per + 2), ds.endpoint, seed=10 + i, device=device)
             d.start()
             decs.append((d, d.allocate(reqs * per)))
             d.client.recv("warm", [], RemoteBlocks(reg.engine_id, reg.handshake_host, reg.handshake_port, []))
@@ -374,7 +423,7 @@ def _desc_prep(block_counts: list[int], mode: str) -> list[dict[str, Any]]:
     return out
 
 
-def _machine() -> dict[str, Any]:
+def _machine(device: str = "cpu") -> dict[str, Any]:
     import importlib.metadata as md
 
     def ver(name: str) -> str:
@@ -389,14 +438,20 @@ def _machine() -> dict[str, Any]:
             cpu = next(line.split(":", 1)[1].strip() for line in fh if line.startswith("model name"))
     except (OSError, StopIteration):
         pass
-    return {"cpu": cpu, "cores": os.cpu_count(), "python": platform.python_version(),
-            "nixl": ver("nixl-cu12") if ver("nixl-cu12") != "-" else ver("nixl-cu13"),
-            "kvxfer": ver("kvxfer"), "numpy": np.__version__}
+    out = {"cpu": cpu, "cores": os.cpu_count(), "python": platform.python_version(),
+           "nixl": ver("nixl-cu12") if ver("nixl-cu12") != "-" else ver("nixl-cu13"),
+           "kvxfer": ver("kvxfer"), "numpy": np.__version__, "torch": ver("torch")}
+    if device.startswith("cuda"):
+        import torch
+
+        out["gpu"] = torch.cuda.get_device_name(torch.device(device))
+    return out
 
 
 def print_table(res: dict[str, Any]) -> None:
-    print(f"kvxfer bench ({'quick' if res['quick'] else 'full'}, UCX {res['ucx_error_mode']} mode) on "
-          f"{res['machine']['cpu']}, {res['machine']['cores']} cores; {res['layout']}")
+    where = res["machine"].get("gpu") or f"{res['machine']['cpu']}, {res['machine']['cores']} cores"
+    print(f"kvxfer bench ({'quick' if res['quick'] else 'full'}, UCX {res['ucx_error_mode']} mode, "
+          f"{res.get('memory', 'shared host memory')}) on {where}; {res['layout']}")
     print(f"  {'size':>9} {'descs':>7} {'kvxfer':>10} {'raw NIXL':>10} {'memcpy':>10} {'vs raw':>7} "
           f"{'vs memcpy':>9}")
     for r in res["sizes"]:
@@ -438,13 +493,14 @@ def plot(res: dict[str, Any], path: str) -> None:
     b.set_xlabel("concurrent 16 MiB requests")
     b.set_ylabel("GB/s")
     b.set_title(f"Concurrency; step overhead p50 {res['step_overhead_us_p50']} us")
-    fig.suptitle(f"kvxfer bench on {res['machine']['cpu']} ({res['machine']['cores']} cores)")
+    where = res["machine"].get("gpu") or f"{res['machine']['cpu']} ({res['machine']['cores']} cores)"
+    fig.suptitle(f"kvxfer bench on {where}, {res.get('memory', 'shared host memory')}")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
 
 def main(args: Any) -> int:
-    res = run_bench(quick=args.quick, mode=args.ucx_error_mode)
+    res = run_bench(quick=args.quick, mode=args.ucx_error_mode, device=args.device)
     print_table(res)
     if args.plot:
         plot(res, args.plot)

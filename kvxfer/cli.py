@@ -101,6 +101,9 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--json", action="store_true", help="last line: one JSON object")
     b.add_argument("--plot", metavar="PNG", help="write a plot (needs matplotlib)")
     b.add_argument("--ucx-error-mode", choices=["peer", "none"], default="peer")
+    b.add_argument("--device", default="auto",
+                   help="where the KV caches live: cpu, cuda[:N] (VRAM over CUDA IPC) or auto "
+                        "(the GPU when torch sees one)")
     args = parser.parse_args(argv)
     if hasattr(args, "func"):
         return int(args.func(args))

@@ -26,3 +26,7 @@ def test_bench_quick_reports_every_field() -> None:
     assert [s["inflight"] for s in res["step_overhead"]] == [0, 16]
     assert res["descriptor_prep_ms"][0]["descriptors"] == 10_000 * 64
     assert "raw NIXL" in out.stdout  # the human table
+    import torch
+
+    want = "cuda:0" if torch.cuda.is_available() else "cpu"
+    assert res["device"] == want  # --device auto

@@ -52,3 +52,22 @@ def test_vram_to_vram_over_cuda_ipc(sidecars: SidecarFactory, mode: str) -> None
         d.close()
     if os.environ.get("KVXFER_GPU_LOG"):
         print(ds.log())
+
+
+def test_bench_measures_vram_when_a_gpu_is_there() -> None:
+    """`kvxfer bench` with no --device picks the GPU: the three methods move VRAM."""
+    import json
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "kvxfer", "bench", "--quick", "--json"],
+                         capture_output=True, text=True, timeout=600, check=False)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    res = json.loads(out.stdout.strip().splitlines()[-1])
+    assert res["device"] == "cuda:0"
+    assert res["memory"] == "VRAM (CUDA IPC)"
+    assert res["machine"]["gpu"]
+    for r in res["sizes"]:
+        assert r["kvxfer_gbps"] > 0
+        assert r["raw_nixl_gbps"] > 0
+        assert r["memcpy_gbps"] > 0
