@@ -73,6 +73,10 @@ class Config:
     transfer_timeout_s: float = _doc("Default deadline of one receive (handshake included).",
                                      default=30.0)
     handshake_timeout_s: float = _doc("How long a peer handshake may take.", default=5.0)
+    settle_timeout_s: float = _doc("A failed read is reported once its in-flight NIXL chunks "
+                                   "stopped (they could still write into its blocks); if they "
+                                   "have not after this long, the sidecar exits (status 3) so "
+                                   "that they die with it.", default=20.0)
     ucx_error_mode: str = _doc("UCX ucx_error_handling_mode: 'peer' surfaces remote failures "
                                "(use on RDMA), 'none' is faster on one host (CMA).",
                                default="peer")
@@ -95,7 +99,8 @@ class Config:
             raise ConfigError(f"ucx_error_mode must be 'peer' or 'none', not {self.ucx_error_mode!r}")
         if not 0 <= self.handshake_port < 65536:
             raise ConfigError(f"handshake_port out of range: {self.handshake_port}")
-        for name in ("lease_s", "transfer_timeout_s", "handshake_timeout_s", "idle_poll_ms"):
+        for name in ("lease_s", "transfer_timeout_s", "handshake_timeout_s", "idle_poll_ms",
+                     "settle_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be > 0")
         if self.role not in ("prefill", "decode", "both"):

@@ -71,9 +71,10 @@ from kvxfer.topology import (
     check_layout,
     plan_rank,
 )
-from kvxfer.transfer import NoticeReceived, ReadFinished, TransferEngine, TransferOptions
+from kvxfer.transfer import NoticeReceived, ReadFinished, ReadStuck, TransferEngine, TransferOptions
 
 log = logging.getLogger(__name__)
+EXIT_STUCK = 3  # a failed read's chunks could not be stopped: restart to fence them off
 
 _ENGINE_TAGS = {"register", "unregister", "hold", "release", "recv", "ping"}
 MAX_MESSAGE = 16 << 20  # larger engine messages get a typed error (a million block ids is ~5 MiB)
@@ -144,6 +145,7 @@ class Sidecar(PeersMixin):
             chunk_bytes=config.chunk_mib << 20,
             max_inflight_chunks=config.max_inflight_chunks,
             idle_poll_s=config.idle_poll_ms / 1000.0,
+            settle_timeout_s=config.settle_timeout_s,
             cuda=config.cuda_enabled,
         )
         self.transfer = TransferEngine(self.agent_name, opts, self._from_nixl_thread)
@@ -560,14 +562,24 @@ class Sidecar(PeersMixin):
 
     # ------------------------------------------------------------------ NIXL events
 
-    def _from_nixl_thread(self, event: ReadFinished | NoticeReceived) -> None:
+    def _from_nixl_thread(self, event: ReadFinished | NoticeReceived | ReadStuck) -> None:
         assert self.loop is not None
         with contextlib.suppress(RuntimeError):  # loop already closed at shutdown
             self.loop.call_soon_threadsafe(self._on_nixl_event, event)
 
-    def _on_nixl_event(self, event: ReadFinished | NoticeReceived) -> None:
+    def _on_nixl_event(self, event: ReadFinished | NoticeReceived | ReadStuck) -> None:
         if isinstance(event, NoticeReceived):
             self._on_notice(event)
+            return
+        if isinstance(event, ReadStuck):
+            # NIXL cannot stop this read's chunks, and reporting it failed would let the
+            # engine reuse blocks they may still write: exit, so the endpoints die with us
+            # (the supervisor restarts the sidecar; connectors see it and fail their loads).
+            log.critical("read %s from %s still has chunks in flight %.1fs after it failed; exiting "
+                         "so that no late write can land in reused blocks", event.req_id, event.peer,
+                         event.seconds)
+            self.exit_code = EXIT_STUCK
+            self._stop.set()
             return
         state = self.recvs.pop(event.req_id, None)
         if state is None:
@@ -767,6 +779,7 @@ def run_server(config: Config) -> int:
 
     import uvloop
 
+    faulthandler.enable(all_threads=True)  # a crash in NIXL/UCX leaves every stack in the log
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1` dumps every stack
 
     logging.basicConfig(

@@ -16,6 +16,17 @@ flight, ``idle_poll_s`` when idle; never a busy spin. NIXL's own progress thread
 Handle lifetimes are guarded: a handle is forgotten the moment it is released
 (``transfer()`` on a released handle segfaults), and a handle that refuses release is
 parked and retried, never reused.
+
+A failed read is reported only once nothing can still write into its blocks. Releasing a
+handle whose GETs are in flight does not stop the data: UCX cancels the requests, but
+responses the peer already queued still land (measured over TCP: after a 2 s link cut, the
+rest of a 120 MiB read arrived in blocks the engine had already reused). So at a deadline,
+a cancel or a chunk's error the read stops posting and *settles*: its in-flight chunks are
+polled until each is DONE or ERR, then released, then the failure goes out. A peer removed
+meanwhile keeps its NIXL connection and descriptor lists until its reads settled. A read
+that does not settle within ``settle_timeout_s`` is reported as ``ReadStuck``: the sidecar
+then exits, because only the death of the process that owns the endpoints guarantees that
+no late write lands (the connector sees the restart and fails the loads).
 """
 
 from __future__ import annotations
@@ -53,6 +64,7 @@ class TransferOptions:
     busy_poll_s: float = 50e-6  # first back-off step while reads are in flight
     idle_poll_s: float = 2e-3  # poll period when nothing is in flight (notification latency)
     cuda: bool = False  # VRAM over CUDA IPC expected: UCX memtype cache off
+    settle_timeout_s: float = 20.0  # a failed read's in-flight chunks must stop by then
 
 
 @dataclass(frozen=True)
@@ -68,12 +80,21 @@ class ReadFinished:
 
 
 @dataclass(frozen=True)
+class ReadStuck:
+    """A failed read whose chunks still run after settle_timeout_s: no way to stop them."""
+
+    req_id: str
+    peer: str
+    seconds: float
+
+
+@dataclass(frozen=True)
 class NoticeReceived:
     agent: str
     payload: bytes
 
 
-Event = ReadFinished | NoticeReceived
+Event = ReadFinished | NoticeReceived | ReadStuck
 _Command = tuple[Callable[..., Any], tuple[Any, ...], concurrent.futures.Future[Any]]
 
 
@@ -116,6 +137,13 @@ class _Leg:
 
 
 @dataclass
+class _Deferred:
+    waits_for: set[str]  # request ids still settling
+    action: Callable[[], None]
+    peer: str = ""  # set for a remote agent's removal (cancelled if that agent is re-added)
+
+
+@dataclass
 class _Read:
     req_id: str
     peer: str
@@ -127,6 +155,9 @@ class _Read:
     started: float = field(default_factory=time.monotonic)
     leg: int = 0  # the leg being posted
     handles: list[Any] = field(default_factory=list)
+    failure: tuple[str, str] | None = None  # (code, reason) once failed; then it settles
+    failed_at: float = 0.0
+    stuck_reported: bool = False
 
     @property
     def all_posted(self) -> bool:
@@ -224,11 +255,13 @@ class TransferEngine:
         self._post_queue: collections.deque[str] = collections.deque()
         self._inflight_chunks = 0
         self._zombies: list[Any] = []
+        self._deferred: list[_Deferred] = []  # cleanup waiting for failed reads to settle
         self.backends: list[str] = []
         # counters, read from other threads (ints: assignment is atomic enough for stats)
         self.bytes_read = 0
         self.reads_ok = 0
         self.reads_failed = 0
+        self.settled_late = 0  # failed reads reported only after in-flight chunks stopped
 
     # ------------------------------------------------------------------ loop-side API
 
@@ -298,11 +331,16 @@ class TransferEngine:
         for rd in [r for r in self._reads.values() if r.local_rank == rank]:
             self._fail(rd, ErrorCode.NOT_REGISTERED, "local memory unregistered during the read")
         del self._local[rank]
-        self._drop_pairs(lambda key: key[1] == rank)
-        for reg in local.reg_descs:
-            self._agent.deregister_memory(reg)
-        for m in local.mappings:
-            m.close()
+        pairs = self._take_pairs(lambda key: key[1] == rank)
+
+        def release() -> None:
+            self._release_pairs(pairs)
+            for reg in local.reg_descs:
+                self._agent.deregister_memory(reg)
+            for m in local.mappings:
+                m.close()
+
+        self._after_settled({r.req_id for r in self._reads.values() if r.local_rank == rank}, release)
         return True
 
     def t_add_peer(self, name: str, metadata: bytes, ranks: list[RankInfo]) -> str:
@@ -314,6 +352,12 @@ class TransferEngine:
         agent = self._agent
         if name in self._peers:
             self.t_remove_peer(name, "peer metadata replaced")
+        if any(d.peer == name for d in self._deferred):
+            # The same process again, still loaded while reads of its old entry settle:
+            # keep it loaded (its old descriptor lists are still released later).
+            self._deferred = [d for d in self._deferred if d.peer != name]
+            self._peers[name] = _Peer(name, {info.layout.tp_rank: info for info in ranks})
+            return name
         raw = agent.add_remote_agent(metadata)
         loaded = raw.decode() if isinstance(raw, bytes) else str(raw)
         if loaded != name:
@@ -326,12 +370,38 @@ class TransferEngine:
         peer = self._peers.pop(name, None)
         for rd in [r for r in self._reads.values() if r.peer == name]:
             self._fail(rd, ErrorCode.PEER_DISCONNECTED, reason)
-        self._drop_pairs(lambda key: key[0] == name)
-        try:
-            self._agent.remove_remote_agent(name)
-        except Exception as e:  # unknown to NIXL already
-            log.debug("remove_remote_agent(%s): %s", name, e)
+        pairs = self._take_pairs(lambda key: key[0] == name)
+        settling = {r.req_id for r in self._reads.values() if r.peer == name}
+        self._after_settled(settling, lambda: self._release_pairs(pairs))
+
+        def forget() -> None:
+            try:
+                self._agent.remove_remote_agent(name)
+            except Exception as e:  # unknown to NIXL already
+                log.debug("remove_remote_agent(%s): %s", name, e)
+
+        self._after_settled(settling, forget, peer=name)
         return peer is not None
+
+    def _after_settled(self, req_ids: set[str], action: Callable[[], None], peer: str = "") -> None:
+        """Run ``action`` once none of ``req_ids`` has a chunk in flight (now, if none has)."""
+        if req_ids:
+            self._deferred.append(_Deferred(req_ids, action, peer))
+        else:
+            action()
+
+    def _run_deferred(self, settled: str) -> None:
+        keep = []
+        for d in self._deferred:
+            d.waits_for.discard(settled)
+            if d.waits_for:
+                keep.append(d)
+            else:
+                try:
+                    d.action()
+                except Exception:
+                    log.exception("deferred NIXL cleanup failed")
+        self._deferred = keep
 
     def t_read(
         self,
@@ -401,9 +471,11 @@ class TransferEngine:
         self._pairs[key] = pl
         return pl
 
-    def _drop_pairs(self, match: Callable[[tuple[str, int, int]], bool]) -> None:
-        for key in [k for k in self._pairs if match(k)]:
-            pl = self._pairs.pop(key)
+    def _take_pairs(self, match: Callable[[tuple[str, int, int]], bool]) -> list[_PairLists]:
+        return [self._pairs.pop(key) for key in [k for k in self._pairs if match(k)]]
+
+    def _release_pairs(self, pairs: list[_PairLists]) -> None:
+        for pl in pairs:
             for handle in (pl.local, pl.remote):
                 try:
                     self._agent.release_dlist_handle(handle)
@@ -426,6 +498,8 @@ class TransferEngine:
             "chunks_in_flight": self._inflight_chunks,
             "peers": len(self._peers),
             "local_ranks": len(self._local),
+            "settling": sum(1 for r in self._reads.values() if r.failure is not None),
+            "settled_late": self.settled_late,
         }
 
     # ------------------------------------------------------------------ thread internals
@@ -538,6 +612,8 @@ class TransferEngine:
         return posted
 
     def _check(self, rd: _Read, now: float) -> bool:
+        if rd.failure is not None:
+            return self._settle(rd, now)
         agent = self._agent
         progressed = False
         for handle in list(rd.handles):
@@ -569,16 +645,44 @@ class TransferEngine:
         return progressed
 
     def _fail(self, rd: _Read, code: str, reason: str) -> None:
-        if self._reads.pop(rd.req_id, None) is None:
+        """Stop posting; report the failure once no chunk of the read can write any more."""
+        if rd.req_id not in self._reads or rd.failure is not None:
             return
-        for handle in rd.handles:
-            self._inflight_chunks -= 1
-            self._release(handle)
-        rd.handles.clear()
+        rd.failure = (code, reason)
+        rd.failed_at = time.monotonic()
+        rd.leg = len(rd.legs)  # nothing more is posted
+        self._settle(rd, rd.failed_at)
+
+    def _settle(self, rd: _Read, now: float) -> bool:
+        progressed = False
+        for handle in list(rd.handles):
+            if self._state(handle) in ("DONE", "ERR"):  # terminal: nothing more lands
+                rd.handles.remove(handle)
+                self._inflight_chunks -= 1
+                self._release(handle)
+                progressed = True
+        if rd.handles:
+            if now - rd.failed_at > self.options.settle_timeout_s and not rd.stuck_reported:
+                rd.stuck_reported = True
+                self._on_event(ReadStuck(rd.req_id, rd.peer, now - rd.failed_at))
+            return progressed
+        del self._reads[rd.req_id]
         self.reads_failed += 1
-        self._on_event(
-            ReadFinished(rd.req_id, rd.peer, False, 0, time.monotonic() - rd.started, code, reason)
-        )
+        code, reason = rd.failure or (ErrorCode.TRANSFER_ERROR, "")
+        waited = now - rd.failed_at
+        if waited > 0.05:
+            reason = f"{reason} (its in-flight chunks stopped {waited:.2f}s later)"
+            self.settled_late += 1
+        self._on_event(ReadFinished(rd.req_id, rd.peer, False, 0, now - rd.started, code, reason))
+        if self._deferred:
+            self._run_deferred(rd.req_id)
+        return True
+
+    def _state(self, handle: Any) -> str:
+        try:
+            return str(self._agent.check_xfer_state(handle))
+        except Exception:
+            return "ERR"
 
     def _release(self, handle: Any) -> None:
         try:

@@ -100,7 +100,8 @@ def test_overlays_render_and_validate(role: str) -> None:
         assert os.path.dirname(path) == mount["mountPath"]
     assert int(env["KVXFER_DRAIN_TIMEOUT_S"]) < pod["spec"]["terminationGracePeriodSeconds"]
     ports = {p["name"]: p["containerPort"] for p in kvx["ports"]}
-    assert ports["control"] == 5701 and ports["health"] == 5702
+    assert ports["control"] == 5701
+    assert ports["health"] == 5702
     assert kvx["readinessProbe"]["grpc"] == {"port": 5702, "service": "readiness"}
     assert kvx["livenessProbe"]["grpc"] == {"port": 5702, "service": "liveness"}
     assert kvx["startupProbe"]["grpc"] == {"port": 5702, "service": "readiness"}

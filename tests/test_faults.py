@@ -312,3 +312,49 @@ def test_replay_guard() -> None:
     assert check_welcome(b"s", w, hello.nonce, b"metadata")
     assert not check_welcome(b"s", w, hello.nonce, b"other metadata")
     assert not check_welcome(b"x", w, hello.nonce, b"metadata")
+
+
+def test_worker_leaves_overdue_loads_to_a_live_sidecar_and_fails_them_when_it_falls_silent(
+    sidecars: SidecarFactory,
+) -> None:
+    """The engine-side deadline is a safety net for a dead or wedged sidecar. While the
+    sidecar answers heartbeats it decides (a failed read may be settling: its chunks could
+    still write), up to settle_s past the deadline; once it falls silent (SIGSTOP here) the
+    worker fails the load after grace_s."""
+    import torch
+
+    from kvxfer.connector.settings import ConnectorSettings
+    from kvxfer.connector.worker import CacheShape, WorkerSide
+
+    sc = sidecars.start("silent")
+    settings = ConnectorSettings(sidecar=sc.endpoint, heartbeat_s=0.1, grace_s=1.0, settle_s=4.0)
+    ws = WorkerSide(settings, 0, 1, "cpu")
+    ctx = ws.mem_pool_context()
+    assert ctx is not None
+    with ctx:
+        kv = {"l0": torch.zeros(2, 8, 16, 8, 64, dtype=torch.float16)}
+
+    def failed_after(req_id: str, blocks: list[int], deadline_in: float) -> float:
+        t0 = time.monotonic()
+        ws.bind({req_id: (blocks, t0 + deadline_in)}, {})
+        while True:
+            res = ws.get_transfer_results()
+            if req_id in res.failed_recving:
+                assert req_id in res.finished_recving
+                return time.monotonic() - t0
+            assert time.monotonic() - t0 < 30, "never failed"
+            time.sleep(0.02)
+
+    try:
+        ws.register_kv_caches(kv, CacheShape(8, 16, 8, 8, 64, False))
+        alive = failed_after("alive", [1], 0.2)
+        assert 0.2 + 4.0 <= alive < 0.2 + 4.0 + 1.0, alive  # deadline + settle_s, not + grace
+        os.kill(sc.proc.pid, signal.SIGSTOP)
+        try:
+            silent = failed_after("silent", [2], 0.2)
+        finally:
+            os.kill(sc.proc.pid, signal.SIGCONT)
+        assert 0.8 <= silent < 2.5, silent  # grace_s (1) after the last pong (0.1 s cadence)
+        assert ws.take_invalid_block_ids() == {1, 2}
+    finally:
+        ws.shutdown()

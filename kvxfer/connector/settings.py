@@ -4,7 +4,10 @@
      "lease_s": 30,            # prefill hold lease (alias: vLLM's "kv_lease_duration")
      "transfer_timeout_s": 30, # decode receive deadline, handshake included
      "sidecar_timeout_s": 60,  # how long start-up waits for the sidecar to answer
-     "grace_s": 5,             # the engine's own deadline = sidecar's + grace (sidecar gone)
+     "grace_s": 5,             # the engine's own deadline = sidecar's + grace, when the
+                               # sidecar is silent that long (dead or wedged)
+     "settle_s": 25,           # ... and at the latest + settle_s while it still answers
+                               # (> its settle_timeout_s: a failed read waits for its chunks)
      "heartbeat_s": 1,         # how often a worker pings its sidecar (restart detection)
      "shm_dir": "/dev/shm"}    # CPU engines: where the KV cache files live
 """
@@ -26,6 +29,7 @@ class ConnectorSettings:
     transfer_timeout_s: float = 30.0
     sidecar_timeout_s: float = 60.0
     grace_s: float = 5.0
+    settle_s: float = 25.0
     heartbeat_s: float = 1.0
     shm_dir: str = "/dev/shm"
 
@@ -39,6 +43,7 @@ class ConnectorSettings:
             transfer_timeout_s=float(extra.get("transfer_timeout_s", cls.transfer_timeout_s)),
             sidecar_timeout_s=float(extra.get("sidecar_timeout_s", cls.sidecar_timeout_s)),
             grace_s=float(extra.get("grace_s", cls.grace_s)),
+            settle_s=float(extra.get("settle_s", cls.settle_s)),
             heartbeat_s=float(extra.get("heartbeat_s", cls.heartbeat_s)),
             shm_dir=str(extra.get("shm_dir", cls.shm_dir)),
         )

@@ -12,6 +12,9 @@ scheduler put in the metadata fire here: an overdue receive is reported failed (
 recomputes it), an overdue hold as sent (its lease is over; nobody can be reading). A
 heartbeat (a Ping about once a second, answered with the sidecar's instance name) notices
 a restarted sidecar at once: loads in flight fail, holds are freed, memory re-registered.
+While the sidecar still answers heartbeats an overdue receive is left to it (up to
+``settle_s`` more): a failed read is reported only once its NIXL chunks stopped, and
+failing it here first would let vLLM reuse blocks a late chunk may still write.
 """
 
 from __future__ import annotations
@@ -81,6 +84,7 @@ class WorkerSide:
         self._registration: Any = None
         self._instance = ""
         self._next_heartbeat = 0.0
+        self._last_pong = time.monotonic()
 
     def mem_pool_context(self) -> AbstractContextManager[Any] | None:
         return self.allocator
@@ -138,6 +142,8 @@ class WorkerSide:
         if any(p.instance and p.instance != self._instance for p in ev.pongs):
             self._sidecar_restarted(out)
             return out
+        if ev.pongs:
+            self._last_pong = now
         for d in ev.done:
             if self._recvs.pop(d.req_id, None) is not None:
                 out.finished_recving.add(d.req_id)
@@ -185,8 +191,9 @@ class WorkerSide:
         self.stats.recv_failed += 1
 
     def _expire(self, out: TransferResults, now: float) -> None:
+        silent = now - self._last_pong > self.settings.grace_s
         for req_id, (blocks, deadline) in list(self._recvs.items()):
-            if now > deadline:
+            if now > deadline and (silent or now > deadline + self.settings.settle_s):
                 del self._recvs[req_id]
                 log.warning("no answer from the sidecar for request %s; failing its KV load", req_id)
                 self._fail(out, req_id, blocks)
