@@ -83,6 +83,17 @@ def move(p: SyntheticEngine, d: SyntheticEngine, name: str, n: int, deadline_s: 
     move.last = (pb, db)  # type: ignore[attr-defined]
 
 
+def warm_then_cut(p: SyntheticEngine, d: SyntheticEngine, deadline_s: float) -> float:
+    """A warm-up read, then a 120 MiB read with ``deadline_s``, then decode's link down
+    mid-read; returns when the link went down."""
+    move(p, d, "warm", 1)
+    assert not wait_for(d.client, lambda a: bool(a.done or a.failed), timeout=60).failed
+    move(p, d, "cut", 60, deadline_s=deadline_s)
+    time.sleep(0.05)
+    ip("-n", NS_D, "link", "set", VETH_D, "down")
+    return time.monotonic()
+
+
 def test_transfer_across_namespaces_then_prefill_host_dies(hosts: None, sidecars: SidecarFactory) -> None:
     p, d, ps, _ = start_pair(sidecars, "ns1")
     try:
@@ -119,12 +130,7 @@ def test_link_down_for_good_the_decode_sidecar_fences_by_exiting(
     blocks a late chunk may still write. Restarted, it serves again."""
     p, d, ps, ds = start_pair(sidecars, "ns2", decode_args=("--settle-timeout-s", "3"))
     try:
-        move(p, d, "warm", 1)
-        assert not wait_for(d.client, lambda a: bool(a.done or a.failed), timeout=60).failed
-        move(p, d, "cut", 60, deadline_s=1.5)
-        time.sleep(0.05)
-        ip("-n", NS_D, "link", "set", VETH_D, "down")
-        t0 = time.monotonic()
+        t0 = warm_then_cut(p, d, deadline_s=1.5)
         try:
             code = ds.proc.wait(30)
             took = time.monotonic() - t0
@@ -174,12 +180,7 @@ def test_a_failed_read_is_reported_only_when_no_late_write_can_land(
     the engine (here: another request's data), stay intact."""
     p, d, _, ds = start_pair(sidecars, "ns3")
     try:
-        move(p, d, "warm", 1)
-        assert not wait_for(d.client, lambda a: bool(a.done or a.failed), timeout=60).failed
-        move(p, d, "cut", 60, deadline_s=1.5)
-        time.sleep(0.05)
-        ip("-n", NS_D, "link", "set", VETH_D, "down")
-        t_cut = time.monotonic()
+        t_cut = warm_then_cut(p, d, deadline_s=1.5)
         restore = threading.Timer(3.0, ip, ("-n", NS_D, "link", "set", VETH_D, "up"))
         restore.start()
         try:
