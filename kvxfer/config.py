@@ -17,6 +17,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvxfer.control.access import MODES as MUTATING_MODES
 from kvxfer.errors import ConfigError
 
 ENV_PREFIX = "KVXFER_"
@@ -109,8 +110,8 @@ class Config:
             raise ConfigError(f"metrics_port out of range: {self.metrics_port}")
         if self.cuda not in ("auto", "on", "off"):
             raise ConfigError(f"cuda must be auto, on or off, not {self.cuda!r}")
-        if self.control_mutating not in ("local", "authenticated", "any", "none"):
-            raise ConfigError("control_mutating must be local, authenticated, any or none, "
+        if self.control_mutating not in MUTATING_MODES:
+            raise ConfigError(f"control_mutating must be one of {', '.join(MUTATING_MODES)}, "
                               f"not {self.control_mutating!r}")
         if bool(self.control_tls_cert) != bool(self.control_tls_key):
             raise ConfigError("control_tls_cert and control_tls_key go together")

@@ -386,7 +386,7 @@ class TransferEngine:
     def _after_settled(self, req_ids: set[str], action: Callable[[], None], peer: str = "") -> None:
         """Run ``action`` once none of ``req_ids`` has a chunk in flight (now, if none has)."""
         if req_ids:
-            self._deferred.append(_Deferred(req_ids, action, peer))
+            self._deferred.append(_Deferred(set(req_ids), action, peer))
         else:
             action()
 
@@ -668,7 +668,8 @@ class TransferEngine:
             return progressed
         del self._reads[rd.req_id]
         self.reads_failed += 1
-        code, reason = rd.failure or (ErrorCode.TRANSFER_ERROR, "")
+        assert rd.failure is not None  # only failed reads settle
+        code, reason = rd.failure
         waited = now - rd.failed_at
         if waited > 0.05:
             reason = f"{reason} (its in-flight chunks stopped {waited:.2f}s later)"

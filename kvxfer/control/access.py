@@ -49,15 +49,11 @@ def is_unix(target: str) -> bool:
     return target.startswith("unix:")
 
 
-def is_local_peer(peer: str) -> bool:
-    """True for gRPC peer strings of unix sockets and loopback TCP ("ipv4:127.0.0.1:5",
-    "ipv6:[::1]:5", "ipv6:[::ffff:127.0.0.1]:5", "unix:/run/x.sock", "unix:")."""
-    if peer.startswith("unix"):
+def _is_loopback(host_port: str) -> bool:
+    """True for "127.0.0.1:5", "[::1]:5", "[::ffff:127.0.0.1]:5", "localhost:5"."""
+    host = host_port.rsplit(":", 1)[0].strip("[]")
+    if host == "localhost":
         return True
-    kind, _, rest = peer.partition(":")
-    if kind not in ("ipv4", "ipv6"):
-        return False
-    host = rest.rsplit(":", 1)[0].strip("[]")
     try:
         addr = ipaddress.ip_address(host)
     except ValueError:
@@ -65,6 +61,20 @@ def is_local_peer(peer: str) -> bool:
     if isinstance(addr, ipaddress.IPv6Address) and addr.ipv4_mapped is not None:
         addr = addr.ipv4_mapped
     return addr.is_loopback
+
+
+def is_local_peer(peer: str) -> bool:
+    """True for gRPC peer strings of unix sockets and loopback TCP ("ipv4:127.0.0.1:5",
+    "ipv6:[::1]:5", "ipv6:[::ffff:127.0.0.1]:5", "unix:/run/x.sock", "unix:")."""
+    if peer.startswith("unix"):
+        return True
+    kind, _, rest = peer.partition(":")
+    return kind in ("ipv4", "ipv6") and _is_loopback(rest)
+
+
+def is_local_target(target: str) -> bool:
+    """True for listener targets only this host can reach: unix sockets and loopback TCP."""
+    return is_unix(target) or _is_loopback(target)
 
 
 def _read(path: str, what: str) -> bytes:

@@ -19,7 +19,7 @@ from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
 from kvxfer import __version__
-from kvxfer.control.access import AccessPolicy, is_unix, split_targets
+from kvxfer.control.access import AccessPolicy, is_local_target, is_unix, split_targets
 from kvxfer.control.v1 import control_pb2 as pb
 from kvxfer.control.v1 import control_pb2_grpc as pb_grpc
 from kvxfer.errors import ErrorCode, RequestError
@@ -204,7 +204,7 @@ async def start_control_server(
     )
     for t in split_targets(target):
         _listen(server, t, policy)
-        if not is_unix(t) and policy.tls is None and not t.startswith(("127.", "localhost:", "[::1]:")):
+        if policy.tls is None and not is_local_target(t):
             log.warning("gRPC control on %s is plaintext: set control_tls_cert/control_tls_key "
                         "when it is reachable from other hosts", t)
     servers = [server]
