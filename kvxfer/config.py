@@ -88,6 +88,10 @@ class Config:
     max_inflight_chunks: int = _doc("Chunks in flight at once across all receives.", default=8)
     idle_poll_ms: float = _doc("NIXL progress poll period when idle (bounds notification "
                                "latency).", default=2.0)
+    active_poll_ms: float = _doc("NIXL progress poll period while blocks are held for peers "
+                                 "or reads are in flight. In UCX peer mode a READ completes "
+                                 "only once its target makes progress, so the prefill's period "
+                                 "adds to every read.", default=0.5)
     cuda: str = _doc("Expect VRAM registrations over CUDA IPC: 'auto' (when /dev/nvidiactl "
                      "exists), 'on' or 'off'. On, UCX's memory-type cache is disabled: it "
                      "classifies IPC-imported VRAM as host memory and NIXL refuses to register "
@@ -101,6 +105,7 @@ class Config:
         if not 0 <= self.handshake_port < 65536:
             raise ConfigError(f"handshake_port out of range: {self.handshake_port}")
         for name in ("lease_s", "transfer_timeout_s", "handshake_timeout_s", "idle_poll_ms",
+                     "active_poll_ms",
                      "settle_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be > 0")

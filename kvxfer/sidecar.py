@@ -145,6 +145,7 @@ class Sidecar(PeersMixin):
             chunk_bytes=config.chunk_mib << 20,
             max_inflight_chunks=config.max_inflight_chunks,
             idle_poll_s=config.idle_poll_ms / 1000.0,
+            active_poll_s=config.active_poll_ms / 1000.0,
             settle_timeout_s=config.settle_timeout_s,
             cuda=config.cuda_enabled,
         )
@@ -426,7 +427,7 @@ class Sidecar(PeersMixin):
                 notify_ranks=msg.notify_ranks,
             )
         )
-        self.observer.g_leases.set(len(self.leases))
+        self._gauges()
         self._lease_wakeup.set()
 
     def _on_recv(self, ident: bytes, msg: Recv) -> None:
@@ -477,6 +478,10 @@ class Sidecar(PeersMixin):
             if remaining <= 0:
                 raise RequestError(ErrorCode.DEADLINE, "deadline passed during handshake")
             state.state = "reading"
+            # The prefill side must not let its lease run out under a read in progress: the
+            # NIXL thread tells it once the first chunk is posted (it must not delay the read).
+            started = ReadNotice(req_id=msg.remote_req_id or msg.req_id, tp_rank=msg.tp_rank, ok=True,
+                                 reading_s=remaining)
             await self._nixl(
                 self.transfer.t_read,
                 key,
@@ -487,12 +492,8 @@ class Sidecar(PeersMixin):
                 plans,
                 pairing,
                 remaining,
+                encode(started),
             )
-            # The prefill side must not let its lease run out under a read in progress
-            # (sent after the read is queued: it must not delay it).
-            started = ReadNotice(req_id=msg.remote_req_id or msg.req_id, tp_rank=msg.tp_rank, ok=True,
-                                 reading_s=remaining)
-            self._spawn(self._notify_peer(peer.agent_name, started))
         except TimeoutError:
             self._finish_recv_error(
                 key, RequestError(ErrorCode.HANDSHAKE_FAILED, f"no handshake within {deadline_s}s")
@@ -550,6 +551,7 @@ class Sidecar(PeersMixin):
         o.g_inflight_bytes.set(sum(r.nbytes for r in self.recvs.values()))
         o.g_leases.set(len(self.leases))
         o.g_peers.set(len(self.peers))
+        self.transfer.set_serving(bool(self.leases))
         if self.recvs or self.leases:
             self._idle.clear()
         else:
@@ -588,13 +590,14 @@ class Sidecar(PeersMixin):
         notice = self._notice(msg, event.ok)
         peer = next((p for p in self.peers.values() if p.agent_name == event.peer), None)
         if event.ok:
+            # the engine first: metrics and events can wait a few microseconds
+            self._send(state.owner, Done(req_id=msg.req_id, nbytes=event.nbytes, seconds=event.seconds,
+                                         descriptors=event.descriptors))
             self.observer.transfer_done(msg.req_id, state.peer, msg.tp_rank, event.nbytes,
                                         event.seconds, event.descriptors)
             if peer is not None:
                 peer.reads += 1
                 peer.bytes += event.nbytes
-            self._send(state.owner, Done(req_id=msg.req_id, nbytes=event.nbytes, seconds=event.seconds,
-                                         descriptors=event.descriptors))
         else:
             self.observer.transfer_failed(msg.req_id, state.peer, msg.tp_rank, event.code, event.reason)
             if peer is not None:

