@@ -7,7 +7,10 @@ all of them alike:
   ``Recv`` and the clock stops when ``Done`` arrives (two real ``kvxfer serve`` processes).
 * **raw NIXL** — what an in-engine connector does: this process's agent READs the same
   descriptors (strided lists, same block ids) from a second process's agent that maps the
-  prefill engine's memory, in one transfer, polling until done.
+  prefill engine's memory, in one transfer, polling until done. Both agents are configured
+  as the sidecars are (progress thread off, ``--nixl-threads``), so the ratio is the cost
+  (or gain) of the sidecar alone. (The sidecar splits large reads into chunks in flight at
+  once, which UCX's worker threads copy in parallel; one raw request runs on one.)
 * **memcpy** — a gather/scatter copy of exactly those blocks inside one process: the
   machine's limit for this access pattern.
 
@@ -46,14 +49,18 @@ def _layout(num_blocks: int) -> KVLayout:
     return make_layout(layers=32, num_blocks=num_blocks, block_size=16, heads=8, head_dim=128)
 
 
-def _agent(name: str, mode: str) -> Any:
+def _agent(name: str, mode: str, threads: int = 0) -> Any:
+    """An agent configured as the sidecar configures its own (progress thread off)."""
     nixl_agent, nixl_agent_config = import_nixl()
-    a = nixl_agent(name, nixl_agent_config(enable_prog_thread=False, backends=[]))
-    a.create_backend("UCX", {"ucx_error_handling_mode": mode})
+    a = nixl_agent(name, nixl_agent_config(enable_prog_thread=False, backends=[], num_threads=threads))
+    params = {"ucx_error_handling_mode": mode}
+    if threads > 0:
+        params["num_threads"] = str(threads)
+    a.create_backend("UCX", params)
     return a
 
 
-def _raw_target(ref: bytes, mode: str, conn: Any) -> None:
+def _raw_target(ref: bytes, mode: str, threads: int, conn: Any) -> None:
     """The prefill side of raw NIXL: open the engine's memory (the shm file or the CUDA IPC
     handle the sidecar gets), register it, make progress until told to stop."""
     import msgspec
@@ -62,7 +69,7 @@ def _raw_target(ref: bytes, mode: str, conn: Any) -> None:
     from kvxfer.protocol import MemoryRef
 
     m = map_memory(msgspec.msgpack.decode(ref, type=MemoryRef))  # type: ignore[arg-type]
-    agent = _agent("raw-target", mode)
+    agent = _agent("raw-target", mode, threads)
     agent.register_memory([(m.addr, m.size, m.device_id, "")], m.mem_type)
     conn.send((bytes(agent.get_agent_metadata()), m.addr, m.device_id, m.mem_type))
     while not conn.poll(0.001):
@@ -78,17 +85,17 @@ def _local_memory(kv: SharedKV | CudaKV) -> tuple[int, int, str]:
 
 
 class RawNixl:
-    def __init__(self, src: SharedKV | CudaKV, dst: SharedKV | CudaKV, mode: str) -> None:
+    def __init__(self, src: SharedKV | CudaKV, dst: SharedKV | CudaKV, mode: str, threads: int = 0) -> None:
         import msgspec
 
         ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe()
         (ref,) = src.register_message().memory
-        self.proc = ctx.Process(target=_raw_target, args=(msgspec.msgpack.encode(ref), mode, child),
+        self.proc = ctx.Process(target=_raw_target, args=(msgspec.msgpack.encode(ref), mode, threads, child),
                                 daemon=True)
         self.proc.start()
         md, remote_addr, remote_dev, mem_type = self.conn.recv()
-        self.agent = _agent("raw-init", mode)
+        self.agent = _agent("raw-init", mode, threads)
         local_addr, local_dev, local_type = _local_memory(dst)
         self.agent.register_memory([(local_addr, dst.nbytes, local_dev, "")], local_type)
         name = self.agent.add_remote_agent(md)
@@ -169,7 +176,8 @@ def _summary(xs: list[float]) -> dict[str, float]:
     return {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "n": len(xs)}
 
 
-def run_bench(quick: bool = False, mode: str = "peer", device: str = "cpu") -> dict[str, Any]:
+def run_bench(quick: bool = False, mode: str = "peer", device: str = "cpu",
+              nixl_threads: int = 0) -> dict[str, Any]:
     device = resolve_device(device)
     cuda = device.startswith("cuda")
     if cuda:  # as the sidecar does with --cuda: UCX must not classify IPC-imported VRAM as host
@@ -178,11 +186,12 @@ def run_bench(quick: bool = False, mode: str = "peer", device: str = "cpu") -> d
     repeats = 3 if quick else 5
     nb = max(sizes) * 2 + 2
     lay = _layout(nb)
-    out: dict[str, Any] = {"machine": _machine(device), "ucx_error_mode": mode, "quick": quick,
+    out: dict[str, Any] = {"machine": _machine(device), "ucx_error_mode": mode, "nixl_threads": nixl_threads,
+                           "quick": quick,
                            "device": device, "memory": "VRAM (CUDA IPC)" if cuda else "shared host memory",
                            "layout": "32 layers x K/V x 16 tokens x 8 heads x 128 x bf16 (2 MiB/block, "
                                      "32 KiB descriptors), random non-contiguous blocks"}
-    serve = ["--ucx-error-mode", mode, "--cuda", "on" if cuda else "off"]
+    serve = ["--ucx-error-mode", mode, "--cuda", "on" if cuda else "off", "--nixl-threads", str(nixl_threads)]
     with SidecarFactory() as f:
         ps, ds = f.start("bench-p", *serve), f.start("bench-d", *serve)
         p = SyntheticEngine(lay, ps.endpoint, seed=1, device=device)
@@ -194,7 +203,7 @@ def run_bench(quick: bool = False, mode: str = "peer", device: str = "cpu") -> d
             rem = RemoteBlocks(reg.engine_id, reg.handshake_host, reg.handshake_port, [])
             pb_all, db_all = p.allocate(nb - 2), d.allocate(nb - 2)  # shuffled: non-contiguous
             p.fill("bench", pb_all)
-            raw = RawNixl(p.kv, d.kv, mode)
+            raw = RawNixl(p.kv, d.kv, mode, nixl_threads)
             d.client.recv("warmup", [], rem)
             _wait(d, 1)
             rows = []
@@ -451,6 +460,7 @@ def _machine(device: str = "cpu") -> dict[str, Any]:
 def print_table(res: dict[str, Any]) -> None:
     where = res["machine"].get("gpu") or f"{res['machine']['cpu']}, {res['machine']['cores']} cores"
     print(f"kvxfer bench ({'quick' if res['quick'] else 'full'}, UCX {res['ucx_error_mode']} mode, "
+          f"{res.get('nixl_threads', 0)} NIXL threads, "
           f"{res.get('memory', 'shared host memory')}) on {where}; {res['layout']}")
     print(f"  {'size':>9} {'descs':>7} {'kvxfer':>10} {'raw NIXL':>10} {'memcpy':>10} {'vs raw':>7} "
           f"{'vs memcpy':>9}")
@@ -500,7 +510,12 @@ def plot(res: dict[str, Any], path: str) -> None:
 
 
 def main(args: Any) -> int:
-    res = run_bench(quick=args.quick, mode=args.ucx_error_mode, device=args.device)
+    from kvxfer.config import Config
+
+    threads = args.nixl_threads
+    if threads is None:
+        threads = Config.__dataclass_fields__["nixl_threads"].default
+    res = run_bench(quick=args.quick, mode=args.ucx_error_mode, device=args.device, nixl_threads=threads)
     print_table(res)
     if args.plot:
         plot(res, args.plot)

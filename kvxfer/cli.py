@@ -101,6 +101,9 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--json", action="store_true", help="last line: one JSON object")
     b.add_argument("--plot", metavar="PNG", help="write a plot (needs matplotlib)")
     b.add_argument("--ucx-error-mode", choices=["peer", "none"], default="peer")
+    b.add_argument("--nixl-threads", type=int, default=None,
+                   help="UCX backend worker threads, the same for the sidecars and the raw-NIXL "
+                        "agents (default: the sidecar's default; vLLM's NixlConnector uses 4)")
     b.add_argument("--device", default="auto",
                    help="where the KV caches live: cpu, cuda[:N] (VRAM over CUDA IPC) or auto "
                         "(the GPU when torch sees one)")
