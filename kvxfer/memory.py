@@ -188,7 +188,11 @@ def _map_shm(ref: ShmMemory) -> Mapping:
                 ErrorCode.MEMORY_MAP_FAILED,
                 f"{ref.path!r} is {actual} bytes, registration claims {ref.size}",
             )
-        mm = mmap.mmap(fd, ref.size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        # MAP_POPULATE: fill the page tables now. Otherwise the first read into (or from)
+        # each page faults inside the copy: measured, 64 x 16 MiB receives into blocks
+        # this sidecar had not touched yet took 0.67 s, the same ones again 0.30-0.36 s.
+        flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+        mm = mmap.mmap(fd, ref.size, flags, mmap.PROT_READ | mmap.PROT_WRITE)
     finally:
         os.close(fd)
     arr = np.frombuffer(mm, dtype=np.uint8)

@@ -263,3 +263,23 @@ def test_lease_outlives_a_read_in_progress(sidecars: SidecarFactory) -> None:
     finally:
         p.close()
         d.close()
+
+
+def _rss_shmem_kib(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as fh:
+        return next(int(line.split()[1]) for line in fh if line.startswith("RssShmem:"))
+
+
+def test_sidecar_maps_engine_memory_with_page_tables_filled(sidecars: SidecarFactory) -> None:
+    """The engine's shared KV is mapped populated: no page fault inside the first copies."""
+    sc = sidecars.start("populate")
+    lay = make_layout(layers=8, num_blocks=128, heads=8, head_dim=128)  # 64 MiB
+    eng = SyntheticEngine(lay, sc.endpoint)
+    try:
+        eng.client.ping(30)
+        before = _rss_shmem_kib(sc.proc.pid)
+        eng.start()
+        mapped = _rss_shmem_kib(sc.proc.pid) - before
+        assert mapped * 1024 >= eng.kv.nbytes, (mapped, eng.kv.nbytes)  # untouched by any read yet
+    finally:
+        eng.close()
