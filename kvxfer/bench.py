@@ -36,28 +36,18 @@ from typing import Any
 import numpy as np
 
 from kvxfer.client import Drained, RemoteBlocks
+from kvxfer.config import Config
 from kvxfer.memory import CudaKV, SharedKV
 from kvxfer.protocol import KVLayout
 from kvxfer.testing.engine import SyntheticEngine, make_layout
 from kvxfer.testing.procs import SidecarFactory
-from kvxfer.transfer import desc_indices, import_nixl, strided_rows
+from kvxfer.transfer import create_agent, desc_indices, strided_rows
 
 BLOCK_BYTES = 2 << 20  # 32 layers x K/V x 16 tokens x 8 heads x 128 x bf16
 
 
 def _layout(num_blocks: int) -> KVLayout:
     return make_layout(layers=32, num_blocks=num_blocks, block_size=16, heads=8, head_dim=128)
-
-
-def _agent(name: str, mode: str, threads: int = 0) -> Any:
-    """An agent configured as the sidecar configures its own (progress thread off)."""
-    nixl_agent, nixl_agent_config = import_nixl()
-    a = nixl_agent(name, nixl_agent_config(enable_prog_thread=False, backends=[], num_threads=threads))
-    params = {"ucx_error_handling_mode": mode}
-    if threads > 0:
-        params["num_threads"] = str(threads)
-    a.create_backend("UCX", params)
-    return a
 
 
 def _raw_target(ref: bytes, mode: str, threads: int, conn: Any) -> None:
@@ -69,7 +59,7 @@ def _raw_target(ref: bytes, mode: str, threads: int, conn: Any) -> None:
     from kvxfer.protocol import MemoryRef
 
     m = map_memory(msgspec.msgpack.decode(ref, type=MemoryRef))  # type: ignore[arg-type]
-    agent = _agent("raw-target", mode, threads)
+    agent = create_agent("raw-target", mode, threads)
     agent.register_memory([(m.addr, m.size, m.device_id, "")], m.mem_type)
     conn.send((bytes(agent.get_agent_metadata()), m.addr, m.device_id, m.mem_type))
     while not conn.poll(0.001):
@@ -95,7 +85,7 @@ class RawNixl:
                                 daemon=True)
         self.proc.start()
         md, remote_addr, remote_dev, mem_type = self.conn.recv()
-        self.agent = _agent("raw-init", mode, threads)
+        self.agent = create_agent("raw-init", mode, threads)
         local_addr, local_dev, local_type = _local_memory(dst)
         self.agent.register_memory([(local_addr, dst.nbytes, local_dev, "")], local_type)
         name = self.agent.add_remote_agent(md)
@@ -177,7 +167,7 @@ def _summary(xs: list[float]) -> dict[str, float]:
 
 
 def run_bench(quick: bool = False, mode: str = "peer", device: str = "cpu",
-              nixl_threads: int = 0) -> dict[str, Any]:
+              nixl_threads: int = Config.nixl_threads) -> dict[str, Any]:
     device = resolve_device(device)
     cuda = device.startswith("cuda")
     if cuda:  # as the sidecar does with --cuda: UCX must not classify IPC-imported VRAM as host
@@ -398,7 +388,7 @@ def _fan_in(f: SidecarFactory, engines: list[int], serve: list[str], device: str
 
 def _desc_prep(block_counts: list[int], mode: str) -> list[dict[str, Any]]:
     """prep_xfer_dlist (strided, per registration) and make_prepped_xfer for a whole request."""
-    agent = _agent("prep", mode)
+    agent = create_agent("prep", mode, 0)
     out = []
     for n in block_counts:
         lay = make_layout(layers=32, num_blocks=n, block_size=1, heads=1, head_dim=16, dtype="uint8")
@@ -460,7 +450,7 @@ def _machine(device: str = "cpu") -> dict[str, Any]:
 def print_table(res: dict[str, Any]) -> None:
     where = res["machine"].get("gpu") or f"{res['machine']['cpu']}, {res['machine']['cores']} cores"
     print(f"kvxfer bench ({'quick' if res['quick'] else 'full'}, UCX {res['ucx_error_mode']} mode, "
-          f"{res.get('nixl_threads', 0)} NIXL threads, "
+          f"{res['nixl_threads']} NIXL threads, "
           f"{res.get('memory', 'shared host memory')}) on {where}; {res['layout']}")
     print(f"  {'size':>9} {'descs':>7} {'kvxfer':>10} {'raw NIXL':>10} {'memcpy':>10} {'vs raw':>7} "
           f"{'vs memcpy':>9}")
@@ -510,12 +500,8 @@ def plot(res: dict[str, Any], path: str) -> None:
 
 
 def main(args: Any) -> int:
-    from kvxfer.config import Config
-
-    threads = args.nixl_threads
-    if threads is None:
-        threads = Config.__dataclass_fields__["nixl_threads"].default
-    res = run_bench(quick=args.quick, mode=args.ucx_error_mode, device=args.device, nixl_threads=threads)
+    res = run_bench(quick=args.quick, mode=args.ucx_error_mode, device=args.device,
+                    nixl_threads=args.nixl_threads)
     print_table(res)
     if args.plot:
         plot(res, args.plot)

@@ -8,7 +8,7 @@ import json
 import sys
 
 from kvxfer import __version__
-from kvxfer.config import add_arguments, load_config
+from kvxfer.config import Config, add_arguments, load_config
 from kvxfer.errors import ConfigError
 
 
@@ -101,9 +101,9 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--json", action="store_true", help="last line: one JSON object")
     b.add_argument("--plot", metavar="PNG", help="write a plot (needs matplotlib)")
     b.add_argument("--ucx-error-mode", choices=["peer", "none"], default="peer")
-    b.add_argument("--nixl-threads", type=int, default=None,
+    b.add_argument("--nixl-threads", type=int, default=Config.nixl_threads,
                    help="UCX backend worker threads, the same for the sidecars and the raw-NIXL "
-                        "agents (default: the sidecar's default; vLLM's NixlConnector uses 4)")
+                        "agents (default: the sidecar's, %(default)s; vLLM's NixlConnector uses 4)")
     b.add_argument("--device", default="auto",
                    help="where the KV caches live: cpu, cuda[:N] (VRAM over CUDA IPC) or auto "
                         "(the GPU when torch sees one)")

@@ -106,8 +106,7 @@ class Config:
         if not 0 <= self.handshake_port < 65536:
             raise ConfigError(f"handshake_port out of range: {self.handshake_port}")
         for name in ("lease_s", "transfer_timeout_s", "handshake_timeout_s", "idle_poll_ms",
-                     "active_poll_ms",
-                     "settle_timeout_s"):
+                     "active_poll_ms", "settle_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be > 0")
         if self.role not in ("prefill", "decode", "both"):

@@ -241,6 +241,19 @@ def import_nixl() -> tuple[Any, Any]:
     raise ImportError("no NIXL Python package found: pip install nixl-cu12 (or nixl-cu13)")
 
 
+def create_agent(name: str, ucx_error_mode: str, num_threads: int) -> Any:
+    """A NIXL agent with the UCX backend as the sidecar runs it: NIXL's progress thread off
+    (it spins a full core), ``num_threads`` UCX worker threads."""
+    nixl_agent, nixl_agent_config = import_nixl()
+    conf = nixl_agent_config(enable_prog_thread=False, backends=[], num_threads=num_threads)
+    agent = nixl_agent(name, conf)
+    params = {"ucx_error_handling_mode": ucx_error_mode}
+    if num_threads > 0:
+        params["num_threads"] = str(num_threads)
+    agent.create_backend("UCX", params)
+    return agent
+
+
 class TransferEngine:
     """The NIXL agent and everything that touches it, on one thread."""
 
@@ -531,16 +544,7 @@ class TransferEngine:
             # UCX's memtype cache only knows allocations it saw being made; IPC-imported
             # VRAM is classified as host and registration fails. Must be set before UCX init.
             os.environ.setdefault("UCX_MEMTYPE_CACHE", "n")
-        nixl_agent, nixl_agent_config = import_nixl()
-        conf = nixl_agent_config(
-            enable_prog_thread=False, backends=[], num_threads=self.options.num_threads
-        )
-        agent = nixl_agent(self.agent_name, conf)
-        params = {"ucx_error_handling_mode": self.options.ucx_error_mode}
-        if self.options.num_threads > 0:
-            params["num_threads"] = str(self.options.num_threads)
-        agent.create_backend("UCX", params)
-        self._agent = agent
+        self._agent = create_agent(self.agent_name, self.options.ucx_error_mode, self.options.num_threads)
         self.backends = ["UCX"]
 
     def _main(self) -> None:
