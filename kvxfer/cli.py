@@ -14,6 +14,7 @@ from kvxfer.errors import ConfigError
 
 def _demo_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     from kvxfer.testing.demo import DemoOptions
+    from kvxfer.testing.vllm_layouts import KINDS
 
     d = DemoOptions()
     p = sub.add_parser("demo", help="prefill + decode sidecars with synthetic engines, bytes verified")
@@ -31,6 +32,11 @@ def _demo_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-
     p.add_argument("--prefill-block-size", type=int, default=0, help="default: --block-size")
     p.add_argument("--decode-block-size", type=int, default=0, help="default: --block-size")
     p.add_argument("--head-layout", choices=["NHD", "HND"], default=d.head_layout)
+    p.add_argument("--kv-layout", choices=KINDS, default="", metavar="KIND",
+                   help="allocate the KV cache as this vLLM attention backend does and register it "
+                        f"through the connector's code: {', '.join(KINDS)} (default: kvxfer's dense layout)")
+    p.add_argument("--decode-kv-layout", choices=KINDS, default="", metavar="KIND",
+                   help="the decode side's layout, when it differs from --kv-layout")
     p.add_argument("--ucx-error-mode", choices=["peer", "none"], default=d.ucx_error_mode)
     p.add_argument("--timeout", type=float, default=d.timeout_s, help="seconds")
     p.add_argument("--json", action="store_true", help="last line: one JSON object")
@@ -53,6 +59,8 @@ def _run_demo(args: argparse.Namespace) -> int:
         prefill_block_size=args.prefill_block_size,
         decode_block_size=args.decode_block_size,
         head_layout=args.head_layout,
+        kv_layout=args.kv_layout,
+        decode_kv_layout=args.decode_kv_layout,
         ucx_error_mode=args.ucx_error_mode,
         timeout_s=args.timeout,
     )
@@ -61,12 +69,14 @@ def _run_demo(args: argparse.Namespace) -> int:
     except (KeyError, ValueError) as e:
         print(f"kvxfer demo: {e}", file=sys.stderr)
         return 2
-    kv = "MLA latent" if opts.mla else f"K/V x {opts.heads} heads"
+    kv = "MLA latent" if opts.is_mla else f"K/V x {opts.heads} heads"
+    where = (f"vLLM layout {opts.kv_layout_of('prefill')} -> {opts.kv_layout_of('decode')}"
+             if opts.kv_layout else opts.head_layout)
     print(
         f"kvxfer demo: {opts.requests} requests x {opts.blocks_per_request} blocks "
         f"({mib:.1f} MiB each; {opts.layers} layers x {kv} x {opts.head_dim} {opts.dtype}, "
         f"blocks of {opts.block_size_of('prefill')} -> {opts.block_size_of('decode')} tokens, "
-        f"{opts.head_layout}), prefill TP {opts.prefill_tp} -> decode TP {opts.decode_tp}, "
+        f"{where}), prefill TP {opts.prefill_tp} -> decode TP {opts.decode_tp}, "
         f"NIXL UCX ({opts.ucx_error_mode} mode) over host memory",
         flush=True,
     )

@@ -29,6 +29,7 @@ from kvxfer.protocol import (
     KVLayout,
     KVRegion,
     MemoryRef,
+    RankInfo,
     RegisterKV,
     ShmMemory,
 )
@@ -38,7 +39,7 @@ _PAGE = mmap.PAGESIZE
 
 def region_block_len(layout: KVLayout) -> int:
     """Bytes of one block of one (layer, part) region for this rank."""
-    return layout.block_size * layout.local_kv_heads * layout.head_dim * layout.itemsize
+    return layout.region_block_len
 
 
 def _dense_registration(layout: KVLayout, memory: MemoryRef) -> RegisterKV:
@@ -250,7 +251,16 @@ def validate_registration(msg: RegisterKV) -> None:
         )
     if not msg.memory:
         raise RequestError(ErrorCode.INVALID_LAYOUT, "no memory in registration")
+    want = lay.region_block_len
     for i, r in enumerate(msg.regions):
+        if r.block_len != want:
+            raise RequestError(
+                ErrorCode.INVALID_LAYOUT,
+                f"region {i}: a block is {r.block_len} bytes in memory, but the layout "
+                f"({lay.block_size} tokens x {lay.local_kv_heads} heads x {lay.head_dim} x "
+                f"{lay.itemsize} B, kv_parts={lay.kv_parts}, mla={lay.mla}, fused={lay.fused!r}) "
+                f"describes {want}",
+            )
         if r.memory >= len(msg.memory):
             raise RequestError(ErrorCode.INVALID_LAYOUT, f"region {i} names memory {r.memory}")
         if r.block_len > r.block_stride:
@@ -261,3 +271,22 @@ def validate_registration(msg: RegisterKV) -> None:
                 ErrorCode.INVALID_LAYOUT,
                 f"region {i} ends at byte {end}, memory {r.memory} has {msg.memory[r.memory].size}",
             )
+
+
+def validate_rank_info(info: RankInfo) -> None:
+    """Check a peer's advertised rank the way a local registration is checked: the regions
+    it offers must be blocks of exactly the geometry its layout states, or no plan built
+    from that layout can be trusted to cover them."""
+    lay = info.layout
+    if lay.dtype not in DTYPE_SIZES:
+        raise RequestError(ErrorCode.INCOMPATIBLE, f"peer rank {lay.tp_rank}: unknown dtype {lay.dtype!r}")
+    if len(info.regions) != lay.num_regions:
+        raise RequestError(ErrorCode.INCOMPATIBLE, f"peer rank {lay.tp_rank}: {len(info.regions)} regions "
+                           f"for {lay.num_layers} layers x {lay.kv_parts} parts")
+    bad = [i for i, r in enumerate(info.regions) if r.block_len != lay.region_block_len]
+    if bad:
+        raise RequestError(
+            ErrorCode.INCOMPATIBLE,
+            f"peer rank {lay.tp_rank}: region {bad[0]} has {info.regions[bad[0]].block_len}-byte blocks, "
+            f"its layout describes {lay.region_block_len}",
+        )

@@ -21,6 +21,7 @@ import zmq
 
 from kvxfer.auth import ReplayGuard, check_welcome, sign_hello, sign_welcome
 from kvxfer.errors import ErrorCode, RequestError
+from kvxfer.memory import validate_rank_info
 from kvxfer.protocol import (
     DECODE_ERRORS,
     PROTOCOL_VERSION,
@@ -137,6 +138,8 @@ class PeersMixin:
                 raise RequestError(ErrorCode.HANDSHAKE_FAILED, f"{key}: welcome without metadata")
             if self.secret and not check_welcome(self.secret, reply, hello.nonce, frames[1]):
                 raise RequestError(ErrorCode.UNAUTHORIZED, f"{key} cannot prove it holds the shared secret")
+            for info in reply.ranks:
+                validate_rank_info(info)
             await self._nixl(self.transfer.t_add_peer, reply.agent_name, frames[1], reply.ranks)
         except RequestError as e:
             self.observer.handshake(key, False, time.monotonic() - start, e.reason)

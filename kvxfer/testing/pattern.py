@@ -37,7 +37,7 @@ def request_pattern(layout: KVLayout, req_id: str, n_blocks: int) -> np.ndarray:
         key = seed * u(0x9E3779B97F4A7C15) + lay * u(1_000_003) + part * u(7_919)
         key = key + pos * u(104_729) + head * u(15_485_863)
     base = (_mix(key) & u(0xFF)).astype(np.uint8)  # [L, P, tokens, heads]
-    hd = layout.head_dim * layout.itemsize
+    hd = layout.unit_bytes  # K then V when the content dimension holds both
     vals = base[..., None] + np.arange(hd, dtype=np.uint8)  # [L, P, tokens, heads, hd] (wraps)
     vals = vals.reshape(layout.num_layers, layout.kv_parts, n_blocks, layout.block_size, len(heads), hd)
     if layout.head_layout == "HND":
