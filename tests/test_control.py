@@ -22,6 +22,7 @@ from kvxfer.client import RemoteBlocks
 from kvxfer.control.v1 import control_pb2 as pb
 from kvxfer.control.v1 import control_pb2_grpc as pb_grpc
 from kvxfer.errors import ErrorCode
+from kvxfer.protocol import PROTOCOL_VERSION
 from kvxfer.testing.engine import SyntheticEngine, make_layout
 from kvxfer.testing.procs import SidecarFactory, SidecarProc, free_port
 from tests.test_sidecar import wait_for
@@ -100,7 +101,8 @@ def test_health_and_reflection(pair: Pair) -> None:
 
 def test_status_identity_and_ranks(pair: Pair) -> None:
     st = stub(pair.ps).GetStatus(pb.GetStatusRequest(), timeout=5)
-    assert (st.identity.engine_id, st.identity.role, st.identity.protocol_version) == ("ctl-p", "prefill", 1)
+    ident = st.identity
+    assert (ident.engine_id, ident.role, ident.protocol_version) == ("ctl-p", "prefill", PROTOCOL_VERSION)
     assert st.identity.nixl_backends == ["UCX"]
     assert st.ready
     assert not st.draining

@@ -75,6 +75,28 @@ class KvxferStats(KVConnectorStats):
         return not any(self.data.values())
 
 
+def _attn_backend_names(vllm_config: VllmConfig) -> list[str]:
+    try:
+        from vllm.distributed.kv_transfer.kv_connector.utils import get_current_attn_backends
+
+        return [b.get_name() for b in get_current_attn_backends(vllm_config)]
+    except Exception as e:  # older vLLM, or no layers in the forward context (tests)
+        log.debug("attention backends unknown: %s", e)
+        return []
+
+
+def kv_fusion(backends: list[str], device: str) -> str:
+    """How a block without a K/V dimension holds K and V, by attention backend.
+
+    vLLM's CPU backend stores each (block, head) as all of K (transposed or AMX-packed by
+    its kernels) then all of V: heads can be sliced, tokens cannot. The GPU backends
+    (flash_attn, triton, flex, flashinfer) put K then V in each token's content dimension.
+    """
+    if any(name.upper().startswith("CPU") for name in backends) or (not backends and device == "cpu"):
+        return "kv_per_head"
+    return "kv_content"
+
+
 def _tp(vllm_config: VllmConfig) -> tuple[int, int]:
     size = vllm_config.parallel_config.tensor_parallel_size
     try:
@@ -148,6 +170,7 @@ class KvxferConnector(KVConnectorBase_V1):
             local_kv_heads=spec.num_kv_heads,
             head_dim=spec.head_size,
             mla="MLA" in type(spec).__name__,
+            fused=kv_fusion(_attn_backend_names(self._vllm_config), self.worker.device),
         )
         self.worker.register_kv_caches(kv_caches, shape)
 

@@ -66,6 +66,7 @@ class CacheShape:
     local_kv_heads: int
     head_dim: int
     mla: bool
+    fused: str = "kv_content"  # how K and V share a block without a K/V dimension
 
 
 class WorkerSide:
@@ -115,6 +116,7 @@ class WorkerSide:
             tp_size=self.tp_size,
             mla=shape.mla,
             memory_of=self._memory_of,
+            fused=shape.fused,
         )
         self.client = SidecarClient(self.settings.sidecar)
         self.client.ping(self.settings.sidecar_timeout_s)

