@@ -15,7 +15,7 @@ import hmac
 import secrets
 import time
 
-from kvxfer.protocol import Hello, Welcome
+from kvxfer.protocol import DigestRequest, Hello, Welcome, encode
 
 WINDOW_S = 60.0
 
@@ -72,3 +72,20 @@ def check_welcome(secret: bytes, welcome: Welcome, nonce: str, metadata: bytes) 
     digest = hashlib.sha256(metadata).hexdigest()
     want = _mac(secret, "welcome", nonce, welcome.engine_id, welcome.agent_name, digest)
     return bool(welcome.mac) and hmac.compare_digest(want, welcome.mac)
+
+
+def _digest_mac(secret: bytes, req: DigestRequest) -> str:
+    import msgspec
+
+    body = encode(msgspec.structs.replace(req, mac=""))  # canonical and length-safe
+    return hmac.new(secret, b"digest\0" + body, hashlib.sha256).hexdigest()
+
+
+def sign_digest_request(secret: bytes, req: DigestRequest) -> DigestRequest:
+    import msgspec
+
+    return msgspec.structs.replace(req, mac=_digest_mac(secret, req))
+
+
+def check_digest_request(secret: bytes, req: DigestRequest) -> bool:
+    return bool(req.mac) and hmac.compare_digest(_digest_mac(secret, req), req.mac)

@@ -98,6 +98,11 @@ class Config:
                      "classifies IPC-imported VRAM as host memory and NIXL refuses to register "
                      "it (measured on H100, UCX 1.23). Off saves ~10%% on host-memory reads.",
                      default="auto")
+    verify_sample: int = _doc("End-to-end integrity check of 1 in N receives (0: off): the "
+                              "decode digests the bytes it received, the prefill the same bytes "
+                              "it still holds; a mismatch fails the load (code 'integrity', "
+                              "recomputed). The first read from each new peer is always checked.",
+                              default=100)
     log_level: str = _doc("Logging level (also KVXFER_LOG_LEVEL).", default="WARNING")
 
     def __post_init__(self) -> None:
@@ -126,6 +131,8 @@ class Config:
             raise ConfigError("chunk_mib and max_inflight_chunks must be > 0")
         if self.nixl_threads < 0:
             raise ConfigError("nixl_threads must be >= 0")
+        if self.verify_sample < 0:
+            raise ConfigError("verify_sample must be >= 0 (0 disables it)")
 
     @property
     def resolved_engine_id(self) -> str:

@@ -38,6 +38,7 @@ class ErrorCode(enum.StrEnum):
     UNAUTHORIZED = "unauthorized"  # handshake without (or with a wrong) shared-secret proof
     CANCELLED = "cancelled"  # an operator cancelled the transfer (gRPC CancelTransfer / drain)
     INTERNAL = "internal"  # a bug in kvxfer; logged with a traceback
+    INTEGRITY = "integrity"  # the bytes received differ from the bytes the prefill holds (--verify-sample)
 
 
 class KvxferError(Exception):

@@ -168,6 +168,18 @@ class Mapping:
     device_id: int
     _keep: list[Any] = field(default_factory=list, repr=False)
 
+    def as_tensor(self) -> Any:
+        """A torch uint8 tensor over the whole mapping (host or VRAM), for digests."""
+        import torch
+
+        if self.mem_type == "VRAM":
+            storage = self._keep[0]
+            return torch.empty(0, dtype=torch.uint8, device=f"cuda:{self.device_id}").set_(
+                storage, 0, (self.size,), (1,))
+        import ctypes
+
+        return torch.frombuffer((ctypes.c_uint8 * self.size).from_address(self.addr), dtype=torch.uint8)
+
     def close(self) -> None:
         keep, self._keep = self._keep, []
         for obj in reversed(keep):

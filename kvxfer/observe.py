@@ -49,6 +49,8 @@ class Totals:
     bad_messages: int = 0
     stray_notices: int = 0
     control_denied: int = 0
+    integrity_checks: int = 0
+    integrity_failures: int = 0
 
 
 class Observer:
@@ -77,6 +79,14 @@ class Observer:
                                        buckets=TIME_BUCKETS, registry=r)
         self.m_bad = Counter("kvxfer_bad_messages", "Messages refused as malformed or unknown.",
                              ["socket"], registry=r)
+        self.m_integrity = Counter("kvxfer_integrity_checks", "Sampled receives whose bytes were "
+                                   "digested on both sides (--verify-sample), by result: ok, "
+                                   "mismatch, unverified (no answer from the prefill).", ["result"],
+                                   registry=r)
+        self.m_integrity_failures = Counter("kvxfer_integrity_failures", "Receives whose bytes "
+                                            "differed from the prefill's; the load failed.", registry=r)
+        self.m_integrity_s = Histogram("kvxfer_integrity_check_seconds", "Time to digest and compare "
+                                       "one sampled receive (both sides).", buckets=TIME_BUCKETS, registry=r)
         self.g_inflight = Gauge("kvxfer_inflight_transfers", "Receives in flight (handshake or reading).",
                                 registry=r)
         self.g_inflight_bytes = Gauge("kvxfer_inflight_bytes", "Bytes of receives in flight.", registry=r)
@@ -126,6 +136,19 @@ class Observer:
         self.m_transfers.labels("failed").inc()
         self.m_failures.labels(code).inc()
         self.emit(Event("transfer_failed", req_id, peer, code=code, reason=reason, tp_rank=rank))
+
+    def integrity_checked(self, result: str, seconds: float) -> None:
+        self.totals.integrity_checks += 1
+        self.m_integrity.labels(result).inc()
+        self.m_integrity_s.observe(seconds)
+
+    def integrity_failure(self, req_id: str, peer: str, rank: int, local: list[str], remote: list[str],
+                          seconds: float) -> None:
+        self.integrity_checked("mismatch", seconds)
+        self.totals.integrity_failures += 1
+        self.m_integrity_failures.inc()
+        self.emit(Event("integrity_failure", req_id, peer, code="integrity", tp_rank=rank,
+                        reason=f"decode digests {local} != prefill digests {remote}"))
 
     def lease_released(self, req_id: str, reason: str) -> None:
         if reason == "expired":

@@ -19,12 +19,21 @@ from typing import TYPE_CHECKING, Any
 
 import zmq
 
-from kvxfer.auth import ReplayGuard, check_welcome, sign_hello, sign_welcome
+from kvxfer.auth import (
+    ReplayGuard,
+    check_digest_request,
+    check_welcome,
+    sign_digest_request,
+    sign_hello,
+    sign_welcome,
+)
 from kvxfer.errors import ErrorCode, RequestError
 from kvxfer.memory import validate_rank_info
 from kvxfer.protocol import (
     DECODE_ERRORS,
     PROTOCOL_VERSION,
+    DigestReply,
+    DigestRequest,
     Hello,
     RankInfo,
     Refused,
@@ -39,6 +48,7 @@ if TYPE_CHECKING:
     import zmq.asyncio
 
     from kvxfer.config import Config
+    from kvxfer.leases import LeaseTable
     from kvxfer.observe import Observer
     from kvxfer.transfer import TransferEngine
 
@@ -56,6 +66,7 @@ class Peer:
     reads: int = 0
     bytes: int = 0
     failures: int = 0
+    verified: bool = False  # a read from it was integrity-checked (--verify-sample)
 
 
 class PeersMixin:
@@ -71,6 +82,7 @@ class PeersMixin:
     hs_sock: zmq.asyncio.Socket | None
     peers: dict[str, Peer]
     secret: bytes  # empty: no handshake authentication
+    leases: LeaseTable
     replay_guard: ReplayGuard
     _handshakes: dict[str, asyncio.Future[Peer]]
 
@@ -128,6 +140,8 @@ class PeersMixin:
                 raise RequestError(ErrorCode.HANDSHAKE_FAILED, f"bad reply from {key}: {e}") from e
             if isinstance(reply, Refused):
                 raise RequestError(reply.code, f"{key} refused the handshake: {reply.reason}")
+            if not isinstance(reply, Welcome):
+                raise RequestError(ErrorCode.HANDSHAKE_FAILED, f"{key} answered a hello with {reply!r}")
             if reply.version != PROTOCOL_VERSION or reply.compat_hash != hello.compat_hash:
                 raise RequestError(
                     ErrorCode.INCOMPATIBLE,
@@ -202,7 +216,7 @@ class PeersMixin:
             reply, extra = await self._answer_hello(body)
             self.hs_sock.send_multipart([ident, encode(reply), *extra])
 
-    async def _answer_hello(self, body: bytes) -> tuple[Welcome | Refused, list[bytes]]:
+    async def _answer_hello(self, body: bytes) -> tuple[Welcome | Refused | DigestReply, list[bytes]]:
         def refuse(code: ErrorCode, reason: str) -> tuple[Refused, list[bytes]]:
             log.warning("handshake refused: %s", reason)
             return Refused(version=PROTOCOL_VERSION, code=code, reason=reason), []
@@ -212,6 +226,11 @@ class PeersMixin:
         except DECODE_ERRORS as e:
             self.observer.bad_message("handshake")
             return refuse(ErrorCode.MALFORMED, f"bad hello: {e}")
+        if isinstance(hello, DigestRequest):
+            try:
+                return await self._answer_digest(hello), []
+            except RequestError as e:
+                return refuse(e.code, f"digest of {hello.req_id!r}: {e.reason}")
         if self.secret:
             why = self.replay_guard.check_hello(self.secret, hello)
             if why is not None:
@@ -242,3 +261,50 @@ class PeersMixin:
         if self.secret:
             welcome = sign_welcome(self.secret, welcome, hello.nonce, metadata)
         return welcome, [metadata]
+
+    # ---------------------------------------------------------------- integrity digests
+
+    async def _answer_digest(self, req: DigestRequest) -> DigestReply:
+        """The digest of bytes a peer read from blocks we still hold for it. Only blocks of a
+        held lease can be digested, so a request costs no more than the read it checks."""
+        if self.secret and not check_digest_request(self.secret, req):
+            raise RequestError(ErrorCode.UNAUTHORIZED, "digest request without a valid signature")
+        lease = self.leases.get(req.req_id)
+        if lease is None:
+            raise RequestError(ErrorCode.UNKNOWN_REQUEST, "no blocks held for this request (lease over?)")
+        held = set(lease.block_ids)
+        digests = []
+        for r in req.ranks:
+            if any(b not in held for item in r.items for b in item.blocks):
+                raise RequestError(ErrorCode.BLOCK_OUT_OF_RANGE, "digest of blocks the request does not hold")
+            if any(len(run) != 2 or run[1] <= 0 for item in r.items for run in item.runs):
+                raise RequestError(ErrorCode.MALFORMED, "a digest run is [offset, length > 0]")
+            digests.append(await self._nixl(self.transfer.t_digest, r.rank, r.items))
+        return DigestReply(req_id=req.req_id, digests=digests)
+
+    async def request_digest(self, host: str, port: int, req: DigestRequest, timeout_s: float) -> list[str]:
+        """Ask a peer's listener for the digests of ``req``; raises RequestError."""
+        if self.secret:
+            req = sign_digest_request(self.secret, req)
+        addr = await self._resolve(host, port)
+        sock = self.dial_ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.IPV6, 1)
+        try:
+            sock.connect(addr)
+            await sock.send(encode(req))
+            if not await sock.poll(int(timeout_s * 1000)):
+                raise RequestError(ErrorCode.HANDSHAKE_FAILED,
+                                   f"no digest from {host}:{port} in {timeout_s}s")
+            frames = await sock.recv_multipart()
+        finally:
+            sock.close(0)
+        try:
+            reply = handshake_reply_decoder.decode(frames[0])
+        except DECODE_ERRORS as e:
+            raise RequestError(ErrorCode.HANDSHAKE_FAILED, f"bad digest reply: {e}") from e
+        if isinstance(reply, Refused):
+            raise RequestError(reply.code, reply.reason)
+        if not isinstance(reply, DigestReply) or len(reply.digests) != len(req.ranks):
+            raise RequestError(ErrorCode.HANDSHAKE_FAILED, f"unexpected digest reply {reply!r}")
+        return reply.digests

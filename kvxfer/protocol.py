@@ -279,7 +279,29 @@ class Hello(_Msg, tag="hello"):
     mac: str = ""  # HMAC-SHA256 of the fields above (kvxfer.auth)
 
 
-HandshakeRequest = Hello
+class DigestItem(_Msg, tag="ditem"):
+    """Blocks of one sub-position and the byte runs ([offset, length]) read from each."""
+
+    blocks: BlockIds
+    runs: list[list[NonNeg]]
+
+
+class DigestRank(_Msg, tag="drank"):
+    rank: NonNeg
+    items: list[DigestItem]
+
+
+class DigestRequest(_Msg, tag="digest"):
+    """Decode sidecar -> prefill sidecar, on the handshake socket: the digest of the bytes
+    a receive read from these held blocks (``kvxfer.integrity``), one per remote rank."""
+
+    req_id: ReqId  # the prefill side's request id: its blocks must still be held
+    ranks: list[DigestRank]
+    agent_name: str = ""  # the asking sidecar
+    mac: str = ""  # with a shared secret: HMAC of the request (kvxfer.auth)
+
+
+HandshakeRequest = Hello | DigestRequest
 
 
 class RemoteRegion(_Msg, tag="rregion"):
@@ -312,7 +334,12 @@ class Refused(_Msg, tag="refused"):
     reason: str
 
 
-HandshakeReply = Welcome | Refused
+class DigestReply(_Msg, tag="digested"):
+    req_id: str
+    digests: list[str]  # in the order of DigestRequest.ranks
+
+
+HandshakeReply = Welcome | Refused | DigestReply
 
 
 # --------------------------------------------------------------------------- NIXL notification

@@ -36,6 +36,7 @@ from kvxfer.auth import ReplayGuard
 from kvxfer.config import Config
 from kvxfer.control.access import load_policy
 from kvxfer.errors import ConfigError, ErrorCode, RequestError
+from kvxfer.integrity import digest_items
 from kvxfer.leases import Lease, LeaseTable
 from kvxfer.memory import validate_registration
 from kvxfer.observe import Event, Observer, start_metrics_server
@@ -43,6 +44,8 @@ from kvxfer.peers import Peer, PeersMixin
 from kvxfer.protocol import (
     DECODE_ERRORS,
     PROTOCOL_VERSION,
+    DigestRank,
+    DigestRequest,
     Done,
     Error,
     Failed,
@@ -135,6 +138,7 @@ class Sidecar(PeersMixin):
         self.recvs: dict[str, _RecvState] = {}
         self.peers: dict[str, Peer] = {}  # by handshake endpoint "host:port"
         self._handshakes: dict[str, asyncio.Future[Peer]] = {}
+        self._receives_done = 0  # successful reads so far (1 in verify_sample is checked)
         self._tasks: set[asyncio.Task[Any]] = set()
         self._stop = asyncio.Event()
         self._lease_wakeup = asyncio.Event()
@@ -586,10 +590,20 @@ class Sidecar(PeersMixin):
         state = self.recvs.pop(event.req_id, None)
         if state is None:
             return
-        msg = state.msg
-        notice = self._notice(msg, event.ok)
         peer = next((p for p in self.peers.values() if p.agent_name == event.peer), None)
-        if event.ok:
+        if event.ok and peer is not None and self._sample(peer):
+            self._spawn(self._verify(state, event, peer))
+            return
+        self._finish(state, event, peer)
+
+    def _finish(self, state: _RecvState, event: ReadFinished, peer: Peer | None,
+                failure: RequestError | None = None) -> None:
+        """Report a finished read to the engine (``failure`` overrides a successful one), then
+        tell the prefill side it may release its blocks."""
+        msg = state.msg
+        ok = event.ok and failure is None
+        notice = self._notice(msg, ok)
+        if ok:
             # the engine first: metrics and events can wait a few microseconds
             self._send(state.owner, Done(req_id=msg.req_id, nbytes=event.nbytes, seconds=event.seconds,
                                          descriptors=event.descriptors))
@@ -599,16 +613,66 @@ class Sidecar(PeersMixin):
                 peer.reads += 1
                 peer.bytes += event.nbytes
         else:
-            self.observer.transfer_failed(msg.req_id, state.peer, msg.tp_rank, event.code, event.reason)
+            err = failure or RequestError(event.code, event.reason, msg.req_id)
+            self.observer.transfer_failed(msg.req_id, state.peer, msg.tp_rank, err.code, err.reason)
             if peer is not None:
                 peer.failures += 1
-            self._fail(state.owner, msg.req_id, list(msg.block_ids),
-                       RequestError(event.code, event.reason, msg.req_id))
+            self._fail(state.owner, msg.req_id, list(msg.block_ids), err)
         self._gauges()
         if event.code == ErrorCode.PEER_DISCONNECTED:
             self._spawn(self.drop_peer(event.peer, event.reason))
         else:
             self._spawn(self._notify_peer(event.peer, notice))
+
+    def _sample(self, peer: Peer) -> bool:
+        """Verify this read? The first one from each peer (a wrong layout shows at once), then
+        one in ``verify_sample``."""
+        n = self.config.verify_sample
+        if n <= 0:
+            return False
+        self._receives_done += 1
+        if not peer.verified or self._receives_done % n == 0:
+            peer.verified = True
+            return True
+        return False
+
+    async def _verify(self, state: _RecvState, event: ReadFinished, peer: Peer) -> None:
+        """Digest the received bytes here and the same bytes at the prefill, which still holds
+        them (its lease runs until our read notice); a mismatch fails the load."""
+        msg = state.msg
+        t0 = time.monotonic()
+        try:
+            plans, pairing = self._plan(msg, peer)
+            items = digest_items(plans, pairing, list(msg.block_ids), list(msg.remote_block_ids))
+            ranks = sorted(items)
+            req = DigestRequest(req_id=msg.remote_req_id or msg.req_id, agent_name=self.agent_name,
+                                ranks=[DigestRank(rank=r, items=items[r][1]) for r in ranks])
+            timeout = self.config.handshake_timeout_s
+            remote, local = await asyncio.gather(
+                self.request_digest(msg.remote_host, msg.remote_port, req, timeout),
+                asyncio.gather(*(self._nixl(self.transfer.t_digest, msg.tp_rank, items[r][0])
+                                 for r in ranks)),
+            )
+        except Exception as e:
+            # Not a verdict on the bytes: the read itself succeeded.
+            log.warning("receive %s from %s not verified: %s", msg.req_id, state.peer, e)
+            self.observer.integrity_checked("unverified", time.monotonic() - t0)
+            self._finish(state, event, peer)
+            return
+        took = time.monotonic() - t0
+        if list(local) == list(remote):
+            self.observer.integrity_checked("ok", took)
+            self._finish(state, event, peer)
+            return
+        local_layout = self.ranks[msg.tp_rank].layout if msg.tp_rank in self.ranks else None
+        remote_layout = next(iter(peer.ranks.values())).layout
+        log.error("integrity: receive %s (rank %d) from %s: decode digests %s != prefill digests %s; "
+                  "decode layout %s; prefill layout %s; the load fails and is recomputed",
+                  msg.req_id, msg.tp_rank, state.peer, list(local), list(remote), local_layout, remote_layout)
+        self.observer.integrity_failure(msg.req_id, state.peer, msg.tp_rank, list(local), list(remote), took)
+        self._finish(state, event, peer, RequestError(
+            ErrorCode.INTEGRITY, f"received bytes differ from the prefill's (digests {list(local)} vs "
+                                 f"{list(remote)})", msg.req_id))
 
     async def _notify_peer(self, agent: str, notice: ReadNotice) -> None:
         try:

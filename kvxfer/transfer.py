@@ -49,8 +49,9 @@ from typing import Any
 import numpy as np
 
 from kvxfer.errors import ErrorCode, RequestError
+from kvxfer.integrity import digest, region_view
 from kvxfer.memory import Mapping, map_memory
-from kvxfer.protocol import KVLayout, RankInfo, RegisterKV, RemoteRegion
+from kvxfer.protocol import DigestItem, KVLayout, RankInfo, RegisterKV, RemoteRegion
 from kvxfer.topology import BlockPairing, RankPlan
 
 log = logging.getLogger(__name__)
@@ -164,6 +165,7 @@ class _Read:
     failed_at: float = 0.0
     stuck_reported: bool = False
     started_notice: bytes = b""  # sent to the peer once the first chunk is posted
+    corrupt_at: int = 0  # test-only: a host address this read flips once it lands
 
     @property
     def all_posted(self) -> bool:
@@ -268,6 +270,7 @@ class TransferEngine:
         self._ready: concurrent.futures.Future[None] = concurrent.futures.Future()
         self._agent: Any = None
         self._local: dict[int, _LocalRank] = {}
+        self._tensors: dict[int, Any] = {}  # id(Mapping) -> torch view, for digests
         self._pairs: dict[tuple[str, int, int], _PairLists] = {}
         self._peers: dict[str, _Peer] = {}
         self._reads: dict[str, _Read] = {}
@@ -282,6 +285,9 @@ class TransferEngine:
         self.reads_failed = 0
         self.settled_late = 0  # failed reads reported only after in-flight chunks stopped
         self.serving = False  # set by the loop while blocks are held for peers to read
+        # Test-only corruption hook (proves --verify-sample catches a wrong byte end to end):
+        # the next N successful reads into host memory get one byte flipped after they land.
+        self._corrupt_reads = int(os.environ.get("KVXFER_TEST_CORRUPT_READS", "0") or 0)
 
     # ------------------------------------------------------------------ loop-side API
 
@@ -366,6 +372,7 @@ class TransferEngine:
             for reg in local.reg_descs:
                 self._agent.deregister_memory(reg)
             for m in local.mappings:
+                self._tensors.pop(id(m), None)
                 m.close()
 
         self._after_settled({r.req_id for r in self._reads.values() if r.local_rank == rank}, release)
@@ -461,6 +468,12 @@ class TransferEngine:
             li, ri, n = _leg_indices(pl, pairs, lb, rb, local.layout.num_blocks, remote_nb)
             legs.append(_Leg(pl, li, ri))
             nbytes += n
+        corrupt_at = 0
+        if self._corrupt_reads > 0 and plans and local_blocks and local.info.mem_type == "DRAM":
+            self._corrupt_reads -= 1
+            reg = local.info.regions[0]
+            seg = next(q[0] for q in plans[0].segments if q)
+            corrupt_at = reg.addr + local_blocks[pairs[0][0]] * reg.block_stride + seg.local_off
         largest = max((max(q) for leg in legs for q in leg.pair.seg_lens if q), default=1)
         self._reads[req_id] = _Read(
             req_id=req_id,
@@ -471,6 +484,7 @@ class TransferEngine:
             chunk_descs=max(1, self.options.chunk_bytes // largest),
             deadline=time.monotonic() + deadline_s,
             started_notice=started_notice,
+            corrupt_at=corrupt_at,
         )
         self._post_queue.append(req_id)
 
@@ -523,6 +537,27 @@ class TransferEngine:
             return False
         self._fail(rd, code, reason)
         return True
+
+    def t_digest(self, rank: int, items: list[DigestItem]) -> str:
+        """Digest of these blocks and runs of a local rank (``kvxfer.integrity``). Runs on this
+        thread, which owns the mappings: an unregister cannot unmap them underneath."""
+        local = self._local.get(rank)
+        if local is None:
+            raise RequestError(ErrorCode.NOT_REGISTERED, f"tp_rank {rank} not registered")
+        nb = local.layout.num_blocks
+        for item in items:
+            if any(b >= nb for b in item.blocks):
+                raise RequestError(ErrorCode.BLOCK_OUT_OF_RANGE, f"digest of blocks outside [0, {nb})")
+        views = []
+        for reg in local.info.regions:
+            if any(off + n > reg.block_len for item in items for off, n in item.runs):
+                raise RequestError(ErrorCode.INVALID_LAYOUT, "digest run outside a block")
+            m = next(m for m in local.mappings if m.addr <= reg.addr < m.addr + m.size)
+            if id(m) not in self._tensors:
+                self._tensors[id(m)] = m.as_tensor()
+            views.append(region_view(self._tensors[id(m)], m.addr, reg.addr, nb, reg.block_len,
+                                     reg.block_stride))
+        return digest(views, items)
 
     def t_send_notice(self, peer: str, payload: bytes) -> None:
         self._agent.send_notif(peer, payload)
@@ -666,6 +701,11 @@ class TransferEngine:
                 self._fail(rd, ErrorCode.TRANSFER_ERROR, "transfer state ERR")
                 return True
         if rd.all_posted and not rd.handles:
+            if rd.corrupt_at:
+                import ctypes
+
+                ctypes.c_uint8.from_address(rd.corrupt_at).value ^= 0xFF
+                log.warning("test hook: flipped one byte of read %s after it landed", rd.req_id)
             del self._reads[rd.req_id]
             self.reads_ok += 1
             self.bytes_read += rd.nbytes

@@ -230,9 +230,15 @@ class Pipeline:
         head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
         page = cfg["num_key_value_heads"] * (self.block_size or 128) * 2 * head_dim * 4
         layers = cfg["num_hidden_layers"]
-        pid = self.servers[name].proc.pid
-        files = [os.path.join(self.shm_dir, f) for f in os.listdir(self.shm_dir)
-                 if f.startswith(f"kvxfer-kv-{pid}-")]
+        group = self.servers[name].proc.pid  # servers run in their own session: pgid == pid
+
+        def of_server(fname: str) -> bool:
+            try:
+                return os.getpgid(int(fname.split("-")[2])) == group
+            except (ValueError, IndexError, ProcessLookupError):
+                return False
+
+        files = [os.path.join(self.shm_dir, f) for f in os.listdir(self.shm_dir) if of_server(f)]
         path = max(files, key=os.path.getsize)
         size = os.path.getsize(path)
         if size % (layers * page):
