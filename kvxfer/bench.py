@@ -16,7 +16,10 @@ all of them alike:
 
 Plus: the per-step cost of the connector's calls with 0/16/256 requests in flight, time
 to first transfer with a cold and a warm peer, 1..64 concurrent requests, 1..4 decode
-engines pulling from one prefill, and descriptor preparation for 10k/100k blocks.
+engines pulling from one prefill, descriptor preparation for 10k/100k blocks, and what an
+integrity check (``--verify-sample``) adds to a verified receive. The sidecars of the main
+comparison run with ``--verify-sample 0``; the verification cost is measured apart, with
+two decode sidecars (verifying every read, and never) pulling alternately from one prefill.
 
 ``--device`` picks where the KV caches live: ``cpu`` (shared host memory), ``cuda[:N]``
 (VRAM, registered with the sidecars over CUDA IPC; the raw-NIXL target opens the same IPC
@@ -181,7 +184,8 @@ def run_bench(quick: bool = False, mode: str = "peer", device: str = "cpu",
                            "device": device, "memory": "VRAM (CUDA IPC)" if cuda else "shared host memory",
                            "layout": "32 layers x K/V x 16 tokens x 8 heads x 128 x bf16 (2 MiB/block, "
                                      "32 KiB descriptors), random non-contiguous blocks"}
-    serve = ["--ucx-error-mode", mode, "--cuda", "on" if cuda else "off", "--nixl-threads", str(nixl_threads)]
+    base = ["--ucx-error-mode", mode, "--cuda", "on" if cuda else "off", "--nixl-threads", str(nixl_threads)]
+    serve = [*base, "--verify-sample", "0"]
     with SidecarFactory() as f:
         ps, ds = f.start("bench-p", *serve), f.start("bench-d", *serve)
         p = SyntheticEngine(lay, ps.endpoint, seed=1, device=device)
@@ -233,6 +237,8 @@ def run_bench(quick: bool = False, mode: str = "peer", device: str = "cpu",
             d.close()
         out["step_overhead"] = _step_overhead(f, [0, 16] if quick else [0, 16, 256])
         out["fan_in"] = _fan_in(f, [1, 2] if quick else [1, 2, 4], serve, device)
+        out["verify_cost"] = _verify_cost(f, [1, 8] if quick else [1, 8, 32], 3 if quick else 7, base,
+                                          device)
     out["descriptor_prep_ms"] = _desc_prep([10_000] if quick else [10_000, 100_000], mode)
     large = [r for r in out["sizes"] if r["bytes"] >= 16 << 20]
     huge = [r for r in out["sizes"] if r["bytes"] >= 256 << 20] or out["sizes"][-1:]
@@ -386,6 +392,53 @@ def _fan_in(f: SidecarFactory, engines: list[int], serve: list[str], device: str
     return out
 
 
+def _verify_cost(f: SidecarFactory, sizes: list[int], repeats: int, base: list[str],
+                 device: str) -> list[dict[str, Any]]:
+    """Receive time with and without the end-to-end integrity check, per request size: two
+    decode sidecars (``--verify-sample 1`` and ``0``) pulling alternately from one prefill."""
+    nb = max(sizes) * 2 + 2
+    ps = f.start("ver-p", *base)
+    p = SyntheticEngine(_layout(nb), ps.endpoint, seed=1, device=device)
+    decs: dict[str, tuple[SyntheticEngine, list[int]]] = {}
+    out = []
+    try:
+        reg = p.start()
+        pbs = p.allocate(max(sizes))
+        p.fill("ver", pbs)
+        for name, sample in (("on", "1"), ("off", "0")):
+            ds = f.start(f"ver-d-{name}", *base, "--verify-sample", sample)
+            d = SyntheticEngine(_layout(nb), ds.endpoint, seed=2, device=device)
+            d.start()
+            decs[name] = (d, d.allocate(max(sizes)))
+            # warm: handshake and the always-verified first read from a new peer
+            p.client.hold(f"warm-{name}", pbs[:1], lease_s=120)
+            d.client.recv(f"warm-{name}", decs[name][1][:1],
+                          RemoteBlocks(reg.engine_id, reg.handshake_host, reg.handshake_port, pbs[:1]))
+            _wait(d, 1)
+        for n in sizes:
+            t: dict[str, list[float]] = {"on": [], "off": []}
+            for r in range(repeats):
+                for name, (d, dbs) in decs.items():
+                    req = f"ver{n}-{r}-{name}"
+                    p.client.hold(req, pbs[:n], lease_s=120)
+                    t0 = time.perf_counter()
+                    d.client.recv(req, dbs[:n], RemoteBlocks(reg.engine_id, reg.handshake_host,
+                                                             reg.handshake_port, pbs[:n]))
+                    _wait(d, 1)
+                    t[name].append(time.perf_counter() - t0)
+            on, off = statistics.median(t["on"]) * 1e3, statistics.median(t["off"]) * 1e3
+            out.append({"blocks": n, "bytes": n * BLOCK_BYTES, "off_ms": round(off, 3), "on_ms": round(on, 3),
+                        "cost_ms": round(on - off, 3), "cost_pct": round(100 * (on - off) / off, 1)})
+        d_on = decs["on"][0]
+        if not d_on.verify("ver", decs["on"][1][:max(sizes)]):
+            raise RuntimeError("verify-sample bench: received bytes differ")
+    finally:
+        p.close()
+        for d, _ in decs.values():
+            d.close()
+    return out
+
+
 def _desc_prep(block_counts: list[int], mode: str) -> list[dict[str, Any]]:
     """prep_xfer_dlist (strided, per registration) and make_prepped_xfer for a whole request."""
     agent = create_agent("prep", mode, 0)
@@ -466,6 +519,9 @@ def print_table(res: dict[str, Any]) -> None:
         f"{c['concurrent']}: {c['gbps']} GB/s" for c in res["concurrency"]))
     print("  decode engines pulling from one prefill: " + ", ".join(f"{c['decode_engines']}: {c['gbps']} GB/s"
                                                                     for c in res["fan_in"]))
+    print("  integrity check (--verify-sample) per verified receive: " + ", ".join(
+        f"{v['bytes'] / (1 << 20):.0f} MiB +{v['cost_ms']} ms ({v['cost_pct']}%)"
+        for v in res["verify_cost"]))
     print("  descriptor prep: " + ", ".join(
         f"{x['blocks']} blocks ({x['descriptors']} descs): dlist {x['prep_dlist_ms']} ms, "
         f"make_prepped_xfer {x['make_prepped_xfer_ms']} ms" for x in res["descriptor_prep_ms"]))

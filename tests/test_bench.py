@@ -8,7 +8,8 @@ import subprocess
 import sys
 
 FIELDS = ("throughput_ratio_vs_raw_nixl", "throughput_ratio_vs_memcpy", "step_overhead_us_p50",
-          "step_overhead_us_p99", "first_transfer_ms_cold", "first_transfer_ms_warm", "sizes")
+          "step_overhead_us_p99", "first_transfer_ms_cold", "first_transfer_ms_warm", "sizes",
+          "verify_cost")
 
 
 def test_bench_quick_reports_every_field() -> None:
@@ -25,7 +26,10 @@ def test_bench_quick_reports_every_field() -> None:
         assert r["memcpy_gbps"] > 0
     assert [s["inflight"] for s in res["step_overhead"]] == [0, 16]
     assert res["descriptor_prep_ms"][0]["descriptors"] == 10_000 * 64
+    assert [v["blocks"] for v in res["verify_cost"]] == [1, 8]
+    assert all(v["on_ms"] > 0 and v["off_ms"] > 0 for v in res["verify_cost"])
     assert "raw NIXL" in out.stdout  # the human table
+    assert "integrity check" in out.stdout
     import torch
 
     want = "cuda:0" if torch.cuda.is_available() else "cpu"

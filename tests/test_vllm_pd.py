@@ -182,6 +182,36 @@ def test_sixteen_concurrent_requests(pipeline: Pipeline) -> None:
     assert [got[i] for i in range(16)] == base
 
 
+def test_a_corrupted_load_fails_integrity_and_is_recomputed(pipeline: Pipeline) -> None:
+    """--verify-sample end to end: the decode sidecar restarts with every read verified and a
+    test hook that flips one byte of the next read. That load fails (code integrity), vLLM
+    recomputes it, the tokens are right, and the decode's prefix cache does not keep it."""
+    if pipeline.block_size:
+        pytest.skip("the integrity path does not depend on the model shape: run on one shape")
+    old = pipeline.d_sidecar
+    old.proc.send_signal(signal.SIGINT)
+    old.proc.wait(30)
+    pipeline.d_sidecar = pipeline.sidecars.start(
+        "vllm-d", "--role", "decode", "--handshake-timeout-s", "2", "--transfer-timeout-s", "20",
+        "--verify-sample", "1", metrics_port=old.metrics_port, env={"KVXFER_TEST_CORRUPT_READS": "1"})
+    corrupted = ""
+    for i in range(60):  # until the decode worker re-registered and two loads were verified
+        text = prompt(300, 3000 + i)
+        assert text_of(pipeline.complete(text, 8)[0]) == text_of(pipeline.baseline(text, 8)), i
+        m = pipeline.d_sidecar.scrape()
+        if m.get("kvxfer_integrity_failures_total", 0) >= 1 and not corrupted:
+            corrupted = text
+        if corrupted and m.get('kvxfer_integrity_checks_total{result="ok"}', 0) >= 1:
+            break
+    m = pipeline.d_sidecar.scrape()
+    assert m["kvxfer_integrity_failures_total"] == 1
+    assert m['kvxfer_integrity_checks_total{result="ok"}'] >= 1
+    assert "integrity: receive" in pipeline.d_sidecar.log()
+    # The decode engine serves the corrupted prompt again from its own cache: still right.
+    plain = pipeline.decode(corrupted, 8, None)
+    assert text_of(plain) == text_of(pipeline.baseline(corrupted, 8))
+
+
 def test_prefill_sidecar_killed_then_decode_recomputes_and_recovers(pipeline: Pipeline) -> None:
     if pipeline.block_size:
         pytest.skip("the restart path does not depend on the model shape: run on one shape")

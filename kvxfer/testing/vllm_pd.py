@@ -193,10 +193,13 @@ class Pipeline:
             raise RuntimeError(f"prefill returned no kv_transfer_params: {first}")
         return dict(params)
 
-    def decode(self, text: str, max_tokens: int, params: dict[str, Any], **sampling: Any) -> dict[str, Any]:
-        return _post(f"{self.servers['decode'].url}/v1/completions",
-                     {"model": self.model, "prompt": text, "max_tokens": max_tokens, "temperature": 0,
-                      "kv_transfer_params": params} | sampling)
+    def decode(self, text: str, max_tokens: int, params: dict[str, Any] | None, **sampling: Any
+               ) -> dict[str, Any]:
+        """The proxy's second leg (``params`` None: a plain request to the decode engine)."""
+        body = {"model": self.model, "prompt": text, "max_tokens": max_tokens, "temperature": 0} | sampling
+        if params is not None:
+            body["kv_transfer_params"] = params
+        return _post(f"{self.servers['decode'].url}/v1/completions", body)
 
     def complete(self, text: str, max_tokens: int, **sampling: Any) -> tuple[dict[str, Any], dict[str, Any]]:
         """The proxy: prefill with do_remote_decode and max_tokens=1, then decode with the
