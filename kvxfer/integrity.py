@@ -8,11 +8,12 @@ code ``integrity`` and vLLM recomputes.
 
 Both sides walk the same structure: per remote rank, per sub-position ``q`` of the block
 pairing, per region, the block list of that sub-position and the byte runs the plan copies
-(local offsets on the decode, remote offsets on the prefill). A digest is two position-
-weighted sums over 64-bit words, with wrapping (mod 2**64) arithmetic, so its value does not
+(local offsets on the decode, remote offsets on the prefill). A digest is a position-
+weighted sum over 64-bit words, with wrapping (mod 2**64) arithmetic, so its value does not
 depend on summation order: it is a torch reduction that runs the same on host memory and on
 VRAM. It detects any single changed word (odd weights), moved or swapped runs (weights
-depend on position) and missing bytes; it is a check against bugs and corruption, not a MAC.
+depend on position) and missing bytes (the length is part of it); it is a check against
+bugs and corruption, not a MAC.
 
 Pure planning (``digest_items``) needs no torch; ``digest`` imports it when first used.
 """
@@ -27,7 +28,6 @@ from kvxfer.topology import BlockPairing, RankPlan
 
 _C1 = 0x9E3779B97F4A7C15 - (1 << 64)  # as signed int64
 _C2 = 0x632BE59BD9B4E019
-_C3 = 0xBF58476D1CE4E5B9 - (1 << 64)
 _MASK = (1 << 64) - 1
 
 
@@ -58,7 +58,7 @@ def digest(region_views: Sequence[Any], items: Sequence[DigestItem]) -> str:
     one per region, on any device)."""
     import torch
 
-    acc1 = acc2 = 0
+    acc = 0
     pos = 0
     for item in items:
         if not region_views:
@@ -68,21 +68,18 @@ def digest(region_views: Sequence[Any], items: Sequence[DigestItem]) -> str:
         whole = len(item.runs) == 1 and item.runs[0][0] == 0 and item.runs[0][1] == region_views[0].shape[1]
         cols = None if whole else torch.cat(
             [torch.arange(off, off + n, device=dev) for off, n in item.runs])
-        for view in region_views:
-            data = view.index_select(0, rows)
-            if cols is not None:
-                data = data.index_select(1, cols)
-            flat = data.reshape(-1)
-            if flat.numel() % 8:
-                flat = torch.cat([flat, flat.new_zeros(8 - flat.numel() % 8)])
-            words = flat.view(torch.int64)
-            idx = torch.arange(pos, pos + words.numel(), dtype=torch.int64, device=dev)
-            w1 = (idx * _C1 + _C2) | 1
-            w2 = ((idx ^ _C2) * _C3) | 1
-            acc1 = (acc1 + int((words * w1).sum().item())) & _MASK
-            acc2 = (acc2 + int((words * w2).sum().item())) & _MASK
-            pos += words.numel()
-    return f"{acc1:016x}{acc2:016x}:{pos}"
+        data = torch.stack([v.index_select(0, rows) for v in region_views])  # [regions, blocks, len]
+        if cols is not None:
+            data = data.index_select(2, cols)
+        flat = data.reshape(-1)
+        if flat.numel() % 8:
+            flat = torch.cat([flat, flat.new_zeros(8 - flat.numel() % 8)])
+        words = flat.view(torch.int64)
+        w = torch.arange(pos, pos + words.numel(), dtype=torch.int64, device=dev)
+        w.mul_(_C1).add_(_C2).bitwise_or_(1)  # odd, position-dependent weights
+        acc = (acc + int(w.mul_(words).sum().item())) & _MASK
+        pos += words.numel()
+    return f"{acc:016x}:{pos}"
 
 
 def region_view(
