@@ -91,7 +91,7 @@ class _RecvState:
     nbytes: int  # bytes this rank will receive
     started: float
     deadline: float
-    state: str = "handshake"  # -> "reading"
+    state: str = "handshake"  # -> "reading" -> "verifying" (sampled by --verify-sample)
     peer_agent: str = ""
 
     @property
@@ -587,11 +587,12 @@ class Sidecar(PeersMixin):
             self.exit_code = EXIT_STUCK
             self._stop.set()
             return
-        state = self.recvs.pop(event.req_id, None)
+        state = self.recvs.get(event.req_id)
         if state is None:
             return
         peer = next((p for p in self.peers.values() if p.agent_name == event.peer), None)
         if event.ok and peer is not None and self._sample(peer):
+            state.state = "verifying"  # still in flight: drain waits for it, cancel fails it
             self._spawn(self._verify(state, event, peer))
             return
         self._finish(state, event, peer)
@@ -600,6 +601,9 @@ class Sidecar(PeersMixin):
                 failure: RequestError | None = None) -> None:
         """Report a finished read to the engine (``failure`` overrides a successful one), then
         tell the prefill side it may release its blocks."""
+        if self.recvs.get(event.req_id) is not state:
+            return  # cancelled while it was being verified: already reported
+        del self.recvs[event.req_id]
         msg = state.msg
         ok = event.ok and failure is None
         notice = self._notice(msg, ok)

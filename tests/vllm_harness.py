@@ -130,9 +130,10 @@ class TPEngine:
     outputs: dict[str, Any] = field(default_factory=dict)
     scheduled: dict[str, list[int]] = field(default_factory=dict)
     _queued: dict[int, list[Any]] = field(default_factory=dict)
+    _inflight: Any = None  # async scheduling: the step the workers execute next
 
     @classmethod
-    def start(cls, name: str, config: VllmConfig, tp: int = 1) -> TPEngine:
+    def start(cls, name: str, config: VllmConfig, tp: int = 1, *, async_scheduling: bool = False) -> TPEngine:
         from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
         from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
 
@@ -156,7 +157,13 @@ class TPEngine:
             w.register_kv_caches(kv)
             workers.append(w)
             caches.append(kv)
-        scheduler = Scheduler(
+        if async_scheduling:
+            from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+
+            sched_cls: type[Scheduler] = AsyncScheduler
+        else:
+            sched_cls = Scheduler
+        scheduler = sched_cls(
             vllm_config=config, kv_cache_config=kv_cache_config, log_stats=True,
             structured_output_manager=StructuredOutputManager(config), block_size=BLOCK_SIZE,
         )
@@ -172,9 +179,34 @@ class TPEngine:
         return list(self.scheduler.kv_cache_manager.get_block_ids(req_id)[0])
 
     def step(self) -> None:
+        out = self.scheduler.schedule()
+        self._update(out, self._execute(out, self._starts(out)))
+
+    def _starts(self, out: Any) -> dict[str, int]:
+        """First position each request computes in this step, as of its schedule."""
+        reqs = self.scheduler.requests
+        return {rid: reqs[rid].num_computed_tokens - n for rid, n in out.num_scheduled_tokens.items()}
+
+    def step_async(self, settle_s: float = 0.05) -> None:
+        """One step as vLLM's async scheduling runs it: step N+1 is scheduled (a decode's
+        ``Recv`` leaves from ``update_state_after_alloc`` here) while the workers still
+        execute step N; ``settle_s`` lets transfers posted now finish before the workers
+        drain their sidecar events for step N. Then step N's output is processed."""
+        out = self.scheduler.schedule()
+        prev, self._inflight = self._inflight, (out, self._starts(out))
+        if prev is None:
+            return
+        time.sleep(settle_s)
+        self._update(prev[0], self._execute(*prev))
+
+    def _update(self, out: Any, merged: Any) -> None:
+        for eco in self.scheduler.update_from_output(out, merged).values():
+            for o in eco.outputs:
+                self.outputs[o.request_id] = o
+
+    def _execute(self, out: Any, starts: dict[str, int]) -> Any:
         from types import SimpleNamespace
 
-        out = self.scheduler.schedule()
         req_ids = list(out.num_scheduled_tokens)
         for rid in req_ids:
             self.scheduled.setdefault(rid, []).append(out.num_scheduled_tokens[rid])
@@ -184,7 +216,8 @@ class TPEngine:
             w.bind_connector_metadata(out.kv_connector_metadata)
             w.start_load_kv(forward)
             for rid in req_ids:
-                self._compute(rank, rid, out.num_scheduled_tokens[rid])
+                if rid in self.scheduler.requests:
+                    self._compute(rank, rid, starts[rid], out.num_scheduled_tokens[rid])
             res = w.get_transfer_results(out.finished_req_ids)
             invalid = w.get_block_ids_with_load_errors()
             w.clear_connector_metadata()
@@ -204,14 +237,10 @@ class TPEngine:
                     invalid_block_ids=invalid, failed_recving=res.failed_recving if res else set(),
                 ),
             ))
-        merged = self.aggregator.aggregate(outputs)
-        for eco in self.scheduler.update_from_output(out, merged).values():
-            for o in eco.outputs:
-                self.outputs[o.request_id] = o
+        return self.aggregator.aggregate(outputs)
 
-    def _compute(self, rank: int, req_id: str, n_tokens: int) -> None:
+    def _compute(self, rank: int, req_id: str, start: int, n_tokens: int) -> None:
         req = self.scheduler.requests[req_id]
-        start = req.num_computed_tokens - n_tokens
         blocks = self.blocks(req_id)
         for layer_idx, layer in enumerate(LAYERS):
             for pos in range(start, start + n_tokens):

@@ -15,6 +15,13 @@ a restarted sidecar at once: loads in flight fail, holds are freed, memory re-re
 While the sidecar still answers heartbeats an overdue receive is left to it (up to
 ``settle_s`` more): a failed read is reported only once its NIXL chunks stopped, and
 failing it here first would let vLLM reuse blocks a late chunk may still write.
+
+Early events. With async scheduling (vLLM's default on GPUs) the scheduler posts a
+``Recv`` while a worker still executes the previous step, so its ``Done`` (or a hold's
+``Released``) can reach the worker before the step whose metadata names the request. Such
+events are kept by request id (at most ``EARLY_MAX``, each for ``early_ttl_s``) and applied
+once the request is bound; dropping them would leave the load waiting for its deadline
+and the prefill blocks pinned until their lease ran out.
 """
 
 from __future__ import annotations
@@ -25,14 +32,17 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvxfer.client import SidecarClient
+from kvxfer.client import Drained, SidecarClient
 from kvxfer.connector.layout import registration_from_tensors
 from kvxfer.connector.settings import ConnectorSettings
 from kvxfer.connector.shm_pool import SharedAllocator
+from kvxfer.errors import KvxferError
 from kvxfer.memory import cuda_ipc_memory
-from kvxfer.protocol import MemoryRef, Registered
+from kvxfer.protocol import Done, Failed, MemoryRef, Registered, Released
 
 log = logging.getLogger(__name__)
+
+EARLY_MAX = 4096  # events kept for requests not bound yet (async scheduling)
 
 
 @dataclass
@@ -86,6 +96,9 @@ class WorkerSide:
         self._instance = ""
         self._next_heartbeat = 0.0
         self._last_pong = time.monotonic()
+        # "kind:req id" -> (event, arrival): Done/Failed/Released that came before their bind()
+        self._early: dict[str, tuple[Done | Failed | Released, float]] = {}
+        self.early_ttl_s = settings.transfer_timeout_s + settings.lease_s + settings.grace_s
 
     def mem_pool_context(self) -> AbstractContextManager[Any] | None:
         return self.allocator
@@ -137,37 +150,64 @@ class WorkerSide:
         if self.client is None:
             return out
         now = time.monotonic()
-        if now >= self._next_heartbeat:
-            self._next_heartbeat = now + self.settings.heartbeat_s
-            self.client.heartbeat()
-        ev = self.client.poll()
+        try:
+            if now >= self._next_heartbeat:
+                self._next_heartbeat = now + self.settings.heartbeat_s
+                self.client.heartbeat()
+            ev = self.client.poll()
+        except KvxferError as e:  # never into vLLM's step: the deadlines below still run
+            log.warning("sidecar %s: %s", self.settings.sidecar, e)
+            ev = Drained()
         if any(p.instance and p.instance != self._instance for p in ev.pongs):
             self._sidecar_restarted(out)
             return out
         if ev.pongs:
             self._last_pong = now
-        for d in ev.done:
-            if self._recvs.pop(d.req_id, None) is not None:
-                out.finished_recving.add(d.req_id)
-                self.stats.recv_ok += 1
-                self.stats.bytes += d.nbytes
-                self.stats.seconds += d.seconds
-                self.stats.descriptors += d.descriptors
-        for f in ev.failed:
-            entry = self._recvs.pop(f.req_id, None)
-            if entry is None:
-                continue
-            log.warning("KV load of request %s failed: [%s] %s", f.req_id, f.code, f.reason)
-            self._fail(out, f.req_id, entry[0])
-        for r in ev.released:
-            if self._holds.pop(r.req_id, None) is not None:
-                out.finished_sending.add(r.req_id)
-                self.stats.released += 1
-                self.stats.expired += r.reason == "expired"
+        self._apply_early(out, now)
+        for event in [*ev.done, *ev.failed, *ev.released]:
+            if not self._apply(out, event):
+                self._keep_early(event, now)
         for e in ev.errors:
             log.warning("sidecar error for %r: [%s] %s", e.req_id, e.code, e.message)
         self._expire(out, time.monotonic())
         return out
+
+    def _apply(self, out: TransferResults, event: Done | Failed | Released) -> bool:
+        """Report one event of a bound request; False if its request is not bound (yet)."""
+        if isinstance(event, Done):
+            if self._recvs.pop(event.req_id, None) is None:
+                return False
+            out.finished_recving.add(event.req_id)
+            self.stats.recv_ok += 1
+            self.stats.bytes += event.nbytes
+            self.stats.seconds += event.seconds
+            self.stats.descriptors += event.descriptors
+        elif isinstance(event, Failed):
+            entry = self._recvs.pop(event.req_id, None)
+            if entry is None:
+                return False
+            log.warning("KV load of request %s failed: [%s] %s", event.req_id, event.code, event.reason)
+            self._fail(out, event.req_id, entry[0])
+        else:
+            if self._holds.pop(event.req_id, None) is None:
+                return False
+            out.finished_sending.add(event.req_id)
+            self.stats.released += 1
+            self.stats.expired += event.reason == "expired"
+        return True
+
+    def _keep_early(self, event: Done | Failed | Released, now: float) -> None:
+        if len(self._early) >= EARLY_MAX:
+            oldest = next(iter(self._early))
+            log.warning("dropping an unclaimed sidecar event for request %s (%d kept)", oldest, EARLY_MAX)
+            del self._early[oldest]
+        self._early[f"{type(event).__name__}:{event.req_id}"] = (event, now)
+
+    def _apply_early(self, out: TransferResults, now: float) -> None:
+        """Events that arrived before their request was bound: apply now, or expire."""
+        for key, (event, arrived) in list(self._early.items()):
+            if self._apply(out, event) or now - arrived > self.early_ttl_s:
+                del self._early[key]
 
     def _sidecar_restarted(self, out: TransferResults) -> None:
         """A new sidecar answers on our socket: everything the old one held is gone."""
@@ -176,6 +216,7 @@ class WorkerSide:
         for req_id, (blocks, _) in list(self._recvs.items()):
             self._fail(out, req_id, blocks)
         self._recvs.clear()
+        self._early.clear()  # the old sidecar's answers
         out.finished_sending.update(self._holds)
         self._holds.clear()
         assert self.client is not None

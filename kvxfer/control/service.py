@@ -97,8 +97,8 @@ def status_proto(sc: Sidecar) -> pb.Status:
 
 
 def load_proto(sc: Sidecar) -> pb.Load:
-    queued = [st for st in sc.recvs.values() if st.state != "reading"]
-    reading = [st for st in sc.recvs.values() if st.state == "reading"]
+    queued = [st for st in sc.recvs.values() if st.state == "handshake"]
+    reading = [st for st in sc.recvs.values() if st.state != "handshake"]  # reading or verifying
     return pb.Load(
         queued_requests=len(queued), queued_bytes=sum(s.nbytes for s in queued),
         inflight_requests=len(reading), inflight_bytes=sum(s.nbytes for s in reading),
