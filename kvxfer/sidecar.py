@@ -581,11 +581,13 @@ class Sidecar(PeersMixin):
             # NIXL cannot stop this read's chunks, and reporting it failed would let the
             # engine reuse blocks they may still write: exit, so the endpoints die with us
             # (the supervisor restarts the sidecar; connectors see it and fail their loads).
+            # No graceful teardown: it waits on the NIXL thread, the frozen peer's endpoints and
+            # open handshake sockets, and every second of it is a second a late write can land.
             log.critical("read %s from %s still has chunks in flight %.1fs after it failed; exiting "
                          "so that no late write can land in reused blocks", event.req_id, event.peer,
                          event.seconds)
             self.exit_code = EXIT_STUCK
-            self._stop.set()
+            hard_exit(EXIT_STUCK)
             return
         state = self.recvs.get(event.req_id)
         if state is None:
@@ -842,6 +844,17 @@ def _start_time(pid: int) -> str | None:
             return fh.read().rsplit(b")", 1)[1].split()[19].decode()
     except (OSError, IndexError):
         return ""
+
+
+def hard_exit(code: int) -> None:
+    """Flush the log and leave now: no teardown, no atexit, no waiting on any thread."""
+    for handler in logging.getLogger().handlers:
+        with contextlib.suppress(Exception):
+            handler.flush()
+    with contextlib.suppress(Exception):
+        sys.stdout.flush()
+        sys.stderr.flush()
+    os._exit(code)
 
 
 def run_server(config: Config) -> int:

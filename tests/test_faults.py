@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import time
 
 import msgspec
+import pytest
 import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -358,3 +360,69 @@ def test_worker_leaves_overdue_loads_to_a_live_sidecar_and_fails_them_when_it_fa
         assert ws.take_invalid_block_ids() == {1, 2}
     finally:
         ws.shutdown()
+
+
+def test_a_read_that_cannot_settle_exits_3_at_once() -> None:
+    """A read whose chunks never stop (its target frozen: in UCX peer mode a READ completes
+    only when the target progresses) makes the decode sidecar exit 3 right after
+    --settle-timeout-s, with the reason in its log: no graceful teardown, which could block
+    on the frozen peer's endpoints or on open handshake sockets."""
+    with SidecarFactory() as f:
+        ps = f.start("stuck-p", "--handshake-timeout-s", "2")
+        ds = f.start("stuck-d", "--handshake-timeout-s", "2", "--settle-timeout-s", "1")
+        lay = make_layout(layers=2, num_blocks=32, heads=2, head_dim=64)
+        p, d = SyntheticEngine(lay, ps.endpoint, seed=1), SyntheticEngine(lay, ds.endpoint, seed=2)
+        try:
+            reg = p.start()
+            d.start()
+            where = RemoteBlocks(reg.engine_id, reg.handshake_host, reg.handshake_port, [1, 2])
+            p.client.hold("warm", [1, 2])
+            d.client.recv("warm", [3, 4], where)
+            assert d.client.wait_until(lambda a: bool(a.done or a.failed), 10).done
+            # a handshake that will never be answered stays open in the decode sidecar
+            silent = socket.socket()
+            silent.bind(("127.0.0.1", 0))
+            silent.listen(1)
+            d.client.recv("hangs", [5], RemoteBlocks("x", "127.0.0.1", silent.getsockname()[1], [1]),
+                          deadline_s=60)
+            p.client.hold("stuck", list(range(5, 29)))
+            os.kill(ps.proc.pid, signal.SIGSTOP)
+            try:
+                t0 = time.monotonic()
+                blocks = list(range(5, 29))
+                d.client.recv("stuck", blocks, RemoteBlocks(reg.engine_id, reg.handshake_host,
+                                                            reg.handshake_port, blocks), deadline_s=1.0)
+                code = ds.proc.wait(30)
+                took = time.monotonic() - t0
+            finally:
+                os.kill(ps.proc.pid, signal.SIGCONT)
+            silent.close()
+            assert code == 3
+            assert 2.0 <= took < 3.5, took  # deadline 1 s + settle 1 s, then out
+            assert "exiting so that no late write can land" in ds.log()
+        finally:
+            p.close()
+            d.close()
+
+
+def test_read_stuck_exits_without_teardown(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The handler leaves through os._exit(3) at once, never through the graceful stop."""
+    from kvxfer import sidecar as sc_mod
+    from kvxfer.config import Config
+    from kvxfer.transfer import ReadStuck
+
+    calls: list[int] = []
+
+    class Exited(Exception):
+        pass
+
+    def fake_exit(code: int) -> None:
+        calls.append(code)
+        raise Exited
+
+    monkeypatch.setattr(sc_mod.os, "_exit", fake_exit)
+    sidecar = sc_mod.Sidecar(Config(engine_socket="ipc:///tmp/kvx-stuck-unit.sock"))
+    with pytest.raises(Exited):
+        sidecar._on_nixl_event(ReadStuck("r", "peer", 21.0))
+    assert calls == [3]
+    assert not sidecar._stop.is_set()  # no graceful stop was started
