@@ -123,6 +123,7 @@ class PeersMixin:
                 compat_hash=compat_hash(local.layout if local else None),
                 engine_id=self.engine_id,
                 agent_name=self.agent_name,
+                model=local.layout.model if local else "",
             )
             if self.secret:
                 hello = sign_hello(self.secret, hello)
@@ -245,6 +246,9 @@ class PeersMixin:
         layout = next(iter(self.ranks.values())).layout
         ours = compat_hash(layout)
         if hello.compat_hash != ours:
+            if hello.model != layout.model:
+                return refuse(ErrorCode.INCOMPATIBLE, f"different models: the peer serves "
+                              f"{hello.model or '(unnamed)'!r}, this engine {layout.model or '(unnamed)'!r}")
             return refuse(
                 ErrorCode.INCOMPATIBLE,
                 f"compatibility hash {hello.compat_hash} != {ours} (model layout differs: "

@@ -69,6 +69,10 @@ class KVLayout(_Msg, tag="layout"):
     tp_size: Positive = 1
     # How a kv_parts == 1, non-MLA block holds K and V (see ``Fusion``); "" otherwise.
     fused: Literal["", "kv_content", "kv_per_head"] = ""
+    # The model's identity as the engine knows it (architecture, model, revision, KV cache
+    # dtype, attention backend; kvxfer.connector builds it): two models with the same KV
+    # shape must never exchange KV. "" for engines that do not say (synthetic ones).
+    model: Annotated[str, Meta(max_length=1024)] = ""
 
     @property
     def itemsize(self) -> int:
@@ -109,6 +113,7 @@ class KVLayout(_Msg, tag="layout"):
             self.kv_parts,
             self.mla,
             self.fused,
+            self.model,
         )
 
 
@@ -277,6 +282,7 @@ class Hello(_Msg, tag="hello"):
     nonce: str = ""  # with a shared secret: random, never reused
     ts: float = 0.0  # sender's wall clock (replay window)
     mac: str = ""  # HMAC-SHA256 of the fields above (kvxfer.auth)
+    model: str = ""  # the dialer's KVLayout.model, so a refusal can name both models
 
 
 class DigestItem(_Msg, tag="ditem"):

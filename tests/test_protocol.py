@@ -20,8 +20,8 @@ MESSAGES: dict[str, tuple[object, str]] = {
             regions=[p.KVRegion(memory=0, offset=0, block_len=64, block_stride=64)],
         ),
         (
-            "95a872656769737465729ea66c61796f7574020a100808cc80a862666c6f6174313602c2a34e4844"
-            "0001a09193a373686daa2f6465762f73686d2f78cd10009195a6726567696f6e0000404000"
+            "95a872656769737465729fa66c61796f7574020a100808cc80a862666c6f6174313602c2a34e4844"
+            "0001a0a09193a373686daa2f6465762f73686d2f78cd10009195a6726567696f6e0000404000"
         ),
     ),
     "unregister": (p.Unregister(tp_rank=1), "92aa756e726567697374657201"),
@@ -46,22 +46,29 @@ MESSAGES: dict[str, tuple[object, str]] = {
     "released": (p.Released(req_id="r1", reason="read", reads=1), "94a872656c6561736564a27231a47265616401"),
     "error": (p.Error(code="malformed", message="bad", req_id="r1"), "94a56572726f72a96d616c666f726d6564a3626164a27231"),
     "pong": (p.Pong(seq=7, engine_id="D", version=1, handshake_host="h", handshake_port=1), "97a4706f6e6707a14401a16801a0"),
-    "hello": (p.Hello(version=1, compat_hash="abcd", engine_id="D", agent_name="a"), "98a568656c6c6f01a461626364a144a161a0cb0000000000000000a0"),
+    "hello": (p.Hello(version=1, compat_hash="abcd", engine_id="D", agent_name="a"), "99a568656c6c6f01a461626364a144a161a0cb0000000000000000a0a0"),
     "welcome": (
         p.Welcome(version=1, compat_hash="abcd", engine_id="P", agent_name="b",
                   ranks=[p.RankInfo(layout=LAYOUT, regions=[p.RemoteRegion(addr=4096, block_len=64, block_stride=64)])]),
         (
-            "97a777656c636f6d6501a461626364a150a1629194a472616e6b9ea66c61796f7574020a100808cc"
-            "80a862666c6f6174313602c2a34e48440001a09195a772726567696f6ecd1000404000a44452414da0"
+            "97a777656c636f6d6501a461626364a150a1629194a472616e6b9fa66c61796f7574020a100808cc"
+            "80a862666c6f6174313602c2a34e48440001a0a09195a772726567696f6ecd1000404000a44452414da0"
         ),
     ),
     "refused": (p.Refused(version=1, code="incompatible", reason="no"), "94a77265667573656401ac696e636f6d70617469626c65a26e6f"),
+    "digest": (
+        p.DigestRequest(req_id="r1", agent_name="a",
+                        ranks=[p.DigestRank(rank=0, items=[p.DigestItem(blocks=[1, 2], runs=[[0, 64]])])]),
+        "95a6646967657374a272319193a56472616e6b009193a5646974656d92010291920040a161a0",
+    ),
+    "digested": (p.DigestReply(req_id="r1", digests=["00ff:8"]), "93a86469676573746564a2723191a6303066663a38"),
     "read": (p.ReadNotice(req_id="r1", tp_rank=0, ok=True, readers=2), "96a472656164a2723100c302cb0000000000000000"),
 }
 
 DECODERS = {
     p.EngineRequest: p.engine_request_decoder,
     p.SidecarEvent: p.sidecar_event_decoder,
+    p.HandshakeRequest: p.handshake_request_decoder,
     p.HandshakeReply: p.handshake_reply_decoder,
 }
 
@@ -70,8 +77,6 @@ def _decoder_for(msg: object) -> msgspec.msgpack.Decoder:  # type: ignore[type-a
     for union, dec in DECODERS.items():
         if isinstance(msg, union.__args__):  # type: ignore[attr-defined]
             return dec
-    if isinstance(msg, p.Hello):
-        return p.handshake_request_decoder
     return p.read_notice_decoder
 
 
@@ -84,7 +89,7 @@ def test_encoded_bytes_are_pinned(kind: str) -> None:
 
 def test_every_message_kind_is_pinned() -> None:
     tags = set()
-    for union in (p.EngineRequest, p.SidecarEvent, p.HandshakeReply):
+    for union in (p.EngineRequest, p.SidecarEvent, p.HandshakeRequest, p.HandshakeReply):
         tags |= {t.__struct_config__.tag for t in union.__args__}  # type: ignore[attr-defined]
     tags |= {p.Hello.__struct_config__.tag, p.ReadNotice.__struct_config__.tag}
     assert tags == set(MESSAGES)

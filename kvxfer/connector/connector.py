@@ -97,6 +97,27 @@ def kv_fusion(backends: list[str], device: str) -> str:
     return "kv_content"
 
 
+def model_identity(vllm_config: VllmConfig, override: str = "") -> str:
+    """What must match for two engines to exchange KV, beyond its shape: the same weights
+    (architecture, model, revision) computed at the same precision (dtype, KV cache dtype)."""
+    if override:
+        return override
+    mc = vllm_config.model_config
+    if mc is None:
+        return ""
+    hf = getattr(mc, "hf_config", None)
+    arch = getattr(mc, "architectures", None) or getattr(hf, "architectures", None) or []
+    cache = vllm_config.cache_config
+    parts = {
+        "arch": ",".join(arch),
+        "model": mc.model,
+        "revision": mc.revision or "",
+        "dtype": str(mc.dtype).removeprefix("torch."),
+        "kv_cache_dtype": str(getattr(cache, "cache_dtype", "")),
+    }
+    return ";".join(f"{k}={v}" for k, v in parts.items())
+
+
 def _tp(vllm_config: VllmConfig) -> tuple[int, int]:
     size = vllm_config.parallel_config.tensor_parallel_size
     try:
@@ -171,6 +192,7 @@ class KvxferConnector(KVConnectorBase_V1):
             head_dim=spec.head_size,
             mla="MLA" in type(spec).__name__,
             fused=kv_fusion(_attn_backend_names(self._vllm_config), self.worker.device),
+            model=model_identity(self._vllm_config, self.settings.model_identity),
         )
         self.worker.register_kv_caches(kv_caches, shape)
 

@@ -116,6 +116,7 @@ def registration_from_tensors(
     mla: bool,
     memory_of: MemoryOf,
     fused: str = "kv_content",
+    model: str = "",
 ) -> RegisterKV:
     """``fused`` says how a block without a K/V dimension holds K and V ("kv_content" or
     "kv_per_head"); it is ignored for K/V-split and MLA caches."""
@@ -169,5 +170,6 @@ def registration_from_tensors(
         tp_rank=tp_rank,
         tp_size=tp_size,
         fused=fusion,  # type: ignore[arg-type]
+        model=model,
     )
     return RegisterKV(layout=layout, memory=memory, regions=regions)

@@ -9,7 +9,10 @@
      "settle_s": 25,           # ... and at the latest + settle_s while it still answers
                                # (> its settle_timeout_s: a failed read waits for its chunks)
      "heartbeat_s": 1,         # how often a worker pings its sidecar (restart detection)
-     "shm_dir": "/dev/shm"}    # CPU engines: where the KV cache files live
+     "shm_dir": "/dev/shm",    # CPU engines: where the KV cache files live
+     "model_identity": ""}     # overrides the model identity checked at handshake (default:
+                               # architecture, model, revision, dtype, KV cache dtype), e.g.
+                               # when P and D load the same weights from different paths
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ class ConnectorSettings:
     settle_s: float = 25.0
     heartbeat_s: float = 1.0
     shm_dir: str = "/dev/shm"
+    model_identity: str = ""
 
     @classmethod
     def from_extra(cls, extra: Mapping[str, Any] | None) -> ConnectorSettings:
@@ -46,4 +50,5 @@ class ConnectorSettings:
             settle_s=float(extra.get("settle_s", cls.settle_s)),
             heartbeat_s=float(extra.get("heartbeat_s", cls.heartbeat_s)),
             shm_dir=str(extra.get("shm_dir", cls.shm_dir)),
+            model_identity=str(extra.get("model_identity", "")),
         )

@@ -77,6 +77,7 @@ class CacheShape:
     head_dim: int
     mla: bool
     fused: str = "kv_content"  # how K and V share a block without a K/V dimension
+    model: str = ""  # the model's identity (connector.model_identity)
 
 
 class WorkerSide:
@@ -130,6 +131,7 @@ class WorkerSide:
             mla=shape.mla,
             memory_of=self._memory_of,
             fused=shape.fused,
+            model=shape.model,
         )
         self.client = SidecarClient(self.settings.sidecar)
         self.client.ping(self.settings.sidecar_timeout_s)

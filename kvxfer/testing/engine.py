@@ -31,6 +31,7 @@ def make_layout(
     tp_size: int = 1,
     mla: bool = False,
     head_layout: str = "NHD",
+    model: str = "",
 ) -> KVLayout:
     """A vLLM-like layout; with ``mla`` one latent of ``head_dim`` replicated on every rank."""
     if mla:
@@ -48,6 +49,7 @@ def make_layout(
         head_layout=head_layout,  # type: ignore[arg-type]
         tp_rank=tp_rank,
         tp_size=tp_size,
+        model=model,
     )
 
 
