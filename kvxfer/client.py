@@ -60,6 +60,7 @@ class Drained:
     released: list[Released] = field(default_factory=list)
     errors: list[Error] = field(default_factory=list)
     pongs: list[Pong] = field(default_factory=list)
+    registered: list[Registered] = field(default_factory=list)
 
     def __bool__(self) -> bool:
         return bool(self.done or self.failed or self.released or self.errors)
@@ -70,14 +71,18 @@ class Drained:
         self.released += other.released
         self.errors += other.errors
         self.pongs += other.pongs
+        self.registered += other.registered
 
 
 class SidecarClient:
-    def __init__(self, endpoint: str, *, context: zmq.Context | None = None) -> None:
+    def __init__(self, endpoint: str, *, context: zmq.Context | None = None, send_queue: int = 1000) -> None:
+        """``send_queue``: messages queued for a sidecar that does not read (frozen, dead)
+        before sends fail with ``SidecarUnavailable`` instead of piling up."""
         self.endpoint = endpoint
         self._ctx = context or zmq.Context.instance()
         self._sock = self._ctx.socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.SNDHWM, send_queue)
         self._sock.setsockopt(zmq.IDENTITY, f"w{os.getpid()}-{id(self):x}".encode())
         self._sock.connect(endpoint)
         self._pending: list[SidecarEvent] = []
@@ -109,6 +114,12 @@ class SidecarClient:
                 raise RequestError(ev.code, ev.message)
             self._pending.append(ev)
 
+    def register_nowait(self, msg: RegisterKV) -> None:
+        """Send a registration; its ``Registered`` (or ``Error``) comes back through ``poll``."""
+        if not msg.pid:
+            msg = msgspec.structs.replace(msg, pid=os.getpid())
+        self._send(msg)
+
     def wait(self, timeout: float) -> Drained:
         """Block up to ``timeout`` for at least one event, then drain (tests, tools)."""
         if not self._pending and self._sock.poll(int(timeout * 1000)) == 0:
@@ -134,10 +145,11 @@ class SidecarClient:
         reads: int = 1,
         *,
         notify_ranks: bool = False,
+        expires_unix: float = 0.0,
     ) -> None:
         self._send(
             Hold(req_id=req_id, block_ids=list(block_ids), lease_s=lease_s, reads=reads,
-                 notify_ranks=notify_ranks)
+                 notify_ranks=notify_ranks, expires_unix=expires_unix)
         )
 
     def release(self, req_id: str) -> None:
@@ -152,6 +164,7 @@ class SidecarClient:
         tp_rank: int = 0,
         deadline_s: float = 0.0,
         reply_to_rank: bool = False,
+        expires_unix: float = 0.0,
     ) -> None:
         self._send(
             Recv(
@@ -166,6 +179,7 @@ class SidecarClient:
                 remote_req_id=remote.req_id,
                 deadline_s=deadline_s,
                 reply_to_rank=reply_to_rank,
+                expires_unix=expires_unix,
             )
         )
 
@@ -195,6 +209,8 @@ class SidecarClient:
                     out.errors.append(ev)
                 case Pong():
                     out.pongs.append(ev)
+                case Registered():
+                    out.registered.append(ev)
         return out
 
     def send_raw(self, *frames: bytes) -> None:

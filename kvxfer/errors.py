@@ -39,6 +39,7 @@ class ErrorCode(enum.StrEnum):
     CANCELLED = "cancelled"  # an operator cancelled the transfer (gRPC CancelTransfer / drain)
     INTERNAL = "internal"  # a bug in kvxfer; logged with a traceback
     INTEGRITY = "integrity"  # the bytes received differ from the bytes the prefill holds (--verify-sample)
+    EXPIRED = "expired"  # the request reached the sidecar after the engine gave up on it
 
 
 class KvxferError(Exception):

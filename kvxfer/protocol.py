@@ -186,6 +186,9 @@ class Hold(_Msg, tag="hold"):
     lease_s: Annotated[float, Meta(ge=0)] = 0.0  # 0: the sidecar's default lease
     reads: Positive = 1  # read notices expected before release (tp-ratio aware)
     notify_ranks: bool = False  # Released goes to every registered worker, not the sender
+    # Wall clock (same host) after which the engine frees the blocks on its own: a Hold
+    # that reaches a sidecar later (queued while it was frozen) is refused, not honoured.
+    expires_unix: Annotated[float, Meta(ge=0)] = 0.0
 
 
 class Release(_Msg, tag="release"):
@@ -212,6 +215,9 @@ class Recv(_Msg, tag="recv"):
     remote_req_id: str = ""  # the prefill side's request id, if it differs
     deadline_s: Annotated[float, Meta(ge=0)] = 0.0  # 0: the sidecar's default
     reply_to_rank: bool = False  # Done/Failed go to the worker that registered tp_rank
+    # Wall clock (same host) after which the engine gives up on this load (and may reuse or
+    # recompute its blocks): a Recv that reaches a sidecar later is refused, never read.
+    expires_unix: Annotated[float, Meta(ge=0)] = 0.0
 
 
 class Ping(_Msg, tag="ping"):

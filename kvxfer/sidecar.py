@@ -419,6 +419,9 @@ class Sidecar(PeersMixin):
             raise RequestError(ErrorCode.NOT_REGISTERED, "no KV cache registered", msg.req_id)
         num_blocks = min(r.layout.num_blocks for r in self.ranks.values())
         self._check_blocks(msg.req_id, msg.block_ids, num_blocks, "held")
+        if msg.expires_unix and time.time() > msg.expires_unix:
+            raise RequestError(ErrorCode.EXPIRED, "hold arrived after the engine freed its blocks "
+                               f"({time.time() - msg.expires_unix:.1f}s late)", msg.req_id)
         now = time.monotonic()
         self.leases.add(
             Lease(
@@ -447,11 +450,17 @@ class Sidecar(PeersMixin):
             if local is None:
                 raise RequestError(ErrorCode.NOT_REGISTERED, f"tp_rank {msg.tp_rank} not registered")
             self._check_blocks(msg.req_id, msg.block_ids, local.layout.num_blocks, "local")
+            if msg.expires_unix and time.time() > msg.expires_unix:
+                raise RequestError(ErrorCode.EXPIRED, "receive arrived after the engine gave up on it "
+                                   f"({time.time() - msg.expires_unix:.1f}s late); not read")
         except RequestError as e:
             self._fail(ident, msg.req_id, list(msg.block_ids), e)
             return
         now = time.monotonic()
         block_bytes = sum(r.block_len for r in local.regions)
+        if msg.expires_unix:  # never read past the moment the engine gives up on the load
+            left = max(0.001, msg.expires_unix - time.time())
+            msg = msgspec.structs.replace(msg, deadline_s=min(msg.deadline_s or left, left))
         self.recvs[key] = _RecvState(
             owner=ident, msg=msg, nbytes=block_bytes * len(msg.block_ids), started=now,
             deadline=now + (msg.deadline_s or self.config.transfer_timeout_s),

@@ -283,3 +283,28 @@ def test_sidecar_maps_engine_memory_with_page_tables_filled(sidecars: SidecarFac
         assert mapped * 1024 >= eng.kv.nbytes, (mapped, eng.kv.nbytes)  # untouched by any read yet
     finally:
         eng.close()
+
+
+def test_requests_that_arrive_after_the_engine_gave_up_are_refused(pd: PD) -> None:
+    """A Recv or Hold queued while the sidecar was frozen and delivered after its
+    expires_unix: the engine has already recomputed / freed those blocks, so the sidecar
+    must not read into them or hold them."""
+    pb, db = pd.p.allocate(2), pd.d.allocate(2)
+    pd.p.fill("late-1", pb)
+    pd.p.client.hold("late-1", pb)
+    pd.d.wipe(db)
+    pd.d.client.recv("late-1", db, remote(pd, pb), expires_unix=time.time() - 1)
+    got = wait_for(pd.d.client, lambda a: bool(a.done or a.failed))
+    assert got.failed[0].code == ErrorCode.EXPIRED
+    assert not pd.d.verify("late-1", db)  # nothing was read
+    pd.p.client.hold("late-2", pd.p.allocate(1), expires_unix=time.time() - 1)
+    err = wait_for(pd.p.client, lambda a: bool(a.errors))
+    assert (err.errors[0].code, err.errors[0].req_id) == (ErrorCode.EXPIRED, "late-2")
+    pd.p.client.release("late-1")
+    wait_for(pd.p.client, lambda a: bool(a.released))
+    # In time: read as usual, and the read's deadline never outlives expires_unix.
+    pd.p.client.hold("late-3", pb)
+    pd.d.client.recv("late-3", db, remote(pd, pb), expires_unix=time.time() + 30)
+    got = wait_for(pd.d.client, lambda a: bool(a.done or a.failed))
+    assert got.done
+    wait_for(pd.p.client, lambda a: bool(a.released))

@@ -48,9 +48,11 @@ log = logging.getLogger(__name__)
 class KvxferConnectorMetadata(KVConnectorMetadata):
     """Per step: receives and holds the scheduler posted, with the engine-side deadlines."""
 
-    def __init__(self, recvs: dict[str, tuple[list[int], float]], holds: dict[str, float]) -> None:
+    def __init__(self, recvs: dict[str, tuple[list[int], float]], holds: dict[str, float],
+                 failed: dict[str, list[int]] | None = None) -> None:
         self.recvs = recvs
         self.holds = holds
+        self.failed = failed or {}  # loads the scheduler could not post: fail at once
 
 
 class KvxferStats(KVConnectorStats):
@@ -162,7 +164,7 @@ class KvxferConnector(KVConnectorBase_V1):
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         assert self.scheduler is not None
         plan = self.scheduler.take_plan()
-        return KvxferConnectorMetadata(plan.recvs, plan.holds)
+        return KvxferConnectorMetadata(plan.recvs, plan.holds, plan.failed)
 
     def request_finished(self, request: Request, block_ids: Any) -> tuple[bool, dict[str, Any] | None]:
         assert self.scheduler is not None
@@ -201,7 +203,7 @@ class KvxferConnector(KVConnectorBase_V1):
             return
         meta = self._get_connector_metadata()
         assert isinstance(meta, KvxferConnectorMetadata)
-        self.worker.bind(meta.recvs, meta.holds)
+        self.worker.bind(meta.recvs, meta.holds, meta.failed)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # whole requests are loaded before they are scheduled (async load)
@@ -233,7 +235,7 @@ class KvxferConnector(KVConnectorBase_V1):
         if self.has_connector_metadata():
             meta = self._get_connector_metadata()
             if isinstance(meta, KvxferConnectorMetadata):
-                self.worker.bind(meta.recvs, meta.holds)
+                self.worker.bind(meta.recvs, meta.holds, meta.failed)
         return self.worker.get_transfer_results()
 
     def get_block_ids_with_load_errors(self) -> set[int]:

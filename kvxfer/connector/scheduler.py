@@ -12,6 +12,13 @@ register their own memory and report their own rank's completions (vLLM's
 ``Failed`` to the worker that registered the rank and ``Released`` to every worker.
 Each message is mirrored into the step's connector metadata with a deadline, so a
 worker can fail or release on its own if the sidecar dies and never answers.
+
+A sidecar outage never raises into vLLM's scheduler: a ``Recv`` that cannot be sent at all
+fails its load at once (vLLM recomputes), a ``Hold`` that cannot be sent frees the blocks at
+once (no kv_transfer_params: the decode computes the prompt), heartbeat and drain errors
+are logged. Every message carries the wall-clock moment the engine gives up on it
+(``expires_unix``), so one queued while the sidecar was frozen is refused when it arrives
+late instead of reading into, or holding, blocks the engine has reused.
 """
 
 from __future__ import annotations
@@ -22,9 +29,14 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvxfer.client import RemoteBlocks, SidecarClient
+import zmq
+
+from kvxfer.client import Drained, RemoteBlocks, SidecarClient
 from kvxfer.connector.params import InvalidTransferParams, parse_remote
 from kvxfer.connector.settings import ConnectorSettings
+from kvxfer.errors import KvxferError
+
+SEND_ERRORS = (KvxferError, zmq.ZMQError)
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +49,7 @@ class StepPlan:
 
     recvs: dict[str, tuple[list[int], float]] = field(default_factory=dict)  # id -> (blocks, deadline)
     holds: dict[str, float] = field(default_factory=dict)  # id -> deadline
+    failed: dict[str, list[int]] = field(default_factory=dict)  # loads that could not be posted
 
 
 class SchedulerSide:
@@ -45,7 +58,7 @@ class SchedulerSide:
     ) -> None:
         self.settings = settings
         self.tp_size = tp_size
-        self.client = client or SidecarClient(settings.sidecar)
+        self.client = client or SidecarClient(settings.sidecar, send_queue=settings.send_queue)
         pong = self.client.ping(settings.sidecar_timeout_s)
         self.engine_id = pong.engine_id
         self.handshake_host = pong.handshake_host
@@ -100,22 +113,35 @@ class SchedulerSide:
         if len(local) > len(remote_ids):
             local = local[-len(remote_ids):]
         remote_ids = remote_ids[len(remote_ids) - len(local):]
+        give_up = self.settings.transfer_timeout_s + self.settings.grace_s
+        expires = time.time() + give_up
         for rank in range(self.tp_size):
-            self.client.recv(
-                request.request_id,
-                local,
-                RemoteBlocks(remote.engine_id, remote.host, remote.port, remote_ids, remote.tp_size,
-                             remote.req_id),
-                tp_rank=rank,
-                deadline_s=self.settings.transfer_timeout_s,
-                reply_to_rank=True,
-            )
-        deadline = time.monotonic() + self.settings.transfer_timeout_s + self.settings.grace_s
-        self._plan.recvs[request.request_id] = (local, deadline)
+            try:
+                self.client.recv(
+                    request.request_id,
+                    local,
+                    RemoteBlocks(remote.engine_id, remote.host, remote.port, remote_ids, remote.tp_size,
+                                 remote.req_id),
+                    tp_rank=rank,
+                    deadline_s=self.settings.transfer_timeout_s,
+                    reply_to_rank=True,
+                    expires_unix=expires,
+                )
+            except SEND_ERRORS as e:
+                log.warning("request %s: KV load not posted to the sidecar (rank %d): %s", request.request_id,
+                            rank, e)
+                if rank == 0:  # nothing was sent: fail the load now, vLLM recomputes
+                    self._plan.failed[request.request_id] = local
+                    return
+                break  # some ranks were sent: their deadlines settle it (expires_unix bounds them)
+        self._plan.recvs[request.request_id] = (local, time.monotonic() + give_up)
 
     def _release_remote(self, req_id: str, remote: RemoteBlocks) -> None:
-        for rank in range(self.tp_size):
-            self.client.recv(req_id, [], remote, tp_rank=rank)
+        try:
+            for rank in range(self.tp_size):
+                self.client.recv(req_id, [], remote, tp_rank=rank)
+        except SEND_ERRORS as e:  # the prefill's lease frees it
+            log.warning("request %s: release of the prefill blocks not sent: %s", req_id, e)
 
     # ---------------------------------------------------------------- prefill side
 
@@ -140,8 +166,15 @@ class SchedulerSide:
         status = getattr(request.status, "name", str(request.status))
         if status not in FINISHED_OK or not block_ids:
             return False, None  # aborted / errored prefill: free at once, nothing held
-        self.client.hold(req_id, block_ids, self.settings.lease_s, reads=self.tp_size, notify_ranks=True)
-        self._plan.holds[req_id] = time.monotonic() + self.settings.lease_s + self.settings.grace_s
+        give_up = self.settings.lease_s + self.settings.grace_s
+        try:
+            self.client.hold(req_id, block_ids, self.settings.lease_s, reads=self.tp_size, notify_ranks=True,
+                             expires_unix=time.time() + give_up)
+        except SEND_ERRORS as e:
+            log.warning("request %s: hold not sent to the sidecar (%s); freeing its blocks, the decode "
+                        "will compute the prompt", req_id, e)
+            return False, None
+        self._plan.holds[req_id] = time.monotonic() + give_up
         return True, {
             "do_remote_prefill": True,
             "do_remote_decode": False,
@@ -159,10 +192,14 @@ class SchedulerSide:
     def take_plan(self) -> StepPlan:
         """This step's additions for the workers; also drains what the sidecar told us."""
         now = time.monotonic()
-        if now >= self._next_heartbeat:
-            self._next_heartbeat = now + self.settings.heartbeat_s
-            self.client.heartbeat()
-        drained = self.client.poll()
+        try:
+            if now >= self._next_heartbeat:
+                self._next_heartbeat = now + self.settings.heartbeat_s
+                self.client.heartbeat()
+            drained = self.client.poll()
+        except SEND_ERRORS as e:
+            log.warning("sidecar %s: %s", self.settings.sidecar, e)
+            drained = Drained()
         for pong in drained.pongs:  # a restarted sidecar may listen on another port
             endpoint = (pong.handshake_host, pong.handshake_port)
             if endpoint != (self.handshake_host, self.handshake_port):

@@ -97,6 +97,9 @@ class WorkerSide:
         self._instance = ""
         self._next_heartbeat = 0.0
         self._last_pong = time.monotonic()
+        self._failed_now: dict[str, list[int]] = {}
+        self._reported_failed: set[str] = set()  # metadata can be bound twice in one step
+        self._registering = False  # a registration with a restarted sidecar is on its way
         # "kind:req id" -> (event, arrival): Done/Failed/Released that came before their bind()
         self._early: dict[str, tuple[Done | Failed | Released, float]] = {}
         self.early_ttl_s = settings.transfer_timeout_s + settings.lease_s + settings.grace_s
@@ -142,15 +145,28 @@ class WorkerSide:
                  self.registered.bytes_registered, self.settings.sidecar)
         return self.registered
 
-    def bind(self, recvs: dict[str, tuple[list[int], float]], holds: dict[str, float]) -> None:
-        """Record what the scheduler posted this step (from the connector metadata)."""
+    def bind(self, recvs: dict[str, tuple[list[int], float]], holds: dict[str, float],
+             failed: dict[str, list[int]] | None = None) -> None:
+        """Record what the scheduler posted this step (from the connector metadata); ``failed``
+        are loads it could not post at all (its sidecar did not take messages)."""
         self._recvs.update(recvs)
         self._holds.update(holds)
+        for req_id, blocks in (failed or {}).items():
+            if req_id not in self._failed_now and req_id not in self._reported_failed:
+                self._failed_now[req_id] = blocks
 
     def get_transfer_results(self) -> TransferResults:
         out = TransferResults()
         if self.client is None:
             return out
+        for req_id, blocks in self._failed_now.items():
+            log.warning("KV load of request %s was not posted (sidecar not taking messages); "
+                        "recomputing", req_id)
+            self._fail(out, req_id, blocks)
+            self._reported_failed.add(req_id)
+        self._failed_now.clear()
+        if len(self._reported_failed) > EARLY_MAX:
+            self._reported_failed.clear()
         now = time.monotonic()
         try:
             if now >= self._next_heartbeat:
@@ -161,10 +177,13 @@ class WorkerSide:
             log.warning("sidecar %s: %s", self.settings.sidecar, e)
             ev = Drained()
         if any(p.instance and p.instance != self._instance for p in ev.pongs):
-            self._sidecar_restarted(out)
+            self._sidecar_restarted(out, ev.pongs)
             return out
         if ev.pongs:
             self._last_pong = now
+        for reg in ev.registered:
+            self.registered, self._instance, self._registering = reg, reg.agent_name, False
+            log.info("rank %d re-registered with sidecar %s", self.tp_rank, self.settings.sidecar)
         self._apply_early(out, now)
         for event in [*ev.done, *ev.failed, *ev.released]:
             if not self._apply(out, event):
@@ -211,7 +230,7 @@ class WorkerSide:
             if self._apply(out, event) or now - arrived > self.early_ttl_s:
                 del self._early[key]
 
-    def _sidecar_restarted(self, out: TransferResults) -> None:
+    def _sidecar_restarted(self, out: TransferResults, pongs: list[Any]) -> None:
         """A new sidecar answers on our socket: everything the old one held is gone."""
         log.warning("sidecar %s restarted: failing %d loads, freeing %d holds, re-registering",
                     self.settings.sidecar, len(self._recvs), len(self._holds))
@@ -223,11 +242,15 @@ class WorkerSide:
         self._holds.clear()
         assert self.client is not None
         assert self._registration is not None
+        # Never block the engine step on it: the answer comes back through poll(). Until it
+        # does, the sidecar refuses this rank's loads (not_registered) and vLLM recomputes.
+        new_instance = next((p.instance for p in reversed(pongs) if p.instance), "")
         try:
-            self.registered = self.client.register(self._registration, self.settings.sidecar_timeout_s)
-            self._instance = self.registered.agent_name
-        except Exception as e:  # keep the engine running; loads fail until it comes back
-            log.error("re-registration with the restarted sidecar failed: %s", e)
+            self.client.register_nowait(self._registration)
+            self._registering = True
+            self._instance = new_instance  # do not treat the same restart twice
+        except KvxferError as e:
+            log.error("re-registration with the restarted sidecar not sent: %s", e)
 
     def _fail(self, out: TransferResults, req_id: str, blocks: list[int]) -> None:
         out.finished_recving.add(req_id)
