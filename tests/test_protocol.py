@@ -25,14 +25,14 @@ MESSAGES: dict[str, tuple[object, str]] = {
         ),
     ),
     "unregister": (p.Unregister(tp_rank=1), "92aa756e726567697374657201"),
-    "hold": (p.Hold(req_id="r1", block_ids=[1, 2, 3], lease_s=2.5, reads=2), "96a4686f6c64a2723193010203cb400400000000000002c2"),
+    "hold": (p.Hold(req_id="r1", block_ids=[1, 2, 3], lease_s=2.5, reads=2), "97a4686f6c64a2723193010203cb400400000000000002c2cb0000000000000000"),
     "release": (p.Release(req_id="r1"), "92a772656c65617365a27231"),
     "recv": (
         p.Recv(req_id="r1", block_ids=[4, 5], remote_engine_id="P", remote_host="10.0.0.1",
                remote_port=5700, remote_block_ids=[1, 2]),
         (
-            "9ca472656376a27231920405a150a831302e302e302e31cd16449201020100a0cb00000000000000"
-            "00c2"
+            "9da472656376a27231920405a150a831302e302e302e31cd16449201020100a0cb00000000000000"
+            "00c2cb0000000000000000"
         ),
     ),
     "ping": (p.Ping(seq=7), "92a470696e6707"),
