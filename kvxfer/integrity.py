@@ -15,13 +15,16 @@ VRAM. It detects any single changed word (odd weights), moved or swapped runs (w
 depend on position) and missing bytes (the length is part of it); it is a check against
 bugs and corruption, not a MAC.
 
-Pure planning (``digest_items``) needs no torch; ``digest`` imports it when first used.
+Pure planning (``digest_items``) and host-memory digests need no torch (the sidecar never
+imports it for DRAM: 2-3 s on first use); VRAM digests import it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from typing import Any
+
+import numpy as np
 
 from kvxfer.protocol import DigestItem
 from kvxfer.topology import BlockPairing, RankPlan
@@ -54,37 +57,67 @@ def digest_items(
 
 
 def digest(region_views: Sequence[Any], items: Sequence[DigestItem]) -> str:
-    """Digest of ``items`` over ``region_views`` (uint8 tensors ``[num_blocks, block_len]``,
-    one per region, on any device)."""
-    import torch
-
+    """Digest of ``items`` over ``region_views``: uint8 ``[num_blocks, block_len]`` numpy
+    arrays (host memory: no torch import in the sidecar) or torch tensors (VRAM); both give
+    the same value for the same bytes (wrapping 64-bit arithmetic, order-independent)."""
     acc = 0
     pos = 0
     for item in items:
-        if not region_views:
-            break
-        dev = region_views[0].device
-        rows = torch.as_tensor(list(item.blocks), dtype=torch.long, device=dev)
-        whole = len(item.runs) == 1 and item.runs[0][0] == 0 and item.runs[0][1] == region_views[0].shape[1]
-        cols = None if whole else torch.cat(
-            [torch.arange(off, off + n, device=dev) for off, n in item.runs])
-        data = torch.stack([v.index_select(0, rows) for v in region_views])  # [regions, blocks, len]
-        if cols is not None:
-            data = data.index_select(2, cols)
-        flat = data.reshape(-1)
-        if flat.numel() % 8:
-            flat = torch.cat([flat, flat.new_zeros(8 - flat.numel() % 8)])
-        words = flat.view(torch.int64)
-        w = torch.arange(pos, pos + words.numel(), dtype=torch.int64, device=dev)
-        w.mul_(_C1).add_(_C2).bitwise_or_(1)  # odd, position-dependent weights
-        acc = (acc + int(w.mul_(words).sum().item())) & _MASK
-        pos += words.numel()
+        for view in region_views:
+            words = _words(view, item)
+            n = int(words.shape[0])
+            acc = (acc + _weighted_sum(words, pos)) & _MASK
+            pos += n
     return f"{acc:016x}:{pos}"
+
+
+def _words(view: Any, item: DigestItem) -> Any:
+    """The item's bytes of one region as 64-bit words (zero-padded to a multiple of 8)."""
+    if isinstance(view, np.ndarray):
+        data = view[np.asarray(item.blocks, dtype=np.int64)]
+        if not (len(item.runs) == 1 and item.runs[0][0] == 0 and item.runs[0][1] == view.shape[1]):
+            data = np.concatenate([data[:, off:off + n] for off, n in item.runs], axis=1)
+        flat = np.ascontiguousarray(data).reshape(-1)
+        if flat.size % 8:
+            flat = np.concatenate([flat, np.zeros(8 - flat.size % 8, dtype=np.uint8)])
+        return flat.view(np.uint64)
+    import torch
+
+    rows = torch.as_tensor(list(item.blocks), dtype=torch.long, device=view.device)
+    data = view.index_select(0, rows)
+    if not (len(item.runs) == 1 and item.runs[0][0] == 0 and item.runs[0][1] == view.shape[1]):
+        data = torch.cat([data[:, off:off + n] for off, n in item.runs], dim=1)
+    flat = data.reshape(-1)
+    if flat.numel() % 8:
+        flat = torch.cat([flat, flat.new_zeros(8 - flat.numel() % 8)])
+    return flat.view(torch.int64)
+
+
+def _weighted_sum(words: Any, pos: int) -> int:
+    """sum(word * odd position-dependent weight) mod 2**64."""
+    n = int(words.shape[0])
+    if isinstance(words, np.ndarray):
+        with np.errstate(over="ignore"):
+            w = np.arange(pos, pos + n, dtype=np.uint64)
+            w *= np.uint64(_C1 & _MASK)
+            w += np.uint64(_C2)
+            w |= np.uint64(1)
+            w *= words
+            return int(w.sum(dtype=np.uint64))
+    import torch
+
+    w = torch.arange(pos, pos + n, dtype=torch.int64, device=words.device)
+    w.mul_(_C1).add_(_C2).bitwise_or_(1)
+    return int(w.mul_(words).sum().item()) & _MASK
 
 
 def region_view(
     base: Any, base_addr: int, addr: int, num_blocks: int, block_len: int, block_stride: int
 ) -> Any:
-    """uint8 ``[num_blocks, block_len]`` view of a region inside a mapped memory tensor."""
+    """uint8 ``[num_blocks, block_len]`` view of a region inside mapped memory (a numpy array
+    over host memory or a torch tensor over VRAM starting at ``base_addr``)."""
+    if isinstance(base, np.ndarray):
+        return np.lib.stride_tricks.as_strided(base[addr - base_addr:], (num_blocks, block_len),
+                                               (block_stride, 1), writeable=False)
     offset = base.storage_offset() + addr - base_addr
     return base.as_strided((num_blocks, block_len), (block_stride, 1), offset)

@@ -169,16 +169,17 @@ class Mapping:
     _keep: list[Any] = field(default_factory=list, repr=False)
 
     def as_tensor(self) -> Any:
-        """A torch uint8 tensor over the whole mapping (host or VRAM), for digests."""
-        import torch
-
+        """The whole mapping as uint8, for digests: a numpy array over host memory, a torch
+        tensor over VRAM."""
         if self.mem_type == "VRAM":
+            import torch
+
             storage = self._keep[0]
             return torch.empty(0, dtype=torch.uint8, device=f"cuda:{self.device_id}").set_(
                 storage, 0, (self.size,), (1,))
         import ctypes
 
-        return torch.frombuffer((ctypes.c_uint8 * self.size).from_address(self.addr), dtype=torch.uint8)
+        return np.ctypeslib.as_array((ctypes.c_uint8 * self.size).from_address(self.addr))
 
     def close(self) -> None:
         keep, self._keep = self._keep, []

@@ -29,7 +29,10 @@ class Notifier:
         if not self.address:
             return
         with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as s, contextlib.suppress(OSError):
-            s.sendto("\n".join(lines).encode(), self.address)  # OSError: systemd gone
+            # Never block the event loop: a notify socket nobody reads (a stalled PID 1, a
+            # test harness that stopped listening) filled up and froze every transfer.
+            s.setblocking(False)
+            s.sendto("\n".join(lines).encode(), self.address)  # OSError: systemd gone or full
 
     def ready(self, status: str) -> None:
         self.notify("READY=1", f"STATUS={status}", f"MAINPID={os.getpid()}")

@@ -487,7 +487,11 @@ def test_read_stuck_exits_without_teardown(monkeypatch: pytest.MonkeyPatch) -> N
 
     monkeypatch.setattr(sc_mod.os, "_exit", fake_exit)
     sidecar = sc_mod.Sidecar(Config(engine_socket="ipc:///tmp/kvx-stuck-unit.sock"))
-    with pytest.raises(Exited):
-        sidecar._on_nixl_event(ReadStuck("r", "peer", 21.0))
-    assert calls == [3]
-    assert not sidecar._stop.is_set()  # no graceful stop was started
+    try:
+        with pytest.raises(Exited):
+            sidecar._on_nixl_event(ReadStuck("r", "peer", 21.0))
+        assert calls == [3]
+        assert not sidecar._stop.is_set()  # no graceful stop was started
+    finally:
+        sidecar.ctx.term()
+        sidecar.dial_ctx.term()

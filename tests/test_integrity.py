@@ -43,6 +43,16 @@ def test_digest_detects_a_flipped_byte_swapped_blocks_and_missing_bytes() -> Non
     assert digest(v, runs) == d0
 
 
+def test_host_and_torch_digests_agree() -> None:
+    """Host memory is digested with numpy (no torch in the sidecar), VRAM with torch: the
+    same bytes must give the same digest on both paths (a prefill on one, a decode on the
+    other would otherwise always mismatch)."""
+    v = views(seed=3)
+    split = [DigestItem(blocks=[4, 1], runs=[[3, 7], [40, 13]]), DigestItem(blocks=[2], runs=[[0, 9]])]
+    for items in ([DigestItem(blocks=[0, 5, 2], runs=[[0, 64]])], split):
+        assert digest(v, items) == digest([t.numpy() for t in v], items)
+
+
 def test_digest_items_pair_local_and_remote_bytes_across_tp_and_block_sizes() -> None:
     local = make_layout(layers=1, num_blocks=8, block_size=8, heads=4, head_dim=4, tp_rank=1, tp_size=2,
                         head_layout="HND")

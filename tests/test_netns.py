@@ -138,7 +138,7 @@ def test_link_down_for_good_the_decode_sidecar_fences_by_exiting(
             ip("-n", NS_D, "link", "set", VETH_D, "up")
         print(f"\nlink cut for good: decode sidecar exited {code} after {took:.2f}s")
         assert code == 3
-        assert 1.5 + 3 <= took < 1.5 + 3 + 5
+        assert 1.5 + 3 - 0.1 <= took < 1.5 + 3 + 5  # t0 is taken ~50 ms into the read
         assert "no late write can land" in ds.log()
         # The supervisor's restart: same engine socket, the engine re-registers, bytes move.
         ds2 = start_decode(sidecars, "ns2")
