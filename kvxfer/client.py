@@ -49,6 +49,7 @@ class RemoteBlocks:
     block_ids: Sequence[int]
     tp_size: int = 1
     req_id: str = ""
+    generation: str = ""  # the prefill sidecar's registration generation (kv_transfer_params)
 
 
 @dataclass
@@ -180,6 +181,7 @@ class SidecarClient:
                 deadline_s=deadline_s,
                 reply_to_rank=reply_to_rank,
                 expires_unix=expires_unix,
+                remote_generation=remote.generation,
             )
         )
 

@@ -67,6 +67,8 @@ class Peer:
     bytes: int = 0
     failures: int = 0
     verified: bool = False  # a read from it was integrity-checked (--verify-sample)
+    generation: str = ""  # its registrations when it answered (Welcome.generation)
+    stale: bool = False  # handshake again before the next read (a read failed, ranks missing)
 
 
 class PeersMixin:
@@ -83,6 +85,7 @@ class PeersMixin:
     peers: dict[str, Peer]
     secret: bytes  # empty: no handshake authentication
     leases: LeaseTable
+    generation: str
     replay_guard: ReplayGuard
     _handshakes: dict[str, asyncio.Future[Peer]]
 
@@ -91,11 +94,23 @@ class PeersMixin:
 
     # ---------------------------------------------------------------- dialer
 
+    async def current_peer(self, host: str, port: int, generation: str = "") -> Peer:
+        """The peer at host:port, handshaked again when the request names a registration
+        generation the cached one does not have (the prefill sidecar restarted on the same
+        endpoint, or its engine re-registered: its cached memory descriptions are stale)."""
+        peer = await self.get_peer(host, port)
+        if generation and peer.generation and peer.generation != generation:
+            log.info("peer %s:%d is now generation %s (cached %s): handshaking again", host, port,
+                     generation, peer.generation)
+            peer.stale = True
+            peer = await self.get_peer(host, port)
+        return peer
+
     async def get_peer(self, host: str, port: int) -> Peer:
         """The peer at host:port, handshaking once however many requests ask at once."""
         key = f"{host}:{port}"
         peer = self.peers.get(key)
-        if peer is not None:
+        if peer is not None and not peer.stale:
             return peer
         fut = self._handshakes.get(key)
         if fut is None:
@@ -155,7 +170,13 @@ class PeersMixin:
                 raise RequestError(ErrorCode.UNAUTHORIZED, f"{key} cannot prove it holds the shared secret")
             for info in reply.ranks:
                 validate_rank_info(info)
-            await self._nixl(self.transfer.t_add_peer, reply.agent_name, frames[1], reply.ranks)
+            cached = self.peers.get(key)
+            if (cached is not None and cached.agent_name == reply.agent_name and reply.generation
+                    and cached.generation == reply.generation and len(cached.ranks) == len(reply.ranks)):
+                pass  # the same registrations: keep NIXL's state (reads in flight go on)
+            else:
+                reload = cached is not None and cached.agent_name == reply.agent_name
+                await self._nixl(self.transfer.t_add_peer, reply.agent_name, frames[1], reply.ranks, reload)
         except RequestError as e:
             self.observer.handshake(key, False, time.monotonic() - start, e.reason)
             raise
@@ -169,7 +190,12 @@ class PeersMixin:
             ranks={r.layout.tp_rank: r for r in reply.ranks},
             handshake_s=took,
             connected_unix=time.time(),
+            generation=reply.generation,
         )
+        old = self.peers.get(key)
+        if old is not None and old.agent_name == peer.agent_name:
+            peer.reads, peer.bytes, peer.failures = old.reads, old.bytes, old.failures
+            peer.verified = old.verified
         self.peers[key] = peer
         self.observer.handshake(key, True, took)
         log.info("handshake with %s (%s) in %.1f ms", key, peer.engine_id, took * 1e3)
@@ -261,6 +287,7 @@ class PeersMixin:
             engine_id=self.engine_id,
             agent_name=self.agent_name,
             ranks=[self.ranks[r] for r in sorted(self.ranks)],
+            generation=self.generation,
         )
         if self.secret:
             welcome = sign_welcome(self.secret, welcome, hello.nonce, metadata)

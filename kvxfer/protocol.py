@@ -218,6 +218,10 @@ class Recv(_Msg, tag="recv"):
     # Wall clock (same host) after which the engine gives up on this load (and may reuse or
     # recompute its blocks): a Recv that reaches a sidecar later is refused, never read.
     expires_unix: Annotated[float, Meta(ge=0)] = 0.0
+    # The prefill sidecar's registration generation when the blocks were held (from
+    # kv_transfer_params): a cached peer of another generation is handshaked again first,
+    # and a prefill that re-registered since then fails the load instead of a stale read.
+    remote_generation: str = ""
 
 
 class Ping(_Msg, tag="ping"):
@@ -272,6 +276,7 @@ class Pong(_Msg, tag="pong"):
     handshake_host: str
     handshake_port: NonNeg
     instance: str = ""  # the sidecar's agent name: changes when the sidecar restarts
+    generation: str = ""  # changes when the sidecar restarts or a registration is replaced or removed
 
 
 SidecarEvent = Registered | Done | Failed | Released | Error | Pong
@@ -338,6 +343,7 @@ class Welcome(_Msg, tag="welcome"):
     agent_name: str
     ranks: list[RankInfo]
     mac: str = ""  # with a shared secret: proves the answer comes from a holder of it
+    generation: str = ""  # the registrations these ranks describe (Pong.generation)
 
 
 class Refused(_Msg, tag="refused"):

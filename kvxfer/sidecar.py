@@ -139,6 +139,7 @@ class Sidecar(PeersMixin):
         self.peers: dict[str, Peer] = {}  # by handshake endpoint "host:port"
         self._handshakes: dict[str, asyncio.Future[Peer]] = {}
         self._receives_done = 0  # successful reads so far (1 in verify_sample is checked)
+        self._generation = 0  # bumped when a registration is replaced or removed
         self._tasks: set[asyncio.Task[Any]] = set()
         self._stop = asyncio.Event()
         self._lease_wakeup = asyncio.Event()
@@ -351,6 +352,7 @@ class Sidecar(PeersMixin):
                 await self._nixl(self.transfer.t_unregister, rank)
                 self.ranks.pop(rank, None)
                 self.rank_owner.pop(rank, None)
+                self._generation += 1
 
     def _pong(self, seq: int) -> Pong:
         return Pong(
@@ -360,7 +362,15 @@ class Sidecar(PeersMixin):
             handshake_host=self.config.resolved_advertise_host,
             handshake_port=self.handshake_port,
             instance=self.agent_name,
+            generation=self.generation,
         )
+
+    @property
+    def generation(self) -> str:
+        """Changes when this sidecar restarts (new agent) or a registration is replaced or
+        removed (its memory may be gone): held blocks are only valid in their generation.
+        A rank registered for the first time does not change it."""
+        return f"{self.agent_name}/{self._generation}"
 
     async def _on_register(self, ident: bytes, msg: RegisterKV) -> None:
         try:
@@ -385,6 +395,8 @@ class Sidecar(PeersMixin):
             log.exception("registration failed")
             self._send(ident, Error(code=ErrorCode.MEMORY_MAP_FAILED, message=repr(e)))
             return
+        if lay.tp_rank in self.ranks:
+            self._generation += 1  # its old memory is gone: reads planned against it are stale
         self.ranks[lay.tp_rank] = info
         self.rank_owner[lay.tp_rank] = ident
         self.rank_pid[lay.tp_rank] = (msg.pid, _start_time(msg.pid))
@@ -474,11 +486,24 @@ class Sidecar(PeersMixin):
         state = self.recvs[key]
         try:
             peer = await asyncio.wait_for(
-                self.get_peer(msg.remote_host, msg.remote_port), timeout=deadline_s
+                self.current_peer(msg.remote_host, msg.remote_port, msg.remote_generation),
+                timeout=deadline_s,
             )
             if self.recvs.get(key) is not state:
                 return  # cancelled or failed while the handshake ran
-            plans, pairing = self._plan(msg, peer)
+            if msg.remote_generation and peer.generation and peer.generation != msg.remote_generation:
+                raise RequestError(ErrorCode.INCOMPATIBLE, f"the prefill sidecar re-registered since "
+                                   f"these blocks were held (generation {msg.remote_generation}, now "
+                                   f"{peer.generation}); not reading stale memory")
+            try:
+                plans, pairing = self._plan(msg, peer)
+            except RequestError as e:
+                if e.code != ErrorCode.NOT_REGISTERED:
+                    raise
+                peer.stale = True  # handshaked while some ranks were missing: ask again once
+                peer = await asyncio.wait_for(self.get_peer(msg.remote_host, msg.remote_port),
+                                              timeout=deadline_s)
+                plans, pairing = self._plan(msg, peer)
             state.peer_agent = peer.agent_name
             if not msg.block_ids:
                 # Nothing to read (full prefix hit / abort): just release the prefill side.
@@ -632,6 +657,7 @@ class Sidecar(PeersMixin):
             self.observer.transfer_failed(msg.req_id, state.peer, msg.tp_rank, err.code, err.reason)
             if peer is not None:
                 peer.failures += 1
+                peer.stale = True  # any failed read: handshake again before the next one
             self._fail(state.owner, msg.req_id, list(msg.block_ids), err)
         self._gauges()
         if event.code == ErrorCode.PEER_DISCONNECTED:
@@ -774,6 +800,7 @@ class Sidecar(PeersMixin):
                     self._finish_recv_error(key, RequestError(ErrorCode.NOT_REGISTERED, reason))
         await self._nixl(self.transfer.t_unregister, rank)
         self.ranks.pop(rank, None)
+        self._generation += 1
         for path in self.rank_files.pop(rank, []):  # the dead engine cannot remove them
             with contextlib.suppress(OSError):
                 os.unlink(path)

@@ -378,7 +378,7 @@ class TransferEngine:
         self._after_settled({r.req_id for r in self._reads.values() if r.local_rank == rank}, release)
         return True
 
-    def t_add_peer(self, name: str, metadata: bytes, ranks: list[RankInfo]) -> str:
+    def t_add_peer(self, name: str, metadata: bytes, ranks: list[RankInfo], reload: bool = False) -> str:
         """Load a peer's agent metadata; descriptor lists are prepared per plan on first use.
 
         Agent names carry a per-process nonce, so a restarted peer arrives under a new
@@ -386,7 +386,14 @@ class TransferEngine:
         """
         agent = self._agent
         if name in self._peers:
-            self.t_remove_peer(name, "peer metadata replaced")
+            # Not "disconnected": the loop would drop the peer it is handshaking right now.
+            self.t_remove_peer(name, "peer metadata replaced", ErrorCode.TRANSFER_ERROR)
+        if reload and any(d.peer == name for d in self._deferred):
+            # Its registrations changed (new memory, new keys): the new metadata must be
+            # loaded, which NIXL allows only once the old entry is removed, and that waits
+            # until the reads against it settled. Refuse this time; the next request retries.
+            raise RequestError(ErrorCode.TRANSFER_ERROR, f"peer {name} re-registered while reads of its "
+                               "old registrations still settle; try again")
         if any(d.peer == name for d in self._deferred):
             # The same process again, still loaded while reads of its old entry settle:
             # keep it loaded (its old descriptor lists are still released later).
@@ -401,10 +408,10 @@ class TransferEngine:
         self._peers[name] = _Peer(name, {info.layout.tp_rank: info for info in ranks})
         return name
 
-    def t_remove_peer(self, name: str, reason: str) -> bool:
+    def t_remove_peer(self, name: str, reason: str, code: str = ErrorCode.PEER_DISCONNECTED) -> bool:
         peer = self._peers.pop(name, None)
         for rd in [r for r in self._reads.values() if r.peer == name]:
-            self._fail(rd, ErrorCode.PEER_DISCONNECTED, reason)
+            self._fail(rd, code, reason)
         pairs = self._take_pairs(lambda key: key[0] == name)
         settling = {r.req_id for r in self._reads.values() if r.peer == name}
         self._after_settled(settling, lambda: self._release_pairs(pairs))

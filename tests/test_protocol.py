@@ -31,8 +31,8 @@ MESSAGES: dict[str, tuple[object, str]] = {
         p.Recv(req_id="r1", block_ids=[4, 5], remote_engine_id="P", remote_host="10.0.0.1",
                remote_port=5700, remote_block_ids=[1, 2]),
         (
-            "9da472656376a27231920405a150a831302e302e302e31cd16449201020100a0cb00000000000000"
-            "00c2cb0000000000000000"
+            "9ea472656376a27231920405a150a831302e302e302e31cd16449201020100a0cb00000000000000"
+            "00c2cb0000000000000000a0"
         ),
     ),
     "ping": (p.Ping(seq=7), "92a470696e6707"),
@@ -45,14 +45,14 @@ MESSAGES: dict[str, tuple[object, str]] = {
     "failed": (p.Failed(req_id="r1", block_ids=[4, 5], code="deadline", reason="late"), "95a66661696c6564a27231920405a8646561646c696e65a46c617465"),
     "released": (p.Released(req_id="r1", reason="read", reads=1), "94a872656c6561736564a27231a47265616401"),
     "error": (p.Error(code="malformed", message="bad", req_id="r1"), "94a56572726f72a96d616c666f726d6564a3626164a27231"),
-    "pong": (p.Pong(seq=7, engine_id="D", version=1, handshake_host="h", handshake_port=1), "97a4706f6e6707a14401a16801a0"),
+    "pong": (p.Pong(seq=7, engine_id="D", version=1, handshake_host="h", handshake_port=1), "98a4706f6e6707a14401a16801a0a0"),
     "hello": (p.Hello(version=1, compat_hash="abcd", engine_id="D", agent_name="a"), "99a568656c6c6f01a461626364a144a161a0cb0000000000000000a0a0"),
     "welcome": (
         p.Welcome(version=1, compat_hash="abcd", engine_id="P", agent_name="b",
                   ranks=[p.RankInfo(layout=LAYOUT, regions=[p.RemoteRegion(addr=4096, block_len=64, block_stride=64)])]),
         (
-            "97a777656c636f6d6501a461626364a150a1629194a472616e6b9fa66c61796f7574020a100808cc"
-            "80a862666c6f6174313602c2a34e48440001a0a09195a772726567696f6ecd1000404000a44452414da0"
+            "98a777656c636f6d6501a461626364a150a1629194a472616e6b9fa66c61796f7574020a100808cc"
+            "80a862666c6f6174313602c2a34e48440001a0a09195a772726567696f6ecd1000404000a44452414da0a0"
         ),
     ),
     "refused": (p.Refused(version=1, code="incompatible", reason="no"), "94a77265667573656401ac696e636f6d70617469626c65a26e6f"),

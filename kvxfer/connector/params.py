@@ -3,7 +3,8 @@
 Field names are vLLM's (``do_remote_prefill``, ``do_remote_decode``, ``remote_engine_id``,
 ``remote_request_id``, ``remote_block_ids``, ``remote_host``, ``remote_port``, ``tp_size``),
 so vLLM's toy proxy and llm-d's routing sidecar pass them through unchanged. Host and port
-name the prefill *sidecar's* handshake endpoint.
+name the prefill *sidecar's* handshake endpoint. kvxfer adds ``remote_generation`` (the
+prefill sidecar's registration generation when the blocks were held; optional).
 """
 
 from __future__ import annotations
@@ -56,6 +57,9 @@ def parse_remote(params: Mapping[str, Any]) -> RemoteBlocks:
     req_id = params.get("remote_request_id") or ""
     if not isinstance(req_id, str):
         raise InvalidTransferParams("remote_request_id must be a string")
+    generation = params.get("remote_generation") or ""
+    if not isinstance(generation, str):
+        raise InvalidTransferParams("remote_generation must be a string")
     return RemoteBlocks(
         engine_id=params["remote_engine_id"],
         host=params["remote_host"],
@@ -63,4 +67,5 @@ def parse_remote(params: Mapping[str, Any]) -> RemoteBlocks:
         block_ids=_block_ids(params["remote_block_ids"]),
         tp_size=_int(params, "tp_size", 1) if "tp_size" in params else 1,
         req_id=req_id,
+        generation=generation,
     )
