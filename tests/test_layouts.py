@@ -178,7 +178,7 @@ def small(kind: str, **kw: object) -> DemoOptions:
 
 
 def check(res: dict, opts: DemoOptions) -> None:
-    assert res["problems"] == []
+    assert res["problems"] == [], "\n".join(res["problems"])  # with the sidecars' log tails
     assert res["verified"] is True
     # every byte of K and V, per block, crossed NIXL: not half of a fused block
     assert res["bytes"] == opts.requests * opts.request_bytes()
