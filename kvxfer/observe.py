@@ -79,6 +79,9 @@ class Observer:
                                        buckets=TIME_BUCKETS, registry=r)
         self.m_bad = Counter("kvxfer_bad_messages", "Messages refused as malformed or unknown.",
                              ["socket"], registry=r)
+        self.m_stray = Counter("kvxfer_stray_notices", "Read notices from peers that match no held "
+                               "lease, by kind: expired_lease (a read started after the lease "
+                               "ran out), unknown, malformed.", ["kind"], registry=r)
         self.m_integrity = Counter("kvxfer_integrity_checks", "Sampled receives whose bytes were "
                                    "digested on both sides (--verify-sample), by result: ok, "
                                    "mismatch, unverified (no answer from the prefill).", ["result"],
@@ -136,6 +139,16 @@ class Observer:
         self.m_transfers.labels("failed").inc()
         self.m_failures.labels(code).inc()
         self.emit(Event("transfer_failed", req_id, peer, code=code, reason=reason, tp_rank=rank))
+
+    def stray_notice(self, peer: str, req_id: str, kind: str) -> None:
+        self.totals.stray_notices += 1
+        self.m_stray.labels(kind).inc()
+        self.emit(Event("stray_notice", req_id, peer, code=kind))
+        if kind == "expired_lease":
+            log.warning("peer %s started reading request %s after its lease expired: its blocks "
+                        "may have been reused", peer, req_id)
+        else:
+            log.info("stray read notice (%s) for %r from %s", kind, req_id, peer)
 
     def integrity_checked(self, result: str, seconds: float) -> None:
         self.totals.integrity_checks += 1

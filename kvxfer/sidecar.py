@@ -725,16 +725,18 @@ class Sidecar(PeersMixin):
         try:
             notice = read_notice_decoder.decode(event.payload)
         except DECODE_ERRORS:
-            self.observer.totals.stray_notices += 1
+            self.observer.stray_notice(event.agent, "", "malformed")
             return
         if notice.reading_s > 0:
             if self.leases.extend(notice.req_id, time.monotonic() + notice.reading_s + 1.0):
                 self._lease_wakeup.set()
+            else:
+                self.observer.stray_notice(event.agent, notice.req_id, "expired_lease")
             return
         lease = self.leases.note_read(notice.req_id, notice.tp_rank, notice.readers)
         if lease is None:
             if notice.req_id not in self.leases:
-                self.observer.totals.stray_notices += 1
+                self.observer.stray_notice(event.agent, notice.req_id, "unknown")
             return
         self._release(lease, "read" if notice.ok else "aborted")
 

@@ -308,3 +308,30 @@ def test_requests_that_arrive_after_the_engine_gave_up_are_refused(pd: PD) -> No
     got = wait_for(pd.d.client, lambda a: bool(a.done or a.failed))
     assert got.done
     wait_for(pd.p.client, lambda a: bool(a.released))
+
+
+def test_a_read_started_after_the_lease_expired_is_counted_and_reported(pd: PD) -> None:
+    """Until the prefill can refuse such a read (#16), it is at least visible: a metric, an
+    event and a warning naming the reader."""
+    import grpc
+
+    from kvxfer.control.v1 import control_pb2 as pb
+    from kvxfer.control.v1 import control_pb2_grpc as pb_grpc
+
+    events = pb_grpc.ControlStub(grpc.insecure_channel(pd.prefill.control)).WatchEvents(
+        pb.WatchEventsRequest(kinds=["stray_notice"]), timeout=20)
+    pb_, db = pd.p.allocate(1), pd.d.allocate(1)
+    pd.p.client.hold("too-late", pb_, lease_s=0.2)
+    assert wait_for(pd.p.client, lambda a: bool(a.released)).released[0].reason == "expired"
+    pd.d.client.recv("too-late", db, remote(pd, pb_))
+    wait_for(pd.d.client, lambda a: bool(a.done or a.failed))
+    kinds = set()
+    for ev in events:
+        kinds.add(ev.code)
+        if {"expired_lease", "unknown"} <= kinds:
+            break
+    events.cancel()
+    assert ev.request_id == "too-late"
+    assert "after its lease expired" in pd.prefill.log()
+    pd.p.free(pb_)
+    pd.d.free(db)
