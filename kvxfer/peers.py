@@ -304,12 +304,21 @@ class PeersMixin:
         if lease is None:
             raise RequestError(ErrorCode.UNKNOWN_REQUEST, "no blocks held for this request (lease over?)")
         held = set(lease.block_ids)
+        if len({r.rank for r in req.ranks}) != len(req.ranks) or len(req.ranks) > len(self.ranks):
+            raise RequestError(ErrorCode.MALFORMED, "each registered rank at most once")
         digests = []
         for r in req.ranks:
             if any(b not in held for item in r.items for b in item.blocks):
                 raise RequestError(ErrorCode.BLOCK_OUT_OF_RANGE, "digest of blocks the request does not hold")
             if any(len(run) != 2 or run[1] <= 0 for item in r.items for run in item.runs):
                 raise RequestError(ErrorCode.MALFORMED, "a digest run is [offset, length > 0]")
+            # Bounded work: no more than a read of the held blocks could ask for (each block
+            # once per block-size sub-position, each item's runs within one block).
+            info = self.ranks.get(r.rank)
+            block_len = info.regions[0].block_len if info is not None and info.regions else 0
+            if (sum(len(item.blocks) for item in r.items) > 16 * len(held)
+                    or any(sum(n for _, n in item.runs) > block_len for item in r.items)):
+                raise RequestError(ErrorCode.MALFORMED, "digest request larger than the held blocks")
             digests.append(await self._nixl(self.transfer.t_digest, r.rank, r.items))
         return DigestReply(req_id=req.req_id, digests=digests)
 

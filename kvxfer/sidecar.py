@@ -373,6 +373,8 @@ class Sidecar(PeersMixin):
         return f"{self.agent_name}/{self._generation}"
 
     async def _on_register(self, ident: bytes, msg: RegisterKV) -> None:
+        replacing = False
+        lay = msg.layout
         try:
             validate_registration(msg)
             lay = msg.layout
@@ -387,13 +389,17 @@ class Sidecar(PeersMixin):
                     raise RequestError(ErrorCode.INVALID_LAYOUT, "tp_size differs between ranks")
                 if other.layout.model_signature() != lay.model_signature():
                     raise RequestError(ErrorCode.INVALID_LAYOUT, "model layout differs between ranks")
+            replacing = True  # t_register drops the rank's old memory before mapping the new
             info: RankInfo = await self._nixl(self.transfer.t_register, msg)
-        except RequestError as e:
-            self._send(ident, Error(code=e.code, message=e.reason))
-            return
         except Exception as e:
-            log.exception("registration failed")
-            self._send(ident, Error(code=ErrorCode.MEMORY_MAP_FAILED, message=repr(e)))
+            if not isinstance(e, RequestError):
+                log.exception("registration failed")
+                e = RequestError(ErrorCode.MEMORY_MAP_FAILED, repr(e))
+            if replacing and lay.tp_rank in self.ranks:  # its old memory is gone too: stop advertising it
+                for table in (self.ranks, self.rank_owner, self.rank_pid, self.rank_files):
+                    table.pop(lay.tp_rank, None)
+                self._generation += 1
+            self._send(ident, Error(code=e.code, message=e.reason))
             return
         if lay.tp_rank in self.ranks:
             self._generation += 1  # its old memory is gone: reads planned against it are stale
@@ -491,10 +497,7 @@ class Sidecar(PeersMixin):
             )
             if self.recvs.get(key) is not state:
                 return  # cancelled or failed while the handshake ran
-            if msg.remote_generation and peer.generation and peer.generation != msg.remote_generation:
-                raise RequestError(ErrorCode.INCOMPATIBLE, f"the prefill sidecar re-registered since "
-                                   f"these blocks were held (generation {msg.remote_generation}, now "
-                                   f"{peer.generation}); not reading stale memory")
+            self._check_generation(msg, peer)
             try:
                 plans, pairing = self._plan(msg, peer)
             except RequestError as e:
@@ -503,6 +506,9 @@ class Sidecar(PeersMixin):
                 peer.stale = True  # handshaked while some ranks were missing: ask again once
                 peer = await asyncio.wait_for(self.get_peer(msg.remote_host, msg.remote_port),
                                               timeout=deadline_s)
+                if self.recvs.get(key) is not state:
+                    return  # cancelled (and reported) while it handshaked again: never read
+                self._check_generation(msg, peer)
                 plans, pairing = self._plan(msg, peer)
             state.peer_agent = peer.agent_name
             if not msg.block_ids:
@@ -541,6 +547,12 @@ class Sidecar(PeersMixin):
         except Exception as e:
             log.exception("receive %s failed", msg.req_id)
             self._finish_recv_error(key, RequestError(ErrorCode.TRANSFER_ERROR, repr(e)))
+
+    def _check_generation(self, msg: Recv, peer: Peer) -> None:
+        if msg.remote_generation and peer.generation and peer.generation != msg.remote_generation:
+            raise RequestError(ErrorCode.INCOMPATIBLE, f"the prefill sidecar re-registered since "
+                               f"these blocks were held (generation {msg.remote_generation}, now "
+                               f"{peer.generation}); not reading stale memory")
 
     def _plan(self, msg: Recv, peer: Peer) -> tuple[list[RankPlan], BlockPairing]:
         """Which remote ranks to read, and how blocks pair up (kvxfer.topology)."""

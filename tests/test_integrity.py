@@ -165,7 +165,8 @@ def test_a_digest_of_blocks_not_held_is_refused() -> None:
             ctx = zmq.Context()
             sock = ctx.socket(zmq.DEALER)
             sock.connect(f"tcp://{reg.handshake_host}:{reg.handshake_port}")
-            cases = [("held", [3, 9], "does not hold"), ("nothing", [3], "no blocks held")]
+            cases = [("held", [3, 9], "does not hold"), ("nothing", [3], "no blocks held"),
+                     ("held", [3, 4] * 100, "larger than the held blocks")]
             for req_id, blocks, why in cases:
                 item = DigestItem(blocks=blocks, runs=[[0, 16]])
                 sock.send(encode(DigestRequest(req_id=req_id, ranks=[DigestRank(rank=0, items=[item])])))

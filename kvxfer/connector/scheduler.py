@@ -63,6 +63,7 @@ class SchedulerSide:
         self.engine_id = pong.engine_id
         self.handshake_host = pong.handshake_host
         self.handshake_port = pong.handshake_port
+        self.generation = pong.generation  # the sidecar's registrations (kv_transfer_params)
         self._remote: dict[str, RemoteBlocks] = {}  # decode requests with usable params
         self._plan = StepPlan()
         self._next_heartbeat = time.monotonic() + settings.heartbeat_s
@@ -121,7 +122,7 @@ class SchedulerSide:
                     request.request_id,
                     local,
                     RemoteBlocks(remote.engine_id, remote.host, remote.port, remote_ids, remote.tp_size,
-                                 remote.req_id),
+                                 remote.req_id, remote.generation),
                     tp_rank=rank,
                     deadline_s=self.settings.transfer_timeout_s,
                     reply_to_rank=True,
@@ -185,6 +186,7 @@ class SchedulerSide:
             "remote_port": self.handshake_port,
             "tp_size": self.tp_size,
             "remote_num_tokens": getattr(request, "num_computed_tokens", 0),
+            "remote_generation": self.generation,
         }
 
     # ---------------------------------------------------------------- per step
@@ -206,6 +208,7 @@ class SchedulerSide:
                 log.warning("sidecar handshake endpoint is now %s:%d", *endpoint)
             self.engine_id, self.handshake_host, self.handshake_port = (
                 pong.engine_id, pong.handshake_host, pong.handshake_port)
+            self.generation = pong.generation
         for ev in drained.errors:
             log.warning("sidecar refused a request %s: [%s] %s", ev.req_id, ev.code, ev.message)
         for ev in drained.failed:  # release-only receives that could not reach the peer
