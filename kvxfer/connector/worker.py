@@ -32,6 +32,8 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any
 
+import zmq
+
 from kvxfer.client import Drained, SidecarClient
 from kvxfer.connector.layout import registration_from_tensors
 from kvxfer.connector.settings import ConnectorSettings
@@ -173,7 +175,7 @@ class WorkerSide:
                 self._next_heartbeat = now + self.settings.heartbeat_s
                 self.client.heartbeat()
             ev = self.client.poll()
-        except KvxferError as e:  # never into vLLM's step: the deadlines below still run
+        except (KvxferError, zmq.ZMQError) as e:  # never into vLLM's step: the deadlines below still run
             log.warning("sidecar %s: %s", self.settings.sidecar, e)
             ev = Drained()
         if any(p.instance and p.instance != self._instance for p in ev.pongs):
