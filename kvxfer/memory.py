@@ -167,10 +167,16 @@ class Mapping:
     mem_type: str  # "DRAM" | "VRAM"
     device_id: int
     _keep: list[Any] = field(default_factory=list, repr=False)
+    _view: Any = field(default=None, repr=False)  # as_tensor(), cached
 
     def as_tensor(self) -> Any:
         """The whole mapping as uint8, for digests: a numpy array over host memory, a torch
-        tensor over VRAM."""
+        tensor over VRAM. Built once, dropped with the mapping."""
+        if self._view is None:
+            self._view = self._make_view()
+        return self._view
+
+    def _make_view(self) -> Any:
         if self.mem_type == "VRAM":
             import torch
 
@@ -182,6 +188,7 @@ class Mapping:
         return np.ctypeslib.as_array((ctypes.c_uint8 * self.size).from_address(self.addr))
 
     def close(self) -> None:
+        self._view = None
         keep, self._keep = self._keep, []
         for obj in reversed(keep):
             close = getattr(obj, "close", None)

@@ -70,16 +70,20 @@ class BlockPairing:
         return [(k, k // r, k % r) for k in range(n_local)]
 
 
-def rank_heads(layout: KVLayout, rank: int | None = None) -> range:
-    """Global KV heads held by ``rank`` (default: the layout's own rank)."""
-    r = layout.tp_rank if rank is None else rank
-    h, t = layout.num_kv_heads, layout.tp_size
-    if layout.mla:
-        return range(0, 1)
+def heads_of(num_kv_heads: int, tp_size: int, rank: int) -> range:
+    """Global KV heads TP rank ``rank`` holds: an even split, or replicas when H < T."""
+    h, t = num_kv_heads, tp_size
     if h >= t:
         per = h // t
-        return range(r * per, (r + 1) * per)
-    return range(r // (t // h), r // (t // h) + 1)
+        return range(rank * per, (rank + 1) * per)
+    return range(rank // (t // h), rank // (t // h) + 1)
+
+
+def rank_heads(layout: KVLayout, rank: int | None = None) -> range:
+    """Global KV heads held by ``rank`` (default: the layout's own rank)."""
+    if layout.mla:
+        return range(0, 1)
+    return heads_of(layout.num_kv_heads, layout.tp_size, layout.tp_rank if rank is None else rank)
 
 
 def check_layout(layout: KVLayout) -> None:

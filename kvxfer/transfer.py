@@ -270,7 +270,6 @@ class TransferEngine:
         self._ready: concurrent.futures.Future[None] = concurrent.futures.Future()
         self._agent: Any = None
         self._local: dict[int, _LocalRank] = {}
-        self._tensors: dict[int, Any] = {}  # id(Mapping) -> torch view, for digests
         self._pairs: dict[tuple[str, int, int], _PairLists] = {}
         self._peers: dict[str, _Peer] = {}
         self._reads: dict[str, _Read] = {}
@@ -372,7 +371,6 @@ class TransferEngine:
             for reg in local.reg_descs:
                 self._agent.deregister_memory(reg)
             for m in local.mappings:
-                self._tensors.pop(id(m), None)
                 m.close()
 
         self._after_settled({r.req_id for r in self._reads.values() if r.local_rank == rank}, release)
@@ -560,9 +558,7 @@ class TransferEngine:
             if any(off + n > reg.block_len for item in items for off, n in item.runs):
                 raise RequestError(ErrorCode.INVALID_LAYOUT, "digest run outside a block")
             m = next(m for m in local.mappings if m.addr <= reg.addr < m.addr + m.size)
-            if id(m) not in self._tensors:
-                self._tensors[id(m)] = m.as_tensor()
-            views.append(region_view(self._tensors[id(m)], m.addr, reg.addr, nb, reg.block_len,
+            views.append(region_view(m.as_tensor(), m.addr, reg.addr, nb, reg.block_len,
                                      reg.block_stride))
         return digest(views, items)
 

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import pytest
 
+from kvxfer.client import Drained, RemoteBlocks
 from kvxfer.testing.engine import SyntheticEngine, make_layout
 from kvxfer.testing.procs import SidecarFactory, SidecarProc
 
@@ -41,3 +42,20 @@ def pd(sidecars: SidecarFactory) -> Iterator[PD]:
     finally:
         p.close()
         d.close()
+
+
+def pull(p: SyntheticEngine, d: SyntheticEngine, req: str, n: int, timeout: float = 20.0,
+         **remote: object) -> tuple[list[int], list[int], Drained]:
+    """Fill n fresh prefill blocks with ``req``'s pattern and hold them; the decode reads them
+    into n fresh blocks. Returns (prefill blocks, decode blocks, the decode's Done/Failed)."""
+    reg = p.registered
+    assert reg is not None
+    pb, db = p.allocate(n), d.allocate(n)
+    p.fill(req, pb)
+    p.client.hold(req, pb)
+    d.wipe(db)
+    where = RemoteBlocks(reg.engine_id, reg.handshake_host, reg.handshake_port, pb, **remote)  # type: ignore[arg-type]
+    d.client.recv(req, db, where)
+    got = d.client.wait_until(lambda a: bool(a.done or a.failed), timeout)
+    assert got.done or got.failed, f"no answer for {req} within {timeout}s"
+    return pb, db, got

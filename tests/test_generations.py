@@ -16,6 +16,7 @@ import pytest
 from kvxfer.client import RemoteBlocks
 from kvxfer.testing.engine import SyntheticEngine, make_layout
 from kvxfer.testing.procs import SidecarFactory, free_port
+from tests.conftest import pull
 from tests.test_sidecar import wait_for
 
 LAYOUT = make_layout(layers=2, num_blocks=32, heads=4, head_dim=32)
@@ -29,24 +30,12 @@ def factory() -> Iterator[SidecarFactory]:
 
 def read(p: SyntheticEngine, d: SyntheticEngine, req: str, n: int = 3) -> tuple[bool, str]:
     """Hold n fresh prefill blocks, read them into n decode blocks; (verified, failure)."""
-    reg = p.registered
-    assert reg is not None
-    pb, db = p.allocate(n), d.allocate(n)
-    p.fill(req, pb)
-    p.client.hold(req, pb)
-    d.wipe(db)
-    generation = p.client.ping().generation
-    d.client.recv(req, db, RemoteBlocks(reg.engine_id, reg.handshake_host, reg.handshake_port, pb,
-                                        tp_size=reg_tp(p), generation=generation))
-    got = wait_for(d.client, lambda a: bool(a.done or a.failed), timeout=30)
+    _, db, got = pull(p, d, req, n, timeout=30, tp_size=p.layout.tp_size,
+                      generation=p.client.ping().generation)
     if got.failed:
         p.client.release(req)
         return False, f"{got.failed[0].code}: {got.failed[0].reason}"
     return d.verify(req, db), ""
-
-
-def reg_tp(p: SyntheticEngine) -> int:
-    return p.layout.tp_size
 
 
 def test_prefill_sidecar_restarted_on_the_same_endpoint(factory: SidecarFactory) -> None:

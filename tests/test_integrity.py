@@ -11,7 +11,6 @@ import grpc
 import pytest
 import torch
 
-from kvxfer.client import RemoteBlocks
 from kvxfer.control.v1 import control_pb2 as pb
 from kvxfer.control.v1 import control_pb2_grpc as pb_grpc
 from kvxfer.errors import ErrorCode
@@ -20,6 +19,7 @@ from kvxfer.protocol import DigestItem
 from kvxfer.testing.engine import SyntheticEngine, make_layout
 from kvxfer.testing.procs import SidecarFactory, free_port
 from kvxfer.topology import block_pairing, plan_rank
+from tests.conftest import pull
 from tests.test_sidecar import wait_for
 
 
@@ -80,16 +80,9 @@ def test_a_corrupted_receive_fails_with_integrity_and_the_next_one_verifies() ->
         try:
             p.start()
             d.start()
-            reg = p.registered
-            assert reg is not None
             events = stub(ds).WatchEvents(pb.WatchEventsRequest(kinds=["integrity_failure"]), timeout=30)
             for n, req in enumerate(["bad-1", "good-1", "good-2"]):
-                pb_, db = p.allocate(3), d.allocate(3)
-                p.fill(req, pb_)
-                p.client.hold(req, pb_)
-                where = RemoteBlocks(reg.engine_id, reg.handshake_host, reg.handshake_port, pb_)
-                d.client.recv(req, db, where)
-                got = wait_for(d.client, lambda a: bool(a.done or a.failed))
+                _, db, got = pull(p, d, req, 3)
                 rel = wait_for(p.client, lambda a: bool(a.released))
                 if n == 0:
                     assert not got.done
@@ -127,15 +120,8 @@ def test_verify_sample_checks_the_first_read_per_peer_then_one_in_n(sample: int)
         try:
             p.start()
             d.start()
-            reg = p.registered
-            assert reg is not None
             for i in range(9):
-                pb_, db = p.allocate(2), d.allocate(2)
-                p.fill(f"s{i}", pb_)
-                p.client.hold(f"s{i}", pb_)
-                d.client.recv(f"s{i}", db, RemoteBlocks(reg.engine_id, reg.handshake_host, reg.handshake_port,
-                                                        pb_))
-                got = wait_for(d.client, lambda a: bool(a.done or a.failed))
+                _, db, got = pull(p, d, f"s{i}", 2)
                 assert got.done
                 assert d.verify(f"s{i}", db)
                 wait_for(p.client, lambda a: bool(a.released))

@@ -33,6 +33,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from kvxfer.topology import heads_of
+
 # vLLM 0.33's KVCacheLayout: physical order of the logical axes [L, B, H, N, C]
 VLLM_PERMUTATIONS: dict[str, tuple[int, ...]] = {
     "LBHNC": (0, 1, 2, 3, 4),
@@ -60,11 +62,7 @@ class Geometry:
 
     @property
     def local_heads(self) -> range:
-        h, t = self.num_kv_heads, self.tp_size
-        if h >= t:
-            per = h // t
-            return range(self.tp_rank * per, (self.tp_rank + 1) * per)
-        return range(self.tp_rank // (t // h), self.tp_rank // (t // h) + 1)
+        return heads_of(self.num_kv_heads, self.tp_size, self.tp_rank)
 
 
 def _mix(x: np.ndarray) -> np.ndarray:
