@@ -14,8 +14,9 @@ import hashlib
 import hmac
 import secrets
 import time
+from typing import TypeVar
 
-from kvxfer.protocol import DigestRequest, Hello, Welcome, encode
+from kvxfer.protocol import DigestRequest, Hello, LeaseRenew, Welcome, encode
 
 WINDOW_S = 60.0
 
@@ -74,18 +75,26 @@ def check_welcome(secret: bytes, welcome: Welcome, nonce: str, metadata: bytes) 
     return bool(welcome.mac) and hmac.compare_digest(want, welcome.mac)
 
 
-def _digest_mac(secret: bytes, req: DigestRequest) -> str:
+SignedRequest = TypeVar("SignedRequest", DigestRequest, LeaseRenew)
+
+
+def _request_mac(secret: bytes, req: DigestRequest | LeaseRenew) -> str:
     import msgspec
 
-    body = encode(msgspec.structs.replace(req, mac=""))  # canonical and length-safe
+    body = encode(msgspec.structs.replace(req, mac=""))  # canonical and length-safe; tagged by kind
     return hmac.new(secret, b"digest\0" + body, hashlib.sha256).hexdigest()
 
 
-def sign_digest_request(secret: bytes, req: DigestRequest) -> DigestRequest:
+def sign_request(secret: bytes, req: SignedRequest) -> SignedRequest:
+    """Sign a digest request or lease renewal (a peer answers only holders of the secret)."""
     import msgspec
 
-    return msgspec.structs.replace(req, mac=_digest_mac(secret, req))
+    return msgspec.structs.replace(req, mac=_request_mac(secret, req))
 
 
-def check_digest_request(secret: bytes, req: DigestRequest) -> bool:
-    return bool(req.mac) and hmac.compare_digest(_digest_mac(secret, req), req.mac)
+def check_request(secret: bytes, req: DigestRequest | LeaseRenew) -> bool:
+    return bool(req.mac) and hmac.compare_digest(_request_mac(secret, req), req.mac)
+
+
+sign_digest_request = sign_request
+check_digest_request = check_request

@@ -26,6 +26,7 @@ from kvxfer.protocol import (
     Error,
     Failed,
     Hold,
+    KeepAlive,
     Ping,
     Pong,
     Recv,
@@ -109,7 +110,8 @@ class SidecarClient:
         deadline = time.monotonic() + timeout
         while True:
             ev = self._wait_one(deadline, what="registration")
-            if isinstance(ev, Registered) and ev.tp_rank == msg.layout.tp_rank:
+            if (isinstance(ev, Registered) and ev.tp_rank == msg.layout.tp_rank
+                    and ev.pp_rank == msg.layout.pp_rank):
                 return ev
             if isinstance(ev, Error) and not ev.req_id:
                 raise RequestError(ev.code, ev.message)
@@ -147,14 +149,15 @@ class SidecarClient:
         *,
         notify_ranks: bool = False,
         expires_unix: float = 0.0,
+        engine_id: str = "",
     ) -> None:
         self._send(
             Hold(req_id=req_id, block_ids=list(block_ids), lease_s=lease_s, reads=reads,
-                 notify_ranks=notify_ranks, expires_unix=expires_unix)
+                 notify_ranks=notify_ranks, expires_unix=expires_unix, engine_id=engine_id)
         )
 
-    def release(self, req_id: str) -> None:
-        self._send(Release(req_id=req_id))
+    def release(self, req_id: str, engine_id: str = "") -> None:
+        self._send(Release(req_id=req_id, engine_id=engine_id))
 
     def recv(
         self,
@@ -166,6 +169,8 @@ class SidecarClient:
         deadline_s: float = 0.0,
         reply_to_rank: bool = False,
         expires_unix: float = 0.0,
+        engine_id: str = "",
+        pp_rank: int = 0,
     ) -> None:
         self._send(
             Recv(
@@ -182,8 +187,15 @@ class SidecarClient:
                 reply_to_rank=reply_to_rank,
                 expires_unix=expires_unix,
                 remote_generation=remote.generation,
+                engine_id=engine_id,
+                pp_rank=pp_rank,
             )
         )
+
+    def keepalive(self, remote: RemoteBlocks, remote_req_ids: list[str], req_ids: list[str]) -> None:
+        """Keep the prefill leases of requests still waiting here alive (``KeepAlive``)."""
+        self._send(KeepAlive(remote_engine_id=remote.engine_id, remote_host=remote.host,
+                             remote_port=remote.port, remote_req_ids=remote_req_ids, req_ids=req_ids))
 
     def heartbeat(self) -> None:
         """Ask for a Pong without waiting; ``poll`` hands it back in ``Drained.pongs``."""

@@ -40,6 +40,7 @@ class ErrorCode(enum.StrEnum):
     INTERNAL = "internal"  # a bug in kvxfer; logged with a traceback
     INTEGRITY = "integrity"  # the bytes received differ from the bytes the prefill holds (--verify-sample)
     EXPIRED = "expired"  # the request reached the sidecar after the engine gave up on it
+    RANK_TAKEN = "rank_taken"  # another live engine process registered that (engine, dp, pp, tp) rank
 
 
 class KvxferError(Exception):

@@ -37,10 +37,11 @@ _MASK = (1 << 64) - 1
 def digest_items(
     plans: Sequence[RankPlan], pairing: BlockPairing, local_blocks: Sequence[int],
     remote_blocks: Sequence[int],
-) -> dict[int, tuple[list[DigestItem], list[DigestItem]]]:
-    """remote rank -> (items over the local blocks, the same items over the remote blocks)."""
+) -> dict[tuple[int, int], tuple[list[DigestItem], list[DigestItem], RankPlan]]:
+    """(remote pp, remote tp) -> (items over the local blocks, the same items over the remote
+    blocks, the plan: its region slices say which regions each side digests)."""
     pairs = pairing.pairs(len(local_blocks), len(remote_blocks))
-    out: dict[int, tuple[list[DigestItem], list[DigestItem]]] = {}
+    out: dict[tuple[int, int], tuple[list[DigestItem], list[DigestItem], RankPlan]] = {}
     for plan in plans:
         local: list[DigestItem] = []
         remote: list[DigestItem] = []
@@ -52,7 +53,7 @@ def digest_items(
                                     runs=[[s.local_off, s.length] for s in segs]))
             remote.append(DigestItem(blocks=[remote_blocks[b] for _, b in sel],
                                      runs=[[s.remote_off, s.length] for s in segs]))
-        out[plan.remote_rank] = (local, remote)
+        out[(plan.remote_pp, plan.remote_rank)] = (local, remote, plan)
     return out
 
 

@@ -3,14 +3,21 @@
 A lease is released exactly once, for exactly one reason: the expected number of read
 notices arrived ("read"), a reader gave up ("aborted"), the engine dropped the request
 ("aborted"), or time ran out ("expired"). Callers pass ``now`` so tests need no sleeps.
+
+Leases are keyed by (engine, request id): the DP ranks of one deployment share a sidecar
+and may see the same request id; each holds its own blocks.
 """
 
 from __future__ import annotations
 
+import collections
 import heapq
 from dataclasses import dataclass, field
 
 from kvxfer.errors import ErrorCode, RequestError
+
+LeaseKey = tuple[str, str]  # (engine, request id)
+ENDED_MAX = 65536  # ended leases remembered (to tell "gone" from "not held yet")
 
 
 @dataclass
@@ -22,40 +29,63 @@ class Lease:
     reads_expected: int = 1
     reads_seen: int = 0
     created: float = 0.0
-    readers: set[int] = field(default_factory=set)
+    readers: set[tuple[int, int]] = field(default_factory=set)  # (pp_rank, tp_rank) of each reader
     notify_ranks: bool = False  # release goes to every registered worker of the engine
+    engine: str = ""
+    duration: float = 0.0  # the lease's length: a keep-alive renews it by this much
+
+    @property
+    def key(self) -> LeaseKey:
+        return (self.engine, self.req_id)
 
 
 class LeaseTable:
     def __init__(self) -> None:
-        self._leases: dict[str, Lease] = {}
-        self._heap: list[tuple[float, str]] = []
+        self._leases: dict[LeaseKey, Lease] = {}
+        self._heap: list[tuple[float, LeaseKey]] = []
+        # Leases that ended (read, aborted, expired), newest last: a peer asking for one of
+        # these learns it is gone for good, not merely not held yet (a Hold still in transit).
+        self._ended: collections.OrderedDict[LeaseKey, None] = collections.OrderedDict()
         self.expired_total = 0
         self.released_total = 0
 
     def __len__(self) -> int:
         return len(self._leases)
 
-    def __contains__(self, req_id: str) -> bool:
-        return req_id in self._leases
+    def __contains__(self, key: LeaseKey) -> bool:
+        return key in self._leases
 
-    def get(self, req_id: str) -> Lease | None:
-        return self._leases.get(req_id)
+    def get(self, key: LeaseKey) -> Lease | None:
+        return self._leases.get(key)
+
+    def resolve(self, engine: str, req_id: str) -> LeaseKey | None:
+        """The key a peer's message means: (engine, req_id), or with no engine named (an
+        older peer) the one lease of that request id, if exactly one."""
+        if engine:
+            return (engine, req_id) if (engine, req_id) in self._leases else None
+        found = [k for k in self._leases if k[1] == req_id]
+        return found[0] if len(found) == 1 else None
+
+    def ended(self, engine: str, req_id: str) -> bool:
+        """A lease of this request ended here recently (with no engine named: any engine's)."""
+        if engine:
+            return (engine, req_id) in self._ended
+        return any(k[1] == req_id for k in reversed(self._ended))
 
     def add(self, lease: Lease) -> None:
-        if lease.req_id in self._leases:
+        if lease.key in self._leases:
             raise RequestError(ErrorCode.DUPLICATE_REQUEST, "request already held", lease.req_id)
-        self._leases[lease.req_id] = lease
-        heapq.heappush(self._heap, (lease.expires, lease.req_id))
+        self._leases[lease.key] = lease
+        heapq.heappush(self._heap, (lease.expires, lease.key))
 
-    def note_read(self, req_id: str, reader: int, expected: int = 0) -> Lease | None:
+    def note_read(self, key: LeaseKey, reader: tuple[int, int], expected: int = 0) -> Lease | None:
         """Count one reader's notice; return the lease once all expected reads arrived.
 
-        A reader (its tp rank) is counted once, so a duplicated notice cannot release
-        blocks another rank is still reading. ``expected`` (the decode side's TP size, sent
+        A reader (its pp and tp rank) is counted once, so a duplicated notice cannot release
+        blocks another rank is still reading. ``expected`` (the decode side's rank count, sent
         with each notice) overrides the count the hold guessed.
         """
-        lease = self._leases.get(req_id)
+        lease = self._leases.get(key)
         if lease is None or reader in lease.readers:
             return None
         if expected > 0:
@@ -63,33 +93,36 @@ class LeaseTable:
         lease.readers.add(reader)
         lease.reads_seen += 1
         if lease.reads_seen >= lease.reads_expected:
-            return self.pop(req_id)
+            return self.pop(key)
         return None
 
-    def extend(self, req_id: str, until: float) -> bool:
+    def extend(self, key: LeaseKey, until: float) -> bool:
         """Keep a lease at least until ``until`` (a reader started and has this deadline)."""
-        lease = self._leases.get(req_id)
+        lease = self._leases.get(key)
         if lease is None or until <= lease.expires:
             return lease is not None
         lease.expires = until
-        heapq.heappush(self._heap, (until, req_id))
+        heapq.heappush(self._heap, (until, key))
         return True
 
-    def pop(self, req_id: str) -> Lease | None:
-        lease = self._leases.pop(req_id, None)
+    def pop(self, key: LeaseKey) -> Lease | None:
+        lease = self._leases.pop(key, None)
         if lease is not None:
             self.released_total += 1
+            self._ended[key] = None
+            if len(self._ended) > ENDED_MAX:
+                self._ended.popitem(last=False)
         return lease
 
     def expire(self, now: float) -> list[Lease]:
         """Remove and return every lease whose time ran out."""
         out: list[Lease] = []
         while self._heap and self._heap[0][0] <= now:
-            expires, req_id = heapq.heappop(self._heap)
-            lease = self._leases.get(req_id)
+            expires, key = heapq.heappop(self._heap)
+            lease = self._leases.get(key)
             if lease is not None and lease.expires == expires:
                 out.append(lease)
-                self.pop(req_id)
+                self.pop(key)
                 self.expired_total += 1
         return out
 
@@ -105,14 +138,17 @@ class LeaseTable:
         """Remove and return every lease (shutdown)."""
         out = list(self._leases.values())
         for lease in out:
-            self.pop(lease.req_id)
+            self.pop(lease.key)
         return out
 
     def items(self) -> list[Lease]:
         return list(self._leases.values())
 
-    def drop_owner(self, owner: bytes) -> list[Lease]:
-        gone = [lease for lease in self._leases.values() if lease.owner == owner]
+    def drop(self, owner: bytes | None = None, engine: str | None = None) -> list[Lease]:
+        """Remove and return the leases of one connection, or of one engine."""
+        gone = [lease for lease in self._leases.values()
+                if (owner is not None and lease.owner == owner)
+                or (engine is not None and lease.engine == engine)]
         for lease in gone:
-            self.pop(lease.req_id)
+            self.pop(lease.key)
         return gone

@@ -17,14 +17,17 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import msgspec
 import zmq
 
 from kvxfer.auth import (
     ReplayGuard,
     check_digest_request,
+    check_request,
     check_welcome,
     sign_digest_request,
     sign_hello,
+    sign_request,
     sign_welcome,
 )
 from kvxfer.errors import ErrorCode, RequestError
@@ -35,6 +38,8 @@ from kvxfer.protocol import (
     DigestReply,
     DigestRequest,
     Hello,
+    LeaseRenew,
+    LeaseState,
     RankInfo,
     Refused,
     Welcome,
@@ -50,6 +55,7 @@ if TYPE_CHECKING:
     from kvxfer.config import Config
     from kvxfer.leases import LeaseTable
     from kvxfer.observe import Observer
+    from kvxfer.registry import RankRegistry
     from kvxfer.transfer import TransferEngine
 
 log = logging.getLogger(__name__)
@@ -60,7 +66,7 @@ class Peer:
     endpoint: str  # host:port of its handshake listener
     engine_id: str
     agent_name: str
-    ranks: dict[int, RankInfo]
+    ranks: dict[tuple[str, int, int], RankInfo]  # by (engine, pp, tp): RankInfo.key
     handshake_s: float
     connected_unix: float
     reads: int = 0
@@ -70,6 +76,83 @@ class Peer:
     generation: str = ""  # its registrations when it answered (Welcome.generation)
     stale: bool = False  # handshake again before the next read (a read failed, ranks missing)
 
+    def engines(self) -> list[str]:
+        return sorted({k[0] for k in self.ranks})
+
+    def engine_ranks(self, engine: str) -> dict[tuple[int, int], RankInfo]:
+        """(pp, tp) -> rank of one engine this peer serves."""
+        return {(pp, tp): info for (e, pp, tp), info in self.ranks.items() if e == engine}
+
+    def resolve_engine(self, wanted: str) -> str:
+        """The engine a request names: an engine id this peer serves; with its sidecar's own
+        id (older kv_transfer_params) or none at all, the one engine if it serves only one."""
+        engines = self.engines()
+        if wanted in engines:
+            return wanted
+        if (not wanted or wanted == self.engine_id) and len(engines) == 1:
+            return engines[0]
+        raise RequestError(ErrorCode.UNKNOWN_PEER, f"{self.endpoint} serves engines {engines}, not "
+                           f"{wanted!r}")
+
+
+class PeerLink:
+    """One DEALER connection to a peer's handshake listener for small request/reply calls
+    (lease renewals: one per read, so no connect per call). Replies are matched by ``seq``."""
+
+    def __init__(self, ctx: zmq.asyncio.Context, addr: str) -> None:
+        self.sock = ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.IPV6, 1)
+        self.sock.connect(addr)
+        self._seq = 0
+        self._waiting: dict[int, asyncio.Future[LeaseState]] = {}
+        self.closed = False
+
+    async def call(self, req: LeaseRenew, timeout_s: float, secret: bytes = b"") -> LeaseState:
+        self._seq += 1
+        seq = self._seq
+        req = msgspec.structs.replace(req, seq=seq)
+        if secret:  # signed after the seq is set: the signature covers every field
+            req = sign_request(secret, req)
+        fut: asyncio.Future[LeaseState] = asyncio.get_running_loop().create_future()
+        self._waiting[seq] = fut
+        try:
+            await self.sock.send(encode(req), flags=zmq.NOBLOCK)
+            return await asyncio.wait_for(fut, timeout_s)
+        except zmq.Again:
+            raise RequestError(ErrorCode.HANDSHAKE_FAILED, "peer listener not taking messages") from None
+        except TimeoutError:
+            raise RequestError(ErrorCode.HANDSHAKE_FAILED, f"no lease answer in {timeout_s}s") from None
+        finally:
+            self._waiting.pop(seq, None)
+
+    async def run(self) -> None:
+        """Hand each reply to its caller until closed."""
+        try:
+            while not self.closed:
+                frames = await self.sock.recv_multipart()
+                try:
+                    reply = handshake_reply_decoder.decode(frames[0])
+                except DECODE_ERRORS:
+                    continue
+                if isinstance(reply, LeaseState):
+                    fut = self._waiting.get(reply.seq)
+                    if fut is not None and not fut.done():
+                        fut.set_result(reply)
+                elif isinstance(reply, Refused):  # unsigned/refused: fail every waiting call
+                    for fut in self._waiting.values():
+                        if not fut.done():
+                            fut.set_exception(RequestError(reply.code, reply.reason))
+        except (zmq.ZMQError, asyncio.CancelledError):
+            pass
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            self.sock.close(0)
+
 
 class PeersMixin:
     # provided by Sidecar
@@ -78,7 +161,7 @@ class PeersMixin:
     dial_ctx: zmq.asyncio.Context  # handshake dialing never shares the engine socket's I/O thread
     engine_id: str
     agent_name: str
-    ranks: dict[int, RankInfo]
+    registry: RankRegistry
     transfer: TransferEngine
     observer: Observer
     hs_sock: zmq.asyncio.Socket | None
@@ -89,7 +172,15 @@ class PeersMixin:
     replay_guard: ReplayGuard
     _handshakes: dict[str, asyncio.Future[Peer]]
 
+    _links: dict[str, PeerLink]
+
     async def _nixl(self, fn: Any, *args: Any) -> Any:
+        raise NotImplementedError
+
+    def renew_leases(self, req: LeaseRenew) -> LeaseState:
+        raise NotImplementedError
+
+    def _spawn(self, coro: Any) -> None:
         raise NotImplementedError
 
     # ---------------------------------------------------------------- dialer
@@ -121,7 +212,7 @@ class PeersMixin:
 
     async def _handshake(self, host: str, port: int) -> Peer:
         key = f"{host}:{port}"
-        local = next(iter(self.ranks.values()), None)
+        local = self.registry.first_layout()
         start = time.monotonic()
         try:
             addr = await self._resolve(host, port)
@@ -135,10 +226,10 @@ class PeersMixin:
             sock.connect(addr)
             hello = Hello(
                 version=PROTOCOL_VERSION,
-                compat_hash=compat_hash(local.layout if local else None),
+                compat_hash=compat_hash(local),
                 engine_id=self.engine_id,
                 agent_name=self.agent_name,
-                model=local.layout.model if local else "",
+                model=local.model if local else "",
             )
             if self.secret:
                 hello = sign_hello(self.secret, hello)
@@ -170,13 +261,18 @@ class PeersMixin:
                 raise RequestError(ErrorCode.UNAUTHORIZED, f"{key} cannot prove it holds the shared secret")
             for info in reply.ranks:
                 validate_rank_info(info)
+            # an older sidecar names no engine per rank: they are all its own engine's
+            infos = [msgspec.structs.replace(r, engine_id=r.engine_id or reply.engine_id)
+                     for r in reply.ranks]
+            if len({r.key for r in infos}) != len(infos):
+                raise RequestError(ErrorCode.HANDSHAKE_FAILED, f"{key} advertised a rank twice")
             cached = self.peers.get(key)
             if (cached is not None and cached.agent_name == reply.agent_name and reply.generation
                     and cached.generation == reply.generation and len(cached.ranks) == len(reply.ranks)):
                 pass  # the same registrations: keep NIXL's state (reads in flight go on)
             else:
                 reload = cached is not None and cached.agent_name == reply.agent_name
-                await self._nixl(self.transfer.t_add_peer, reply.agent_name, frames[1], reply.ranks, reload)
+                await self._nixl(self.transfer.t_add_peer, reply.agent_name, frames[1], infos, reload)
         except RequestError as e:
             self.observer.handshake(key, False, time.monotonic() - start, e.reason)
             raise
@@ -187,7 +283,7 @@ class PeersMixin:
             endpoint=key,
             engine_id=reply.engine_id,
             agent_name=reply.agent_name,
-            ranks={r.layout.tp_rank: r for r in reply.ranks},
+            ranks={r.key: r for r in infos},
             handshake_s=took,
             connected_unix=time.time(),
             generation=reply.generation,
@@ -220,6 +316,22 @@ class PeersMixin:
         ip = sockaddr[0]
         return f"tcp://[{ip}]:{port}" if family == socket.AF_INET6 else f"tcp://{ip}:{port}"
 
+    async def call_peer(self, host: str, port: int, req: LeaseRenew, timeout_s: float) -> LeaseState:
+        """A lease renewal at the peer's listener over one kept-open connection per endpoint;
+        raises RequestError when it refuses or does not answer in time."""
+        key = f"{host}:{port}"
+        link = self._links.get(key)
+        if link is None or link.closed:
+            link = PeerLink(self.dial_ctx, await self._resolve(host, port))
+            self._links[key] = link
+            self._spawn(link.run())
+        return await link.call(req, timeout_s, self.secret)
+
+    def close_links(self) -> None:
+        for link in self._links.values():
+            link.close()
+        self._links.clear()
+
     async def drop_peer(self, agent: str, reason: str) -> bool:
         """Forget a peer (by agent name); its next request handshakes afresh."""
         dropped = False
@@ -228,6 +340,9 @@ class PeersMixin:
                 del self.peers[key]
                 dropped = True
                 self.observer.peer_dropped(key, reason)
+                link = self._links.pop(key, None)
+                if link is not None:
+                    link.close()
         log.warning("dropped peer %s: %s", agent, reason)
         with contextlib.suppress(Exception):
             await self._nixl(self.transfer.t_remove_peer, agent, reason)
@@ -258,6 +373,10 @@ class PeersMixin:
                 return await self._answer_digest(hello), []
             except RequestError as e:
                 return refuse(e.code, f"digest of {hello.req_id!r}: {e.reason}")
+        if isinstance(hello, LeaseRenew):
+            if self.secret and not check_request(self.secret, hello):
+                return refuse(ErrorCode.UNAUTHORIZED, "lease renewal without a valid signature")
+            return self.renew_leases(hello), []
         if self.secret:
             why = self.replay_guard.check_hello(self.secret, hello)
             if why is not None:
@@ -267,9 +386,9 @@ class PeersMixin:
                 ErrorCode.INCOMPATIBLE,
                 f"protocol version {hello.version}, this sidecar speaks {PROTOCOL_VERSION}",
             )
-        if not self.ranks:
+        layout = self.registry.first_layout()
+        if layout is None:
             return refuse(ErrorCode.NOT_REGISTERED, "no KV cache registered yet")
-        layout = next(iter(self.ranks.values())).layout
         ours = compat_hash(layout)
         if hello.compat_hash != ours:
             if hello.model != layout.model:
@@ -286,7 +405,7 @@ class PeersMixin:
             compat_hash=ours,
             engine_id=self.engine_id,
             agent_name=self.agent_name,
-            ranks=[self.ranks[r] for r in sorted(self.ranks)],
+            ranks=self.registry.infos(),
             generation=self.generation,
         )
         if self.secret:
@@ -300,11 +419,14 @@ class PeersMixin:
         held lease can be digested, so a request costs no more than the read it checks."""
         if self.secret and not check_digest_request(self.secret, req):
             raise RequestError(ErrorCode.UNAUTHORIZED, "digest request without a valid signature")
-        lease = self.leases.get(req.req_id)
+        key = self.leases.resolve(req.engine_id, req.req_id)
+        lease = self.leases.get(key) if key is not None else None
         if lease is None:
             raise RequestError(ErrorCode.UNKNOWN_REQUEST, "no blocks held for this request (lease over?)")
         held = set(lease.block_ids)
-        if len({r.rank for r in req.ranks}) != len(req.ranks) or len(req.ranks) > len(self.ranks):
+        engine_ranks = self.registry.of_engine(lease.engine)
+        if (len({(r.pp_rank, r.rank) for r in req.ranks}) != len(req.ranks)
+                or len(req.ranks) > len(engine_ranks)):
             raise RequestError(ErrorCode.MALFORMED, "each registered rank at most once")
         digests = []
         for r in req.ranks:
@@ -314,12 +436,17 @@ class PeersMixin:
                 raise RequestError(ErrorCode.MALFORMED, "a digest run is [offset, length > 0]")
             # Bounded work: no more than a read of the held blocks could ask for (each block
             # once per block-size sub-position, each item's runs within one block).
-            info = self.ranks.get(r.rank)
-            block_len = info.regions[0].block_len if info is not None and info.regions else 0
+            entry = self.registry.find(lease.engine, r.pp_rank, r.rank)
+            if entry is None:
+                raise RequestError(ErrorCode.NOT_REGISTERED, f"rank pp{r.pp_rank}/tp{r.rank} of engine "
+                                   f"{lease.engine!r} is not registered")
+            regions = entry.info.regions
+            block_len = regions[0].block_len if regions else 0
             if (sum(len(item.blocks) for item in r.items) > 16 * len(held)
                     or any(sum(n for _, n in item.runs) > block_len for item in r.items)):
                 raise RequestError(ErrorCode.MALFORMED, "digest request larger than the held blocks")
-            digests.append(await self._nixl(self.transfer.t_digest, r.rank, r.items))
+            digests.append(await self._nixl(self.transfer.t_digest, entry.key, r.items, r.region0,
+                                            r.num_regions))
         return DigestReply(req_id=req.req_id, digests=digests)
 
     async def request_digest(self, host: str, port: int, req: DigestRequest, timeout_s: float) -> list[str]:

@@ -26,7 +26,9 @@ import msgspec
 from msgspec import Meta, Struct
 
 # 2: KVLayout.fused (kv_parts == 1 blocks hold K and V; version 1 sidecars read half of them)
-PROTOCOL_VERSION = 2
+# 3: ranks keyed by (engine, DP, PP, TP): engine ids in registrations, holds, receives, rank
+#    infos, notices and digests; KVLayout says which layers a pipeline stage holds
+PROTOCOL_VERSION = 3
 
 NonNeg = Annotated[int, Meta(ge=0)]
 Positive = Annotated[int, Meta(gt=0)]
@@ -73,6 +75,22 @@ class KVLayout(_Msg, tag="layout"):
     # dtype, attention backend; kvxfer.connector builds it): two models with the same KV
     # shape must never exchange KV. "" for engines that do not say (synthetic ones).
     model: Annotated[str, Meta(max_length=1024)] = ""
+    # Pipeline parallel: this stage holds layers [first_layer, first_layer + num_layers) of
+    # the model's ``total_layers`` (0: num_layers, no pipeline parallelism).
+    pp_rank: NonNeg = 0
+    pp_size: Positive = 1
+    first_layer: NonNeg = 0
+    total_layers: NonNeg = 0
+
+    @property
+    def model_layers(self) -> int:
+        """Layers of the whole model (all pipeline stages)."""
+        return self.total_layers or self.num_layers
+
+    @property
+    def layers(self) -> range:
+        """Global indices of the layers this rank holds."""
+        return range(self.first_layer, self.first_layer + self.num_layers)
 
     @property
     def itemsize(self) -> int:
@@ -106,7 +124,7 @@ class KVLayout(_Msg, tag="layout"):
     def model_signature(self) -> tuple[object, ...]:
         """What two engines must share for their KV blocks to be interchangeable."""
         return (
-            self.num_layers,
+            self.model_layers,
             self.num_kv_heads,
             self.head_dim,
             self.dtype,
@@ -167,15 +185,25 @@ class KVRegion(_Msg, tag="region"):
 # --------------------------------------------------------------------------- engine -> sidecar
 
 
+EngineId = Annotated[str, Meta(max_length=256)]
+
+
 class RegisterKV(_Msg, tag="register"):
     layout: KVLayout
     memory: list[MemoryRef]
     regions: list[KVRegion]
     pid: NonNeg = 0  # the engine process; when the sidecar can see it, its death is noticed
+    # The engine this rank belongs to (vLLM's kv_transfer_config.engine_id, "<id>_dp<k>" for
+    # data-parallel ranks); "": the sidecar's own engine id. Ranks are keyed by
+    # (engine_id, dp_rank, layout.pp_rank, layout.tp_rank).
+    engine_id: EngineId = ""
+    dp_rank: NonNeg = 0
 
 
 class Unregister(_Msg, tag="unregister"):
     tp_rank: NonNeg = 0
+    engine_id: EngineId = ""
+    pp_rank: NonNeg = 0
 
 
 class Hold(_Msg, tag="hold"):
@@ -189,12 +217,14 @@ class Hold(_Msg, tag="hold"):
     # Wall clock (same host) after which the engine frees the blocks on its own: a Hold
     # that reaches a sidecar later (queued while it was frozen) is refused, not honoured.
     expires_unix: Annotated[float, Meta(ge=0)] = 0.0
+    engine_id: EngineId = ""  # whose blocks ("": the sidecar's engine); leases are per engine
 
 
 class Release(_Msg, tag="release"):
     """Prefill side: the engine dropped the request (abort); release now."""
 
     req_id: ReqId
+    engine_id: EngineId = ""
 
 
 class Recv(_Msg, tag="recv"):
@@ -222,13 +252,28 @@ class Recv(_Msg, tag="recv"):
     # kv_transfer_params): a cached peer of another generation is handshaked again first,
     # and a prefill that re-registered since then fails the load instead of a stale read.
     remote_generation: str = ""
+    engine_id: EngineId = ""  # the local engine whose memory receives ("": the sidecar's)
+    pp_rank: NonNeg = 0  # the local pipeline stage whose memory receives
 
 
 class Ping(_Msg, tag="ping"):
     seq: NonNeg = 0
 
 
-EngineRequest = RegisterKV | Unregister | Hold | Release | Recv | Ping
+class KeepAlive(_Msg, tag="keepalive"):
+    """Decode side: these requests still mean to read their prefilled blocks (they wait for
+    local blocks): keep the prefill's leases on them alive. The sidecar renews them at the
+    prefill sidecar (handshaking first if needed) and answers an ``Error`` with code
+    ``expired`` (``req_id`` the local id) for each lease that is already gone."""
+
+    remote_engine_id: str
+    remote_host: str
+    remote_port: Annotated[int, Meta(gt=0, lt=65536)]
+    remote_req_ids: Annotated[list[ReqId], Meta(max_length=4096)]
+    req_ids: Annotated[list[ReqId], Meta(max_length=4096)]  # the local ids, in the same order
+
+
+EngineRequest = RegisterKV | Unregister | Hold | Release | Recv | Ping | KeepAlive
 
 
 # --------------------------------------------------------------------------- sidecar -> engine
@@ -241,6 +286,8 @@ class Registered(_Msg, tag="registered"):
     bytes_registered: NonNeg
     handshake_host: str
     handshake_port: NonNeg
+    pp_rank: NonNeg = 0
+    dp_rank: NonNeg = 0
 
 
 class Done(_Msg, tag="done"):
@@ -304,8 +351,11 @@ class DigestItem(_Msg, tag="ditem"):
 
 
 class DigestRank(_Msg, tag="drank"):
-    rank: NonNeg
+    rank: NonNeg  # tp rank
     items: list[DigestItem]
+    pp_rank: NonNeg = 0
+    region0: NonNeg = 0  # the regions digested: [region0, region0 + num_regions)
+    num_regions: NonNeg = 0  # 0: all of the rank's regions
 
 
 class DigestRequest(_Msg, tag="digest"):
@@ -316,9 +366,25 @@ class DigestRequest(_Msg, tag="digest"):
     ranks: list[DigestRank]
     agent_name: str = ""  # the asking sidecar
     mac: str = ""  # with a shared secret: HMAC of the request (kvxfer.auth)
+    engine_id: EngineId = ""  # the prefill engine holding the blocks
 
 
-HandshakeRequest = Hello | DigestRequest
+class LeaseRenew(_Msg, tag="renew"):
+    """Decode sidecar -> prefill sidecar, on the handshake socket: keep these held requests'
+    leases for ``extend_s`` more seconds (0: each lease's own duration). Sent for requests
+    still waiting on the decode (``KeepAlive``) and as the *claim* of every read, in parallel
+    with it: a read whose claim comes back "not held" fails instead of delivering bytes of
+    blocks the prefill may already have reused."""
+
+    seq: NonNeg
+    engine_id: EngineId
+    req_ids: Annotated[list[ReqId], Meta(max_length=4096)]
+    extend_s: Annotated[float, Meta(ge=0, le=86400)] = 0.0
+    agent_name: str = ""  # the asking sidecar
+    mac: str = ""  # with a shared secret: HMAC of the request (kvxfer.auth)
+
+
+HandshakeRequest = Hello | DigestRequest | LeaseRenew
 
 
 class RemoteRegion(_Msg, tag="rregion"):
@@ -332,6 +398,13 @@ class RankInfo(_Msg, tag="rank"):
     layout: KVLayout
     regions: list[RemoteRegion]
     mem_type: Literal["DRAM", "VRAM"] = "DRAM"
+    engine_id: EngineId = ""  # the engine this rank belongs to (never "" from a v3 sidecar)
+    dp_rank: NonNeg = 0
+
+    @property
+    def key(self) -> tuple[str, int, int]:
+        """(engine, pp, tp): how a peer's ranks are addressed."""
+        return (self.engine_id, self.layout.pp_rank, self.layout.tp_rank)
 
 
 class Welcome(_Msg, tag="welcome"):
@@ -357,7 +430,14 @@ class DigestReply(_Msg, tag="digested"):
     digests: list[str]  # in the order of DigestRequest.ranks
 
 
-HandshakeReply = Welcome | Refused | DigestReply
+class LeaseState(_Msg, tag="leases"):
+    seq: NonNeg
+    # per LeaseRenew.req_ids: "held" (and now extended), "gone" (its lease ended: released or
+    # expired) or "unknown" (never held here, or not yet: its Hold may still be on its way)
+    held: list[Literal["held", "gone", "unknown"]]
+
+
+HandshakeReply = Welcome | Refused | DigestReply | LeaseState
 
 
 # --------------------------------------------------------------------------- NIXL notification
@@ -371,6 +451,8 @@ class ReadNotice(_Msg, tag="read"):
     ok: bool
     readers: NonNeg = 0  # notices the prefill side should expect in all (decode TP); 0: Hold.reads
     reading_s: Annotated[float, Meta(ge=0)] = 0.0  # >0: "started; done or failed within this"
+    engine_id: str = ""  # the prefill engine whose lease this is ("": the only one with req_id)
+    pp_rank: NonNeg = 0  # the reader's pipeline stage (a reader is (pp_rank, tp_rank))
 
 
 # --------------------------------------------------------------------------- codecs

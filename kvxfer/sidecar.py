@@ -50,21 +50,24 @@ from kvxfer.protocol import (
     Error,
     Failed,
     Hold,
+    KeepAlive,
+    KVLayout,
+    LeaseRenew,
+    LeaseState,
     Ping,
     Pong,
-    RankInfo,
     ReadNotice,
     Recv,
     Registered,
     RegisterKV,
     Release,
     Released,
-    ShmMemory,
     Unregister,
     encode,
     engine_request_decoder,
     read_notice_decoder,
 )
+from kvxfer.registry import RankEntry, RankKey, RankRegistry
 from kvxfer.systemd import Notifier
 from kvxfer.topology import (
     BlockPairing,
@@ -72,7 +75,7 @@ from kvxfer.topology import (
     RankPlan,
     block_pairing,
     check_layout,
-    plan_rank,
+    plan_stages,
 )
 from kvxfer.transfer import NoticeReceived, ReadFinished, ReadStuck, TransferEngine, TransferOptions
 
@@ -93,15 +96,18 @@ class _RecvState:
     deadline: float
     state: str = "handshake"  # -> "reading" -> "verifying" (sampled by --verify-sample)
     peer_agent: str = ""
+    local: RankKey | None = None  # the registered rank whose memory receives
+    remote_engine: str = ""  # the prefill engine it reads, once the plan named it
+    claim: asyncio.Future[str] | None = None  # the prefill's "still held": "" yes, else why not
 
     @property
     def peer(self) -> str:
         return f"{self.msg.remote_host}:{self.msg.remote_port}"
 
 
-def recv_key(req_id: str, tp_rank: int) -> str:
+def recv_key(req_id: str, tp_rank: int, engine: str = "", pp_rank: int = 0) -> str:
     """One receive per (request, local rank): each rank reads its own memory."""
-    return f"{tp_rank}:{req_id}"
+    return f"{engine}/{pp_rank}/{tp_rank}:{req_id}"
 
 
 def ipc_path(endpoint: str) -> str | None:
@@ -130,16 +136,12 @@ class Sidecar(PeersMixin):
         self.engine_sock: zmq.asyncio.Socket | None = None
         self.hs_sock: zmq.asyncio.Socket | None = None
         self.handshake_port = config.handshake_port
-        self.ranks: dict[int, RankInfo] = {}
-        self.rank_owner: dict[int, bytes] = {}
-        self.rank_pid: dict[int, tuple[int, str | None]] = {}  # engine pid, its /proc start time
-        self.rank_files: dict[int, list[str]] = {}  # shm files of each rank's KV cache
         self.leases = LeaseTable()
         self.recvs: dict[str, _RecvState] = {}
         self.peers: dict[str, Peer] = {}  # by handshake endpoint "host:port"
         self._handshakes: dict[str, asyncio.Future[Peer]] = {}
         self._receives_done = 0  # successful reads so far (1 in verify_sample is checked)
-        self._generation = 0  # bumped when a registration is replaced or removed
+        self._links: dict[str, Any] = {}  # kept-open connections to peers' listeners (peers.PeerLink)
         self._tasks: set[asyncio.Task[Any]] = set()
         self._stop = asyncio.Event()
         self._lease_wakeup = asyncio.Event()
@@ -155,6 +157,8 @@ class Sidecar(PeersMixin):
             cuda=config.cuda_enabled,
         )
         self.transfer = TransferEngine(self.agent_name, opts, self._from_nixl_thread)
+        self.registry = RankRegistry(self.engine_id, self._nixl, self.transfer.t_register,
+                                     self.transfer.t_unregister)
         self.observer = Observer()
         self.systemd = Notifier()
         self.secret = config.load_secret()
@@ -269,6 +273,7 @@ class Sidecar(PeersMixin):
             self.hs_sock.bind(f"{addr}:{self.config.handshake_port}")
 
     def _close(self) -> None:
+        self.close_links()
         for sock in (self.engine_sock, self.hs_sock):
             if sock is not None:
                 sock.close(0)
@@ -339,20 +344,21 @@ class Sidecar(PeersMixin):
             case Recv():
                 self._on_recv(ident, msg)
             case Release(req_id=req_id):
-                lease = self.leases.pop(req_id)
+                lease = self.leases.pop((self.registry.engine_of(msg.engine_id), req_id))
                 if lease is None:
                     raise RequestError(ErrorCode.UNKNOWN_REQUEST, "not held", req_id)
                 self._release(lease, "aborted")
             case RegisterKV():
                 self._spawn(self._on_register(ident, msg))
+            case KeepAlive():
+                self._spawn(self._keepalive(ident, msg))
             case Unregister(tp_rank=rank):
-                if self.rank_owner.get(rank) != ident:
-                    raise RequestError(ErrorCode.NOT_REGISTERED,
-                                       f"tp_rank {rank} is not registered by this connection")
-                await self._nixl(self.transfer.t_unregister, rank)
-                self.ranks.pop(rank, None)
-                self.rank_owner.pop(rank, None)
-                self._generation += 1
+                entry = self.registry.find(msg.engine_id, msg.pp_rank, rank)
+                if entry is None or entry.owner != ident:
+                    raise RequestError(ErrorCode.NOT_REGISTERED, f"rank pp{msg.pp_rank}/tp{rank} of engine "
+                                       f"{self.registry.engine_of(msg.engine_id)!r} is not registered by "
+                                       "this connection")
+                await self.registry.remove(entry.key)
 
     def _pong(self, seq: int) -> Pong:
         return Pong(
@@ -370,54 +376,38 @@ class Sidecar(PeersMixin):
         """Changes when this sidecar restarts (new agent) or a registration is replaced or
         removed (its memory may be gone): held blocks are only valid in their generation.
         A rank registered for the first time does not change it."""
-        return f"{self.agent_name}/{self._generation}"
+        return f"{self.agent_name}/{self.registry.changes}"
 
     async def _on_register(self, ident: bytes, msg: RegisterKV) -> None:
-        replacing = False
-        lay = msg.layout
+        """Register a rank (``RankRegistry``: a failed re-registration unregisters the key,
+        whose old memory is already gone, and moves the generation)."""
         try:
             validate_registration(msg)
-            lay = msg.layout
             try:
-                check_layout(lay)
+                check_layout(msg.layout)
             except Incompatible as e:
                 raise RequestError(ErrorCode.INVALID_LAYOUT, str(e)) from None
-            for other in self.ranks.values():
-                if other.layout.tp_rank == lay.tp_rank:
-                    continue
-                if other.layout.tp_size != lay.tp_size:
-                    raise RequestError(ErrorCode.INVALID_LAYOUT, "tp_size differs between ranks")
-                if other.layout.model_signature() != lay.model_signature():
-                    raise RequestError(ErrorCode.INVALID_LAYOUT, "model layout differs between ranks")
-            replacing = True  # t_register drops the rank's old memory before mapping the new
-            info: RankInfo = await self._nixl(self.transfer.t_register, msg)
+            entry, _replaced = await self.registry.register(msg, ident)
         except Exception as e:
             if not isinstance(e, RequestError):
                 log.exception("registration failed")
                 e = RequestError(ErrorCode.MEMORY_MAP_FAILED, repr(e))
-            if replacing and lay.tp_rank in self.ranks:  # its old memory is gone too: stop advertising it
-                for table in (self.ranks, self.rank_owner, self.rank_pid, self.rank_files):
-                    table.pop(lay.tp_rank, None)
-                self._generation += 1
+            log.warning("registration of %s refused: [%s] %s", self.registry.key_of(msg), e.code, e.reason)
             self._send(ident, Error(code=e.code, message=e.reason))
             return
-        if lay.tp_rank in self.ranks:
-            self._generation += 1  # its old memory is gone: reads planned against it are stale
-        self.ranks[lay.tp_rank] = info
-        self.rank_owner[lay.tp_rank] = ident
-        self.rank_pid[lay.tp_rank] = (msg.pid, _start_time(msg.pid))
-        self.rank_files[lay.tp_rank] = [m.path for m in msg.memory if isinstance(m, ShmMemory)]
         nbytes = sum(m.size for m in msg.memory)
-        log.info("registered tp_rank %d: %d bytes", lay.tp_rank, nbytes)
+        log.info("registered %s: %d bytes", entry.key, nbytes)
         self._send(
             ident,
             Registered(
-                tp_rank=lay.tp_rank,
-                engine_id=self.engine_id,
+                tp_rank=entry.key.tp,
+                engine_id=entry.key.engine,
                 agent_name=self.agent_name,
                 bytes_registered=nbytes,
                 handshake_host=self.config.resolved_advertise_host,
                 handshake_port=self.handshake_port,
+                pp_rank=entry.key.pp,
+                dp_rank=entry.key.dp,
             ),
         )
 
@@ -433,9 +423,12 @@ class Sidecar(PeersMixin):
     def _on_hold(self, ident: bytes, msg: Hold) -> None:
         if self.draining:
             raise RequestError(ErrorCode.DRAINING, "sidecar is draining; no new holds", msg.req_id)
-        if not self.ranks:
-            raise RequestError(ErrorCode.NOT_REGISTERED, "no KV cache registered", msg.req_id)
-        num_blocks = min(r.layout.num_blocks for r in self.ranks.values())
+        engine = self.registry.engine_of(msg.engine_id)
+        ranks = self.registry.of_engine(engine)
+        if not ranks:
+            raise RequestError(ErrorCode.NOT_REGISTERED, f"engine {engine!r} has no KV cache registered "
+                               f"(registered: {self.registry.engines()})", msg.req_id)
+        num_blocks = min(r.layout.num_blocks for r in ranks)
         self._check_blocks(msg.req_id, msg.block_ids, num_blocks, "held")
         if msg.expires_unix and time.time() > msg.expires_unix:
             raise RequestError(ErrorCode.EXPIRED, "hold arrived after the engine freed its blocks "
@@ -450,23 +443,28 @@ class Sidecar(PeersMixin):
                 reads_expected=msg.reads,
                 created=now,
                 notify_ranks=msg.notify_ranks,
+                engine=engine,
+                duration=msg.lease_s or self.config.lease_s,
             )
         )
         self._gauges()
         self._lease_wakeup.set()
 
     def _on_recv(self, ident: bytes, msg: Recv) -> None:
-        key = recv_key(msg.req_id, msg.tp_rank)
+        engine = self.registry.engine_of(msg.engine_id)
+        key = recv_key(msg.req_id, msg.tp_rank, engine, msg.pp_rank)
         if key in self.recvs:
             raise RequestError(ErrorCode.DUPLICATE_REQUEST, "receive already in flight", msg.req_id)
-        if msg.reply_to_rank:
-            ident = self.rank_owner.get(msg.tp_rank, ident)
+        local = self.registry.find(engine, msg.pp_rank, msg.tp_rank)
+        if msg.reply_to_rank and local is not None:
+            ident = local.owner
         try:
             if self.draining:
                 raise RequestError(ErrorCode.DRAINING, "sidecar is draining; no new receives")
-            local = self.ranks.get(msg.tp_rank)
             if local is None:
-                raise RequestError(ErrorCode.NOT_REGISTERED, f"tp_rank {msg.tp_rank} not registered")
+                raise RequestError(ErrorCode.NOT_REGISTERED,
+                                   f"rank pp{msg.pp_rank}/tp{msg.tp_rank} of engine {engine!r} not "
+                                   f"registered (registered: {self.registry.describe()})")
             self._check_blocks(msg.req_id, msg.block_ids, local.layout.num_blocks, "local")
             if msg.expires_unix and time.time() > msg.expires_unix:
                 raise RequestError(ErrorCode.EXPIRED, "receive arrived after the engine gave up on it "
@@ -475,13 +473,13 @@ class Sidecar(PeersMixin):
             self._fail(ident, msg.req_id, list(msg.block_ids), e)
             return
         now = time.monotonic()
-        block_bytes = sum(r.block_len for r in local.regions)
+        block_bytes = sum(r.block_len for r in local.info.regions)
         if msg.expires_unix:  # never read past the moment the engine gives up on the load
             left = max(0.001, msg.expires_unix - time.time())
             msg = msgspec.structs.replace(msg, deadline_s=min(msg.deadline_s or left, left))
         self.recvs[key] = _RecvState(
             owner=ident, msg=msg, nbytes=block_bytes * len(msg.block_ids), started=now,
-            deadline=now + (msg.deadline_s or self.config.transfer_timeout_s),
+            deadline=now + (msg.deadline_s or self.config.transfer_timeout_s), local=local.key,
         )
         self._gauges()
         self._spawn(self._run_recv(key, msg))
@@ -499,7 +497,7 @@ class Sidecar(PeersMixin):
                 return  # cancelled or failed while the handshake ran
             self._check_generation(msg, peer)
             try:
-                plans, pairing = self._plan(msg, peer)
+                plans, pairing = self._plan(msg, peer, state)
             except RequestError as e:
                 if e.code != ErrorCode.NOT_REGISTERED:
                     raise
@@ -509,34 +507,39 @@ class Sidecar(PeersMixin):
                 if self.recvs.get(key) is not state:
                     return  # cancelled (and reported) while it handshaked again: never read
                 self._check_generation(msg, peer)
-                plans, pairing = self._plan(msg, peer)
+                plans, pairing = self._plan(msg, peer, state)
             state.peer_agent = peer.agent_name
             if not msg.block_ids:
                 # Nothing to read (full prefix hit / abort): just release the prefill side.
                 self.recvs.pop(key, None)
                 self._gauges()
                 self._send(state.owner, Done(req_id=msg.req_id, nbytes=0, seconds=0.0))
-                await self._notify_peer(peer.agent_name, self._notice(msg, ok=True))
+                await self._notify_peer(peer.agent_name, self._notice(state, ok=True))
                 return
             remaining = deadline_s - (time.monotonic() - start)
             if remaining <= 0:
                 raise RequestError(ErrorCode.DEADLINE, "deadline passed during handshake")
             state.state = "reading"
+            # The claim: the prefill confirms it still holds the blocks and extends the lease
+            # over the whole read, in parallel with it; Done waits for the answer, and a lease
+            # that was already over fails the load (the blocks may hold another request's KV).
+            state.claim = asyncio.ensure_future(self._claim(msg, state, remaining))
             # The prefill side must not let its lease run out under a read in progress: the
             # NIXL thread tells it once the first chunk is posted (it must not delay the read).
             started = ReadNotice(req_id=msg.remote_req_id or msg.req_id, tp_rank=msg.tp_rank, ok=True,
-                                 reading_s=remaining)
+                                 reading_s=remaining, engine_id=state.remote_engine, pp_rank=msg.pp_rank)
             await self._nixl(
                 self.transfer.t_read,
                 key,
                 peer.agent_name,
-                msg.tp_rank,
+                state.local,
                 list(msg.block_ids),
                 list(msg.remote_block_ids),
                 plans,
                 pairing,
                 remaining,
                 encode(started),
+                state.remote_engine,
             )
         except TimeoutError:
             self._finish_recv_error(
@@ -554,34 +557,42 @@ class Sidecar(PeersMixin):
                                f"these blocks were held (generation {msg.remote_generation}, now "
                                f"{peer.generation}); not reading stale memory")
 
-    def _plan(self, msg: Recv, peer: Peer) -> tuple[list[RankPlan], BlockPairing]:
-        """Which remote ranks to read, and how blocks pair up (kvxfer.topology)."""
-        if msg.remote_engine_id and msg.remote_engine_id != peer.engine_id:
-            raise RequestError(
-                ErrorCode.UNKNOWN_PEER,
-                f"{peer.endpoint} serves engine {peer.engine_id!r}, not {msg.remote_engine_id!r}",
-            )
-        local = self.ranks[msg.tp_rank].layout
-        remote = next(iter(peer.ranks.values())).layout
+    def _plan(self, msg: Recv, peer: Peer, state: _RecvState) -> tuple[list[RankPlan], BlockPairing]:
+        """Which remote ranks (of which engine and pipeline stage) to read, and how blocks
+        pair up (kvxfer.topology); names the remote engine in ``state``."""
+        engine = peer.resolve_engine(msg.remote_engine_id)
+        state.remote_engine = engine
+        entry = self.registry.get(state.local) if state.local is not None else None
+        if entry is None:
+            raise RequestError(ErrorCode.NOT_REGISTERED, f"local rank {state.local} was unregistered")
+        local = entry.layout
+        ranks = peer.engine_ranks(engine)
+        remote = next(iter(ranks.values())).layout
         if msg.remote_tp_size != remote.tp_size:
             raise RequestError(
                 ErrorCode.INCOMPATIBLE,
                 f"request says remote tp_size {msg.remote_tp_size}, peer has {remote.tp_size}",
             )
+        stages: dict[int, KVLayout] = {}
+        for (pp, _tp), info in sorted(ranks.items()):
+            stages.setdefault(pp, info.layout)
         try:
-            plans = plan_rank(local, remote)
+            plans = plan_stages(local, stages)
             pairing = block_pairing(local, remote)
             if msg.block_ids:
                 pairing.pairs(len(msg.block_ids), len(msg.remote_block_ids))
         except Incompatible as e:
+            if len(stages) < remote.pp_size:
+                raise RequestError(ErrorCode.NOT_REGISTERED, f"peer has {len(stages)} of {remote.pp_size} "
+                                   f"pipeline stages of engine {engine!r} registered: {e}") from None
             raise RequestError(ErrorCode.INCOMPATIBLE, str(e)) from None
         for plan in plans:
-            info = peer.ranks.get(plan.remote_rank)
+            info = ranks.get((plan.remote_pp, plan.remote_rank))
             if info is None:
                 raise RequestError(
                     ErrorCode.NOT_REGISTERED,
-                    f"peer has {len(peer.ranks)} of {remote.tp_size} ranks registered; "
-                    f"rank {plan.remote_rank} is missing",
+                    f"peer has {len(ranks)} of {remote.tp_size * remote.pp_size} ranks of engine {engine!r} "
+                    f"registered; pp{plan.remote_pp}/tp{plan.remote_rank} is missing",
                 )
             self._check_blocks(msg.req_id, msg.remote_block_ids, info.layout.num_blocks, "remote")
         return plans, pairing
@@ -607,10 +618,13 @@ class Sidecar(PeersMixin):
         else:
             self._idle.set()
 
-    def _notice(self, msg: Recv, ok: bool) -> ReadNotice:
-        readers = self.ranks[msg.tp_rank].layout.tp_size if msg.tp_rank in self.ranks else 0
+    def _notice(self, state: _RecvState, ok: bool) -> ReadNotice:
+        """The read notice for the prefill: every (pp, tp) rank of this engine reads once."""
+        msg = state.msg
+        entry = self.registry.get(state.local) if state.local is not None else None
+        readers = entry.layout.tp_size * entry.layout.pp_size if entry is not None else 0
         return ReadNotice(req_id=msg.remote_req_id or msg.req_id, tp_rank=msg.tp_rank, ok=ok,
-                          readers=readers)
+                          readers=readers, engine_id=state.remote_engine, pp_rank=msg.pp_rank)
 
     # ------------------------------------------------------------------ NIXL events
 
@@ -639,11 +653,110 @@ class Sidecar(PeersMixin):
         if state is None:
             return
         peer = next((p for p in self.peers.values() if p.agent_name == event.peer), None)
+        try:
+            self._read_finished(state, event, peer)
+        except Exception as e:  # a bug must fail this receive, never leave it waiting forever
+            log.exception("finishing receive %s", event.req_id)
+            self._finish(state, event, peer, RequestError(ErrorCode.INTERNAL, repr(e), state.msg.req_id))
+
+    def _read_finished(self, state: _RecvState, event: ReadFinished, peer: Peer | None) -> None:
+        """A read landed: once the prefill confirmed its lease (the claim), verify a sample,
+        then report."""
+        claim = state.claim
+        if event.ok and claim is not None:
+            if not claim.done():
+                state.state = "verifying"  # still in flight: drain waits for it, cancel fails it
+                self._spawn(self._after_claim(state, event, peer))
+                return
+            why = claim.result() if not claim.exception() else f"claim failed: {claim.exception()!r}"
+            if why:
+                self._finish(state, event, peer, RequestError(ErrorCode.EXPIRED, why, state.msg.req_id))
+                return
         if event.ok and peer is not None and self._sample(peer):
-            state.state = "verifying"  # still in flight: drain waits for it, cancel fails it
+            state.state = "verifying"
             self._spawn(self._verify(state, event, peer))
             return
         self._finish(state, event, peer)
+
+    async def _after_claim(self, state: _RecvState, event: ReadFinished, peer: Peer | None) -> None:
+        assert state.claim is not None
+        await asyncio.wait([state.claim])
+        if self.recvs.get(event.req_id) is state:  # not cancelled meanwhile
+            self._read_finished(state, event, peer)
+
+    async def _claim(self, msg: Recv, state: _RecvState, reading_s: float) -> str:
+        """Ask the prefill whether it still holds the blocks, extending the lease over the read
+        and its verification. "" when held; else why the read must not be trusted."""
+        timeout = self.config.handshake_timeout_s
+        renew = LeaseRenew(seq=0, engine_id=state.remote_engine, req_ids=[msg.remote_req_id or msg.req_id],
+                           extend_s=reading_s + timeout + 1.0, agent_name=self.agent_name)
+        end = time.monotonic() + timeout
+        pause = 0.002
+        while True:
+            try:
+                got = await self.call_peer(msg.remote_host, msg.remote_port, renew,
+                                           max(0.05, end - time.monotonic()))
+            except RequestError as e:
+                return f"the prefill did not confirm it still holds the blocks: {e.reason}"
+            except Exception as e:  # never leave a read waiting on a claim that raised
+                log.exception("claim of %s failed", msg.req_id)
+                return f"the prefill did not confirm it still holds the blocks: {e!r}"
+            answer = got.held[0] if got.held else "unknown"
+            if answer == "held":
+                return ""
+            if answer == "gone":
+                break
+            # Not held *yet*: its Hold may still be on the way to the prefill sidecar (the
+            # engine keeps the blocks meanwhile). Ask again, briefly.
+            if time.monotonic() + pause > end:
+                return "the prefill sidecar does not hold this request (its Hold never arrived)"
+            await asyncio.sleep(pause)
+            pause = min(pause * 2, 0.1)
+        self.observer.emit(Event("lease_expired_before_read", request_id=msg.req_id, peer=state.peer))
+        return ("the prefill's lease on these blocks was over before the read: they may already hold "
+                "another request's KV; not used")
+
+    async def _keepalive(self, ident: bytes, msg: KeepAlive) -> None:
+        """Renew the prefill leases of requests still waiting here (handshaking first: the
+        read that follows then starts warm); tell the engine which leases are gone."""
+        if len(msg.req_ids) != len(msg.remote_req_ids):
+            self._send(ident, Error(code=ErrorCode.MALFORMED, message="keepalive: req_ids and "
+                                    "remote_req_ids differ in length"))
+            return
+        timeout = self.config.handshake_timeout_s
+        try:
+            peer = await asyncio.wait_for(self.get_peer(msg.remote_host, msg.remote_port), 2 * timeout)
+            engine = peer.resolve_engine(msg.remote_engine_id)
+            renew = LeaseRenew(seq=0, engine_id=engine, req_ids=list(msg.remote_req_ids),
+                               agent_name=self.agent_name)
+            got = await self.call_peer(msg.remote_host, msg.remote_port, renew, timeout)
+        except (RequestError, TimeoutError) as e:
+            log.info("keep-alive of %d leases at %s:%d not delivered: %s", len(msg.req_ids), msg.remote_host,
+                     msg.remote_port, e)
+            return
+        for local, held in zip(msg.req_ids, got.held, strict=False):
+            if held == "gone":
+                self._send(ident, Error(code=ErrorCode.EXPIRED, req_id=local,
+                                        message="the prefill's lease on this request's blocks is over"))
+
+    def renew_leases(self, req: LeaseRenew) -> LeaseState:
+        """A peer still means to read these requests: extend their leases (by ``extend_s``,
+        or each lease's own duration); say which are no longer held."""
+        now = time.monotonic()
+        held: list[Any] = []
+        for rid in req.req_ids:
+            key = self.leases.resolve(req.engine_id, rid)
+            lease = self.leases.get(key) if key is not None else None
+            if key is None or lease is None:
+                gone = self.leases.ended(req.engine_id, rid)
+                if gone:
+                    self.observer.stray_notice(req.agent_name, rid, "expired_lease")
+                held.append("gone" if gone else "unknown")
+                continue
+            self.leases.extend(key, now + (req.extend_s or lease.duration or self.config.lease_s))
+            held.append("held")
+        self._lease_wakeup.set()
+        return LeaseState(seq=req.seq, held=held)
 
     def _finish(self, state: _RecvState, event: ReadFinished, peer: Peer | None,
                 failure: RequestError | None = None) -> None:
@@ -654,7 +767,7 @@ class Sidecar(PeersMixin):
         del self.recvs[event.req_id]
         msg = state.msg
         ok = event.ok and failure is None
-        notice = self._notice(msg, ok)
+        notice = self._notice(state, ok)
         if ok:
             # the engine first: metrics and events can wait a few microseconds
             self._send(state.owner, Done(req_id=msg.req_id, nbytes=event.nbytes, seconds=event.seconds,
@@ -695,15 +808,20 @@ class Sidecar(PeersMixin):
         msg = state.msg
         t0 = time.monotonic()
         try:
-            plans, pairing = self._plan(msg, peer)
+            plans, pairing = self._plan(msg, peer, state)
             items = digest_items(plans, pairing, list(msg.block_ids), list(msg.remote_block_ids))
             ranks = sorted(items)
-            req = DigestRequest(req_id=msg.remote_req_id or msg.req_id, agent_name=self.agent_name,
-                                ranks=[DigestRank(rank=r, items=items[r][1]) for r in ranks])
+            req = DigestRequest(
+                req_id=msg.remote_req_id or msg.req_id, agent_name=self.agent_name,
+                engine_id=state.remote_engine,
+                ranks=[DigestRank(rank=tp, items=items[(pp, tp)][1], pp_rank=pp,
+                                  region0=items[(pp, tp)][2].remote_region0,
+                                  num_regions=items[(pp, tp)][2].num_regions) for pp, tp in ranks])
             timeout = self.config.handshake_timeout_s
             remote, local = await asyncio.gather(
                 self.request_digest(msg.remote_host, msg.remote_port, req, timeout),
-                asyncio.gather(*(self._nixl(self.transfer.t_digest, msg.tp_rank, items[r][0])
+                asyncio.gather(*(self._nixl(self.transfer.t_digest, state.local, items[r][0],
+                                            items[r][2].local_region0, items[r][2].num_regions)
                                  for r in ranks)),
             )
         except Exception as e:
@@ -717,8 +835,9 @@ class Sidecar(PeersMixin):
             self.observer.integrity_checked("ok", took)
             self._finish(state, event, peer)
             return
-        local_layout = self.ranks[msg.tp_rank].layout if msg.tp_rank in self.ranks else None
-        remote_layout = next(iter(peer.ranks.values())).layout
+        entry = self.registry.get(state.local) if state.local is not None else None
+        local_layout = entry.layout if entry is not None else None
+        remote_layout = next(iter(peer.engine_ranks(state.remote_engine).values())).layout
         log.error("integrity: receive %s (rank %d) from %s: decode digests %s != prefill digests %s; "
                   "decode layout %s; prefill layout %s; the load fails and is recomputed",
                   msg.req_id, msg.tp_rank, state.peer, list(local), list(remote), local_layout, remote_layout)
@@ -739,16 +858,18 @@ class Sidecar(PeersMixin):
         except DECODE_ERRORS:
             self.observer.stray_notice(event.agent, "", "malformed")
             return
+        key = self.leases.resolve(notice.engine_id, notice.req_id)
         if notice.reading_s > 0:
-            if self.leases.extend(notice.req_id, time.monotonic() + notice.reading_s + 1.0):
+            if key is not None and self.leases.extend(key, time.monotonic() + notice.reading_s + 1.0):
                 self._lease_wakeup.set()
             else:
                 self.observer.stray_notice(event.agent, notice.req_id, "expired_lease")
             return
-        lease = self.leases.note_read(notice.req_id, notice.tp_rank, notice.readers)
+        if key is None:
+            self.observer.stray_notice(event.agent, notice.req_id, "unknown")
+            return
+        lease = self.leases.note_read(key, (notice.pp_rank, notice.tp_rank), notice.readers)
         if lease is None:
-            if notice.req_id not in self.leases:
-                self.observer.stray_notice(event.agent, notice.req_id, "unknown")
             return
         self._release(lease, "read" if notice.ok else "aborted")
 
@@ -757,7 +878,7 @@ class Sidecar(PeersMixin):
         ev = Released(req_id=lease.req_id, reason=reason, reads=lease.reads_seen)  # type: ignore[arg-type]
         self.observer.lease_released(lease.req_id, reason)
         self._gauges()
-        targets = set(self.rank_owner.values()) if lease.notify_ranks else {lease.owner}
+        targets = self.registry.owners(lease.engine) if lease.notify_ranks else {lease.owner}
         for ident in targets or {lease.owner}:
             self._send(ident, ev)
 
@@ -780,7 +901,7 @@ class Sidecar(PeersMixin):
     def _status_line(self) -> str:
         t = self.observer.totals
         state = "draining" if self.draining else "serving"
-        return (f"{state}: {len(self.ranks)} ranks, {len(self.peers)} peers, {len(self.leases)} held, "
+        return (f"{state}: {len(self.registry)} ranks, {len(self.peers)} peers, {len(self.leases)} held, "
                 f"{len(self.recvs)} in flight, {t.transfers_ok} transfers, {t.transfers_failed} failed")
 
     async def _systemd_loop(self) -> None:
@@ -798,40 +919,32 @@ class Sidecar(PeersMixin):
         """Notice engine processes that died: drop their memory, leases and receives."""
         while True:
             await asyncio.sleep(self.config.engine_check_s)
-            for rank, (pid, start) in list(self.rank_pid.items()):
-                if start is not None and _start_time(pid) != start:
-                    await self._engine_gone(rank, f"engine process {pid} exited")
+            for entry in self.registry.dead():
+                await self._engine_gone(entry, f"engine process {entry.pid} exited")
 
-    async def _engine_gone(self, rank: int, reason: str) -> None:
-        log.warning("tp_rank %d: %s; dropping its registration, receives and holds", rank, reason)
-        owner = self.rank_owner.pop(rank, None)
-        self.rank_pid.pop(rank, None)
+    async def _engine_gone(self, entry: RankEntry, reason: str) -> None:
+        log.warning("%s: %s; dropping its registration, receives and holds", entry.key, reason)
         for key, st in list(self.recvs.items()):
-            if st.msg.tp_rank == rank:
+            if st.local == entry.key:
                 if st.state == "reading":
                     await self._nixl(self.transfer.t_cancel, key, ErrorCode.NOT_REGISTERED, reason)
                 else:
                     self._finish_recv_error(key, RequestError(ErrorCode.NOT_REGISTERED, reason))
-        await self._nixl(self.transfer.t_unregister, rank)
-        self.ranks.pop(rank, None)
-        self._generation += 1
-        for path in self.rank_files.pop(rank, []):  # the dead engine cannot remove them
-            with contextlib.suppress(OSError):
-                os.unlink(path)
-        if not self.ranks:  # the whole engine is gone: nobody will free or read its holds
-            for lease in self.leases.drain_all():
-                self.observer.lease_released(lease.req_id, "aborted")
-        elif owner is not None:
-            for lease in self.leases.drop_owner(owner):
-                self.observer.lease_released(lease.req_id, "aborted")
-        self.observer.emit(Event("engine_gone", reason=reason, tp_rank=rank))
+        await self.registry.remove(entry.key, unlink=True)  # the dead engine cannot remove its files
+        engine = entry.key.engine
+        # the whole engine gone: nobody will free or read its holds; else those of that worker
+        gone = (self.leases.drop(engine=engine) if not self.registry.of_engine(engine)
+                else self.leases.drop(owner=entry.owner))
+        for lease in gone:
+            self.observer.lease_released(lease.req_id, "aborted")
+        self.observer.emit(Event("engine_gone", reason=f"{entry.key}: {reason}", tp_rank=entry.key.tp))
         self._gauges()
 
     # ------------------------------------------------------------------ control operations
 
     async def connect_peer(self, host: str, port: int) -> Peer:
         """Pre-warm: handshake now so the first request does not pay for it."""
-        if not self.ranks:
+        if not self.registry:
             raise RequestError(ErrorCode.NOT_REGISTERED,
                                "register the engine's KV cache first: the handshake carries its layout")
         peer = await self.get_peer(host, port)
@@ -882,18 +995,6 @@ class Sidecar(PeersMixin):
         took = time.monotonic() - start
         self.observer.emit(Event("drained", seconds=took))
         return failed == 0 and released == 0, failed, released, took
-
-
-def _start_time(pid: int) -> str | None:
-    """A process's start time from /proc (None: not visible from here, e.g. another pid
-    namespace), so a recycled pid is not mistaken for the engine."""
-    if pid <= 0:
-        return None
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as fh:
-            return fh.read().rsplit(b")", 1)[1].split()[19].decode()
-    except (OSError, IndexError):
-        return ""
 
 
 def hard_exit(code: int) -> None:

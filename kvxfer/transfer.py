@@ -42,7 +42,7 @@ import os
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -106,6 +106,7 @@ _Command = tuple[Callable[..., Any], tuple[Any, ...], concurrent.futures.Future[
 
 @dataclass
 class _LocalRank:
+    key: Hashable  # kvxfer.registry.RankKey: the registry is the only caller of t_register
     layout: KVLayout
     mappings: list[Mapping]
     reg_descs: list[Any]
@@ -115,7 +116,7 @@ class _LocalRank:
 @dataclass
 class _Peer:
     name: str
-    ranks: dict[int, RankInfo]
+    ranks: dict[tuple[str, int, int], RankInfo]  # by (engine, pp, tp): RankInfo.key
 
 
 @dataclass
@@ -153,7 +154,7 @@ class _Deferred:
 class _Read:
     req_id: str
     peer: str
-    local_rank: int
+    local_rank: Hashable  # the registry's RankKey
     legs: list[_Leg]
     nbytes: int
     chunk_descs: int
@@ -269,8 +270,8 @@ class TransferEngine:
         self._thread = threading.Thread(target=self._main, name="kvxfer-nixl", daemon=True)
         self._ready: concurrent.futures.Future[None] = concurrent.futures.Future()
         self._agent: Any = None
-        self._local: dict[int, _LocalRank] = {}
-        self._pairs: dict[tuple[str, int, int], _PairLists] = {}
+        self._local: dict[Hashable, _LocalRank] = {}  # NIXL registrations, by the registry's key
+        self._pairs: dict[tuple[Any, ...], _PairLists] = {}  # (peer, local key, plan identity)
         self._peers: dict[str, _Peer] = {}
         self._reads: dict[str, _Read] = {}
         self._post_queue: collections.deque[str] = collections.deque()
@@ -318,14 +319,14 @@ class TransferEngine:
     def t_metadata(self) -> bytes:
         return bytes(self._agent.get_agent_metadata())
 
-    def t_register(self, msg: RegisterKV) -> RankInfo:
+    def t_register(self, key: Hashable, msg: RegisterKV) -> RankInfo:
         """Map a rank's memory, register it with NIXL, prepare its local descriptor list.
 
         Returns what peers need to read from it (absolute region addresses).
         """
         layout = msg.layout
-        if layout.tp_rank in self._local:
-            self.t_unregister(layout.tp_rank)
+        if key in self._local:
+            self.t_unregister(key)
         mappings: list[Mapping] = []
         regs: list[Any] = []
         agent = self._agent
@@ -354,10 +355,10 @@ class TransferEngine:
                 m.close()
             raise
         info = RankInfo(layout=layout, regions=remote, mem_type=mem_type)  # type: ignore[arg-type]
-        self._local[layout.tp_rank] = _LocalRank(layout, mappings, regs, info)
+        self._local[key] = _LocalRank(key, layout, mappings, regs, info)
         return info
 
-    def t_unregister(self, rank: int) -> bool:
+    def t_unregister(self, rank: Hashable) -> bool:
         local = self._local.get(rank)
         if local is None:
             return False
@@ -396,14 +397,14 @@ class TransferEngine:
             # The same process again, still loaded while reads of its old entry settle:
             # keep it loaded (its old descriptor lists are still released later).
             self._deferred = [d for d in self._deferred if d.peer != name]
-            self._peers[name] = _Peer(name, {info.layout.tp_rank: info for info in ranks})
+            self._peers[name] = _Peer(name, {info.key: info for info in ranks})
             return name
         raw = agent.add_remote_agent(metadata)
         loaded = raw.decode() if isinstance(raw, bytes) else str(raw)
         if loaded != name:
             agent.remove_remote_agent(loaded)
             raise ValueError(f"peer metadata names agent {loaded!r}, handshake said {name!r}")
-        self._peers[name] = _Peer(name, {info.layout.tp_rank: info for info in ranks})
+        self._peers[name] = _Peer(name, {info.key: info for info in ranks})
         return name
 
     def t_remove_peer(self, name: str, reason: str, code: str = ErrorCode.PEER_DISCONNECTED) -> bool:
@@ -447,13 +448,14 @@ class TransferEngine:
         self,
         req_id: str,
         peer: str,
-        local_rank: int,
+        local_rank: Hashable,
         local_blocks: list[int],
         remote_blocks: list[int],
         plans: list[RankPlan],
         pairing: BlockPairing,
         deadline_s: float,
         started_notice: bytes = b"",
+        remote_engine: str = "",
     ) -> None:
         """Queue a READ (one leg per remote rank); a ReadFinished event reports the end.
 
@@ -468,15 +470,16 @@ class TransferEngine:
         legs = []
         nbytes = 0
         for plan in plans:
-            pl = self._pair_lists(peer, local, plan)
-            remote_nb = self._peers[peer].ranks[plan.remote_rank].layout.num_blocks
+            pl = self._pair_lists(peer, local, plan, remote_engine)
+            remote_info = self._peers[peer].ranks[(remote_engine, plan.remote_pp, plan.remote_rank)]
+            remote_nb = remote_info.layout.num_blocks
             li, ri, n = _leg_indices(pl, pairs, lb, rb, local.layout.num_blocks, remote_nb)
             legs.append(_Leg(pl, li, ri))
             nbytes += n
         corrupt_at = 0
         if self._corrupt_reads > 0 and plans and local_blocks and local.info.mem_type == "DRAM":
             self._corrupt_reads -= 1
-            reg = local.info.regions[0]
+            reg = local.info.regions[plans[0].local_region0]
             seg = next(q[0] for q in plans[0].segments if q)
             corrupt_at = reg.addr + local_blocks[pairs[0][0]] * reg.block_stride + seg.local_off
         largest = max((max(q) for leg in legs for q in leg.pair.seg_lens if q), default=1)
@@ -493,18 +496,25 @@ class TransferEngine:
         )
         self._post_queue.append(req_id)
 
-    def _pair_lists(self, peer: str, local: _LocalRank, plan: RankPlan) -> _PairLists:
-        key = (peer, local.layout.tp_rank, plan.remote_rank)
+    def _pair_lists(self, peer: str, local: _LocalRank, plan: RankPlan, remote_engine: str) -> _PairLists:
+        key = (peer, local.key, remote_engine, plan.remote_pp, plan.remote_rank, plan.local_region0,
+               plan.remote_region0, plan.num_regions)
         pl = self._pairs.get(key)
         if pl is not None:
             return pl
-        remote = self._peers[peer].ranks[plan.remote_rank]
+        remote = self._peers[peer].ranks[(remote_engine, plan.remote_pp, plan.remote_rank)]
+        lslice, rslice = plan.region_slices(len(local.info.regions))
+        if lslice.stop > len(local.info.regions) or rslice.stop > len(remote.regions):
+            raise RequestError(ErrorCode.INCOMPATIBLE, f"plan reads regions {rslice} of "
+                               f"{len(remote.regions)} into {lslice} of {len(local.info.regions)}")
+        lregs = [local.info.regions[i] for i in lslice]
+        rregs = [remote.regions[i] for i in rslice]
         lrows: list[RemoteRegion] = []
         rrows: list[RemoteRegion] = []
         row_base: list[list[int]] = []
         for segs in plan.segments:
             bases = []
-            for lreg, rreg in zip(local.info.regions, remote.regions, strict=True):
+            for lreg, rreg in zip(lregs, rregs, strict=True):
                 bases.append(len(lrows))
                 for s in segs:
                     lrows.append(RemoteRegion(addr=lreg.addr + s.local_off, block_len=s.length,
@@ -525,7 +535,7 @@ class TransferEngine:
         self._pairs[key] = pl
         return pl
 
-    def _take_pairs(self, match: Callable[[tuple[str, int, int]], bool]) -> list[_PairLists]:
+    def _take_pairs(self, match: Callable[[tuple[Any, ...]], bool]) -> list[_PairLists]:
         return [self._pairs.pop(key) for key in [k for k in self._pairs if match(k)]]
 
     def _release_pairs(self, pairs: list[_PairLists]) -> None:
@@ -543,18 +553,24 @@ class TransferEngine:
         self._fail(rd, code, reason)
         return True
 
-    def t_digest(self, rank: int, items: list[DigestItem]) -> str:
-        """Digest of these blocks and runs of a local rank (``kvxfer.integrity``). Runs on this
-        thread, which owns the mappings: an unregister cannot unmap them underneath."""
+    def t_digest(self, rank: Hashable, items: list[DigestItem], region0: int = 0,
+                 num_regions: int = 0) -> str:
+        """Digest of these blocks and runs of a local rank's regions ``[region0, +num_regions)``
+        (0: all; ``kvxfer.integrity``). Runs on this thread, which owns the mappings: an
+        unregister cannot unmap them underneath."""
         local = self._local.get(rank)
         if local is None:
-            raise RequestError(ErrorCode.NOT_REGISTERED, f"tp_rank {rank} not registered")
+            raise RequestError(ErrorCode.NOT_REGISTERED, f"rank {rank} not registered")
         nb = local.layout.num_blocks
         for item in items:
             if any(b >= nb for b in item.blocks):
                 raise RequestError(ErrorCode.BLOCK_OUT_OF_RANGE, f"digest of blocks outside [0, {nb})")
+        regions = local.info.regions
+        stop = region0 + (num_regions or len(regions))
+        if stop > len(regions):
+            raise RequestError(ErrorCode.INVALID_LAYOUT, f"digest of regions up to {stop} of {len(regions)}")
         views = []
-        for reg in local.info.regions:
+        for reg in regions[region0:stop]:
             if any(off + n > reg.block_len for item in items for off, n in item.runs):
                 raise RequestError(ErrorCode.INVALID_LAYOUT, "digest run outside a block")
             m = next(m for m in local.mappings if m.addr <= reg.addr < m.addr + m.size)

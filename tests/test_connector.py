@@ -45,7 +45,8 @@ def test_remote_prefill_moves_kv_and_frees_blocks(engines: tuple[Engine, Engine]
     p_id, params, p_blocks = prefill(p, prompt_len, seed=prompt_len)
     # vLLM field names; host/port name the prefill sidecar's handshake endpoint.
     assert params["do_remote_prefill"] is True
-    assert params["remote_engine_id"] == "vllm-prefill"
+    # vLLM's own engine id (the sidecar keys this engine's ranks and holds by it)
+    assert params["remote_engine_id"] == p.config.kv_transfer_config.engine_id
     assert params["remote_request_id"] == p_id
     assert params["remote_block_ids"] == p_blocks
     assert params["remote_host"] == "127.0.0.1"

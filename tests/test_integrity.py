@@ -60,7 +60,7 @@ def test_digest_items_pair_local_and_remote_bytes_across_tp_and_block_sizes() ->
                          head_layout="NHD")
     plans, pairing = plan_rank(local, remote), block_pairing(local, remote)
     items = digest_items(plans, pairing, [5, 2], [1, 3, 6, 7])
-    (lit, rit), = items.values()
+    (lit, rit, _plan), = items.values()
     assert [i.blocks for i in lit] == [[5, 2], [5, 2]]  # two remote blocks fill each local one
     assert [i.blocks for i in rit] == [[1, 6], [3, 7]]
     assert sum(n for i in lit for _, n in i.runs) == sum(n for i in rit for _, n in i.runs)

@@ -55,7 +55,7 @@ def test_remote_prefill_through_multiconnector(model: str, storage: str, multi: 
         try:
             _, params, pb = prefill(p, 3 * BLOCK_SIZE + 5, seed=61)
             # Only kvxfer produced kv_transfer_params, and they survived MultiConnector.
-            assert params["remote_engine_id"] == f"m{multi}1-p"
+            assert params["remote_engine_id"] == p.config.kv_transfer_config.engine_id
             req = make_request(3 * BLOCK_SIZE + 5, params=json.loads(json.dumps(params)), max_tokens=2,
                                seed=61)
             d.scheduler.add_request(req)

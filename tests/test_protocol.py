@@ -20,26 +20,27 @@ MESSAGES: dict[str, tuple[object, str]] = {
             regions=[p.KVRegion(memory=0, offset=0, block_len=64, block_stride=64)],
         ),
         (
-            "95a872656769737465729fa66c61796f7574020a100808cc80a862666c6f6174313602c2a34e4844"
-            "0001a0a09193a373686daa2f6465762f73686d2f78cd10009195a6726567696f6e0000404000"
+            "97a87265676973746572dc0013a66c61796f7574020a100808cc80a862666c6f6174313602c2a34e"
+            "48440001a0a0000100009193a373686daa2f6465762f73686d2f78cd10009195a6726567696f6e00"
+            "00404000a000"
         ),
     ),
-    "unregister": (p.Unregister(tp_rank=1), "92aa756e726567697374657201"),
-    "hold": (p.Hold(req_id="r1", block_ids=[1, 2, 3], lease_s=2.5, reads=2), "97a4686f6c64a2723193010203cb400400000000000002c2cb0000000000000000"),
-    "release": (p.Release(req_id="r1"), "92a772656c65617365a27231"),
+    "unregister": (p.Unregister(tp_rank=1), "94aa756e726567697374657201a000"),
+    "hold": (p.Hold(req_id="r1", block_ids=[1, 2, 3], lease_s=2.5, reads=2), "98a4686f6c64a2723193010203cb400400000000000002c2cb0000000000000000a0"),
+    "release": (p.Release(req_id="r1"), "93a772656c65617365a27231a0"),
     "recv": (
         p.Recv(req_id="r1", block_ids=[4, 5], remote_engine_id="P", remote_host="10.0.0.1",
                remote_port=5700, remote_block_ids=[1, 2]),
         (
-            "9ea472656376a27231920405a150a831302e302e302e31cd16449201020100a0cb00000000000000"
-            "00c2cb0000000000000000a0"
+            "dc0010a472656376a27231920405a150a831302e302e302e31cd16449201020100a0cb0000000000"
+            "000000c2cb0000000000000000a0a000"
         ),
     ),
     "ping": (p.Ping(seq=7), "92a470696e6707"),
     "registered": (
         p.Registered(tp_rank=0, engine_id="D", agent_name="a", bytes_registered=4096,
                      handshake_host="h", handshake_port=5700),
-        "97aa7265676973746572656400a144a161cd1000a168cd1644",
+        "99aa7265676973746572656400a144a161cd1000a168cd16440000",
     ),
     "done": (p.Done(req_id="r1", nbytes=1024, seconds=0.5), "95a4646f6e65a27231cd0400cb3fe000000000000000"),
     "failed": (p.Failed(req_id="r1", block_ids=[4, 5], code="deadline", reason="late"), "95a66661696c6564a27231920405a8646561646c696e65a46c617465"),
@@ -51,18 +52,22 @@ MESSAGES: dict[str, tuple[object, str]] = {
         p.Welcome(version=1, compat_hash="abcd", engine_id="P", agent_name="b",
                   ranks=[p.RankInfo(layout=LAYOUT, regions=[p.RemoteRegion(addr=4096, block_len=64, block_stride=64)])]),
         (
-            "98a777656c636f6d6501a461626364a150a1629194a472616e6b9fa66c61796f7574020a100808cc"
-            "80a862666c6f6174313602c2a34e48440001a0a09195a772726567696f6ecd1000404000a44452414da0a0"
+            "98a777656c636f6d6501a461626364a150a1629196a472616e6bdc0013a66c61796f7574020a1008"
+            "08cc80a862666c6f6174313602c2a34e48440001a0a0000100009195a772726567696f6ecd100040"
+            "4000a44452414da000a0a0"
         ),
     ),
     "refused": (p.Refused(version=1, code="incompatible", reason="no"), "94a77265667573656401ac696e636f6d70617469626c65a26e6f"),
     "digest": (
         p.DigestRequest(req_id="r1", agent_name="a",
                         ranks=[p.DigestRank(rank=0, items=[p.DigestItem(blocks=[1, 2], runs=[[0, 64]])])]),
-        "95a6646967657374a272319193a56472616e6b009193a5646974656d92010291920040a161a0",
+        "96a6646967657374a272319196a56472616e6b009193a5646974656d92010291920040000000a161a0a0",
     ),
     "digested": (p.DigestReply(req_id="r1", digests=["00ff:8"]), "93a86469676573746564a2723191a6303066663a38"),
-    "read": (p.ReadNotice(req_id="r1", tp_rank=0, ok=True, readers=2), "96a472656164a2723100c302cb0000000000000000"),
+    "keepalive": (p.KeepAlive(remote_engine_id="P", remote_host="h", remote_port=5700, remote_req_ids=["r1"], req_ids=["d1"]), "96a96b656570616c697665a150a168cd164491a2723191a26431"),
+    "renew": (p.LeaseRenew(seq=3, engine_id="P", req_ids=["r1"], extend_s=2.5, agent_name="a"), "97a572656e657703a15091a27231cb4004000000000000a161a0"),
+    "leases": (p.LeaseState(seq=3, held=["held", "gone"]), "93a66c65617365730392a468656c64a4676f6e65"),
+    "read": (p.ReadNotice(req_id="r1", tp_rank=0, ok=True, readers=2), "98a472656164a2723100c302cb0000000000000000a000"),
 }
 
 DECODERS = {
@@ -97,7 +102,7 @@ def test_every_message_kind_is_pinned() -> None:
 
 def test_protocol_version_is_pinned() -> None:
     # Changing the wire format means bumping this and re-pinning the bytes above.
-    assert p.PROTOCOL_VERSION == 2
+    assert p.PROTOCOL_VERSION == 3
 
 
 @pytest.mark.parametrize(

@@ -142,7 +142,7 @@ def test_replicated_prefill_heads_are_spread_over_readers() -> None:
     [
         ({"head_dim": 64}, "head_dim differs"),
         ({"dtype": "float16"}, "dtype differs"),
-        ({"num_layers": 3}, "num_layers differs"),
+        ({"num_layers": 3}, "layers differs"),
         ({"block_size": 24}, "not multiples"),
     ],
 )

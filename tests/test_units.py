@@ -17,21 +17,37 @@ from kvxfer.testing.pattern import request_pattern
 from kvxfer.transfer import desc_indices
 
 
-def lease(req: str, expires: float, reads: int = 1) -> Lease:
-    return Lease(req_id=req, owner=b"w", block_ids=[1], expires=expires, reads_expected=reads)
+def lease(req: str, expires: float, reads: int = 1, engine: str = "e") -> Lease:
+    return Lease(req_id=req, owner=b"w", block_ids=[1], expires=expires, reads_expected=reads, engine=engine)
 
 
 def test_lease_released_once_after_all_reads() -> None:
     t = LeaseTable()
-    t.add(lease("a", 10.0, reads=2))
-    assert t.note_read("a", reader=0) is None
-    assert t.note_read("a", reader=0) is None  # the same rank twice counts once
-    got = t.note_read("a", reader=1)
+    t.add(lease("a", 10.0, reads=3))
+    assert t.note_read(("e", "a"), reader=(0, 0)) is None
+    assert t.note_read(("e", "a"), reader=(0, 0)) is None  # the same rank twice counts once
+    assert t.note_read(("e", "a"), reader=(1, 0)) is None  # another pipeline stage's rank 0 counts
+    got = t.note_read(("e", "a"), reader=(0, 1))
     assert got is not None
-    assert got.reads_seen == 2
-    assert "a" not in t
-    assert t.note_read("a", reader=2) is None
+    assert got.reads_seen == 3
+    assert ("e", "a") not in t
+    assert t.note_read(("e", "a"), reader=(0, 2)) is None
     assert t.expire(100.0) == []
+
+
+def test_leases_of_two_engines_with_one_request_id_stay_apart() -> None:
+    """Two DP ranks on one sidecar may hold the same request id: each its own blocks."""
+    t = LeaseTable()
+    t.add(lease("a", 10.0, engine="p_dp0"))
+    t.add(lease("a", 20.0, engine="p_dp1"))
+    assert t.resolve("p_dp1", "a") == ("p_dp1", "a")
+    assert t.resolve("", "a") is None  # ambiguous without an engine: never guess
+    got = t.note_read(("p_dp0", "a"), reader=(0, 0))
+    assert got is not None
+    assert got.engine == "p_dp0"
+    assert t.resolve("", "a") == ("p_dp1", "a")  # an older peer's notice: the one left
+    assert [x.engine for x in t.drop(engine="p_dp1")] == ["p_dp1"]
+    assert len(t) == 0
 
 
 def test_lease_expiry_order_and_duplicates() -> None:
@@ -44,7 +60,7 @@ def test_lease_expiry_order_and_duplicates() -> None:
     assert t.next_expiry() == 1.0
     assert [x.req_id for x in t.expire(1.0)] == ["early"]
     assert t.next_expiry() == 5.0
-    assert t.pop("late") is not None
+    assert t.pop(("e", "late")) is not None
     assert t.next_expiry() is None
     assert t.expired_total == 1
 
@@ -53,7 +69,7 @@ def test_drop_owner() -> None:
     t = LeaseTable()
     t.add(lease("a", 1.0))
     t.add(Lease(req_id="b", owner=b"other", block_ids=[], expires=1.0))
-    assert [x.req_id for x in t.drop_owner(b"w")] == ["a"]
+    assert [x.req_id for x in t.drop(owner=b"w")] == ["a"]
     assert len(t) == 1
 
 
@@ -182,9 +198,9 @@ def test_connector_layout_reads_nhd_hnd_and_fused_tensors() -> None:
 def test_lease_extended_while_a_reader_is_reading() -> None:
     t = LeaseTable()
     t.add(lease("a", 1.0))
-    assert t.extend("a", 5.0)
-    assert t.extend("a", 2.0)  # never shortened
+    assert t.extend(("e", "a"), 5.0)
+    assert t.extend(("e", "a"), 2.0)  # never shortened
     assert t.expire(1.5) == []
     assert t.next_expiry() == 5.0
     assert [x.req_id for x in t.expire(5.0)] == ["a"]
-    assert not t.extend("a", 9.0)
+    assert not t.extend(("e", "a"), 9.0)

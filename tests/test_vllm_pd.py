@@ -105,7 +105,7 @@ def test_tokens_match_the_baseline_around_block_boundaries(pipeline: Pipeline) -
         base = pipeline.baseline(text, 12)
         got, params = pipeline.complete(text, 12)
         assert text_of(got) == text_of(base), n
-        assert params["remote_engine_id"] == "vllm-p"
+        assert params["remote_engine_id"]  # vLLM's engine id of the prefill (the sidecar keys holds by it)
     loaded = external_tokens(pipeline) - before
     assert loaded >= sum(lengths) - len(lengths), loaded  # all but each prompt's last token
     d, p = pipeline.d_sidecar.scrape(), pipeline.p_sidecar.scrape()

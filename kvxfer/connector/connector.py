@@ -24,6 +24,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
+from kvxfer.connector.layout import Placement
 from kvxfer.connector.scheduler import SchedulerSide
 from kvxfer.connector.settings import ConnectorSettings
 from kvxfer.connector.worker import CacheShape, WorkerSide
@@ -120,6 +121,33 @@ def model_identity(vllm_config: VllmConfig, override: str = "") -> str:
     return ";".join(f"{k}={v}" for k, v in parts.items())
 
 
+def engine_id_of(vllm_config: VllmConfig) -> str:
+    return str(getattr(vllm_config.kv_transfer_config, "engine_id", "") or "")
+
+
+def placement(vllm_config: VllmConfig) -> Placement:
+    """This worker's engine, DP rank and pipeline stage (the layers it holds).
+
+    The engine id is vLLM's ``kv_transfer_config.engine_id``, which vLLM itself suffixes with
+    ``_dp<k>`` for each data-parallel rank: DP ranks sharing a sidecar stay apart.
+    """
+    pc = vllm_config.parallel_config
+    engine_id = engine_id_of(vllm_config)
+    dp_rank = int(getattr(pc, "data_parallel_rank", 0) or 0)
+    pp_size = int(getattr(pc, "pipeline_parallel_size", 1) or 1)
+    if pp_size == 1:
+        return Placement(engine_id=engine_id, dp_rank=dp_rank)
+    from vllm.distributed.parallel_state import get_pp_group
+
+    mc = vllm_config.model_config
+    assert mc is not None
+    start, end = mc.get_layers_start_end_indices(pc)
+    total = mc.get_total_num_hidden_layers() if hasattr(mc, "get_total_num_hidden_layers") else \
+        mc.hf_text_config.num_hidden_layers
+    return Placement(engine_id=engine_id, dp_rank=dp_rank, pp_rank=get_pp_group().rank_in_group,
+                     pp_size=pp_size, first_layer=start, total_layers=total)
+
+
 def _tp(vllm_config: VllmConfig) -> tuple[int, int]:
     size = vllm_config.parallel_config.tensor_parallel_size
     try:
@@ -141,10 +169,13 @@ class KvxferConnector(KVConnectorBase_V1):
         self.scheduler: SchedulerSide | None = None
         self.worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
-            self.scheduler = SchedulerSide(self.settings, size)
+            pc = vllm_config.parallel_config
+            self.scheduler = SchedulerSide(self.settings, size, engine_id=engine_id_of(vllm_config),
+                                           pp_size=pc.pipeline_parallel_size)
         else:
             device = str(vllm_config.device_config.device_type) if vllm_config.device_config else "cuda"
-            self.worker = WorkerSide(self.settings, rank, size, "cpu" if device == "cpu" else "cuda")
+            self.worker = WorkerSide(self.settings, rank, size, "cpu" if device == "cpu" else "cuda",
+                                     placement(vllm_config))
 
     # ------------------------------------------------------------------ scheduler role
 

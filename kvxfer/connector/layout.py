@@ -103,6 +103,20 @@ def _layer_geometry(
     return _Geometry(2, head_layout, content, [(p * kv_stride, block_len, block_stride) for p in range(2)])
 
 
+@dataclass(frozen=True)
+class Placement:
+    """Where a worker's rank sits: its engine (vLLM's kv_transfer_config.engine_id, already
+    "<id>_dp<k>" under data parallelism; "": the sidecar's), DP rank, pipeline stage and the
+    global layers that stage holds."""
+
+    engine_id: str = ""
+    dp_rank: int = 0
+    pp_rank: int = 0
+    pp_size: int = 1
+    first_layer: int = 0
+    total_layers: int = 0
+
+
 def registration_from_tensors(
     kv_caches: dict[str, Any],
     *,
@@ -117,9 +131,12 @@ def registration_from_tensors(
     memory_of: MemoryOf,
     fused: str = "kv_content",
     model: str = "",
+    place: Placement | None = None,
 ) -> RegisterKV:
     """``fused`` says how a block without a K/V dimension holds K and V ("kv_content" or
-    "kv_per_head"); it is ignored for K/V-split and MLA caches."""
+    "kv_per_head"); it is ignored for K/V-split and MLA caches. ``place``: which engine, DP
+    rank and pipeline stage (its layers) the rank belongs to."""
+    place = place or Placement()
     memory: list[MemoryRef] = []
     index: dict[object, int] = {}
     regions: list[KVRegion] = []
@@ -171,5 +188,10 @@ def registration_from_tensors(
         tp_size=tp_size,
         fused=fusion,  # type: ignore[arg-type]
         model=model,
+        pp_rank=place.pp_rank,
+        pp_size=place.pp_size,
+        first_layer=place.first_layer,
+        total_layers=place.total_layers if place.pp_size > 1 else 0,
     )
-    return RegisterKV(layout=layout, memory=memory, regions=regions)
+    return RegisterKV(layout=layout, memory=memory, regions=regions, engine_id=place.engine_id,
+                      dp_rank=place.dp_rank)

@@ -34,7 +34,7 @@ import zmq
 from kvxfer.client import Drained, RemoteBlocks, SidecarClient
 from kvxfer.connector.params import InvalidTransferParams, parse_remote
 from kvxfer.connector.settings import ConnectorSettings
-from kvxfer.errors import KvxferError
+from kvxfer.errors import ErrorCode, KvxferError
 
 SEND_ERRORS = (KvxferError, zmq.ZMQError)
 
@@ -54,17 +54,24 @@ class StepPlan:
 
 class SchedulerSide:
     def __init__(
-        self, settings: ConnectorSettings, tp_size: int, client: SidecarClient | None = None
+        self, settings: ConnectorSettings, tp_size: int, client: SidecarClient | None = None, *,
+        engine_id: str = "", pp_size: int = 1,
     ) -> None:
         self.settings = settings
         self.tp_size = tp_size
+        self.pp_size = pp_size  # each (pp, tp) worker receives its own layers and reports its own Done
         self.client = client or SidecarClient(settings.sidecar, send_queue=settings.send_queue)
         pong = self.client.ping(settings.sidecar_timeout_s)
-        self.engine_id = pong.engine_id
+        # This engine's id (vLLM's, "<id>_dp<k>" under DP): its ranks, holds and receives are
+        # keyed by it in a sidecar shared with other engines. "": the sidecar's own id.
+        self.local_engine = engine_id
+        self.engine_id = engine_id or pong.engine_id
         self.handshake_host = pong.handshake_host
         self.handshake_port = pong.handshake_port
         self.generation = pong.generation  # the sidecar's registrations (kv_transfer_params)
         self._remote: dict[str, RemoteBlocks] = {}  # decode requests with usable params
+        self._waiting: dict[str, RemoteBlocks] = {}  # ... not given blocks yet: their leases are kept alive
+        self._next_keepalive = time.monotonic() + settings.keepalive_period_s
         self._plan = StepPlan()
         self._next_heartbeat = time.monotonic() + settings.heartbeat_s
         self.errors: dict[str, str] = {}  # request id -> why its params were refused
@@ -90,9 +97,12 @@ class SchedulerSide:
         params = request.kv_transfer_params
         if not params or not params.get("do_remote_prefill"):
             return 0, False
-        if self._remote_for(request) is None:
+        remote = self._remote_for(request)
+        if remote is None:
             return 0, False
         count = len(request.prompt_token_ids or ()) - num_computed_tokens
+        if count > 0:
+            self._waiting[request.request_id] = remote  # until it gets blocks: keep its lease alive
         return (count, True) if count > 0 else (0, False)
 
     def update_state_after_alloc(
@@ -102,6 +112,7 @@ class SchedulerSide:
         if not params or not params.get("do_remote_prefill"):
             return
         params["do_remote_prefill"] = False  # one transfer per request
+        self._waiting.pop(request.request_id, None)  # from now on its read claims the lease
         remote = self._remote_for(request)
         if remote is None:
             return
@@ -116,7 +127,7 @@ class SchedulerSide:
         remote_ids = remote_ids[len(remote_ids) - len(local):]
         give_up = self.settings.transfer_timeout_s + self.settings.grace_s
         expires = time.time() + give_up
-        for rank in range(self.tp_size):
+        for n, (pp, rank) in enumerate(self._ranks()):
             try:
                 self.client.recv(
                     request.request_id,
@@ -127,20 +138,26 @@ class SchedulerSide:
                     deadline_s=self.settings.transfer_timeout_s,
                     reply_to_rank=True,
                     expires_unix=expires,
+                    engine_id=self.local_engine,
+                    pp_rank=pp,
                 )
             except SEND_ERRORS as e:
-                log.warning("request %s: KV load not posted to the sidecar (rank %d): %s", request.request_id,
-                            rank, e)
-                if rank == 0:  # nothing was sent: fail the load now, vLLM recomputes
+                log.warning("request %s: KV load not posted to the sidecar (rank pp%d/tp%d): %s",
+                            request.request_id, pp, rank, e)
+                if n == 0:  # nothing was sent: fail the load now, vLLM recomputes
                     self._plan.failed[request.request_id] = local
                     return
                 break  # some ranks were sent: their deadlines settle it (expires_unix bounds them)
         self._plan.recvs[request.request_id] = (local, time.monotonic() + give_up)
 
+    def _ranks(self) -> list[tuple[int, int]]:
+        """(pp, tp) of every worker: each receives into its own memory."""
+        return [(pp, tp) for pp in range(self.pp_size) for tp in range(self.tp_size)]
+
     def _release_remote(self, req_id: str, remote: RemoteBlocks) -> None:
         try:
-            for rank in range(self.tp_size):
-                self.client.recv(req_id, [], remote, tp_rank=rank)
+            for pp, rank in self._ranks():
+                self.client.recv(req_id, [], remote, tp_rank=rank, engine_id=self.local_engine, pp_rank=pp)
         except SEND_ERRORS as e:  # the prefill's lease frees it
             log.warning("request %s: release of the prefill blocks not sent: %s", req_id, e)
 
@@ -150,6 +167,7 @@ class SchedulerSide:
         params = request.kv_transfer_params
         req_id = request.request_id
         self._remote.pop(req_id, None)
+        self._waiting.pop(req_id, None)
         error = self.errors.pop(req_id, None)
         if not params:
             return False, None
@@ -170,7 +188,7 @@ class SchedulerSide:
         give_up = self.settings.lease_s + self.settings.grace_s
         try:
             self.client.hold(req_id, block_ids, self.settings.lease_s, reads=self.tp_size, notify_ranks=True,
-                             expires_unix=time.time() + give_up)
+                             expires_unix=time.time() + give_up, engine_id=self.local_engine)
         except SEND_ERRORS as e:
             log.warning("request %s: hold not sent to the sidecar (%s); freeing its blocks, the decode "
                         "will compute the prompt", req_id, e)
@@ -185,6 +203,7 @@ class SchedulerSide:
             "remote_host": self.handshake_host,
             "remote_port": self.handshake_port,
             "tp_size": self.tp_size,
+            "pp_size": self.pp_size,
             "remote_num_tokens": getattr(request, "num_computed_tokens", 0),
             "remote_generation": self.generation,
         }
@@ -207,14 +226,39 @@ class SchedulerSide:
             if endpoint != (self.handshake_host, self.handshake_port):
                 log.warning("sidecar handshake endpoint is now %s:%d", *endpoint)
             self.engine_id, self.handshake_host, self.handshake_port = (
-                pong.engine_id, pong.handshake_host, pong.handshake_port)
+                self.local_engine or pong.engine_id, pong.handshake_host, pong.handshake_port)
             self.generation = pong.generation
         for ev in drained.errors:
+            if ev.code == ErrorCode.EXPIRED and ev.req_id in self._waiting:
+                # The prefill gave the blocks up while this request waited: compute it here.
+                del self._waiting[ev.req_id]
+                self._remote.pop(ev.req_id, None)
+                self.errors[ev.req_id] = f"prefill lease expired while waiting: {ev.message}"
+                log.warning("request %s: %s; computing the prompt locally", ev.req_id, ev.message)
+                continue
             log.warning("sidecar refused a request %s: [%s] %s", ev.req_id, ev.code, ev.message)
+        if self._waiting and now >= self._next_keepalive:
+            self._next_keepalive = now + self.settings.keepalive_period_s
+            self._keepalive()
         for ev in drained.failed:  # release-only receives that could not reach the peer
             log.warning("release of %s on the prefill side failed: [%s] %s", ev.req_id, ev.code, ev.reason)
         plan, self._plan = self._plan, StepPlan()
         return plan
+
+    def _keepalive(self) -> None:
+        """One KeepAlive per prefill engine for the requests still waiting for blocks here."""
+        groups: dict[tuple[str, str, int], list[tuple[str, str]]] = {}
+        for req_id, r in self._waiting.items():
+            groups.setdefault((r.engine_id, r.host, r.port), []).append((req_id, r.req_id or req_id))
+        for (engine, host, port), ids in groups.items():
+            for i in range(0, len(ids), 4096):
+                part = ids[i:i + 4096]
+                try:
+                    self.client.keepalive(RemoteBlocks(engine, host, port, []), [r for _, r in part],
+                                          [q for q, _ in part])
+                except SEND_ERRORS as e:  # the leases may run out; the reads then fail and recompute
+                    log.warning("keep-alive for %d requests not sent: %s", len(part), e)
+                    return
 
     def shutdown(self) -> None:
         self.client.close()

@@ -9,6 +9,8 @@
      "settle_s": 25,           # ... and at the latest + settle_s while it still answers
                                # (> its settle_timeout_s: a failed read waits for its chunks)
      "heartbeat_s": 1,         # how often a worker pings its sidecar (restart detection)
+     "keepalive_s": 0,         # decode: how often the prefill leases of requests still
+                               # waiting for local blocks are renewed (0: lease_s / 6)
      "send_queue": 1000,       # messages queued for a sidecar that does not read before
                                # sends fail (the request then recomputes / frees at once)
      "shm_dir": "/dev/shm",    # CPU engines: where the KV cache files live
@@ -36,9 +38,14 @@ class ConnectorSettings:
     grace_s: float = 5.0
     settle_s: float = 25.0
     heartbeat_s: float = 1.0
+    keepalive_s: float = 0.0  # 0: lease_s / 6, as vLLM's NixlConnector heartbeats
     send_queue: int = 1000
     shm_dir: str = "/dev/shm"
     model_identity: str = ""
+
+    @property
+    def keepalive_period_s(self) -> float:
+        return self.keepalive_s or self.lease_s / 6
 
     @classmethod
     def from_extra(cls, extra: Mapping[str, Any] | None) -> ConnectorSettings:
@@ -52,6 +59,7 @@ class ConnectorSettings:
             grace_s=float(extra.get("grace_s", cls.grace_s)),
             settle_s=float(extra.get("settle_s", cls.settle_s)),
             heartbeat_s=float(extra.get("heartbeat_s", cls.heartbeat_s)),
+            keepalive_s=float(extra.get("keepalive_s", cls.keepalive_s)),
             send_queue=int(extra.get("send_queue", cls.send_queue)),
             shm_dir=str(extra.get("shm_dir", cls.shm_dir)),
             model_identity=str(extra.get("model_identity", "")),

@@ -35,7 +35,7 @@ from typing import Any
 import zmq
 
 from kvxfer.client import Drained, SidecarClient
-from kvxfer.connector.layout import registration_from_tensors
+from kvxfer.connector.layout import Placement, registration_from_tensors
 from kvxfer.connector.settings import ConnectorSettings
 from kvxfer.connector.shm_pool import SharedAllocator
 from kvxfer.errors import KvxferError
@@ -83,10 +83,12 @@ class CacheShape:
 
 
 class WorkerSide:
-    def __init__(self, settings: ConnectorSettings, tp_rank: int, tp_size: int, device: str) -> None:
+    def __init__(self, settings: ConnectorSettings, tp_rank: int, tp_size: int, device: str,
+                 place: Placement | None = None) -> None:
         self.settings = settings
         self.tp_rank = tp_rank
         self.tp_size = tp_size
+        self.place = place or Placement()
         self.device = device
         self.allocator = SharedAllocator(settings.shm_dir) if device == "cpu" else None
         self.client: SidecarClient | None = None
@@ -137,6 +139,7 @@ class WorkerSide:
             memory_of=self._memory_of,
             fused=shape.fused,
             model=shape.model,
+            place=self.place,
         )
         self.client = SidecarClient(self.settings.sidecar)
         self.client.ping(self.settings.sidecar_timeout_s)
@@ -268,9 +271,12 @@ class WorkerSide:
                 log.warning("no answer from the sidecar for request %s; failing its KV load", req_id)
                 self._fail(out, req_id, blocks)
         for req_id, deadline in list(self._holds.items()):
-            if now > deadline:
+            # Only a silent sidecar: a live one may have extended the lease (a decode still
+            # waiting renews it, a read claims it) and sends Released when it ends.
+            if now > deadline and silent:
                 del self._holds[req_id]
-                log.warning("no release from the sidecar for request %s; freeing after its lease", req_id)
+                log.warning("no release from a silent sidecar for request %s; freeing after its lease",
+                            req_id)
                 out.finished_sending.add(req_id)
                 self.stats.expired += 1
 

@@ -115,9 +115,10 @@ def render(st: pb.Status, serving: bool, rate: float | None = None) -> str:
         lines.append("  ranks      none registered")
     for r in st.ranks:
         kv = "MLA" if r.mla else f"{r.local_kv_heads}/{r.num_kv_heads} heads"
+        where = f"{r.engine_id} dp {r.dp_rank} pp {r.pp_rank}/{r.pp_size} " if r.engine_id else ""
         lines.append(
-            f"  rank       tp {r.tp_rank}/{r.tp_size}: {r.num_layers} layers x {r.num_blocks} blocks x "
-            f"{r.block_size} tok, {kv} x {r.head_dim} {r.dtype} {r.head_layout}, "
+            f"  rank       {where}tp {r.tp_rank}/{r.tp_size}: {r.num_layers} layers x {r.num_blocks} "
+            f"blocks x {r.block_size} tok, {kv} x {r.head_dim} {r.dtype} {r.head_layout}, "
             f"{_human_bytes(r.bytes_registered)} {r.mem_type}"
         )
     lines.append(f"  peers      {len(st.peers)}")

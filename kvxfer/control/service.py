@@ -68,10 +68,12 @@ def status_proto(sc: Sidecar) -> pb.Status:
         agent_name=sc.agent_name, protocol_version=PROTOCOL_VERSION, ucx_error_mode=cfg.ucx_error_mode,
     )
     ranks = []
-    for r in sorted(sc.ranks):
-        info = sc.ranks[r]
+    for entry in sc.registry.entries():
+        info = entry.info
         lay = info.layout
         ranks.append(pb.RankRegistration(
+            engine_id=entry.key.engine, dp_rank=entry.key.dp, pp_rank=lay.pp_rank, pp_size=lay.pp_size,
+            first_layer=lay.first_layer, pid=entry.pid,
             tp_rank=lay.tp_rank, tp_size=lay.tp_size, num_layers=lay.num_layers,
             num_blocks=lay.num_blocks, block_size=lay.block_size, num_kv_heads=lay.num_kv_heads,
             local_kv_heads=lay.local_kv_heads, head_dim=lay.head_dim, dtype=lay.dtype,
@@ -82,7 +84,7 @@ def status_proto(sc: Sidecar) -> pb.Status:
     leases = [
         pb.Lease(request_id=lease.req_id, num_blocks=len(lease.block_ids), age_s=now - lease.created,
                  expires_in_s=lease.expires - now, reads_seen=lease.reads_seen,
-                 reads_expected=lease.reads_expected)
+                 reads_expected=lease.reads_expected, engine_id=lease.engine)
         for lease in sc.leases.items()
     ]
     t = sc.observer.totals

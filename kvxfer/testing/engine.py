@@ -7,6 +7,7 @@ import random
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+import msgspec
 import numpy as np
 
 from kvxfer.client import SidecarClient
@@ -33,7 +34,8 @@ def make_layout(
     head_layout: str = "NHD",
     model: str = "",
 ) -> KVLayout:
-    """A vLLM-like layout; with ``mla`` one latent of ``head_dim`` replicated on every rank."""
+    """A vLLM-like layout; with ``mla`` one latent of ``head_dim`` replicated on every rank
+    (``stage_layout`` cuts one pipeline stage out of it)."""
     if mla:
         heads = 1
     return KVLayout(
@@ -53,6 +55,16 @@ def make_layout(
     )
 
 
+def stage_layout(layout: KVLayout, split: list[int], pp_rank: int) -> KVLayout:
+    """Pipeline stage ``pp_rank`` of a model of ``layout``'s layers split as ``split`` (layers
+    per stage, e.g. ``[3, 1]``)."""
+    import msgspec
+
+    assert sum(split) == layout.num_layers, "the split must cover every layer"
+    return msgspec.structs.replace(layout, num_layers=split[pp_rank], pp_rank=pp_rank, pp_size=len(split),
+                                   first_layer=sum(split[:pp_rank]), total_layers=layout.num_layers)
+
+
 class SyntheticEngine:
     """One worker rank. Block 0 is reserved, like vLLM's null block.
 
@@ -64,8 +76,10 @@ class SyntheticEngine:
     """
 
     def __init__(self, layout: KVLayout, endpoint: str, *, seed: int = 0, device: str = "cpu",
-                 kv_layout: str = "") -> None:
+                 kv_layout: str = "", engine_id: str = "", dp_rank: int = 0) -> None:
         self.layout = layout
+        self.engine_id = engine_id  # "": the sidecar's; else this rank's engine (a DP rank's "<id>_dp<k>")
+        self.dp_rank = dp_rank
         self.device = device
         self.tensors: TensorKV | None = None
         self._registration = None
@@ -91,6 +105,7 @@ class SyntheticEngine:
     def start(self, timeout: float = 60.0) -> Registered:
         self.client.ping(timeout)
         msg = self._registration if self.kv is None else self.kv.register_message()
+        msg = msgspec.structs.replace(msg, engine_id=self.engine_id, dp_rank=self.dp_rank)
         self.registered = self.client.register(msg, timeout)
         return self.registered
 

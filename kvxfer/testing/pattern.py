@@ -1,6 +1,6 @@
 """Deterministic KV byte patterns, so the decode side can check every byte it received.
 
-Each byte is a function of (request, layer, K/V part, token position in the request,
+Each byte is a function of (request, global layer, K/V part, token position in the request,
 global KV head, byte within the head) — not of block ids, ranks or block sizes — so any
 prefill/decode topology must reproduce the same bytes, and a block, head, layer or token
 that lands in the wrong place, or a request's blocks swapped with another's, shows up.
@@ -29,7 +29,7 @@ def request_pattern(layout: KVLayout, req_id: str, n_blocks: int) -> np.ndarray:
     u = np.uint64
     seed = u(zlib.crc32(req_id.encode()))
     heads = rank_heads(layout)
-    lay = np.arange(layout.num_layers, dtype=u)[:, None, None, None]
+    lay = np.arange(layout.first_layer, layout.layers.stop, dtype=u)[:, None, None, None]  # global layers
     part = np.arange(layout.kv_parts, dtype=u)[None, :, None, None]
     pos = np.arange(n_blocks * layout.block_size, dtype=u)[None, None, :, None]
     head = np.arange(heads.start, heads.stop, dtype=u)[None, None, None, :]

@@ -27,7 +27,7 @@ class Identity(_message.Message):
     def __init__(self, engine_id: _Optional[str] = ..., role: _Optional[str] = ..., version: _Optional[str] = ..., nixl_backends: _Optional[_Iterable[str]] = ..., handshake_endpoint: _Optional[str] = ..., agent_name: _Optional[str] = ..., protocol_version: _Optional[int] = ..., ucx_error_mode: _Optional[str] = ...) -> None: ...
 
 class RankRegistration(_message.Message):
-    __slots__ = ("tp_rank", "tp_size", "num_layers", "num_blocks", "block_size", "num_kv_heads", "local_kv_heads", "head_dim", "dtype", "kv_parts", "mla", "head_layout", "bytes_registered", "mem_type")
+    __slots__ = ("tp_rank", "tp_size", "num_layers", "num_blocks", "block_size", "num_kv_heads", "local_kv_heads", "head_dim", "dtype", "kv_parts", "mla", "head_layout", "bytes_registered", "mem_type", "engine_id", "dp_rank", "pp_rank", "pp_size", "first_layer", "pid")
     TP_RANK_FIELD_NUMBER: _ClassVar[int]
     TP_SIZE_FIELD_NUMBER: _ClassVar[int]
     NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
@@ -42,6 +42,12 @@ class RankRegistration(_message.Message):
     HEAD_LAYOUT_FIELD_NUMBER: _ClassVar[int]
     BYTES_REGISTERED_FIELD_NUMBER: _ClassVar[int]
     MEM_TYPE_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    DP_RANK_FIELD_NUMBER: _ClassVar[int]
+    PP_RANK_FIELD_NUMBER: _ClassVar[int]
+    PP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    FIRST_LAYER_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
     tp_rank: int
     tp_size: int
     num_layers: int
@@ -56,7 +62,13 @@ class RankRegistration(_message.Message):
     head_layout: str
     bytes_registered: int
     mem_type: str
-    def __init__(self, tp_rank: _Optional[int] = ..., tp_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., local_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[str] = ..., kv_parts: _Optional[int] = ..., mla: _Optional[bool] = ..., head_layout: _Optional[str] = ..., bytes_registered: _Optional[int] = ..., mem_type: _Optional[str] = ...) -> None: ...
+    engine_id: str
+    dp_rank: int
+    pp_rank: int
+    pp_size: int
+    first_layer: int
+    pid: int
+    def __init__(self, tp_rank: _Optional[int] = ..., tp_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., local_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[str] = ..., kv_parts: _Optional[int] = ..., mla: _Optional[bool] = ..., head_layout: _Optional[str] = ..., bytes_registered: _Optional[int] = ..., mem_type: _Optional[str] = ..., engine_id: _Optional[str] = ..., dp_rank: _Optional[int] = ..., pp_rank: _Optional[int] = ..., pp_size: _Optional[int] = ..., first_layer: _Optional[int] = ..., pid: _Optional[int] = ...) -> None: ...
 
 class Peer(_message.Message):
     __slots__ = ("endpoint", "engine_id", "agent_name", "state", "last_handshake_unix", "handshake_ms", "tp_size", "reads", "bytes", "failures")
@@ -83,20 +95,22 @@ class Peer(_message.Message):
     def __init__(self, endpoint: _Optional[str] = ..., engine_id: _Optional[str] = ..., agent_name: _Optional[str] = ..., state: _Optional[str] = ..., last_handshake_unix: _Optional[float] = ..., handshake_ms: _Optional[float] = ..., tp_size: _Optional[int] = ..., reads: _Optional[int] = ..., bytes: _Optional[int] = ..., failures: _Optional[int] = ...) -> None: ...
 
 class Lease(_message.Message):
-    __slots__ = ("request_id", "num_blocks", "age_s", "expires_in_s", "reads_seen", "reads_expected")
+    __slots__ = ("request_id", "num_blocks", "age_s", "expires_in_s", "reads_seen", "reads_expected", "engine_id")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     AGE_S_FIELD_NUMBER: _ClassVar[int]
     EXPIRES_IN_S_FIELD_NUMBER: _ClassVar[int]
     READS_SEEN_FIELD_NUMBER: _ClassVar[int]
     READS_EXPECTED_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     num_blocks: int
     age_s: float
     expires_in_s: float
     reads_seen: int
     reads_expected: int
-    def __init__(self, request_id: _Optional[str] = ..., num_blocks: _Optional[int] = ..., age_s: _Optional[float] = ..., expires_in_s: _Optional[float] = ..., reads_seen: _Optional[int] = ..., reads_expected: _Optional[int] = ...) -> None: ...
+    engine_id: str
+    def __init__(self, request_id: _Optional[str] = ..., num_blocks: _Optional[int] = ..., age_s: _Optional[float] = ..., expires_in_s: _Optional[float] = ..., reads_seen: _Optional[int] = ..., reads_expected: _Optional[int] = ..., engine_id: _Optional[str] = ...) -> None: ...
 
 class Transfer(_message.Message):
     __slots__ = ("request_id", "tp_rank", "peer", "state", "num_blocks", "bytes", "age_s", "deadline_in_s")

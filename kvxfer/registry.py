@@ -1,0 +1,213 @@
+"""The registered ranks of a sidecar: one table, keyed by (engine, DP rank, PP stage, TP rank).
+
+A sidecar serves every engine process on its node: the TP workers of one engine, the DP
+ranks of a data-parallel deployment (vLLM names them ``<engine_id>_dp<k>``), the stages of
+a pipeline. Each registered rank is one ``RankEntry`` (what peers see, which connection
+registered it, its process, its shared-memory files) and every change goes through
+``register`` / ``remove``, which also map or unmap the memory on the NIXL thread: the
+loop's view and the NIXL thread's handle table can never disagree (they did when four
+hand-synced maps were updated one by one).
+
+Ownership: a connection may replace or remove only what it registered. A registration of
+a key that another *live* process holds is refused (``rank_taken``): two DP engines that
+were given the same engine id would otherwise read each other's KV. A restarted engine
+(its old process is gone, or the same pid reconnected) replaces its ranks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+import msgspec
+
+from kvxfer.errors import ErrorCode, RequestError
+from kvxfer.protocol import KVLayout, RankInfo, RegisterKV, ShmMemory
+
+log = logging.getLogger(__name__)
+
+
+class RankKey(NamedTuple):
+    engine: str
+    dp: int
+    pp: int
+    tp: int
+
+    def __str__(self) -> str:
+        return f"{self.engine}/dp{self.dp}/pp{self.pp}/tp{self.tp}"
+
+
+@dataclass
+class RankEntry:
+    key: RankKey
+    info: RankInfo  # what peers see: absolute region addresses, engine id, DP rank
+    owner: bytes  # the engine connection that registered it
+    pid: int
+    start: str | None  # the process's /proc start time; None: not tracked (pid 0)
+    files: list[str] = field(default_factory=list)  # shm files of its KV cache
+    registered_unix: float = 0.0
+
+    @property
+    def layout(self) -> KVLayout:
+        return self.info.layout
+
+    @property
+    def nbytes(self) -> int:
+        return sum(r.block_len for r in self.info.regions) * self.layout.num_blocks
+
+
+def process_start_time(pid: int) -> str | None:
+    """A process's start time from /proc (None: no pid given; "": not visible from here, e.g.
+    another pid namespace), so a recycled pid is not mistaken for the engine."""
+    if pid <= 0:
+        return None
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as fh:
+            return fh.read().rsplit(b")", 1)[1].split()[19].decode()
+    except (OSError, IndexError):
+        return ""
+
+
+class RankRegistry:
+    """Registered ranks; ``nixl`` runs a ``TransferEngine`` command on its thread."""
+
+    def __init__(self, default_engine: str, nixl: Callable[..., Awaitable[Any]],
+                 t_register: Callable[[RankKey, RegisterKV], RankInfo],
+                 t_unregister: Callable[[RankKey], bool]) -> None:
+        self.default_engine = default_engine
+        self._nixl = nixl
+        self._t_register = t_register
+        self._t_unregister = t_unregister
+        self._entries: dict[RankKey, RankEntry] = {}
+        self.changes = 0  # bumped when a registration is replaced or removed (the generation)
+
+    # ------------------------------------------------------------------ queries
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __bool__(self) -> bool:
+        return bool(self._entries)
+
+    def entries(self) -> list[RankEntry]:
+        return [self._entries[k] for k in sorted(self._entries)]
+
+    def engine_of(self, engine_id: str) -> str:
+        """The engine a message names ("": this sidecar's own)."""
+        return engine_id or self.default_engine
+
+    def get(self, key: RankKey) -> RankEntry | None:
+        return self._entries.get(key)
+
+    def find(self, engine: str, pp: int, tp: int) -> RankEntry | None:
+        engine = self.engine_of(engine)
+        for key, entry in self._entries.items():
+            if key.engine == engine and key.pp == pp and key.tp == tp:
+                return entry
+        return None
+
+    def of_engine(self, engine: str) -> list[RankEntry]:
+        engine = self.engine_of(engine)
+        return [e for e in self.entries() if e.key.engine == engine]
+
+    def engines(self) -> list[str]:
+        return sorted({k.engine for k in self._entries})
+
+    def owners(self, engine: str) -> set[bytes]:
+        return {e.owner for e in self.of_engine(engine)}
+
+    def infos(self) -> list[RankInfo]:
+        return [e.info for e in self.entries()]
+
+    def first_layout(self) -> KVLayout | None:
+        entries = self.entries()
+        return entries[0].layout if entries else None
+
+    def describe(self) -> str:
+        return ", ".join(str(k) for k in sorted(self._entries)) or "none"
+
+    # ------------------------------------------------------------------ changes
+
+    def key_of(self, msg: RegisterKV) -> RankKey:
+        return RankKey(self.engine_of(msg.engine_id), msg.dp_rank, msg.layout.pp_rank, msg.layout.tp_rank)
+
+    def check(self, msg: RegisterKV, owner: bytes) -> RankKey:
+        """Refuse a registration that conflicts with what is registered (RequestError)."""
+        key = self.key_of(msg)
+        lay = msg.layout
+        for other in self._entries.values():
+            o = other.layout
+            if other.key.engine == key.engine and other.key.dp != key.dp:
+                raise RequestError(ErrorCode.INVALID_LAYOUT, f"engine {key.engine!r} is registered as DP "
+                                   f"rank {other.key.dp}, this registration says {key.dp}")
+            if (other.key.engine, other.key.pp, other.key.tp) == (key.engine, key.pp, key.tp):
+                continue
+            if o.model_signature() != lay.model_signature():
+                raise RequestError(ErrorCode.INVALID_LAYOUT, f"model layout differs from rank {other.key}'s: "
+                                   f"{o.model_signature()} vs {lay.model_signature()}")
+            if other.key.engine == key.engine and (o.tp_size, o.pp_size) != (lay.tp_size, lay.pp_size):
+                raise RequestError(ErrorCode.INVALID_LAYOUT, f"engine {key.engine!r} has tp_size {o.tp_size} "
+                                   f"pp_size {o.pp_size}; this rank says {lay.tp_size}, {lay.pp_size}")
+        old = self.find(key.engine, key.pp, key.tp)
+        if old is not None and old.owner != owner and old.pid != (msg.pid or -1) and self._alive(old):
+            raise RequestError(ErrorCode.RANK_TAKEN, f"rank {key} is registered by live process {old.pid}; "
+                               "two engines with the same engine id and DP rank? (give each its own)")
+        return key
+
+    @staticmethod
+    def _alive(entry: RankEntry) -> bool:
+        """The registering process still runs (unknown: treated as gone, the newer one wins)."""
+        if not entry.start:
+            return False
+        return process_start_time(entry.pid) == entry.start
+
+    async def register(self, msg: RegisterKV, owner: bytes) -> tuple[RankEntry, bool]:
+        """Map and register a rank's memory (replacing the key's old registration); returns
+        the entry and whether it replaced one. On failure the key's old registration is gone
+        too (its memory was dropped first): the key is unregistered and the generation moves."""
+        key = self.check(msg, owner)
+        old = self.find(key.engine, key.pp, key.tp)
+        if old is not None and old.key != key:
+            await self._drop(old)
+        try:
+            info: RankInfo = await self._nixl(self._t_register, key, msg)
+        except BaseException:
+            if self._entries.pop(key, None) is not None:
+                self.changes += 1
+            raise
+        info = msgspec.structs.replace(info, engine_id=key.engine, dp_rank=key.dp)
+        replaced = key in self._entries
+        if replaced:
+            self.changes += 1  # its old memory is gone: reads planned against it are stale
+        entry = RankEntry(key=key, info=info, owner=owner, pid=msg.pid, start=process_start_time(msg.pid),
+                          files=[m.path for m in msg.memory if isinstance(m, ShmMemory)],
+                          registered_unix=time.time())
+        self._entries[key] = entry
+        return entry, replaced
+
+    async def remove(self, key: RankKey, *, unlink: bool = False) -> RankEntry | None:
+        """Unregister a rank (its in-flight reads fail on the NIXL thread); ``unlink``: also
+        remove its shared-memory files (its engine died and cannot)."""
+        entry = self._entries.get(key)
+        if entry is None:
+            return None
+        await self._drop(entry)
+        if unlink:
+            for path in entry.files:
+                with contextlib.suppress(OSError):
+                    os.unlink(path)
+        return entry
+
+    async def _drop(self, entry: RankEntry) -> None:
+        self._entries.pop(entry.key, None)
+        self.changes += 1
+        await self._nixl(self._t_unregister, entry.key)
+
+    def dead(self) -> list[RankEntry]:
+        """Ranks whose registering process exited (a recycled pid does not count as alive)."""
+        return [e for e in self.entries() if e.start is not None and process_start_time(e.pid) != e.start]
