@@ -1,8 +1,9 @@
 """Peer sidecars: the handshake, both as the listener (prefill side answers ``Hello``)
 and as the dialer (decode side, once per peer endpoint, shared by concurrent requests).
 
-A mixin of ``Sidecar``: it uses the sidecar's ZMQ context, its registered ranks, its NIXL
-thread and its observer, and keeps ``self.peers`` (by handshake endpoint). The
+``Peers`` gets what it uses passed in (a ZMQ context for dialing, the registry of local
+ranks, the NIXL thread, the observer, the holds it answers digests and renewals for) and
+keeps ``peers`` (by handshake endpoint). The
 compatibility hash is checked in both directions before any payload is used; the NIXL
 agent metadata travels as its own frame.
 """
@@ -50,10 +51,12 @@ from kvxfer.protocol import (
 )
 
 if TYPE_CHECKING:
+    from collections.abc import Awaitable, Callable
+
     import zmq.asyncio
 
     from kvxfer.config import Config
-    from kvxfer.leases import LeaseTable
+    from kvxfer.holds import Holds
     from kvxfer.observe import Observer
     from kvxfer.registry import RankRegistry
     from kvxfer.transfer import TransferEngine
@@ -154,34 +157,40 @@ class PeerLink:
             self.sock.close(0)
 
 
-class PeersMixin:
-    # provided by Sidecar
-    config: Config
-    ctx: zmq.asyncio.Context
-    dial_ctx: zmq.asyncio.Context  # handshake dialing never shares the engine socket's I/O thread
-    engine_id: str
-    agent_name: str
-    registry: RankRegistry
-    transfer: TransferEngine
-    observer: Observer
-    hs_sock: zmq.asyncio.Socket | None
-    peers: dict[str, Peer]
-    secret: bytes  # empty: no handshake authentication
-    leases: LeaseTable
-    generation: str
-    replay_guard: ReplayGuard
-    _handshakes: dict[str, asyncio.Future[Peer]]
+class Peers:
+    """The peer sidecars: the dialer (handshakes, kept-open links, digests) and the listener
+    (answers Hello, digest requests and lease renewals). ``peers`` by handshake endpoint."""
 
-    _links: dict[str, PeerLink]
+    def __init__(self, *, config: Config, dial_ctx: zmq.asyncio.Context, engine_id: str, agent_name: str,
+                 registry: RankRegistry, transfer: TransferEngine, nixl: Callable[..., Awaitable[Any]],
+                 observer: Observer, holds: Holds, secret: bytes, generation: Callable[[], str],
+                 spawn: Callable[[Any], None]) -> None:
+        self.config = config
+        self.dial_ctx = dial_ctx  # handshake dialing never shares the engine socket's I/O thread
+        self.engine_id = engine_id
+        self.agent_name = agent_name
+        self.registry = registry
+        self.transfer = transfer
+        self._nixl = nixl
+        self.observer = observer
+        self.holds = holds
+        self.secret = secret  # empty: no handshake authentication
+        self._generation = generation
+        self._spawn = spawn
+        self.replay_guard = ReplayGuard()
+        self.peers: dict[str, Peer] = {}
+        self._handshakes: dict[str, asyncio.Future[Peer]] = {}
+        self._links: dict[str, PeerLink] = {}
 
-    async def _nixl(self, fn: Any, *args: Any) -> Any:
-        raise NotImplementedError
+    @property
+    def generation(self) -> str:
+        return self._generation()
 
-    def renew_leases(self, req: LeaseRenew) -> LeaseState:
-        raise NotImplementedError
+    def values(self) -> list[Peer]:
+        return list(self.peers.values())
 
-    def _spawn(self, coro: Any) -> None:
-        raise NotImplementedError
+    def by_agent(self, agent: str) -> Peer | None:
+        return next((p for p in self.peers.values() if p.agent_name == agent), None)
 
     # ---------------------------------------------------------------- dialer
 
@@ -350,13 +359,13 @@ class PeersMixin:
 
     # ---------------------------------------------------------------- listener
 
-    async def _handshake_loop(self) -> None:
-        assert self.hs_sock is not None
+    async def serve(self, hs_sock: zmq.asyncio.Socket) -> None:
+        """Answer every request on the handshake listener."""
         while True:
-            frames = await self.hs_sock.recv_multipart()
+            frames = await hs_sock.recv_multipart()
             ident, body = frames[0], frames[-1]
             reply, extra = await self._answer_hello(body)
-            self.hs_sock.send_multipart([ident, encode(reply), *extra])
+            hs_sock.send_multipart([ident, encode(reply), *extra])
 
     async def _answer_hello(self, body: bytes) -> tuple[Welcome | Refused | DigestReply, list[bytes]]:
         def refuse(code: ErrorCode, reason: str) -> tuple[Refused, list[bytes]]:
@@ -376,7 +385,7 @@ class PeersMixin:
         if isinstance(hello, LeaseRenew):
             if self.secret and not check_request(self.secret, hello):
                 return refuse(ErrorCode.UNAUTHORIZED, "lease renewal without a valid signature")
-            return self.renew_leases(hello), []
+            return self.holds.renew(hello), []
         if self.secret:
             why = self.replay_guard.check_hello(self.secret, hello)
             if why is not None:
@@ -419,8 +428,8 @@ class PeersMixin:
         held lease can be digested, so a request costs no more than the read it checks."""
         if self.secret and not check_digest_request(self.secret, req):
             raise RequestError(ErrorCode.UNAUTHORIZED, "digest request without a valid signature")
-        key = self.leases.resolve(req.engine_id, req.req_id)
-        lease = self.leases.get(key) if key is not None else None
+        key = self.holds.table.resolve(req.engine_id, req.req_id)
+        lease = self.holds.table.get(key) if key is not None else None
         if lease is None:
             raise RequestError(ErrorCode.UNKNOWN_REQUEST, "no blocks held for this request (lease over?)")
         held = set(lease.block_ids)

@@ -18,13 +18,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
 import logging
 import os
 import secrets
 import signal
 import sys
 import time
-from dataclasses import dataclass
 from typing import Any
 
 import msgspec
@@ -32,82 +32,45 @@ import zmq
 import zmq.asyncio
 
 from kvxfer import __version__
-from kvxfer.auth import ReplayGuard
 from kvxfer.config import Config
 from kvxfer.control.access import load_policy
 from kvxfer.errors import ConfigError, ErrorCode, RequestError
-from kvxfer.integrity import digest_items
-from kvxfer.leases import Lease, LeaseTable
+from kvxfer.holds import Holds
 from kvxfer.memory import validate_registration
 from kvxfer.observe import Event, Observer, start_metrics_server
-from kvxfer.peers import Peer, PeersMixin
+from kvxfer.peers import Peer, Peers
 from kvxfer.protocol import (
     DECODE_ERRORS,
     PROTOCOL_VERSION,
-    DigestRank,
-    DigestRequest,
-    Done,
     Error,
-    Failed,
     Hold,
     KeepAlive,
-    KVLayout,
-    LeaseRenew,
-    LeaseState,
     Ping,
     Pong,
-    ReadNotice,
     Recv,
     Registered,
     RegisterKV,
     Release,
-    Released,
     Unregister,
     encode,
     engine_request_decoder,
-    read_notice_decoder,
 )
-from kvxfer.registry import RankEntry, RankKey, RankRegistry
+from kvxfer.receiver import Receiver
+from kvxfer.registry import RankEntry, RankRegistry
+from kvxfer.status import LeaseView, Snapshot, TransferView, copies
 from kvxfer.systemd import Notifier
 from kvxfer.topology import (
-    BlockPairing,
     Incompatible,
-    RankPlan,
-    block_pairing,
     check_layout,
-    plan_stages,
 )
 from kvxfer.transfer import NoticeReceived, ReadFinished, ReadStuck, TransferEngine, TransferOptions
 
 log = logging.getLogger(__name__)
 EXIT_STUCK = 3  # a failed read's chunks could not be stopped: restart to fence them off
 
-_ENGINE_TAGS = {"register", "unregister", "hold", "release", "recv", "ping"}
+_ENGINE_TAGS = {"register", "unregister", "hold", "release", "recv", "ping", "keepalive"}
 MAX_MESSAGE = 16 << 20  # larger engine messages get a typed error (a million block ids is ~5 MiB)
 HARD_MAX_MESSAGE = 64 << 20  # ZMQ drops the connection of a peer that sends more
-
-
-@dataclass
-class _RecvState:
-    owner: bytes  # where Done / Failed go
-    msg: Recv
-    nbytes: int  # bytes this rank will receive
-    started: float
-    deadline: float
-    state: str = "handshake"  # -> "reading" -> "verifying" (sampled by --verify-sample)
-    peer_agent: str = ""
-    local: RankKey | None = None  # the registered rank whose memory receives
-    remote_engine: str = ""  # the prefill engine it reads, once the plan named it
-    claim: asyncio.Future[str] | None = None  # the prefill's "still held": "" yes, else why not
-
-    @property
-    def peer(self) -> str:
-        return f"{self.msg.remote_host}:{self.msg.remote_port}"
-
-
-def recv_key(req_id: str, tp_rank: int, engine: str = "", pp_rank: int = 0) -> str:
-    """One receive per (request, local rank): each rank reads its own memory."""
-    return f"{engine}/{pp_rank}/{tp_rank}:{req_id}"
 
 
 def ipc_path(endpoint: str) -> str | None:
@@ -125,7 +88,12 @@ def classify_bad_message(body: bytes) -> ErrorCode:
     return ErrorCode.MALFORMED
 
 
-class Sidecar(PeersMixin):
+class Sidecar:
+    """The daemon: owns the sockets, the NIXL thread and the lifecycle, and composes the
+    parts that do the work, each with its dependencies passed in: ``registry`` (registered
+    ranks), ``holds`` (prefill leases), ``peers`` (dialer and listener), ``receiver`` (the
+    receive state machine). The control plane reads ``snapshot()``."""
+
     def __init__(self, config: Config) -> None:
         self.config = config
         self.engine_id = config.resolved_engine_id
@@ -136,15 +104,8 @@ class Sidecar(PeersMixin):
         self.engine_sock: zmq.asyncio.Socket | None = None
         self.hs_sock: zmq.asyncio.Socket | None = None
         self.handshake_port = config.handshake_port
-        self.leases = LeaseTable()
-        self.recvs: dict[str, _RecvState] = {}
-        self.peers: dict[str, Peer] = {}  # by handshake endpoint "host:port"
-        self._handshakes: dict[str, asyncio.Future[Peer]] = {}
-        self._receives_done = 0  # successful reads so far (1 in verify_sample is checked)
-        self._links: dict[str, Any] = {}  # kept-open connections to peers' listeners (peers.PeerLink)
         self._tasks: set[asyncio.Task[Any]] = set()
         self._stop = asyncio.Event()
-        self._lease_wakeup = asyncio.Event()
         self.loop: asyncio.AbstractEventLoop | None = None
         opts = TransferOptions(
             ucx_error_mode=config.ucx_error_mode,
@@ -163,7 +124,15 @@ class Sidecar(PeersMixin):
         self.systemd = Notifier()
         self.secret = config.load_secret()
         self.control_policy = load_policy(config)
-        self.replay_guard = ReplayGuard()
+        self.holds = Holds(config, self.registry, self.observer, self._send, self._gauges)
+        self.peers = Peers(config=config, dial_ctx=self.dial_ctx, engine_id=self.engine_id,
+                           agent_name=self.agent_name, registry=self.registry, transfer=self.transfer,
+                           nixl=self._nixl, observer=self.observer, holds=self.holds, secret=self.secret,
+                           generation=lambda: self.generation, spawn=self._spawn)
+        self.receiver = Receiver(config=config, registry=self.registry, peers=self.peers,
+                                 transfer=self.transfer, nixl=self._nixl, observer=self.observer,
+                                 send=self._send, spawn=self._spawn,
+                                 on_change=self._gauges, agent_name=self.agent_name)
         self.draining = False
         self.ready = False
         self._idle = asyncio.Event()  # nothing in flight, nothing held
@@ -200,8 +169,8 @@ class Sidecar(PeersMixin):
         )
         loops = [
             asyncio.ensure_future(self._engine_loop()),
-            asyncio.ensure_future(self._handshake_loop()),
-            asyncio.ensure_future(self._lease_loop()),
+            asyncio.ensure_future(self.peers.serve(self.hs_sock)),
+            asyncio.ensure_future(self.holds.run()),
             asyncio.ensure_future(self._engine_watch_loop()),
         ]
         if self.systemd.enabled:
@@ -273,7 +242,7 @@ class Sidecar(PeersMixin):
             self.hs_sock.bind(f"{addr}:{self.config.handshake_port}")
 
     def _close(self) -> None:
-        self.close_links()
+        self.peers.close_links()
         for sock in (self.engine_sock, self.hs_sock):
             if sock is not None:
                 sock.close(0)
@@ -300,10 +269,6 @@ class Sidecar(PeersMixin):
             self.engine_sock.send_multipart([ident, encode(msg)], flags=zmq.NOBLOCK)
         except zmq.Again:
             log.warning("engine connection %r is not reading; dropped %s", ident, type(msg).__name__)
-
-    def _fail(self, ident: bytes, req_id: str, block_ids: list[int], err: RequestError) -> None:
-        log.warning("request %s failed: [%s] %s", req_id, err.code, err.reason)
-        self._send(ident, Failed(req_id=req_id, block_ids=block_ids, code=err.code, reason=err.reason))
 
     async def _engine_loop(self) -> None:
         assert self.engine_sock is not None
@@ -340,18 +305,15 @@ class Sidecar(PeersMixin):
             case Ping(seq=seq):
                 self._send(ident, self._pong(seq))
             case Hold():
-                self._on_hold(ident, msg)
+                self.holds.hold(ident, msg, self.draining)
             case Recv():
-                self._on_recv(ident, msg)
-            case Release(req_id=req_id):
-                lease = self.leases.pop((self.registry.engine_of(msg.engine_id), req_id))
-                if lease is None:
-                    raise RequestError(ErrorCode.UNKNOWN_REQUEST, "not held", req_id)
-                self._release(lease, "aborted")
+                self.receiver.on_recv(ident, msg, self.draining)
+            case Release():
+                self.holds.release_request(msg)
             case RegisterKV():
                 self._spawn(self._on_register(ident, msg))
             case KeepAlive():
-                self._spawn(self._keepalive(ident, msg))
+                self._spawn(self.receiver.keepalive(ident, msg))
             case Unregister(tp_rank=rank):
                 entry = self.registry.find(msg.engine_id, msg.pp_rank, rank)
                 if entry is None or entry.owner != ident:
@@ -411,222 +373,18 @@ class Sidecar(PeersMixin):
             ),
         )
 
-    def _check_blocks(self, req_id: str, block_ids: list[int], num_blocks: int, side: str) -> None:
-        bad = [b for b in block_ids if b >= num_blocks]
-        if bad:
-            raise RequestError(
-                ErrorCode.BLOCK_OUT_OF_RANGE,
-                f"{side} block ids {bad[:8]} outside [0, {num_blocks})",
-                req_id,
-            )
-
-    def _on_hold(self, ident: bytes, msg: Hold) -> None:
-        if self.draining:
-            raise RequestError(ErrorCode.DRAINING, "sidecar is draining; no new holds", msg.req_id)
-        engine = self.registry.engine_of(msg.engine_id)
-        ranks = self.registry.of_engine(engine)
-        if not ranks:
-            raise RequestError(ErrorCode.NOT_REGISTERED, f"engine {engine!r} has no KV cache registered "
-                               f"(registered: {self.registry.engines()})", msg.req_id)
-        num_blocks = min(r.layout.num_blocks for r in ranks)
-        self._check_blocks(msg.req_id, msg.block_ids, num_blocks, "held")
-        if msg.expires_unix and time.time() > msg.expires_unix:
-            raise RequestError(ErrorCode.EXPIRED, "hold arrived after the engine freed its blocks "
-                               f"({time.time() - msg.expires_unix:.1f}s late)", msg.req_id)
-        now = time.monotonic()
-        self.leases.add(
-            Lease(
-                req_id=msg.req_id,
-                owner=ident,
-                block_ids=list(msg.block_ids),
-                expires=now + (msg.lease_s or self.config.lease_s),
-                reads_expected=msg.reads,
-                created=now,
-                notify_ranks=msg.notify_ranks,
-                engine=engine,
-                duration=msg.lease_s or self.config.lease_s,
-            )
-        )
-        self._gauges()
-        self._lease_wakeup.set()
-
-    def _on_recv(self, ident: bytes, msg: Recv) -> None:
-        engine = self.registry.engine_of(msg.engine_id)
-        key = recv_key(msg.req_id, msg.tp_rank, engine, msg.pp_rank)
-        if key in self.recvs:
-            raise RequestError(ErrorCode.DUPLICATE_REQUEST, "receive already in flight", msg.req_id)
-        local = self.registry.find(engine, msg.pp_rank, msg.tp_rank)
-        if msg.reply_to_rank and local is not None:
-            ident = local.owner
-        try:
-            if self.draining:
-                raise RequestError(ErrorCode.DRAINING, "sidecar is draining; no new receives")
-            if local is None:
-                raise RequestError(ErrorCode.NOT_REGISTERED,
-                                   f"rank pp{msg.pp_rank}/tp{msg.tp_rank} of engine {engine!r} not "
-                                   f"registered (registered: {self.registry.describe()})")
-            self._check_blocks(msg.req_id, msg.block_ids, local.layout.num_blocks, "local")
-            if msg.expires_unix and time.time() > msg.expires_unix:
-                raise RequestError(ErrorCode.EXPIRED, "receive arrived after the engine gave up on it "
-                                   f"({time.time() - msg.expires_unix:.1f}s late); not read")
-        except RequestError as e:
-            self._fail(ident, msg.req_id, list(msg.block_ids), e)
-            return
-        now = time.monotonic()
-        block_bytes = sum(r.block_len for r in local.info.regions)
-        if msg.expires_unix:  # never read past the moment the engine gives up on the load
-            left = max(0.001, msg.expires_unix - time.time())
-            msg = msgspec.structs.replace(msg, deadline_s=min(msg.deadline_s or left, left))
-        self.recvs[key] = _RecvState(
-            owner=ident, msg=msg, nbytes=block_bytes * len(msg.block_ids), started=now,
-            deadline=now + (msg.deadline_s or self.config.transfer_timeout_s), local=local.key,
-        )
-        self._gauges()
-        self._spawn(self._run_recv(key, msg))
-
-    async def _run_recv(self, key: str, msg: Recv) -> None:
-        start = time.monotonic()
-        deadline_s = msg.deadline_s or self.config.transfer_timeout_s
-        state = self.recvs[key]
-        try:
-            peer = await asyncio.wait_for(
-                self.current_peer(msg.remote_host, msg.remote_port, msg.remote_generation),
-                timeout=deadline_s,
-            )
-            if self.recvs.get(key) is not state:
-                return  # cancelled or failed while the handshake ran
-            self._check_generation(msg, peer)
-            try:
-                plans, pairing = self._plan(msg, peer, state)
-            except RequestError as e:
-                if e.code != ErrorCode.NOT_REGISTERED:
-                    raise
-                peer.stale = True  # handshaked while some ranks were missing: ask again once
-                peer = await asyncio.wait_for(self.get_peer(msg.remote_host, msg.remote_port),
-                                              timeout=deadline_s)
-                if self.recvs.get(key) is not state:
-                    return  # cancelled (and reported) while it handshaked again: never read
-                self._check_generation(msg, peer)
-                plans, pairing = self._plan(msg, peer, state)
-            state.peer_agent = peer.agent_name
-            if not msg.block_ids:
-                # Nothing to read (full prefix hit / abort): just release the prefill side.
-                self.recvs.pop(key, None)
-                self._gauges()
-                self._send(state.owner, Done(req_id=msg.req_id, nbytes=0, seconds=0.0))
-                await self._notify_peer(peer.agent_name, self._notice(state, ok=True))
-                return
-            remaining = deadline_s - (time.monotonic() - start)
-            if remaining <= 0:
-                raise RequestError(ErrorCode.DEADLINE, "deadline passed during handshake")
-            state.state = "reading"
-            # The claim: the prefill confirms it still holds the blocks and extends the lease
-            # over the whole read, in parallel with it; Done waits for the answer, and a lease
-            # that was already over fails the load (the blocks may hold another request's KV).
-            state.claim = asyncio.ensure_future(self._claim(msg, state, remaining))
-            # The prefill side must not let its lease run out under a read in progress: the
-            # NIXL thread tells it once the first chunk is posted (it must not delay the read).
-            started = ReadNotice(req_id=msg.remote_req_id or msg.req_id, tp_rank=msg.tp_rank, ok=True,
-                                 reading_s=remaining, engine_id=state.remote_engine, pp_rank=msg.pp_rank)
-            await self._nixl(
-                self.transfer.t_read,
-                key,
-                peer.agent_name,
-                state.local,
-                list(msg.block_ids),
-                list(msg.remote_block_ids),
-                plans,
-                pairing,
-                remaining,
-                encode(started),
-                state.remote_engine,
-            )
-        except TimeoutError:
-            self._finish_recv_error(
-                key, RequestError(ErrorCode.HANDSHAKE_FAILED, f"no handshake within {deadline_s}s")
-            )
-        except RequestError as e:
-            self._finish_recv_error(key, e)
-        except Exception as e:
-            log.exception("receive %s failed", msg.req_id)
-            self._finish_recv_error(key, RequestError(ErrorCode.TRANSFER_ERROR, repr(e)))
-
-    def _check_generation(self, msg: Recv, peer: Peer) -> None:
-        if msg.remote_generation and peer.generation and peer.generation != msg.remote_generation:
-            raise RequestError(ErrorCode.INCOMPATIBLE, f"the prefill sidecar re-registered since "
-                               f"these blocks were held (generation {msg.remote_generation}, now "
-                               f"{peer.generation}); not reading stale memory")
-
-    def _plan(self, msg: Recv, peer: Peer, state: _RecvState) -> tuple[list[RankPlan], BlockPairing]:
-        """Which remote ranks (of which engine and pipeline stage) to read, and how blocks
-        pair up (kvxfer.topology); names the remote engine in ``state``."""
-        engine = peer.resolve_engine(msg.remote_engine_id)
-        state.remote_engine = engine
-        entry = self.registry.get(state.local) if state.local is not None else None
-        if entry is None:
-            raise RequestError(ErrorCode.NOT_REGISTERED, f"local rank {state.local} was unregistered")
-        local = entry.layout
-        ranks = peer.engine_ranks(engine)
-        remote = next(iter(ranks.values())).layout
-        if msg.remote_tp_size != remote.tp_size:
-            raise RequestError(
-                ErrorCode.INCOMPATIBLE,
-                f"request says remote tp_size {msg.remote_tp_size}, peer has {remote.tp_size}",
-            )
-        stages: dict[int, KVLayout] = {}
-        for (pp, _tp), info in sorted(ranks.items()):
-            stages.setdefault(pp, info.layout)
-        try:
-            plans = plan_stages(local, stages)
-            pairing = block_pairing(local, remote)
-            if msg.block_ids:
-                pairing.pairs(len(msg.block_ids), len(msg.remote_block_ids))
-        except Incompatible as e:
-            if len(stages) < remote.pp_size:
-                raise RequestError(ErrorCode.NOT_REGISTERED, f"peer has {len(stages)} of {remote.pp_size} "
-                                   f"pipeline stages of engine {engine!r} registered: {e}") from None
-            raise RequestError(ErrorCode.INCOMPATIBLE, str(e)) from None
-        for plan in plans:
-            info = ranks.get((plan.remote_pp, plan.remote_rank))
-            if info is None:
-                raise RequestError(
-                    ErrorCode.NOT_REGISTERED,
-                    f"peer has {len(ranks)} of {remote.tp_size * remote.pp_size} ranks of engine {engine!r} "
-                    f"registered; pp{plan.remote_pp}/tp{plan.remote_rank} is missing",
-                )
-            self._check_blocks(msg.req_id, msg.remote_block_ids, info.layout.num_blocks, "remote")
-        return plans, pairing
-
-    def _finish_recv_error(self, key: str, err: RequestError) -> None:
-        state = self.recvs.pop(key, None)
-        if state is not None:
-            self.observer.transfer_failed(
-                state.msg.req_id, state.peer, state.msg.tp_rank, err.code, err.reason
-            )
-            self._fail(state.owner, state.msg.req_id, list(state.msg.block_ids), err)
-            self._gauges()
-
     def _gauges(self) -> None:
         o = self.observer
-        o.g_inflight.set(len(self.recvs))
-        o.g_inflight_bytes.set(sum(r.nbytes for r in self.recvs.values()))
-        o.g_leases.set(len(self.leases))
-        o.g_peers.set(len(self.peers))
-        self.transfer.set_serving(bool(self.leases))
-        if self.recvs or self.leases:
+        recvs = self.receiver.recvs
+        o.g_inflight.set(len(recvs))
+        o.g_inflight_bytes.set(sum(r.nbytes for r in recvs.values()))
+        o.g_leases.set(len(self.holds))
+        o.g_peers.set(len(self.peers.peers))
+        self.transfer.set_serving(bool(len(self.holds)))
+        if recvs or len(self.holds):
             self._idle.clear()
         else:
             self._idle.set()
-
-    def _notice(self, state: _RecvState, ok: bool) -> ReadNotice:
-        """The read notice for the prefill: every (pp, tp) rank of this engine reads once."""
-        msg = state.msg
-        entry = self.registry.get(state.local) if state.local is not None else None
-        readers = entry.layout.tp_size * entry.layout.pp_size if entry is not None else 0
-        return ReadNotice(req_id=msg.remote_req_id or msg.req_id, tp_rank=msg.tp_rank, ok=ok,
-                          readers=readers, engine_id=state.remote_engine, pp_rank=msg.pp_rank)
-
-    # ------------------------------------------------------------------ NIXL events
 
     def _from_nixl_thread(self, event: ReadFinished | NoticeReceived | ReadStuck) -> None:
         assert self.loop is not None
@@ -635,7 +393,7 @@ class Sidecar(PeersMixin):
 
     def _on_nixl_event(self, event: ReadFinished | NoticeReceived | ReadStuck) -> None:
         if isinstance(event, NoticeReceived):
-            self._on_notice(event)
+            self.holds.on_notice(event.agent, event.payload)
             return
         if isinstance(event, ReadStuck):
             # NIXL cannot stop this read's chunks, and reporting it failed would let the
@@ -649,260 +407,14 @@ class Sidecar(PeersMixin):
             self.exit_code = EXIT_STUCK
             hard_exit(EXIT_STUCK)
             return
-        state = self.recvs.get(event.req_id)
-        if state is None:
-            return
-        peer = next((p for p in self.peers.values() if p.agent_name == event.peer), None)
-        try:
-            self._read_finished(state, event, peer)
-        except Exception as e:  # a bug must fail this receive, never leave it waiting forever
-            log.exception("finishing receive %s", event.req_id)
-            self._finish(state, event, peer, RequestError(ErrorCode.INTERNAL, repr(e), state.msg.req_id))
-
-    def _read_finished(self, state: _RecvState, event: ReadFinished, peer: Peer | None) -> None:
-        """A read landed: once the prefill confirmed its lease (the claim), verify a sample,
-        then report."""
-        claim = state.claim
-        if event.ok and claim is not None:
-            if not claim.done():
-                state.state = "verifying"  # still in flight: drain waits for it, cancel fails it
-                self._spawn(self._after_claim(state, event, peer))
-                return
-            why = claim.result() if not claim.exception() else f"claim failed: {claim.exception()!r}"
-            if why:
-                self._finish(state, event, peer, RequestError(ErrorCode.EXPIRED, why, state.msg.req_id))
-                return
-        if event.ok and peer is not None and self._sample(peer):
-            state.state = "verifying"
-            self._spawn(self._verify(state, event, peer))
-            return
-        self._finish(state, event, peer)
-
-    async def _after_claim(self, state: _RecvState, event: ReadFinished, peer: Peer | None) -> None:
-        assert state.claim is not None
-        await asyncio.wait([state.claim])
-        if self.recvs.get(event.req_id) is state:  # not cancelled meanwhile
-            self._read_finished(state, event, peer)
-
-    async def _claim(self, msg: Recv, state: _RecvState, reading_s: float) -> str:
-        """Ask the prefill whether it still holds the blocks, extending the lease over the read
-        and its verification. "" when held; else why the read must not be trusted."""
-        timeout = self.config.handshake_timeout_s
-        renew = LeaseRenew(seq=0, engine_id=state.remote_engine, req_ids=[msg.remote_req_id or msg.req_id],
-                           extend_s=reading_s + timeout + 1.0, agent_name=self.agent_name)
-        end = time.monotonic() + timeout
-        pause = 0.002
-        while True:
-            try:
-                got = await self.call_peer(msg.remote_host, msg.remote_port, renew,
-                                           max(0.05, end - time.monotonic()))
-            except RequestError as e:
-                return f"the prefill did not confirm it still holds the blocks: {e.reason}"
-            except Exception as e:  # never leave a read waiting on a claim that raised
-                log.exception("claim of %s failed", msg.req_id)
-                return f"the prefill did not confirm it still holds the blocks: {e!r}"
-            answer = got.held[0] if got.held else "unknown"
-            if answer == "held":
-                return ""
-            if answer == "gone":
-                break
-            # Not held *yet*: its Hold may still be on the way to the prefill sidecar (the
-            # engine keeps the blocks meanwhile). Ask again, briefly.
-            if time.monotonic() + pause > end:
-                return "the prefill sidecar does not hold this request (its Hold never arrived)"
-            await asyncio.sleep(pause)
-            pause = min(pause * 2, 0.1)
-        self.observer.emit(Event("lease_expired_before_read", request_id=msg.req_id, peer=state.peer))
-        return ("the prefill's lease on these blocks was over before the read: they may already hold "
-                "another request's KV; not used")
-
-    async def _keepalive(self, ident: bytes, msg: KeepAlive) -> None:
-        """Renew the prefill leases of requests still waiting here (handshaking first: the
-        read that follows then starts warm); tell the engine which leases are gone."""
-        if len(msg.req_ids) != len(msg.remote_req_ids):
-            self._send(ident, Error(code=ErrorCode.MALFORMED, message="keepalive: req_ids and "
-                                    "remote_req_ids differ in length"))
-            return
-        timeout = self.config.handshake_timeout_s
-        try:
-            peer = await asyncio.wait_for(self.get_peer(msg.remote_host, msg.remote_port), 2 * timeout)
-            engine = peer.resolve_engine(msg.remote_engine_id)
-            renew = LeaseRenew(seq=0, engine_id=engine, req_ids=list(msg.remote_req_ids),
-                               agent_name=self.agent_name)
-            got = await self.call_peer(msg.remote_host, msg.remote_port, renew, timeout)
-        except (RequestError, TimeoutError) as e:
-            log.info("keep-alive of %d leases at %s:%d not delivered: %s", len(msg.req_ids), msg.remote_host,
-                     msg.remote_port, e)
-            return
-        for local, held in zip(msg.req_ids, got.held, strict=False):
-            if held == "gone":
-                self._send(ident, Error(code=ErrorCode.EXPIRED, req_id=local,
-                                        message="the prefill's lease on this request's blocks is over"))
-
-    def renew_leases(self, req: LeaseRenew) -> LeaseState:
-        """A peer still means to read these requests: extend their leases (by ``extend_s``,
-        or each lease's own duration); say which are no longer held."""
-        now = time.monotonic()
-        held: list[Any] = []
-        for rid in req.req_ids:
-            key = self.leases.resolve(req.engine_id, rid)
-            lease = self.leases.get(key) if key is not None else None
-            if key is None or lease is None:
-                gone = self.leases.ended(req.engine_id, rid)
-                if gone:
-                    self.observer.stray_notice(req.agent_name, rid, "expired_lease")
-                held.append("gone" if gone else "unknown")
-                continue
-            self.leases.extend(key, now + (req.extend_s or lease.duration or self.config.lease_s))
-            held.append("held")
-        self._lease_wakeup.set()
-        return LeaseState(seq=req.seq, held=held)
-
-    def _finish(self, state: _RecvState, event: ReadFinished, peer: Peer | None,
-                failure: RequestError | None = None) -> None:
-        """Report a finished read to the engine (``failure`` overrides a successful one), then
-        tell the prefill side it may release its blocks."""
-        if self.recvs.get(event.req_id) is not state:
-            return  # cancelled while it was being verified: already reported
-        del self.recvs[event.req_id]
-        msg = state.msg
-        ok = event.ok and failure is None
-        notice = self._notice(state, ok)
-        if ok:
-            # the engine first: metrics and events can wait a few microseconds
-            self._send(state.owner, Done(req_id=msg.req_id, nbytes=event.nbytes, seconds=event.seconds,
-                                         descriptors=event.descriptors))
-            self.observer.transfer_done(msg.req_id, state.peer, msg.tp_rank, event.nbytes,
-                                        event.seconds, event.descriptors)
-            if peer is not None:
-                peer.reads += 1
-                peer.bytes += event.nbytes
-        else:
-            err = failure or RequestError(event.code, event.reason, msg.req_id)
-            self.observer.transfer_failed(msg.req_id, state.peer, msg.tp_rank, err.code, err.reason)
-            if peer is not None:
-                peer.failures += 1
-                peer.stale = True  # any failed read: handshake again before the next one
-            self._fail(state.owner, msg.req_id, list(msg.block_ids), err)
-        self._gauges()
-        if event.code == ErrorCode.PEER_DISCONNECTED:
-            self._spawn(self.drop_peer(event.peer, event.reason))
-        else:
-            self._spawn(self._notify_peer(event.peer, notice))
-
-    def _sample(self, peer: Peer) -> bool:
-        """Verify this read? The first one from each peer (a wrong layout shows at once), then
-        one in ``verify_sample``."""
-        n = self.config.verify_sample
-        if n <= 0:
-            return False
-        self._receives_done += 1
-        if not peer.verified or self._receives_done % n == 0:
-            peer.verified = True
-            return True
-        return False
-
-    async def _verify(self, state: _RecvState, event: ReadFinished, peer: Peer) -> None:
-        """Digest the received bytes here and the same bytes at the prefill, which still holds
-        them (its lease runs until our read notice); a mismatch fails the load."""
-        msg = state.msg
-        t0 = time.monotonic()
-        try:
-            plans, pairing = self._plan(msg, peer, state)
-            items = digest_items(plans, pairing, list(msg.block_ids), list(msg.remote_block_ids))
-            ranks = sorted(items)
-            req = DigestRequest(
-                req_id=msg.remote_req_id or msg.req_id, agent_name=self.agent_name,
-                engine_id=state.remote_engine,
-                ranks=[DigestRank(rank=tp, items=items[(pp, tp)][1], pp_rank=pp,
-                                  region0=items[(pp, tp)][2].remote_region0,
-                                  num_regions=items[(pp, tp)][2].num_regions) for pp, tp in ranks])
-            timeout = self.config.handshake_timeout_s
-            remote, local = await asyncio.gather(
-                self.request_digest(msg.remote_host, msg.remote_port, req, timeout),
-                asyncio.gather(*(self._nixl(self.transfer.t_digest, state.local, items[r][0],
-                                            items[r][2].local_region0, items[r][2].num_regions)
-                                 for r in ranks)),
-            )
-        except Exception as e:
-            # Not a verdict on the bytes: the read itself succeeded.
-            log.warning("receive %s from %s not verified: %s", msg.req_id, state.peer, e)
-            self.observer.integrity_checked("unverified", time.monotonic() - t0)
-            self._finish(state, event, peer)
-            return
-        took = time.monotonic() - t0
-        if list(local) == list(remote):
-            self.observer.integrity_checked("ok", took)
-            self._finish(state, event, peer)
-            return
-        entry = self.registry.get(state.local) if state.local is not None else None
-        local_layout = entry.layout if entry is not None else None
-        remote_layout = next(iter(peer.engine_ranks(state.remote_engine).values())).layout
-        log.error("integrity: receive %s (rank %d) from %s: decode digests %s != prefill digests %s; "
-                  "decode layout %s; prefill layout %s; the load fails and is recomputed",
-                  msg.req_id, msg.tp_rank, state.peer, list(local), list(remote), local_layout, remote_layout)
-        self.observer.integrity_failure(msg.req_id, state.peer, msg.tp_rank, list(local), list(remote), took)
-        self._finish(state, event, peer, RequestError(
-            ErrorCode.INTEGRITY, f"received bytes differ from the prefill's (digests {list(local)} vs "
-                                 f"{list(remote)})", msg.req_id))
-
-    async def _notify_peer(self, agent: str, notice: ReadNotice) -> None:
-        try:
-            await self._nixl(self.transfer.t_send_notice, agent, encode(notice))
-        except Exception as e:
-            log.warning("read notice for %s to %s not sent: %s", notice.req_id, agent, e)
-
-    def _on_notice(self, event: NoticeReceived) -> None:
-        try:
-            notice = read_notice_decoder.decode(event.payload)
-        except DECODE_ERRORS:
-            self.observer.stray_notice(event.agent, "", "malformed")
-            return
-        key = self.leases.resolve(notice.engine_id, notice.req_id)
-        if notice.reading_s > 0:
-            if key is not None and self.leases.extend(key, time.monotonic() + notice.reading_s + 1.0):
-                self._lease_wakeup.set()
-            else:
-                self.observer.stray_notice(event.agent, notice.req_id, "expired_lease")
-            return
-        if key is None:
-            self.observer.stray_notice(event.agent, notice.req_id, "unknown")
-            return
-        lease = self.leases.note_read(key, (notice.pp_rank, notice.tp_rank), notice.readers)
-        if lease is None:
-            return
-        self._release(lease, "read" if notice.ok else "aborted")
-
-    def _release(self, lease: Lease, reason: str) -> None:
-        """Tell the engine it may reuse the blocks: the holder, or every worker."""
-        ev = Released(req_id=lease.req_id, reason=reason, reads=lease.reads_seen)  # type: ignore[arg-type]
-        self.observer.lease_released(lease.req_id, reason)
-        self._gauges()
-        targets = self.registry.owners(lease.engine) if lease.notify_ranks else {lease.owner}
-        for ident in targets or {lease.owner}:
-            self._send(ident, ev)
-
-    async def _lease_loop(self) -> None:
-        while True:
-            nxt = self.leases.next_expiry()
-            timeout = None if nxt is None else max(0.0, nxt - time.monotonic())
-            self._lease_wakeup.clear()
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._lease_wakeup.wait(), timeout)
-            for lease in self.leases.expire(time.monotonic()):
-                log.warning("lease on request %s expired after %.1fs with %d/%d reads",
-                            lease.req_id, time.monotonic() - lease.created,
-                            lease.reads_seen, lease.reads_expected)
-                self._release(lease, "expired")
-
-
-    # ------------------------------------------------------------------ systemd
+        self.receiver.on_nixl_event(event)
 
     def _status_line(self) -> str:
         t = self.observer.totals
         state = "draining" if self.draining else "serving"
-        return (f"{state}: {len(self.registry)} ranks, {len(self.peers)} peers, {len(self.leases)} held, "
-                f"{len(self.recvs)} in flight, {t.transfers_ok} transfers, {t.transfers_failed} failed")
+        return (f"{state}: {len(self.registry)} ranks, {len(self.peers.peers)} peers, "
+                f"{len(self.holds)} held, "
+                f"{len(self.receiver)} in flight, {t.transfers_ok} transfers, {t.transfers_failed} failed")
 
     async def _systemd_loop(self) -> None:
         """Watchdog pings (only while the loop itself runs) and a STATUS= line."""
@@ -924,54 +436,64 @@ class Sidecar(PeersMixin):
 
     async def _engine_gone(self, entry: RankEntry, reason: str) -> None:
         log.warning("%s: %s; dropping its registration, receives and holds", entry.key, reason)
-        for key, st in list(self.recvs.items()):
-            if st.local == entry.key:
-                if st.state == "reading":
-                    await self._nixl(self.transfer.t_cancel, key, ErrorCode.NOT_REGISTERED, reason)
-                else:
-                    self._finish_recv_error(key, RequestError(ErrorCode.NOT_REGISTERED, reason))
+        await self.receiver.fail_rank(entry.key, reason)
         await self.registry.remove(entry.key, unlink=True)  # the dead engine cannot remove its files
         engine = entry.key.engine
         # the whole engine gone: nobody will free or read its holds; else those of that worker
-        gone = (self.leases.drop(engine=engine) if not self.registry.of_engine(engine)
-                else self.leases.drop(owner=entry.owner))
-        for lease in gone:
-            self.observer.lease_released(lease.req_id, "aborted")
+        if not self.registry.of_engine(engine):
+            self.holds.drop(engine=engine)
+        else:
+            self.holds.drop(owner=entry.owner)
         self.observer.emit(Event("engine_gone", reason=f"{entry.key}: {reason}", tp_rank=entry.key.tp))
         self._gauges()
 
     # ------------------------------------------------------------------ control operations
+
+    def snapshot(self) -> Snapshot:
+        """Everything the control plane shows, copied now (call on the loop)."""
+        now = time.monotonic()
+        cfg = self.config
+        leases = [LeaseView(req_id=x.req_id, engine=x.engine, num_blocks=len(x.block_ids),
+                            age_s=now - x.created, expires_in_s=x.expires - now, reads_seen=x.reads_seen,
+                            reads_expected=x.reads_expected)
+                  for x in self.holds.table.items()]
+        transfers = [TransferView(req_id=st.msg.req_id, tp_rank=st.msg.tp_rank, peer=st.peer, state=st.state,
+                                  num_blocks=len(st.msg.block_ids), nbytes=st.nbytes, age_s=now - st.started,
+                                  deadline_in_s=st.deadline - now)
+                     for st in self.receiver.recvs.values()]
+        return Snapshot(
+            engine_id=self.engine_id, role=cfg.role, version=__version__,
+            nixl_backends=list(self.transfer.backends),
+            handshake_endpoint=f"{cfg.resolved_advertise_host}:{self.handshake_port}",
+            agent_name=self.agent_name,
+            protocol_version=PROTOCOL_VERSION, ucx_error_mode=cfg.ucx_error_mode, uptime_s=now - self.started,
+            ready=self.ready and not self.draining, draining=self.draining,
+            ranks=copies(self.registry.entries()), peers=copies(self.peers.values()), leases=leases,
+            transfers=transfers, totals=copy.copy(self.observer.totals),
+        )
+
+    async def cancel(self, req_id: str, code: ErrorCode = ErrorCode.CANCELLED,
+                     reason: str = "cancelled by operator") -> int:
+        """Fail every rank's receive of a request now (all with no id); returns how many."""
+        return await self.receiver.cancel(req_id, code, reason)
 
     async def connect_peer(self, host: str, port: int) -> Peer:
         """Pre-warm: handshake now so the first request does not pay for it."""
         if not self.registry:
             raise RequestError(ErrorCode.NOT_REGISTERED,
                                "register the engine's KV cache first: the handshake carries its layout")
-        peer = await self.get_peer(host, port)
+        peer = await self.peers.get_peer(host, port)
         self._gauges()
         return peer
 
     async def disconnect_peer(self, which: str) -> bool:
         """Forget a peer by endpoint (host:port) or engine id."""
-        agents = {p.agent_name for k, p in self.peers.items() if which in (k, p.engine_id)}
+        agents = {p.agent_name for k, p in self.peers.peers.items() if which in (k, p.engine_id)}
         dropped = False
         for agent in agents:
-            dropped |= await self.drop_peer(agent, "disconnected by operator")
+            dropped |= await self.peers.drop_peer(agent, "disconnected by operator")
         self._gauges()
         return dropped
-
-    async def cancel(self, req_id: str, code: ErrorCode = ErrorCode.CANCELLED,
-                     reason: str = "cancelled by operator") -> int:
-        """Fail every rank's receive of a request now; returns how many were cancelled."""
-        keys = [k for k, st in self.recvs.items() if st.msg.req_id == req_id or not req_id]
-        for key in keys:
-            state = self.recvs.get(key)
-            if state is None:
-                continue
-            if state.state == "reading" and await self._nixl(self.transfer.t_cancel, key, code, reason):
-                continue  # the NIXL thread reports the failure through the usual path
-            self._finish_recv_error(key, RequestError(code, reason, req_id))
-        return len(keys)
 
     async def drain(self, timeout_s: float) -> tuple[bool, int, int, float]:
         """Refuse new holds/receives; wait for in-flight work; fail/release what is left."""
@@ -985,13 +507,10 @@ class Sidecar(PeersMixin):
         self._gauges()
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self._idle.wait(), timeout_s)
-        failed = len(self.recvs)
+        failed = len(self.receiver)
         if failed:
-            await self.cancel("", ErrorCode.DRAINING, "sidecar drained before the transfer finished")
-        released = 0
-        for lease in self.leases.drain_all():
-            self._release(lease, "aborted")
-            released += 1
+            await self.receiver.cancel("", ErrorCode.DRAINING, "sidecar drained before the transfer finished")
+        released = self.holds.release_all()
         took = time.monotonic() - start
         self.observer.emit(Event("drained", seconds=took))
         return failed == 0 and released == 0, failed, released, took

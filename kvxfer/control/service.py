@@ -1,6 +1,6 @@
 """The gRPC servicer: a thin translation between ``Control`` RPCs and the sidecar.
 
-It reads the sidecar's state to build replies and calls its operations (``connect_peer``,
+It builds replies from the sidecar's ``snapshot()`` and calls its operations (``connect_peer``,
 ``disconnect_peer``, ``cancel``, ``drain``); it never touches NIXL or ZMQ itself. Health:
 "" and "liveness" are SERVING while the loop runs; "readiness" (and "") only while NIXL is
 up, the engine socket listens and the sidecar is not draining. Who may call what:
@@ -10,7 +10,6 @@ up, the engine socket listens and the sidecar is not draining. Who may call what
 from __future__ import annotations
 
 import logging
-import time
 from typing import TYPE_CHECKING, Any
 
 import grpc
@@ -18,17 +17,16 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
-from kvxfer import __version__
 from kvxfer.control.access import AccessPolicy, is_local_target, is_unix, split_targets
 from kvxfer.control.v1 import control_pb2 as pb
 from kvxfer.control.v1 import control_pb2_grpc as pb_grpc
 from kvxfer.errors import ErrorCode, RequestError
-from kvxfer.protocol import PROTOCOL_VERSION
 
 if TYPE_CHECKING:
     from kvxfer.observe import Event
     from kvxfer.peers import Peer
     from kvxfer.sidecar import Sidecar
+    from kvxfer.status import Snapshot
 
 log = logging.getLogger(__name__)
 SERVICE = pb.DESCRIPTOR.services_by_name["Control"].full_name
@@ -48,27 +46,22 @@ def peer_proto(p: Peer) -> pb.Peer:
                    failures=p.failures)
 
 
-def transfers_proto(sc: Sidecar, req_id: str = "", state: str = "") -> list[pb.Transfer]:
-    now = time.monotonic()
+def transfers_proto(snap: Snapshot, req_id: str = "", state: str = "") -> list[pb.Transfer]:
     return [
-        pb.Transfer(request_id=st.msg.req_id, tp_rank=st.msg.tp_rank, peer=st.peer, state=st.state,
-                    num_blocks=len(st.msg.block_ids), bytes=st.nbytes, age_s=now - st.started,
-                    deadline_in_s=st.deadline - now)
-        for st in sc.recvs.values()
-        if (not req_id or st.msg.req_id == req_id) and (not state or st.state == state)
+        pb.Transfer(request_id=t.req_id, tp_rank=t.tp_rank, peer=t.peer, state=t.state,
+                    num_blocks=t.num_blocks, bytes=t.nbytes, age_s=t.age_s, deadline_in_s=t.deadline_in_s)
+        for t in snap.transfers_of(req_id, state)
     ]
 
 
-def status_proto(sc: Sidecar) -> pb.Status:
-    now = time.monotonic()
-    cfg = sc.config
+def status_proto(snap: Snapshot) -> pb.Status:
     ident = pb.Identity(
-        engine_id=sc.engine_id, role=cfg.role, version=__version__, nixl_backends=sc.transfer.backends,
-        handshake_endpoint=f"{cfg.resolved_advertise_host}:{sc.handshake_port}",
-        agent_name=sc.agent_name, protocol_version=PROTOCOL_VERSION, ucx_error_mode=cfg.ucx_error_mode,
+        engine_id=snap.engine_id, role=snap.role, version=snap.version, nixl_backends=snap.nixl_backends,
+        handshake_endpoint=snap.handshake_endpoint, agent_name=snap.agent_name,
+        protocol_version=snap.protocol_version, ucx_error_mode=snap.ucx_error_mode,
     )
     ranks = []
-    for entry in sc.registry.entries():
+    for entry in snap.ranks:
         info = entry.info
         lay = info.layout
         ranks.append(pb.RankRegistration(
@@ -82,30 +75,28 @@ def status_proto(sc: Sidecar) -> pb.Status:
             mem_type=info.mem_type,
         ))
     leases = [
-        pb.Lease(request_id=lease.req_id, num_blocks=len(lease.block_ids), age_s=now - lease.created,
-                 expires_in_s=lease.expires - now, reads_seen=lease.reads_seen,
-                 reads_expected=lease.reads_expected, engine_id=lease.engine)
-        for lease in sc.leases.items()
+        pb.Lease(request_id=x.req_id, num_blocks=x.num_blocks, age_s=x.age_s, expires_in_s=x.expires_in_s,
+                 reads_seen=x.reads_seen, reads_expected=x.reads_expected, engine_id=x.engine)
+        for x in snap.leases
     ]
-    t = sc.observer.totals
+    t = snap.totals
     totals = pb.Totals(bytes=t.bytes, transfers_ok=t.transfers_ok, transfers_failed=t.transfers_failed,
                        leases_released=t.leases_released, leases_expired=t.leases_expired,
                        handshakes=t.handshakes, handshake_failures=t.handshake_failures,
                        bad_messages=t.bad_messages, control_denied=t.control_denied)
-    return pb.Status(identity=ident, ranks=ranks, peers=[peer_proto(p) for p in sc.peers.values()],
-                     leases=leases, transfers=transfers_proto(sc), totals=totals,
-                     uptime_s=now - sc.started, ready=sc.ready and not sc.draining,
-                     draining=sc.draining)
+    return pb.Status(identity=ident, ranks=ranks, peers=[peer_proto(p) for p in snap.peers],
+                     leases=leases, transfers=transfers_proto(snap), totals=totals,
+                     uptime_s=snap.uptime_s, ready=snap.ready, draining=snap.draining)
 
 
-def load_proto(sc: Sidecar) -> pb.Load:
-    queued = [st for st in sc.recvs.values() if st.state == "handshake"]
-    reading = [st for st in sc.recvs.values() if st.state != "handshake"]  # reading or verifying
+def load_proto(snap: Snapshot) -> pb.Load:
+    queued = [t for t in snap.transfers if t.state == "handshake"]
+    reading = [t for t in snap.transfers if t.state != "handshake"]  # reading or verifying
     return pb.Load(
-        queued_requests=len(queued), queued_bytes=sum(s.nbytes for s in queued),
-        inflight_requests=len(reading), inflight_bytes=sum(s.nbytes for s in reading),
-        held_requests=len(sc.leases), held_blocks=sum(len(x.block_ids) for x in sc.leases.items()),
-        draining=sc.draining,
+        queued_requests=len(queued), queued_bytes=sum(t.nbytes for t in queued),
+        inflight_requests=len(reading), inflight_bytes=sum(t.nbytes for t in reading),
+        held_requests=len(snap.leases), held_blocks=sum(x.num_blocks for x in snap.leases),
+        draining=snap.draining,
     )
 
 
@@ -130,10 +121,10 @@ class ControlService(pb_grpc.ControlServicer):
             await context.abort(getattr(grpc.StatusCode, code), reason)
 
     async def GetStatus(self, request: pb.GetStatusRequest, context: Any) -> pb.Status:
-        return status_proto(self.sc)
+        return status_proto(self.sc.snapshot())
 
     async def ListPeers(self, request: pb.ListPeersRequest, context: Any) -> pb.ListPeersResponse:
-        return pb.ListPeersResponse(peers=[peer_proto(p) for p in self.sc.peers.values()])
+        return pb.ListPeersResponse(peers=[peer_proto(p) for p in self.sc.snapshot().peers])
 
     async def ConnectPeer(self, request: pb.ConnectPeerRequest, context: Any) -> pb.Peer:
         await self._authorize("ConnectPeer", context)
@@ -152,7 +143,8 @@ class ControlService(pb_grpc.ControlServicer):
         return pb.DisconnectPeerResponse(disconnected=await self.sc.disconnect_peer(request.endpoint))
 
     async def ListTransfers(self, request: pb.ListTransfersRequest, context: Any) -> pb.ListTransfersResponse:
-        return pb.ListTransfersResponse(transfers=transfers_proto(self.sc, request.request_id, request.state))
+        snap = self.sc.snapshot()
+        return pb.ListTransfersResponse(transfers=transfers_proto(snap, request.request_id, request.state))
 
     async def CancelTransfer(
         self, request: pb.CancelTransferRequest, context: Any
@@ -174,7 +166,7 @@ class ControlService(pb_grpc.ControlServicer):
                 yield event_proto(await queue.get())
 
     async def GetLoad(self, request: pb.GetLoadRequest, context: Any) -> pb.Load:
-        return load_proto(self.sc)
+        return load_proto(self.sc.snapshot())
 
 
 def _listen(server: grpc.aio.Server, target: str, policy: AccessPolicy | None) -> None:

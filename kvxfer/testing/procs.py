@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import random
 import shutil
 import signal
 import socket
@@ -37,11 +38,39 @@ class SidecarProc:
         return out
 
 
+_handed_out: set[int] = set()
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as fh:
+            lo, hi = (int(x) for x in fh.read().split())
+        return lo, hi
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
 def free_port() -> int:
-    """A TCP port free right now on 127.0.0.1 (tests and the demo)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A TCP port free right now on 127.0.0.1 (tests and the demo), never handed out twice by
+    this process, and *below the kernel's ephemeral range*: a port the kernel picked for
+    ``bind(0)`` is released again here, and the next sidecar (or UCX, which binds its own
+    listeners to port 0) could be given it before its owner binds it ("Address already in
+    use" at start-up). Ports below that range are never chosen by the kernel; pyzmq's
+    ``bind_to_random_port`` picks from 49152 up."""
+    lo, _hi = _ephemeral_range()
+    start = max(1024, min(20000, lo - 4096))
+    for _ in range(200):
+        port = random.randrange(start, lo)
+        if port in _handed_out:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _handed_out.add(port)
+        return port
+    raise RuntimeError(f"no free port in [{start}, {lo})")
 
 
 class SidecarFactory:

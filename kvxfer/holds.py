@@ -1,0 +1,166 @@
+"""The prefill side of a sidecar: leases on blocks its engines hold for peers to read.
+
+An engine ``Hold``s blocks under a lease; a reader's ``ReadNotice`` (NIXL notification)
+counts its read and releases the lease once every reader read; a reader's ``LeaseRenew``
+(on the handshake listener) keeps a lease alive while a decode request waits, or claims it
+for a read; the expiry loop ends leases nobody read. Each lease ends exactly once, with a
+``Released`` to the engine (the worker that held, or every worker of that engine).
+
+Dependencies are passed in: the registry (which engines exist, their workers), the
+observer, ``send`` (to an engine connection) and ``on_change`` (gauges, idleness).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+from kvxfer.config import Config
+from kvxfer.errors import ErrorCode, RequestError
+from kvxfer.leases import Lease, LeaseTable
+from kvxfer.observe import Observer
+from kvxfer.protocol import (
+    DECODE_ERRORS,
+    Hold,
+    LeaseRenew,
+    LeaseState,
+    Release,
+    Released,
+    read_notice_decoder,
+)
+from kvxfer.registry import RankRegistry
+
+log = logging.getLogger(__name__)
+
+
+def check_blocks(req_id: str, block_ids: list[int], num_blocks: int, side: str) -> None:
+    bad = [b for b in block_ids if b >= num_blocks]
+    if bad:
+        raise RequestError(ErrorCode.BLOCK_OUT_OF_RANGE,
+                           f"{side} block ids {bad[:8]} outside [0, {num_blocks})", req_id)
+
+
+class Holds:
+    def __init__(self, config: Config, registry: RankRegistry, observer: Observer,
+                 send: Callable[[bytes, Any], None], on_change: Callable[[], None]) -> None:
+        self.config = config
+        self.registry = registry
+        self.observer = observer
+        self._send = send
+        self._on_change = on_change
+        self.table = LeaseTable()
+        self._wakeup = asyncio.Event()
+
+    def __len__(self) -> int:
+        return len(self.table)
+
+    # ------------------------------------------------------------------ engine requests
+
+    def hold(self, ident: bytes, msg: Hold, draining: bool) -> None:
+        """Raises RequestError (the engine gets an ``Error``)."""
+        if draining:
+            raise RequestError(ErrorCode.DRAINING, "sidecar is draining; no new holds", msg.req_id)
+        engine = self.registry.engine_of(msg.engine_id)
+        ranks = self.registry.of_engine(engine)
+        if not ranks:
+            raise RequestError(ErrorCode.NOT_REGISTERED, f"engine {engine!r} has no KV cache registered "
+                               f"(registered: {self.registry.engines()})", msg.req_id)
+        check_blocks(msg.req_id, msg.block_ids, min(r.layout.num_blocks for r in ranks), "held")
+        if msg.expires_unix and time.time() > msg.expires_unix:
+            raise RequestError(ErrorCode.EXPIRED, "hold arrived after the engine freed its blocks "
+                               f"({time.time() - msg.expires_unix:.1f}s late)", msg.req_id)
+        now = time.monotonic()
+        duration = msg.lease_s or self.config.lease_s
+        self.table.add(Lease(req_id=msg.req_id, owner=ident, block_ids=list(msg.block_ids),
+                             expires=now + duration, reads_expected=msg.reads, created=now,
+                             notify_ranks=msg.notify_ranks, engine=engine, duration=duration))
+        self._on_change()
+        self._wakeup.set()
+
+    def release_request(self, msg: Release) -> None:
+        lease = self.table.pop((self.registry.engine_of(msg.engine_id), msg.req_id))
+        if lease is None:
+            raise RequestError(ErrorCode.UNKNOWN_REQUEST, "not held", msg.req_id)
+        self.release(lease, "aborted")
+
+    # ------------------------------------------------------------------ peers
+
+    def on_notice(self, agent: str, payload: bytes) -> None:
+        """A reader's ``ReadNotice``: started (extend), or finished (count; release)."""
+        try:
+            notice = read_notice_decoder.decode(payload)
+        except DECODE_ERRORS:
+            self.observer.stray_notice(agent, "", "malformed")
+            return
+        key = self.table.resolve(notice.engine_id, notice.req_id)
+        if notice.reading_s > 0:
+            if key is not None and self.table.extend(key, time.monotonic() + notice.reading_s + 1.0):
+                self._wakeup.set()
+            else:
+                self.observer.stray_notice(agent, notice.req_id, "expired_lease")
+            return
+        if key is None:
+            self.observer.stray_notice(agent, notice.req_id, "unknown")
+            return
+        lease = self.table.note_read(key, (notice.pp_rank, notice.tp_rank), notice.readers)
+        if lease is not None:
+            self.release(lease, "read" if notice.ok else "aborted")
+
+    def renew(self, req: LeaseRenew) -> LeaseState:
+        """A peer still means to read these requests: extend their leases (by ``extend_s``,
+        or each lease's own duration); say which are held, gone, or unknown here."""
+        now = time.monotonic()
+        held: list[Any] = []
+        for rid in req.req_ids:
+            key = self.table.resolve(req.engine_id, rid)
+            lease = self.table.get(key) if key is not None else None
+            if key is None or lease is None:
+                gone = self.table.ended(req.engine_id, rid)
+                if gone:
+                    self.observer.stray_notice(req.agent_name, rid, "expired_lease")
+                held.append("gone" if gone else "unknown")
+                continue
+            self.table.extend(key, now + (req.extend_s or lease.duration or self.config.lease_s))
+            held.append("held")
+        self._wakeup.set()
+        return LeaseState(seq=req.seq, held=held)
+
+    # ------------------------------------------------------------------ endings
+
+    def release(self, lease: Lease, reason: str) -> None:
+        """Tell the engine it may reuse the blocks: the holder, or every worker of its engine."""
+        ev = Released(req_id=lease.req_id, reason=reason, reads=lease.reads_seen)  # type: ignore[arg-type]
+        self.observer.lease_released(lease.req_id, reason)
+        self._on_change()
+        targets = self.registry.owners(lease.engine) if lease.notify_ranks else {lease.owner}
+        for ident in targets or {lease.owner}:
+            self._send(ident, ev)
+
+    def drop(self, owner: bytes | None = None, engine: str | None = None) -> None:
+        """A worker or a whole engine is gone: nobody will free or read these holds."""
+        for lease in self.table.drop(owner=owner, engine=engine):
+            self.observer.lease_released(lease.req_id, "aborted")
+
+    def release_all(self) -> int:
+        """Drain: end every lease now (``aborted``); returns how many."""
+        leases = self.table.drain_all()
+        for lease in leases:
+            self.release(lease, "aborted")
+        return len(leases)
+
+    async def run(self) -> None:
+        """End leases whose time ran out."""
+        while True:
+            nxt = self.table.next_expiry()
+            timeout = None if nxt is None else max(0.0, nxt - time.monotonic())
+            self._wakeup.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wakeup.wait(), timeout)
+            for lease in self.table.expire(time.monotonic()):
+                log.warning("lease on request %s expired after %.1fs with %d/%d reads", lease.req_id,
+                            time.monotonic() - lease.created, lease.reads_seen, lease.reads_expected)
+                self.release(lease, "expired")
