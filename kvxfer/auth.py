@@ -1,77 +1,116 @@
-"""Shared-secret handshake authentication (HMAC-SHA256). Pure functions, no I/O.
+"""What one shared secret buys between sidecars. Pure functions and small tables, no I/O.
 
-With a secret configured (``--secret-file`` or ``KVXFER_SECRET``), a ``Hello`` carries a
-fresh nonce, a timestamp and an HMAC over both and its identity; the listener refuses it
-(``unauthorized``) unless the HMAC checks, the timestamp is within ``WINDOW_S`` and the
-nonce is new, so an outsider who reaches the port learns no NIXL metadata. The ``Welcome``
-carries an HMAC over the dialer's nonce and a digest of the metadata frame, so the dialer
-knows the answer (and the memory it describes) comes from a holder of the secret.
+With a secret configured (``--secret-file`` or ``KVXFER_SECRET``):
+
+- **Challenge, then Hello.** A listener answers an unsigned ``Hello`` with a ``Challenge``
+  (a fresh nonce and its own agent name). The dialer signs its ``Hello`` over that
+  challenge, the listener's agent name, its own nonce and every field it vouches for. A
+  listener accepts a challenge it issued itself, once, within ``CHALLENGE_S``: a captured
+  Hello replays neither to the same sidecar nor to another one that shares the secret, and
+  no two clocks need to agree.
+- **Welcome.** Signed over the protocol version, compatibility hash, both engine ids and
+  agents, both nonces, the advertised ranks (addresses, block lengths, layouts), the
+  registration generation and a digest of the NIXL metadata frame: the dialer knows the
+  answer, and the memory it describes, comes from a holder of the secret.
+- **Requests after the handshake** (``LeaseRenew``, ``DigestRequest``): signed over their
+  whole encoding. Each names per-request tokens that only the engine that held the blocks
+  handed out (``kvxfer.holds``), so a replay to another sidecar names nothing it holds.
+- **Encryption.** Both ends derive a CURVE key pair for the handshake listener from the
+  secret (``curve_server_keys``): ZMQ's CurveZMQ encrypts and authenticates the channel, so
+  the NIXL metadata (which grants remote access to registered memory) never crosses a
+  network in clear, and only a holder of the secret can answer as a listener.
+
+Every MAC is HMAC-SHA256 over a msgpack array (``_mac``): canonical and length-prefixed,
+so no two different field lists sign alike (``("a|b", "c")`` and ``("a", "b|c")`` differ).
 """
 
 from __future__ import annotations
 
+import collections
 import hashlib
 import hmac
 import secrets
 import time
-from typing import TypeVar
+from typing import Any, TypeVar
 
-from kvxfer.protocol import DigestRequest, Hello, LeaseRenew, Welcome, encode
+import msgspec
 
-WINDOW_S = 60.0
+from kvxfer.protocol import DigestRequest, Hello, LeaseRenew, Welcome
 
-
-def _mac(secret: bytes, *parts: object) -> str:
-    return hmac.new(secret, "|".join(map(str, parts)).encode(), hashlib.sha256).hexdigest()
-
-
-def sign_hello(secret: bytes, hello: Hello) -> Hello:
-    import msgspec
-
-    nonce, ts = secrets.token_hex(16), time.time()
-    mac = _mac(secret, "hello", hello.version, hello.compat_hash, hello.engine_id, hello.agent_name,
-               nonce, ts)
-    return msgspec.structs.replace(hello, nonce=nonce, ts=ts, mac=mac)
+CHALLENGE_S = 30.0  # a challenge must be answered within this
+CHALLENGES_MAX = 4096  # outstanding challenges kept (oldest forgotten first)
 
 
-class ReplayGuard:
-    """Remembers nonces for twice the window; a nonce is accepted once."""
+def _mac(secret: bytes, label: str, *fields: Any) -> str:
+    body = msgspec.msgpack.encode([label, *fields])
+    return hmac.new(secret, body, hashlib.sha256).hexdigest()
 
-    def __init__(self) -> None:
-        self._seen: dict[str, float] = {}
+
+def _hello_fields(hello: Hello) -> tuple[Any, ...]:
+    return (hello.version, hello.compat_hash, hello.engine_id, hello.agent_name, hello.model,
+            hello.nonce, hello.challenge, hello.target)
+
+
+def sign_hello(secret: bytes, hello: Hello, challenge: str, target: str) -> Hello:
+    """The Hello answering a listener's challenge (``target``: its agent name)."""
+    hello = msgspec.structs.replace(hello, nonce=secrets.token_hex(16), ts=time.time(),
+                                    challenge=challenge, target=target, mac="")
+    return msgspec.structs.replace(hello, mac=_mac(secret, "hello", *_hello_fields(hello)))
+
+
+class ChallengeBook:
+    """The challenges a listener issued: each accepted once, within ``CHALLENGE_S``."""
+
+    def __init__(self, agent_name: str) -> None:
+        self.agent_name = agent_name
+        self._issued: collections.OrderedDict[str, float] = collections.OrderedDict()
+
+    def issue(self, now: float | None = None) -> str:
+        now = time.monotonic() if now is None else now
+        self._forget(now)
+        nonce = secrets.token_hex(16)
+        self._issued[nonce] = now
+        while len(self._issued) > CHALLENGES_MAX:
+            self._issued.popitem(last=False)
+        return nonce
+
+    def _forget(self, now: float) -> None:
+        while self._issued:
+            nonce, at = next(iter(self._issued.items()))
+            if now - at <= CHALLENGE_S:
+                break
+            del self._issued[nonce]
 
     def check_hello(self, secret: bytes, hello: Hello, now: float | None = None) -> str | None:
-        """None if the hello is authentic and fresh, else the reason to refuse it."""
-        now = time.time() if now is None else now
+        """None if the hello is authentic and answers a live challenge of ours (which it then
+        uses up), else the reason to refuse it."""
+        now = time.monotonic() if now is None else now
         if not hello.mac or not hello.nonce:
             return "this sidecar requires the shared secret"
-        want = _mac(secret, "hello", hello.version, hello.compat_hash, hello.engine_id, hello.agent_name,
-                    hello.nonce, hello.ts)
-        if not hmac.compare_digest(want, hello.mac):
+        if not hmac.compare_digest(_mac(secret, "hello", *_hello_fields(hello)), hello.mac):
             return "bad handshake signature (wrong shared secret?)"
-        if abs(now - hello.ts) > WINDOW_S:
-            return f"handshake timestamp off by {now - hello.ts:.0f}s (clocks skewed or replayed)"
-        for nonce, seen in list(self._seen.items()):
-            if now - seen > 2 * WINDOW_S:
-                del self._seen[nonce]
-        if hello.nonce in self._seen:
-            return "replayed handshake"
-        self._seen[hello.nonce] = now
+        if hello.target != self.agent_name:
+            return f"handshake addressed to {hello.target!r}, not to this sidecar (replayed?)"
+        self._forget(now)
+        if self._issued.pop(hello.challenge, None) is None:
+            return "handshake answers no live challenge of this sidecar (replayed, or too slow)"
         return None
 
 
-def sign_welcome(secret: bytes, welcome: Welcome, nonce: str, metadata: bytes) -> Welcome:
-    import msgspec
+def _welcome_fields(welcome: Welcome, hello: Hello, metadata: bytes) -> tuple[Any, ...]:
+    ranks = msgspec.msgpack.encode(welcome.ranks)
+    return (welcome.version, welcome.compat_hash, welcome.engine_id, welcome.agent_name, hello.engine_id,
+            hello.agent_name, hello.nonce, hello.challenge, ranks, welcome.generation,
+            hashlib.sha256(metadata).hexdigest())
 
-    digest = hashlib.sha256(metadata).hexdigest()
+
+def sign_welcome(secret: bytes, welcome: Welcome, hello: Hello, metadata: bytes) -> Welcome:
     return msgspec.structs.replace(
-        welcome, mac=_mac(secret, "welcome", nonce, welcome.engine_id, welcome.agent_name, digest)
-    )
+        welcome, mac=_mac(secret, "welcome", *_welcome_fields(welcome, hello, metadata)))
 
 
-def check_welcome(secret: bytes, welcome: Welcome, nonce: str, metadata: bytes) -> bool:
-    digest = hashlib.sha256(metadata).hexdigest()
-    want = _mac(secret, "welcome", nonce, welcome.engine_id, welcome.agent_name, digest)
+def check_welcome(secret: bytes, welcome: Welcome, hello: Hello, metadata: bytes) -> bool:
+    want = _mac(secret, "welcome", *_welcome_fields(welcome, hello, metadata))
     return bool(welcome.mac) and hmac.compare_digest(want, welcome.mac)
 
 
@@ -79,16 +118,12 @@ SignedRequest = TypeVar("SignedRequest", DigestRequest, LeaseRenew)
 
 
 def _request_mac(secret: bytes, req: DigestRequest | LeaseRenew) -> str:
-    import msgspec
-
-    body = encode(msgspec.structs.replace(req, mac=""))  # canonical and length-safe; tagged by kind
-    return hmac.new(secret, b"digest\0" + body, hashlib.sha256).hexdigest()
+    unsigned = msgspec.structs.replace(req, mac="")
+    return _mac(secret, "request", msgspec.msgpack.encode(unsigned))  # tagged by kind
 
 
 def sign_request(secret: bytes, req: SignedRequest) -> SignedRequest:
     """Sign a digest request or lease renewal (a peer answers only holders of the secret)."""
-    import msgspec
-
     return msgspec.structs.replace(req, mac=_request_mac(secret, req))
 
 
@@ -96,5 +131,20 @@ def check_request(secret: bytes, req: DigestRequest | LeaseRenew) -> bool:
     return bool(req.mac) and hmac.compare_digest(_request_mac(secret, req), req.mac)
 
 
-sign_digest_request = sign_request
-check_digest_request = check_request
+def curve_server_keys(secret: bytes) -> tuple[bytes, bytes]:
+    """(public, secret) Z85 CURVE keys of every handshake listener sharing this secret."""
+    import zmq
+    from zmq.utils import z85
+
+    raw = hmac.new(secret, b"kvxfer handshake curve key v1", hashlib.sha256).digest()
+    secret_key = z85.encode(raw)
+    return zmq.curve_public(secret_key), secret_key
+
+
+def new_token() -> str:
+    """A per-request capability: unguessable, printable (it travels in kv_transfer_params)."""
+    return secrets.token_urlsafe(18)
+
+
+def same_token(want: str, got: str) -> bool:
+    return hmac.compare_digest(want.encode(), got.encode())

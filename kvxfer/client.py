@@ -51,6 +51,7 @@ class RemoteBlocks:
     tp_size: int = 1
     req_id: str = ""
     generation: str = ""  # the prefill sidecar's registration generation (kv_transfer_params)
+    token: str = ""  # the prefill lease's capability (kv_transfer_params remote_lease_token)
 
 
 @dataclass
@@ -150,10 +151,13 @@ class SidecarClient:
         notify_ranks: bool = False,
         expires_unix: float = 0.0,
         engine_id: str = "",
+        token: str = "",
     ) -> None:
+        """``token``: the request's capability (``kvxfer.auth.new_token``), which the decode
+        must present (``RemoteBlocks.token``); "" accepts any authenticated peer."""
         self._send(
             Hold(req_id=req_id, block_ids=list(block_ids), lease_s=lease_s, reads=reads,
-                 notify_ranks=notify_ranks, expires_unix=expires_unix, engine_id=engine_id)
+                 notify_ranks=notify_ranks, expires_unix=expires_unix, engine_id=engine_id, token=token)
         )
 
     def release(self, req_id: str, engine_id: str = "") -> None:
@@ -189,13 +193,16 @@ class SidecarClient:
                 remote_generation=remote.generation,
                 engine_id=engine_id,
                 pp_rank=pp_rank,
+                remote_token=remote.token,
             )
         )
 
-    def keepalive(self, remote: RemoteBlocks, remote_req_ids: list[str], req_ids: list[str]) -> None:
+    def keepalive(self, remote: RemoteBlocks, remote_req_ids: list[str], req_ids: list[str],
+                  remote_tokens: list[str] | None = None) -> None:
         """Keep the prefill leases of requests still waiting here alive (``KeepAlive``)."""
         self._send(KeepAlive(remote_engine_id=remote.engine_id, remote_host=remote.host,
-                             remote_port=remote.port, remote_req_ids=remote_req_ids, req_ids=req_ids))
+                             remote_port=remote.port, remote_req_ids=remote_req_ids, req_ids=req_ids,
+                             remote_tokens=remote_tokens or []))
 
     def heartbeat(self) -> None:
         """Ask for a Pong without waiting; ``poll`` hands it back in ``Drained.pongs``."""

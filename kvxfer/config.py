@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import ipaddress
 import os
 import socket
 import tomllib
@@ -67,6 +68,21 @@ class Config:
                                   default=20.0)
     secret_file: str = _doc("File holding the shared secret peers must prove at handshake "
                             "(HMAC); also KVXFER_SECRET. Unset: no authentication.", default="")
+    handshake_encryption: str = _doc("With a shared secret, 'auto' encrypts the handshake channel "
+                                     "(CurveZMQ, keys derived from the secret: the NIXL metadata "
+                                     "never crosses a network in clear); 'none' sends it in clear "
+                                     "(only for peers that cannot do CURVE).", default="auto")
+    insecure: bool = _doc("Allow a handshake listener beyond loopback without a shared secret "
+                          "(anyone who reaches it can read and release this engine's KV). "
+                          "Shown in status and as kvxfer_insecure 1.", default=False)
+    max_read_s: float = _doc("The longest a peer may extend a lease at once (a read's claim, a "
+                             "started notice, a keep-alive); longer asks are cut and counted.",
+                             default=300.0)
+    max_lease_s: float = _doc("No lease outlives its hold by more than this, however often peers "
+                              "renew it: no peer can pin an engine's blocks for ever.", default=600.0)
+    shm_dirs: str = _doc("Directories (comma-separated) whose kvxfer-* files engines may register "
+                         "as KV memory (subdirectories too; no symlinks; owned by the engine's uid).",
+                         default="/dev/shm")
     engine_check_s: float = _doc("How often to check that registered engine processes live.",
                                  default=1.0)
     lease_s: float = _doc("Default lease on held prefill blocks; released when it expires "
@@ -111,7 +127,7 @@ class Config:
         if not 0 <= self.handshake_port < 65536:
             raise ConfigError(f"handshake_port out of range: {self.handshake_port}")
         for name in ("lease_s", "transfer_timeout_s", "handshake_timeout_s", "idle_poll_ms",
-                     "active_poll_ms", "settle_timeout_s"):
+                     "active_poll_ms", "settle_timeout_s", "max_read_s", "max_lease_s"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be > 0")
         if self.role not in ("prefill", "decode", "both"):
@@ -131,6 +147,10 @@ class Config:
             raise ConfigError("chunk_mib and max_inflight_chunks must be > 0")
         if self.nixl_threads < 0:
             raise ConfigError("nixl_threads must be >= 0")
+        if self.handshake_encryption not in ("auto", "none"):
+            raise ConfigError(f"handshake_encryption must be auto or none, not {self.handshake_encryption!r}")
+        if self.max_lease_s < self.lease_s:
+            raise ConfigError(f"max_lease_s ({self.max_lease_s}) must be >= lease_s ({self.lease_s})")
         if self.verify_sample < 0:
             raise ConfigError("verify_sample must be >= 0 (0 disables it)")
 
@@ -151,6 +171,21 @@ class Config:
                 raise ConfigError(f"secret_file {self.secret_file} is empty")
             return secret
         return env.get(ENV_PREFIX + "SECRET", "").encode()
+
+    @property
+    def shm_dir_list(self) -> list[str]:
+        return [d.strip() for d in self.shm_dirs.split(",") if d.strip()]
+
+    @property
+    def handshake_is_local(self) -> bool:
+        """Does the handshake listener bind loopback only?"""
+        host = self.handshake_host.strip("[]")
+        if host == "localhost":
+            return True
+        try:
+            return ipaddress.ip_address(host).is_loopback
+        except ValueError:
+            return False
 
     @property
     def cuda_enabled(self) -> bool:
@@ -183,6 +218,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", help="TOML file with any of the fields below "
                         f"(also {ENV_PREFIX}CONFIG).")
     for f in dataclasses.fields(Config):
+        if str(f.type) == "bool":
+            parser.add_argument("--" + f.name.replace("_", "-"), dest=f.name, default=None,
+                                action=argparse.BooleanOptionalAction,
+                                help=f"{f.metadata['help']} [env {ENV_PREFIX}{f.name.upper()}; default "
+                                     f"{f.default!r}]")
+            continue
         parser.add_argument(
             "--" + f.name.replace("_", "-"),
             dest=f.name,

@@ -24,6 +24,7 @@ class ErrorCode(enum.StrEnum):
     UNKNOWN_MESSAGE = "unknown_message"  # decodes as msgpack but names no known kind
     NOT_REGISTERED = "not_registered"  # no KV registration for that tp rank
     INVALID_LAYOUT = "invalid_layout"  # registration layout/regions inconsistent
+    INVALID_MEMORY = "invalid_memory"  # registration names memory that is not provably the engine's
     MEMORY_MAP_FAILED = "memory_map_failed"  # shm file / CUDA IPC handle could not be opened
     BLOCK_OUT_OF_RANGE = "block_out_of_range"  # a block id outside [0, num_blocks)
     DUPLICATE_REQUEST = "duplicate_request"  # request id already held / in flight

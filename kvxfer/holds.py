@@ -6,8 +6,15 @@ counts its read and releases the lease once every reader read; a reader's ``Leas
 for a read; the expiry loop ends leases nobody read. Each lease ends exactly once, with a
 ``Released`` to the engine (the worker that held, or every worker of that engine).
 
+Who may touch a lease: a peer must present the lease's capability token (``Hold.token``,
+handed to the decode in kv_transfer_params) and, with a shared secret, be an agent that
+completed an authenticated handshake here. Readers are counted per (agent, pp, tp). No
+peer can stretch a lease past ``max_read_s`` per read or ``max_lease_s`` in all. Whatever
+is refused is counted (``kvxfer_peer_refused_total``) and logged with the sender.
+
 Dependencies are passed in: the registry (which engines exist, their workers), the
-observer, ``send`` (to an engine connection) and ``on_change`` (gauges, idleness).
+observer, ``send`` (to an engine connection), ``on_change`` (gauges, idleness) and
+``authenticated`` (did an agent complete an authenticated handshake here).
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from kvxfer.auth import same_token
 from kvxfer.config import Config
 from kvxfer.errors import ErrorCode, RequestError
 from kvxfer.leases import Lease, LeaseTable
@@ -46,12 +54,14 @@ def check_blocks(req_id: str, block_ids: list[int], num_blocks: int, side: str) 
 
 class Holds:
     def __init__(self, config: Config, registry: RankRegistry, observer: Observer,
-                 send: Callable[[bytes, Any], None], on_change: Callable[[], None]) -> None:
+                 send: Callable[[bytes, Any], None], on_change: Callable[[], None],
+                 authenticated: Callable[[str], bool] = lambda agent: True) -> None:
         self.config = config
         self.registry = registry
         self.observer = observer
         self._send = send
         self._on_change = on_change
+        self._authenticated = authenticated
         self.table = LeaseTable()
         self._wakeup = asyncio.Event()
 
@@ -77,7 +87,8 @@ class Holds:
         duration = msg.lease_s or self.config.lease_s
         self.table.add(Lease(req_id=msg.req_id, owner=ident, block_ids=list(msg.block_ids),
                              expires=now + duration, reads_expected=msg.reads, created=now,
-                             notify_ranks=msg.notify_ranks, engine=engine, duration=duration))
+                             notify_ranks=msg.notify_ranks, engine=engine, duration=duration,
+                             token=msg.token))
         self._on_change()
         self._wakeup.set()
 
@@ -89,6 +100,32 @@ class Holds:
 
     # ------------------------------------------------------------------ peers
 
+    def lease_for(self, agent: str, engine: str, req_id: str, token: str, message: str) -> Lease | None:
+        """The lease a peer's message means, if that peer may touch it: None when there is
+        none, or when the sender is not authenticated or presents the wrong token (refused:
+        counted and logged with the sender; to the sender it looks like no lease at all)."""
+        key = self.table.resolve(engine, req_id)
+        lease = self.table.get(key) if key is not None else None
+        if lease is None:
+            return None
+        if not self._authenticated(agent):
+            self.observer.peer_refused(agent, req_id, message, "unauthenticated")
+            return None
+        if lease.token and not same_token(lease.token, token):
+            self.observer.peer_refused(agent, req_id, message, "bad_token")
+            return None
+        return lease
+
+    def _extend(self, lease: Lease, by_s: float, agent: str, message: str, cap_s: float) -> None:
+        """Keep ``lease`` ``by_s`` more seconds, but never more than ``cap_s`` at once nor past
+        ``max_lease_s`` from its hold (no peer can pin blocks for ever)."""
+        if by_s > cap_s:
+            self.observer.peer_refused(agent, lease.req_id, message, "capped")
+            by_s = cap_s
+        until = min(time.monotonic() + by_s, lease.created + self.config.max_lease_s)
+        if self.table.extend(lease.key, until):
+            self._wakeup.set()
+
     def on_notice(self, agent: str, payload: bytes) -> None:
         """A reader's ``ReadNotice``: started (extend), or finished (count; release)."""
         try:
@@ -96,37 +133,38 @@ class Holds:
         except DECODE_ERRORS:
             self.observer.stray_notice(agent, "", "malformed")
             return
-        key = self.table.resolve(notice.engine_id, notice.req_id)
+        known = self.table.resolve(notice.engine_id, notice.req_id) is not None
+        lease = self.lease_for(agent, notice.engine_id, notice.req_id, notice.token, "read_notice")
+        if lease is None:
+            if not known:
+                self.observer.stray_notice(agent, notice.req_id,
+                                           "expired_lease" if notice.reading_s > 0 else "unknown")
+            return
         if notice.reading_s > 0:
-            if key is not None and self.table.extend(key, time.monotonic() + notice.reading_s + 1.0):
-                self._wakeup.set()
-            else:
-                self.observer.stray_notice(agent, notice.req_id, "expired_lease")
+            self.table.note_started(lease.key, (agent, notice.pp_rank, notice.tp_rank))
+            self._extend(lease, notice.reading_s + 1.0, agent, "read_notice", self.config.max_read_s)
             return
-        if key is None:
-            self.observer.stray_notice(agent, notice.req_id, "unknown")
-            return
-        lease = self.table.note_read(key, (notice.pp_rank, notice.tp_rank), notice.readers)
-        if lease is not None:
-            self.release(lease, "read" if notice.ok else "aborted")
+        done = self.table.note_read(lease.key, (agent, notice.pp_rank, notice.tp_rank), notice.readers)
+        if done is not None:
+            self.release(done, "read" if notice.ok else "aborted")
 
     def renew(self, req: LeaseRenew) -> LeaseState:
         """A peer still means to read these requests: extend their leases (by ``extend_s``,
         or each lease's own duration); say which are held, gone, or unknown here."""
-        now = time.monotonic()
         held: list[Any] = []
-        for rid in req.req_ids:
-            key = self.table.resolve(req.engine_id, rid)
-            lease = self.table.get(key) if key is not None else None
-            if key is None or lease is None:
-                gone = self.table.ended(req.engine_id, rid)
+        for i, rid in enumerate(req.req_ids):
+            token = req.tokens[i] if i < len(req.tokens) else ""
+            known = self.table.resolve(req.engine_id, rid) is not None
+            lease = self.lease_for(req.agent_name, req.engine_id, rid, token, "lease_renew")
+            if lease is None:
+                gone = not known and self.table.ended(req.engine_id, rid)
                 if gone:
                     self.observer.stray_notice(req.agent_name, rid, "expired_lease")
                 held.append("gone" if gone else "unknown")
                 continue
-            self.table.extend(key, now + (req.extend_s or lease.duration or self.config.lease_s))
+            self._extend(lease, req.extend_s or lease.duration or self.config.lease_s, req.agent_name,
+                         "lease_renew", self.config.max_read_s)
             held.append("held")
-        self._wakeup.set()
         return LeaseState(seq=req.seq, held=held)
 
     # ------------------------------------------------------------------ endings

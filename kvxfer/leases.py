@@ -29,10 +29,14 @@ class Lease:
     reads_expected: int = 1
     reads_seen: int = 0
     created: float = 0.0
-    readers: set[tuple[int, int]] = field(default_factory=set)  # (pp_rank, tp_rank) of each reader
+    # the (pp, tp) ranks that finished reading, and those that started and did not yet, by
+    # reader agent (its sidecar): two decode engines may read one request (a router retry)
+    readers: dict[str, set[tuple[int, int]]] = field(default_factory=dict)
+    reading: dict[str, set[tuple[int, int]]] = field(default_factory=dict)
     notify_ranks: bool = False  # release goes to every registered worker of the engine
     engine: str = ""
     duration: float = 0.0  # the lease's length: a keep-alive renews it by this much
+    token: str = ""  # the request's capability: peers must present it ("": none was given)
 
     @property
     def key(self) -> LeaseKey:
@@ -78,21 +82,34 @@ class LeaseTable:
         self._leases[lease.key] = lease
         heapq.heappush(self._heap, (lease.expires, lease.key))
 
-    def note_read(self, key: LeaseKey, reader: tuple[int, int], expected: int = 0) -> Lease | None:
-        """Count one reader's notice; return the lease once all expected reads arrived.
+    def note_started(self, key: LeaseKey, reader: tuple[str, int, int]) -> None:
+        """A reader (agent, pp, tp) started: no other agent's notices release the lease under it."""
+        lease = self._leases.get(key)
+        agent, pp, tp = reader
+        if lease is not None and (pp, tp) not in lease.readers.get(agent, set()):
+            lease.reading.setdefault(agent, set()).add((pp, tp))
 
-        A reader (its pp and tp rank) is counted once, so a duplicated notice cannot release
-        blocks another rank is still reading. ``expected`` (the decode side's rank count, sent
-        with each notice) overrides the count the hold guessed.
+    def note_read(self, key: LeaseKey, reader: tuple[str, int, int], expected: int = 0) -> Lease | None:
+        """Count one reader's notice; return the lease once it may be released.
+
+        A reader (its agent, pp and tp rank) is counted once, so a duplicated notice cannot
+        release blocks another rank is still reading. The lease ends once every expected rank
+        *of one agent* read (ranks of two decode engines never add up), and no other agent
+        has a read in progress. ``expected`` (the decode side's rank count, sent with each
+        notice) overrides the count the hold guessed.
         """
         lease = self._leases.get(key)
-        if lease is None or reader in lease.readers:
+        agent, pp, tp = reader
+        done = lease.readers.setdefault(agent, set()) if lease is not None else set()
+        if lease is None or (pp, tp) in done:
             return None
         if expected > 0:
             lease.reads_expected = expected
-        lease.readers.add(reader)
+        done.add((pp, tp))
+        lease.reading.get(agent, set()).discard((pp, tp))
         lease.reads_seen += 1
-        if lease.reads_seen >= lease.reads_expected:
+        finished = any(len(ranks) >= lease.reads_expected for ranks in lease.readers.values())
+        if finished and not any(lease.reading.values()):
             return self.pop(key)
         return None
 

@@ -17,6 +17,7 @@ import contextlib
 import mmap
 import os
 import secrets
+import stat
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -199,11 +200,14 @@ class Mapping:
 
 def _map_shm(ref: ShmMemory) -> Mapping:
     try:
-        fd = os.open(ref.path, os.O_RDWR)
+        fd = os.open(ref.path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
     except OSError as e:
         raise RequestError(ErrorCode.MEMORY_MAP_FAILED, f"cannot open {ref.path!r}: {e}") from e
     try:
-        actual = os.fstat(fd).st_size
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise RequestError(ErrorCode.INVALID_MEMORY, f"{ref.path!r} is not a regular file")
+        actual = st.st_size
         if actual < ref.size:
             raise RequestError(
                 ErrorCode.MEMORY_MAP_FAILED,
@@ -291,6 +295,59 @@ def validate_registration(msg: RegisterKV) -> None:
                 ErrorCode.INVALID_LAYOUT,
                 f"region {i} ends at byte {end}, memory {r.memory} has {msg.memory[r.memory].size}",
             )
+
+
+SHM_PREFIX = "kvxfer-"  # every KV file an engine shares with its sidecar is named so
+
+
+def process_uid(pid: int) -> int | None:
+    """The real uid of a process this sidecar can see (None: no pid, or not visible here)."""
+    if pid <= 0:
+        return None
+    try:
+        with open(f"/proc/{pid}/status") as fh:
+            for line in fh:
+                if line.startswith("Uid:"):
+                    return int(line.split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def check_shm_files(msg: RegisterKV, shm_dirs: list[str]) -> None:
+    """A registration may name only files the sidecar can prove belong to the engine: an
+    absolute path with no symlink anywhere in it, inside one of ``shm_dirs`` (or a directory
+    below one), named ``kvxfer-*``, a regular file owned by the engine's uid (the sidecar's
+    own when the engine's pid is not visible from here). The sidecar maps these read-write
+    and may unlink them when their engine dies, so anything else is refused."""
+    owner = process_uid(msg.pid)
+    want_uid = os.geteuid() if owner is None else owner
+    roots = [os.path.realpath(d) for d in shm_dirs if d]
+    for ref in msg.memory:
+        if not isinstance(ref, ShmMemory):
+            continue
+        path = ref.path
+
+        def refuse(why: str, path: str = path) -> RequestError:
+            return RequestError(ErrorCode.INVALID_MEMORY, f"shared memory {path!r} refused: {why}")
+
+        if not os.path.isabs(path) or os.path.normpath(path) != path:
+            raise refuse("not an absolute, normalised path")
+        if os.path.realpath(path) != path:
+            raise refuse("a symlink in its path")
+        if not any(os.path.dirname(path) == r or os.path.dirname(path).startswith(r + os.sep)
+                   for r in roots):
+            raise refuse(f"outside the shared-memory directories {roots} (shm_dirs)")
+        if not os.path.basename(path).startswith(SHM_PREFIX):
+            raise refuse(f"not a kvxfer file (its name must start with {SHM_PREFIX!r})")
+        try:
+            st = os.lstat(path)
+        except OSError as e:
+            raise refuse(str(e)) from None
+        if not stat.S_ISREG(st.st_mode):
+            raise refuse("not a regular file")
+        if st.st_uid != want_uid:
+            raise refuse(f"owned by uid {st.st_uid}, the engine runs as uid {want_uid}")
 
 
 def validate_rank_info(info: RankInfo) -> None:

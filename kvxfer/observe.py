@@ -98,6 +98,14 @@ class Observer:
         self.g_ready = Gauge("kvxfer_ready", "1 when NIXL is up and the engine socket listens.", registry=r)
         self.m_denied = Counter("kvxfer_control_denied", "Control RPCs refused, by method and status.",
                                 ["method", "code"], registry=r)
+        self.m_hs_refused = Counter("kvxfer_handshakes_refused", "Handshake-listener requests refused "
+                                    "(hellos, renewals, digests), by error code.", ["code"], registry=r)
+        self.m_peer_refused = Counter("kvxfer_peer_refused", "Peer messages about held leases refused "
+                                      "(read notices, renewals, digests), by message and reason: "
+                                      "bad_token, unauthenticated, capped (a duration cut to the "
+                                      "sidecar's maximum).", ["message", "reason"], registry=r)
+        self.g_insecure = Gauge("kvxfer_insecure", "1 when the handshake listener is reachable beyond "
+                                "loopback without a shared secret (--insecure).", registry=r)
         self._subscribers: list[tuple[asyncio.Queue[Event], frozenset[str]]] = []
 
     # ---------------------------------------------------------------- events
@@ -149,6 +157,16 @@ class Observer:
                         "may have been reused", peer, req_id)
         else:
             log.info("stray read notice (%s) for %r from %s", kind, req_id, peer)
+
+    def handshake_refused(self, sender: str, code: str) -> None:
+        self.m_hs_refused.labels(code).inc()
+        self.emit(Event("handshake_refused", peer=sender, code=code))
+
+    def peer_refused(self, agent: str, req_id: str, message: str, reason: str) -> None:
+        """A peer's message about a lease was refused (or, for ``capped``, cut down)."""
+        self.m_peer_refused.labels(message, reason).inc()
+        self.emit(Event("peer_refused", req_id, agent, code=reason, reason=message))
+        log.warning("%s for request %r from agent %s refused: %s", message, req_id, agent, reason)
 
     def integrity_checked(self, result: str, seconds: float) -> None:
         self.totals.integrity_checks += 1

@@ -6,11 +6,17 @@ ranks, the NIXL thread, the observer, the holds it answers digests and renewals 
 keeps ``peers`` (by handshake endpoint). The
 compatibility hash is checked in both directions before any payload is used; the NIXL
 agent metadata travels as its own frame.
+
+With a shared secret (``kvxfer.auth``): the handshake is challenge-bound and MAC'd both
+ways, the listener is a CurveZMQ server whose keys derive from the secret (the channel,
+NIXL metadata included, is encrypted), and lease renewals and digest requests are answered
+only for agents that completed such a handshake here.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
 import socket
@@ -22,11 +28,10 @@ import msgspec
 import zmq
 
 from kvxfer.auth import (
-    ReplayGuard,
-    check_digest_request,
+    ChallengeBook,
     check_request,
     check_welcome,
-    sign_digest_request,
+    curve_server_keys,
     sign_hello,
     sign_request,
     sign_welcome,
@@ -36,6 +41,7 @@ from kvxfer.memory import validate_rank_info
 from kvxfer.protocol import (
     DECODE_ERRORS,
     PROTOCOL_VERSION,
+    Challenge,
     DigestReply,
     DigestRequest,
     Hello,
@@ -102,11 +108,8 @@ class PeerLink:
     """One DEALER connection to a peer's handshake listener for small request/reply calls
     (lease renewals: one per read, so no connect per call). Replies are matched by ``seq``."""
 
-    def __init__(self, ctx: zmq.asyncio.Context, addr: str) -> None:
-        self.sock = ctx.socket(zmq.DEALER)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.setsockopt(zmq.IPV6, 1)
-        self.sock.connect(addr)
+    def __init__(self, sock: zmq.asyncio.Socket) -> None:
+        self.sock = sock
         self._seq = 0
         self._waiting: dict[int, asyncio.Future[LeaseState]] = {}
         self.closed = False
@@ -177,7 +180,12 @@ class Peers:
         self.secret = secret  # empty: no handshake authentication
         self._generation = generation
         self._spawn = spawn
-        self.replay_guard = ReplayGuard()
+        self.challenges = ChallengeBook(agent_name)
+        # CurveZMQ keys of every listener sharing the secret: the channel is encrypted
+        self.curve = (curve_server_keys(secret)
+                      if secret and config.handshake_encryption != "none" else None)
+        # agents that completed an authenticated handshake here (newest last; bounded)
+        self.authenticated: collections.OrderedDict[str, None] = collections.OrderedDict()
         self.peers: dict[str, Peer] = {}
         self._handshakes: dict[str, asyncio.Future[Peer]] = {}
         self._links: dict[str, PeerLink] = {}
@@ -185,6 +193,34 @@ class Peers:
     @property
     def generation(self) -> str:
         return self._generation()
+
+    def configure_listener(self, sock: zmq.asyncio.Socket) -> None:
+        """Before bind: make the handshake listener a CurveZMQ server (with a secret)."""
+        if self.curve is not None:
+            sock.curve_publickey, sock.curve_secretkey = self.curve
+            sock.curve_server = True
+
+    def _dial(self, addr: str) -> zmq.asyncio.Socket:
+        """A DEALER to a peer's handshake listener (a CurveZMQ client with a secret)."""
+        sock = self.dial_ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.IPV6, 1)
+        if self.curve is not None:
+            sock.curve_publickey, sock.curve_secretkey = zmq.curve_keypair()
+            sock.curve_serverkey = self.curve[0]
+        sock.connect(addr)
+        return sock
+
+    def is_authenticated(self, agent: str) -> bool:
+        """With a secret: did this agent complete an authenticated handshake here? (Always
+        true without one: nobody is authenticated, anyone may.)"""
+        return not self.secret or agent in self.authenticated
+
+    def _authenticated(self, agent: str) -> None:
+        self.authenticated[agent] = None
+        self.authenticated.move_to_end(agent)
+        while len(self.authenticated) > 4096:
+            self.authenticated.popitem(last=False)
 
     def values(self) -> list[Peer]:
         return list(self.peers.values())
@@ -228,11 +264,25 @@ class Peers:
         except RequestError as e:
             self.observer.handshake(key, False, time.monotonic() - start, e.reason)
             raise
-        sock = self.dial_ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.IPV6, 1)
+        sock = self._dial(addr)
+        timeout_s = self.config.handshake_timeout_s
+
+        async def ask(msg: Hello) -> tuple[Any, list[bytes]]:
+            await sock.send(encode(msg))
+            if not await sock.poll(int(max(0.0, start + timeout_s - time.monotonic()) * 1000)):
+                # CurveZMQ gives no answer at all to a mismatched peer: say what it may be
+                why = ("it is down, or does not share our secret (the channel is encrypted with keys "
+                       "derived from it)" if self.curve else
+                       "it is down, or requires a shared secret (an encrypted channel)")
+                raise RequestError(ErrorCode.HANDSHAKE_FAILED,
+                                   f"no handshake answer from {key} within {timeout_s}s: {why}")
+            frames = await sock.recv_multipart()
+            try:
+                return handshake_reply_decoder.decode(frames[0]), frames
+            except DECODE_ERRORS as e:
+                raise RequestError(ErrorCode.HANDSHAKE_FAILED, f"bad reply from {key}: {e}") from e
+
         try:
-            sock.connect(addr)
             hello = Hello(
                 version=PROTOCOL_VERSION,
                 compat_hash=compat_hash(local),
@@ -240,20 +290,10 @@ class Peers:
                 agent_name=self.agent_name,
                 model=local.model if local else "",
             )
-            if self.secret:
-                hello = sign_hello(self.secret, hello)
-            await sock.send(encode(hello))
-            timeout_ms = int(self.config.handshake_timeout_s * 1000)
-            if not await sock.poll(timeout_ms):
-                raise RequestError(
-                    ErrorCode.HANDSHAKE_FAILED,
-                    f"no handshake answer from {key} within {self.config.handshake_timeout_s}s",
-                )
-            frames = await sock.recv_multipart()
-            try:
-                reply = handshake_reply_decoder.decode(frames[0])
-            except DECODE_ERRORS as e:
-                raise RequestError(ErrorCode.HANDSHAKE_FAILED, f"bad reply from {key}: {e}") from e
+            reply, frames = await ask(hello)
+            if self.secret and isinstance(reply, Challenge):
+                hello = sign_hello(self.secret, hello, reply.nonce, reply.agent_name)
+                reply, frames = await ask(hello)
             if isinstance(reply, Refused):
                 raise RequestError(reply.code, f"{key} refused the handshake: {reply.reason}")
             if not isinstance(reply, Welcome):
@@ -266,7 +306,7 @@ class Peers:
                 )
             if len(frames) != 2 or not reply.ranks:
                 raise RequestError(ErrorCode.HANDSHAKE_FAILED, f"{key}: welcome without metadata")
-            if self.secret and not check_welcome(self.secret, reply, hello.nonce, frames[1]):
+            if self.secret and not check_welcome(self.secret, reply, hello, frames[1]):
                 raise RequestError(ErrorCode.UNAUTHORIZED, f"{key} cannot prove it holds the shared secret")
             for info in reply.ranks:
                 validate_rank_info(info)
@@ -331,7 +371,7 @@ class Peers:
         key = f"{host}:{port}"
         link = self._links.get(key)
         if link is None or link.closed:
-            link = PeerLink(self.dial_ctx, await self._resolve(host, port))
+            link = PeerLink(self._dial(await self._resolve(host, port)))
             self._links[key] = link
             self._spawn(link.run())
         return await link.call(req, timeout_s, self.secret)
@@ -367,9 +407,14 @@ class Peers:
             reply, extra = await self._answer_hello(body)
             hs_sock.send_multipart([ident, encode(reply), *extra])
 
-    async def _answer_hello(self, body: bytes) -> tuple[Welcome | Refused | DigestReply, list[bytes]]:
+    async def _answer_hello(
+        self, body: bytes
+    ) -> tuple[Welcome | Refused | DigestReply | LeaseState | Challenge, list[bytes]]:
+        sender = ""
+
         def refuse(code: ErrorCode, reason: str) -> tuple[Refused, list[bytes]]:
-            log.warning("handshake refused: %s", reason)
+            log.warning("handshake refused (from %s): %s", sender or "?", reason)
+            self.observer.handshake_refused(sender, code)
             return Refused(version=PROTOCOL_VERSION, code=code, reason=reason), []
 
         try:
@@ -377,17 +422,26 @@ class Peers:
         except DECODE_ERRORS as e:
             self.observer.bad_message("handshake")
             return refuse(ErrorCode.MALFORMED, f"bad hello: {e}")
+        sender = f"{hello.agent_name or '?'}"
+        if isinstance(hello, DigestRequest | LeaseRenew) and self.secret:
+            if not check_request(self.secret, hello):
+                return refuse(ErrorCode.UNAUTHORIZED, f"{type(hello).__name__} without a valid signature")
+            if not self.is_authenticated(hello.agent_name):
+                return refuse(ErrorCode.UNAUTHORIZED, f"{type(hello).__name__} from an agent that did not "
+                              "complete an authenticated handshake here")
         if isinstance(hello, DigestRequest):
             try:
                 return await self._answer_digest(hello), []
             except RequestError as e:
                 return refuse(e.code, f"digest of {hello.req_id!r}: {e.reason}")
         if isinstance(hello, LeaseRenew):
-            if self.secret and not check_request(self.secret, hello):
-                return refuse(ErrorCode.UNAUTHORIZED, "lease renewal without a valid signature")
             return self.holds.renew(hello), []
+        sender = f"{hello.agent_name!r} of engine {hello.engine_id!r}"
         if self.secret:
-            why = self.replay_guard.check_hello(self.secret, hello)
+            if not hello.mac:  # step one: prove you hold the secret, answering this challenge
+                return Challenge(version=PROTOCOL_VERSION, nonce=self.challenges.issue(),
+                                 agent_name=self.agent_name), []
+            why = self.challenges.check_hello(self.secret, hello)
             if why is not None:
                 return refuse(ErrorCode.UNAUTHORIZED, why)
         if hello.version != PROTOCOL_VERSION:
@@ -418,7 +472,9 @@ class Peers:
             generation=self.generation,
         )
         if self.secret:
-            welcome = sign_welcome(self.secret, welcome, hello.nonce, metadata)
+            welcome = sign_welcome(self.secret, welcome, hello, metadata)
+            self._authenticated(hello.agent_name)
+        log.info("handshake from %s accepted", sender)
         return welcome, [metadata]
 
     # ---------------------------------------------------------------- integrity digests
@@ -426,10 +482,7 @@ class Peers:
     async def _answer_digest(self, req: DigestRequest) -> DigestReply:
         """The digest of bytes a peer read from blocks we still hold for it. Only blocks of a
         held lease can be digested, so a request costs no more than the read it checks."""
-        if self.secret and not check_digest_request(self.secret, req):
-            raise RequestError(ErrorCode.UNAUTHORIZED, "digest request without a valid signature")
-        key = self.holds.table.resolve(req.engine_id, req.req_id)
-        lease = self.holds.table.get(key) if key is not None else None
+        lease = self.holds.lease_for(req.agent_name, req.engine_id, req.req_id, req.token, "digest")
         if lease is None:
             raise RequestError(ErrorCode.UNKNOWN_REQUEST, "no blocks held for this request (lease over?)")
         held = set(lease.block_ids)
@@ -461,13 +514,9 @@ class Peers:
     async def request_digest(self, host: str, port: int, req: DigestRequest, timeout_s: float) -> list[str]:
         """Ask a peer's listener for the digests of ``req``; raises RequestError."""
         if self.secret:
-            req = sign_digest_request(self.secret, req)
-        addr = await self._resolve(host, port)
-        sock = self.dial_ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.IPV6, 1)
+            req = sign_request(self.secret, req)
+        sock = self._dial(await self._resolve(host, port))
         try:
-            sock.connect(addr)
             await sock.send(encode(req))
             if not await sock.poll(int(timeout_s * 1000)):
                 raise RequestError(ErrorCode.HANDSHAKE_FAILED,

@@ -28,12 +28,16 @@ from msgspec import Meta, Struct
 # 2: KVLayout.fused (kv_parts == 1 blocks hold K and V; version 1 sidecars read half of them)
 # 3: ranks keyed by (engine, DP, PP, TP): engine ids in registrations, holds, receives, rank
 #    infos, notices and digests; KVLayout says which layers a pipeline stage holds
-PROTOCOL_VERSION = 3
+# 4: challenge-bound, canonically MAC'd handshake (Challenge; Hello.challenge/target; the
+#    Welcome MAC covers the ranks); per-request capability tokens on holds, reads, notices,
+#    renewals and digests
+PROTOCOL_VERSION = 4
 
 NonNeg = Annotated[int, Meta(ge=0)]
 Positive = Annotated[int, Meta(gt=0)]
 BlockIds = list[NonNeg]
 ReqId = Annotated[str, Meta(min_length=1, max_length=512)]
+Token = Annotated[str, Meta(max_length=128)]  # a lease capability (kvxfer.auth.new_token)
 
 # dtype name -> item size in bytes (names as torch spells them, without "torch.")
 DTYPE_SIZES: dict[str, int] = {
@@ -218,6 +222,10 @@ class Hold(_Msg, tag="hold"):
     # that reaches a sidecar later (queued while it was frozen) is refused, not honoured.
     expires_unix: Annotated[float, Meta(ge=0)] = 0.0
     engine_id: EngineId = ""  # whose blocks ("": the sidecar's engine); leases are per engine
+    # The request's capability (kvxfer.auth.new_token; it travels to the decode in
+    # kv_transfer_params): read notices, renewals and digests of this lease must present it.
+    # "": none (an older connector): any authenticated peer may, as before.
+    token: Token = ""
 
 
 class Release(_Msg, tag="release"):
@@ -254,6 +262,7 @@ class Recv(_Msg, tag="recv"):
     remote_generation: str = ""
     engine_id: EngineId = ""  # the local engine whose memory receives ("": the sidecar's)
     pp_rank: NonNeg = 0  # the local pipeline stage whose memory receives
+    remote_token: Token = ""  # the prefill lease's capability (kv_transfer_params remote_lease_token)
 
 
 class Ping(_Msg, tag="ping"):
@@ -271,6 +280,7 @@ class KeepAlive(_Msg, tag="keepalive"):
     remote_port: Annotated[int, Meta(gt=0, lt=65536)]
     remote_req_ids: Annotated[list[ReqId], Meta(max_length=4096)]
     req_ids: Annotated[list[ReqId], Meta(max_length=4096)]  # the local ids, in the same order
+    remote_tokens: Annotated[list[Token], Meta(max_length=4096)] = []  # the leases' capabilities, same order
 
 
 EngineRequest = RegisterKV | Unregister | Hold | Release | Recv | Ping | KeepAlive
@@ -341,6 +351,8 @@ class Hello(_Msg, tag="hello"):
     ts: float = 0.0  # sender's wall clock (replay window)
     mac: str = ""  # HMAC-SHA256 of the fields above (kvxfer.auth)
     model: str = ""  # the dialer's KVLayout.model, so a refusal can name both models
+    challenge: str = ""  # with a shared secret: the listener's Challenge.nonce this answers
+    target: str = ""  # with a shared secret: the listener's agent name (from its Challenge)
 
 
 class DigestItem(_Msg, tag="ditem"):
@@ -367,6 +379,7 @@ class DigestRequest(_Msg, tag="digest"):
     agent_name: str = ""  # the asking sidecar
     mac: str = ""  # with a shared secret: HMAC of the request (kvxfer.auth)
     engine_id: EngineId = ""  # the prefill engine holding the blocks
+    token: Token = ""  # the lease's capability (Hold.token)
 
 
 class LeaseRenew(_Msg, tag="renew"):
@@ -382,6 +395,7 @@ class LeaseRenew(_Msg, tag="renew"):
     extend_s: Annotated[float, Meta(ge=0, le=86400)] = 0.0
     agent_name: str = ""  # the asking sidecar
     mac: str = ""  # with a shared secret: HMAC of the request (kvxfer.auth)
+    tokens: Annotated[list[Token], Meta(max_length=4096)] = []  # per req_ids: the leases' capabilities
 
 
 HandshakeRequest = Hello | DigestRequest | LeaseRenew
@@ -419,6 +433,15 @@ class Welcome(_Msg, tag="welcome"):
     generation: str = ""  # the registrations these ranks describe (Pong.generation)
 
 
+class Challenge(_Msg, tag="challenge"):
+    """With a shared secret, the answer to an unsigned Hello: sign a Hello over this nonce
+    and this agent name (``kvxfer.auth``); it is accepted once, within a short time."""
+
+    version: int
+    nonce: str
+    agent_name: str
+
+
 class Refused(_Msg, tag="refused"):
     version: int
     code: str
@@ -437,7 +460,7 @@ class LeaseState(_Msg, tag="leases"):
     held: list[Literal["held", "gone", "unknown"]]
 
 
-HandshakeReply = Welcome | Refused | DigestReply | LeaseState
+HandshakeReply = Welcome | Refused | DigestReply | LeaseState | Challenge
 
 
 # --------------------------------------------------------------------------- NIXL notification
@@ -452,7 +475,8 @@ class ReadNotice(_Msg, tag="read"):
     readers: NonNeg = 0  # notices the prefill side should expect in all (decode TP); 0: Hold.reads
     reading_s: Annotated[float, Meta(ge=0)] = 0.0  # >0: "started; done or failed within this"
     engine_id: str = ""  # the prefill engine whose lease this is ("": the only one with req_id)
-    pp_rank: NonNeg = 0  # the reader's pipeline stage (a reader is (pp_rank, tp_rank))
+    pp_rank: NonNeg = 0  # the reader's pipeline stage (a reader is (agent, pp_rank, tp_rank))
+    token: Token = ""  # the lease's capability (Hold.token)
 
 
 # --------------------------------------------------------------------------- codecs

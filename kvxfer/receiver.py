@@ -194,7 +194,8 @@ class Receiver:
             # The prefill side must not let its lease run out under a read in progress: the
             # NIXL thread tells it once the first chunk is posted (it must not delay the read).
             started = ReadNotice(req_id=msg.remote_req_id or msg.req_id, tp_rank=msg.tp_rank, ok=True,
-                                 reading_s=remaining, engine_id=state.remote_engine, pp_rank=msg.pp_rank)
+                                 reading_s=remaining, engine_id=state.remote_engine, pp_rank=msg.pp_rank,
+                                 token=msg.remote_token)
             await self._nixl(
                 self.transfer.t_read,
                 key,
@@ -279,7 +280,8 @@ class Receiver:
         entry = self.registry.get(state.local) if state.local is not None else None
         readers = entry.layout.tp_size * entry.layout.pp_size if entry is not None else 0
         return ReadNotice(req_id=msg.remote_req_id or msg.req_id, tp_rank=msg.tp_rank, ok=ok,
-                          readers=readers, engine_id=state.remote_engine, pp_rank=msg.pp_rank)
+                          readers=readers, engine_id=state.remote_engine, pp_rank=msg.pp_rank,
+                          token=msg.remote_token)
 
     # ------------------------------------------------------------------ NIXL events
 
@@ -313,7 +315,8 @@ class Receiver:
         and its verification. "" when held; else why the read must not be trusted."""
         timeout = self.config.handshake_timeout_s
         renew = LeaseRenew(seq=0, engine_id=state.remote_engine, req_ids=[msg.remote_req_id or msg.req_id],
-                           extend_s=reading_s + timeout + 1.0, agent_name=self.agent_name)
+                           extend_s=reading_s + timeout + 1.0, agent_name=self.agent_name,
+                           tokens=[msg.remote_token])
         end = time.monotonic() + timeout
         pause = 0.002
         while True:
@@ -343,16 +346,17 @@ class Receiver:
     async def keepalive(self, ident: bytes, msg: KeepAlive) -> None:
         """Renew the prefill leases of requests still waiting here (handshaking first: the
         read that follows then starts warm); tell the engine which leases are gone."""
-        if len(msg.req_ids) != len(msg.remote_req_ids):
-            self._send(ident, Error(code=ErrorCode.MALFORMED, message="keepalive: req_ids and "
-                                    "remote_req_ids differ in length"))
+        if len(msg.req_ids) != len(msg.remote_req_ids) or (
+                msg.remote_tokens and len(msg.remote_tokens) != len(msg.req_ids)):
+            self._send(ident, Error(code=ErrorCode.MALFORMED, message="keepalive: req_ids, "
+                                    "remote_req_ids and remote_tokens differ in length"))
             return
         timeout = self.config.handshake_timeout_s
         try:
             peer = await asyncio.wait_for(self.peers.get_peer(msg.remote_host, msg.remote_port), 2 * timeout)
             engine = peer.resolve_engine(msg.remote_engine_id)
             renew = LeaseRenew(seq=0, engine_id=engine, req_ids=list(msg.remote_req_ids),
-                               agent_name=self.agent_name)
+                               agent_name=self.agent_name, tokens=list(msg.remote_tokens))
             got = await self.peers.call_peer(msg.remote_host, msg.remote_port, renew, timeout)
         except (RequestError, TimeoutError) as e:
             log.info("keep-alive of %d leases at %s:%d not delivered: %s", len(msg.req_ids), msg.remote_host,
@@ -418,7 +422,7 @@ class Receiver:
             ranks = sorted(items)
             req = DigestRequest(
                 req_id=msg.remote_req_id or msg.req_id, agent_name=self.agent_name,
-                engine_id=state.remote_engine,
+                engine_id=state.remote_engine, token=msg.remote_token,
                 ranks=[DigestRank(rank=tp, items=items[(pp, tp)][1], pp_rank=pp,
                                   region0=items[(pp, tp)][2].remote_region0,
                                   num_regions=items[(pp, tp)][2].num_regions) for pp, tp in ranks])

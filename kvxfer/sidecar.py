@@ -36,7 +36,7 @@ from kvxfer.config import Config
 from kvxfer.control.access import load_policy
 from kvxfer.errors import ConfigError, ErrorCode, RequestError
 from kvxfer.holds import Holds
-from kvxfer.memory import validate_registration
+from kvxfer.memory import check_shm_files, validate_registration
 from kvxfer.observe import Event, Observer, start_metrics_server
 from kvxfer.peers import Peer, Peers
 from kvxfer.protocol import (
@@ -123,8 +123,16 @@ class Sidecar:
         self.observer = Observer()
         self.systemd = Notifier()
         self.secret = config.load_secret()
+        self.insecure = not self.secret and not config.handshake_is_local
+        if self.insecure and not config.insecure:
+            raise ConfigError(
+                f"the handshake listener would bind {config.handshake_host!r}, beyond loopback, with no "
+                "shared secret: anyone who reaches it could read and release this engine's KV cache. "
+                "Set secret_file (--secret-file) or KVXFER_SECRET on every sidecar, or pass --insecure "
+                "to run open on purpose")
         self.control_policy = load_policy(config)
-        self.holds = Holds(config, self.registry, self.observer, self._send, self._gauges)
+        self.holds = Holds(config, self.registry, self.observer, self._send, self._gauges,
+                           authenticated=lambda agent: self.peers.is_authenticated(agent))
         self.peers = Peers(config=config, dial_ctx=self.dial_ctx, engine_id=self.engine_id,
                            agent_name=self.agent_name, registry=self.registry, transfer=self.transfer,
                            nixl=self._nixl, observer=self.observer, holds=self.holds, secret=self.secret,
@@ -147,6 +155,14 @@ class Sidecar:
         self._bind()
         self.ready = True
         self.observer.g_ready.set(1)
+        self.observer.g_insecure.set(int(self.insecure))
+        if self.insecure:
+            log.warning("INSECURE: the handshake listener on %s:%d takes anyone: no shared secret "
+                        "(--insecure)", self.config.handshake_host, self.handshake_port)
+        elif self.secret and self.peers.curve is None and not self.config.handshake_is_local:
+            log.warning("the handshake channel on %s:%d is not encrypted (handshake_encryption=none): "
+                        "NIXL metadata crosses the network in clear", self.config.handshake_host,
+                        self.handshake_port)
         control: list[Any] = []
         if self.config.control_target or self.config.health_target:
             from kvxfer.control.service import start_control_server
@@ -235,6 +251,7 @@ class Sidecar:
         self.hs_sock = self.ctx.socket(zmq.ROUTER)
         self.hs_sock.setsockopt(zmq.LINGER, 0)
         self.hs_sock.setsockopt(zmq.MAXMSGSIZE, 1 << 20)  # a Hello is a few hundred bytes
+        self.peers.configure_listener(self.hs_sock)
         addr = f"tcp://{self.config.handshake_host}"
         if self.config.handshake_port == 0:
             self.handshake_port = self.hs_sock.bind_to_random_port(addr)
@@ -345,6 +362,7 @@ class Sidecar:
         whose old memory is already gone, and moves the generation)."""
         try:
             validate_registration(msg)
+            check_shm_files(msg, self.config.shm_dir_list)
             try:
                 check_layout(msg.layout)
             except Incompatible as e:
@@ -467,7 +485,8 @@ class Sidecar:
             handshake_endpoint=f"{cfg.resolved_advertise_host}:{self.handshake_port}",
             agent_name=self.agent_name,
             protocol_version=PROTOCOL_VERSION, ucx_error_mode=cfg.ucx_error_mode, uptime_s=now - self.started,
-            ready=self.ready and not self.draining, draining=self.draining,
+            ready=self.ready and not self.draining, draining=self.draining, insecure=self.insecure,
+            authenticated=bool(self.secret), encrypted=self.peers.curve is not None,
             ranks=copies(self.registry.entries()), peers=copies(self.peers.values()), leases=leases,
             transfers=transfers, totals=copy.copy(self.observer.totals),
         )

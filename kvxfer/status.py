@@ -50,6 +50,9 @@ class Snapshot:
     uptime_s: float
     ready: bool
     draining: bool
+    insecure: bool = False
+    authenticated: bool = False
+    encrypted: bool = False
     ranks: list[RankEntry] = field(default_factory=list)
     peers: list[Peer] = field(default_factory=list)
     leases: list[LeaseView] = field(default_factory=list)

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import pytest
 
+from kvxfer.auth import new_token
 from kvxfer.client import Drained, RemoteBlocks
 from kvxfer.testing.engine import SyntheticEngine, make_layout
 from kvxfer.testing.procs import SidecarFactory, SidecarProc
@@ -52,8 +53,10 @@ def pull(p: SyntheticEngine, d: SyntheticEngine, req: str, n: int, timeout: floa
     assert reg is not None
     pb, db = p.allocate(n), d.allocate(n)
     p.fill(req, pb)
-    p.client.hold(req, pb)
+    token = new_token()  # a test may read with another (remote["token"])
+    p.client.hold(req, pb, token=token)
     d.wipe(db)
+    remote.setdefault("token", token)
     where = RemoteBlocks(reg.engine_id, reg.handshake_host, reg.handshake_port, pb, **remote)  # type: ignore[arg-type]
     d.client.recv(req, db, where)
     got = d.client.wait_until(lambda a: bool(a.done or a.failed), timeout)

@@ -115,8 +115,13 @@ def test_overlays_render_and_validate(role: str) -> None:
     # Every name the pod refers to exists in the rendered output.
     claim = pod["spec"]["resourceClaims"][0]["resourceClaimTemplateName"]
     assert by_kind["ResourceClaimTemplate"]["metadata"]["name"] == claim
+    # The handshake secret is required and never shipped: no usable secret in any manifest.
     secret = next(e for e in kvx["env"] if e["name"] == "KVXFER_SECRET")["valueFrom"]["secretKeyRef"]
-    assert by_kind["Secret"]["metadata"]["name"] == secret["name"]
+    assert secret == {"name": "kvxfer-handshake", "key": "secret", "optional": False}
+    assert "Secret" not in by_kind
+    for doc in (K8S / "base").rglob("*.yaml"):
+        assert "stringData" not in doc.read_text(), doc
+        assert "kind: Secret" not in doc.read_text(), doc
     assert pod["metadata"]["annotations"]["prometheus.io/port"] == "9400"
 
 

@@ -26,14 +26,14 @@ MESSAGES: dict[str, tuple[object, str]] = {
         ),
     ),
     "unregister": (p.Unregister(tp_rank=1), "94aa756e726567697374657201a000"),
-    "hold": (p.Hold(req_id="r1", block_ids=[1, 2, 3], lease_s=2.5, reads=2), "98a4686f6c64a2723193010203cb400400000000000002c2cb0000000000000000a0"),
+    "hold": (p.Hold(req_id="r1", block_ids=[1, 2, 3], lease_s=2.5, reads=2), "99a4686f6c64a2723193010203cb400400000000000002c2cb0000000000000000a0a0"),
     "release": (p.Release(req_id="r1"), "93a772656c65617365a27231a0"),
     "recv": (
         p.Recv(req_id="r1", block_ids=[4, 5], remote_engine_id="P", remote_host="10.0.0.1",
                remote_port=5700, remote_block_ids=[1, 2]),
         (
-            "dc0010a472656376a27231920405a150a831302e302e302e31cd16449201020100a0cb0000000000"
-            "000000c2cb0000000000000000a0a000"
+            "dc0011a472656376a27231920405a150a831302e302e302e31cd16449201020100a0cb0000000000"
+            "000000c2cb0000000000000000a0a000a0"
         ),
     ),
     "ping": (p.Ping(seq=7), "92a470696e6707"),
@@ -47,7 +47,7 @@ MESSAGES: dict[str, tuple[object, str]] = {
     "released": (p.Released(req_id="r1", reason="read", reads=1), "94a872656c6561736564a27231a47265616401"),
     "error": (p.Error(code="malformed", message="bad", req_id="r1"), "94a56572726f72a96d616c666f726d6564a3626164a27231"),
     "pong": (p.Pong(seq=7, engine_id="D", version=1, handshake_host="h", handshake_port=1), "98a4706f6e6707a14401a16801a0a0"),
-    "hello": (p.Hello(version=1, compat_hash="abcd", engine_id="D", agent_name="a"), "99a568656c6c6f01a461626364a144a161a0cb0000000000000000a0a0"),
+    "hello": (p.Hello(version=1, compat_hash="abcd", engine_id="D", agent_name="a"), "9ba568656c6c6f01a461626364a144a161a0cb0000000000000000a0a0a0a0"),
     "welcome": (
         p.Welcome(version=1, compat_hash="abcd", engine_id="P", agent_name="b",
                   ranks=[p.RankInfo(layout=LAYOUT, regions=[p.RemoteRegion(addr=4096, block_len=64, block_stride=64)])]),
@@ -61,13 +61,14 @@ MESSAGES: dict[str, tuple[object, str]] = {
     "digest": (
         p.DigestRequest(req_id="r1", agent_name="a",
                         ranks=[p.DigestRank(rank=0, items=[p.DigestItem(blocks=[1, 2], runs=[[0, 64]])])]),
-        "96a6646967657374a272319196a56472616e6b009193a5646974656d92010291920040000000a161a0a0",
+        "97a6646967657374a272319196a56472616e6b009193a5646974656d92010291920040000000a161a0a0a0",
     ),
     "digested": (p.DigestReply(req_id="r1", digests=["00ff:8"]), "93a86469676573746564a2723191a6303066663a38"),
-    "keepalive": (p.KeepAlive(remote_engine_id="P", remote_host="h", remote_port=5700, remote_req_ids=["r1"], req_ids=["d1"]), "96a96b656570616c697665a150a168cd164491a2723191a26431"),
-    "renew": (p.LeaseRenew(seq=3, engine_id="P", req_ids=["r1"], extend_s=2.5, agent_name="a"), "97a572656e657703a15091a27231cb4004000000000000a161a0"),
+    "keepalive": (p.KeepAlive(remote_engine_id="P", remote_host="h", remote_port=5700, remote_req_ids=["r1"], req_ids=["d1"]), "97a96b656570616c697665a150a168cd164491a2723191a2643190"),
+    "renew": (p.LeaseRenew(seq=3, engine_id="P", req_ids=["r1"], extend_s=2.5, agent_name="a"), "98a572656e657703a15091a27231cb4004000000000000a161a090"),
+    "challenge": (p.Challenge(version=4, nonce="n1", agent_name="b"), "94a96368616c6c656e676504a26e31a162"),
     "leases": (p.LeaseState(seq=3, held=["held", "gone"]), "93a66c65617365730392a468656c64a4676f6e65"),
-    "read": (p.ReadNotice(req_id="r1", tp_rank=0, ok=True, readers=2), "98a472656164a2723100c302cb0000000000000000a000"),
+    "read": (p.ReadNotice(req_id="r1", tp_rank=0, ok=True, readers=2), "99a472656164a2723100c302cb0000000000000000a000a0"),
 }
 
 DECODERS = {
@@ -102,7 +103,7 @@ def test_every_message_kind_is_pinned() -> None:
 
 def test_protocol_version_is_pinned() -> None:
     # Changing the wire format means bumping this and re-pinning the bytes above.
-    assert p.PROTOCOL_VERSION == 3
+    assert p.PROTOCOL_VERSION == 4
 
 
 @pytest.mark.parametrize(

@@ -24,14 +24,14 @@ def lease(req: str, expires: float, reads: int = 1, engine: str = "e") -> Lease:
 def test_lease_released_once_after_all_reads() -> None:
     t = LeaseTable()
     t.add(lease("a", 10.0, reads=3))
-    assert t.note_read(("e", "a"), reader=(0, 0)) is None
-    assert t.note_read(("e", "a"), reader=(0, 0)) is None  # the same rank twice counts once
-    assert t.note_read(("e", "a"), reader=(1, 0)) is None  # another pipeline stage's rank 0 counts
-    got = t.note_read(("e", "a"), reader=(0, 1))
+    assert t.note_read(("e", "a"), reader=("d", 0, 0)) is None
+    assert t.note_read(("e", "a"), reader=("d", 0, 0)) is None  # the same rank twice counts once
+    assert t.note_read(("e", "a"), reader=("d", 1, 0)) is None  # another pipeline stage's rank 0 counts
+    got = t.note_read(("e", "a"), reader=("d", 0, 1))
     assert got is not None
     assert got.reads_seen == 3
     assert ("e", "a") not in t
-    assert t.note_read(("e", "a"), reader=(0, 2)) is None
+    assert t.note_read(("e", "a"), reader=("d", 0, 2)) is None
     assert t.expire(100.0) == []
 
 
@@ -42,7 +42,7 @@ def test_leases_of_two_engines_with_one_request_id_stay_apart() -> None:
     t.add(lease("a", 20.0, engine="p_dp1"))
     assert t.resolve("p_dp1", "a") == ("p_dp1", "a")
     assert t.resolve("", "a") is None  # ambiguous without an engine: never guess
-    got = t.note_read(("p_dp0", "a"), reader=(0, 0))
+    got = t.note_read(("p_dp0", "a"), reader=("d", 0, 0))
     assert got is not None
     assert got.engine == "p_dp0"
     assert t.resolve("", "a") == ("p_dp1", "a")  # an older peer's notice: the one left

@@ -4,7 +4,8 @@ Field names are vLLM's (``do_remote_prefill``, ``do_remote_decode``, ``remote_en
 ``remote_request_id``, ``remote_block_ids``, ``remote_host``, ``remote_port``, ``tp_size``),
 so vLLM's toy proxy and llm-d's routing sidecar pass them through unchanged. Host and port
 name the prefill *sidecar's* handshake endpoint. kvxfer adds ``remote_generation`` (the
-prefill sidecar's registration generation when the blocks were held; optional).
+prefill sidecar's registration generation when the blocks were held; optional) and
+``remote_lease_token`` (the hold's capability: only whoever has it can read or release it).
 """
 
 from __future__ import annotations
@@ -60,6 +61,9 @@ def parse_remote(params: Mapping[str, Any]) -> RemoteBlocks:
     generation = params.get("remote_generation") or ""
     if not isinstance(generation, str):
         raise InvalidTransferParams("remote_generation must be a string")
+    token = params.get("remote_lease_token") or ""
+    if not isinstance(token, str) or len(token) > 128:
+        raise InvalidTransferParams("remote_lease_token must be a string of at most 128 characters")
     return RemoteBlocks(
         engine_id=params["remote_engine_id"],
         host=params["remote_host"],
@@ -68,4 +72,5 @@ def parse_remote(params: Mapping[str, Any]) -> RemoteBlocks:
         tp_size=_int(params, "tp_size", 1) if "tp_size" in params else 1,
         req_id=req_id,
         generation=generation,
+        token=token,
     )

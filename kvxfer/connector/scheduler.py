@@ -31,6 +31,7 @@ from typing import Any
 
 import zmq
 
+from kvxfer.auth import new_token
 from kvxfer.client import Drained, RemoteBlocks, SidecarClient
 from kvxfer.connector.params import InvalidTransferParams, parse_remote
 from kvxfer.connector.settings import ConnectorSettings
@@ -133,7 +134,7 @@ class SchedulerSide:
                     request.request_id,
                     local,
                     RemoteBlocks(remote.engine_id, remote.host, remote.port, remote_ids, remote.tp_size,
-                                 remote.req_id, remote.generation),
+                                 remote.req_id, remote.generation, remote.token),
                     tp_rank=rank,
                     deadline_s=self.settings.transfer_timeout_s,
                     reply_to_rank=True,
@@ -186,9 +187,10 @@ class SchedulerSide:
         if status not in FINISHED_OK or not block_ids:
             return False, None  # aborted / errored prefill: free at once, nothing held
         give_up = self.settings.lease_s + self.settings.grace_s
+        token = new_token()  # only the decode this request's params reach can read or release it
         try:
             self.client.hold(req_id, block_ids, self.settings.lease_s, reads=self.tp_size, notify_ranks=True,
-                             expires_unix=time.time() + give_up, engine_id=self.local_engine)
+                             expires_unix=time.time() + give_up, engine_id=self.local_engine, token=token)
         except SEND_ERRORS as e:
             log.warning("request %s: hold not sent to the sidecar (%s); freeing its blocks, the decode "
                         "will compute the prompt", req_id, e)
@@ -206,6 +208,7 @@ class SchedulerSide:
             "pp_size": self.pp_size,
             "remote_num_tokens": getattr(request, "num_computed_tokens", 0),
             "remote_generation": self.generation,
+            "remote_lease_token": token,
         }
 
     # ---------------------------------------------------------------- per step
@@ -247,15 +250,15 @@ class SchedulerSide:
 
     def _keepalive(self) -> None:
         """One KeepAlive per prefill engine for the requests still waiting for blocks here."""
-        groups: dict[tuple[str, str, int], list[tuple[str, str]]] = {}
+        groups: dict[tuple[str, str, int], list[tuple[str, str, str]]] = {}
         for req_id, r in self._waiting.items():
-            groups.setdefault((r.engine_id, r.host, r.port), []).append((req_id, r.req_id or req_id))
+            groups.setdefault((r.engine_id, r.host, r.port), []).append((req_id, r.req_id or req_id, r.token))
         for (engine, host, port), ids in groups.items():
             for i in range(0, len(ids), 4096):
                 part = ids[i:i + 4096]
                 try:
-                    self.client.keepalive(RemoteBlocks(engine, host, port, []), [r for _, r in part],
-                                          [q for q, _ in part])
+                    self.client.keepalive(RemoteBlocks(engine, host, port, []), [r for _, r, _ in part],
+                                          [q for q, _, _ in part], [t for _, _, t in part])
                 except SEND_ERRORS as e:  # the leases may run out; the reads then fail and recompute
                     log.warning("keep-alive for %d requests not sent: %s", len(part), e)
                     return

@@ -102,6 +102,14 @@ def _dur(s: float) -> str:
     return f"{s // 3600}h{s % 3600 // 60:02d}m{s % 60:02d}s" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"
 
 
+def _security(st: pb.Status) -> str:
+    if st.insecure:
+        return "INSECURE: handshake open beyond loopback, no shared secret"
+    if not st.authenticated:
+        return "no shared secret (handshake on loopback only)"
+    return "shared secret, " + ("encrypted (CURVE)" if st.encrypted else "NOT encrypted")
+
+
 def render(st: pb.Status, serving: bool, rate: float | None = None) -> str:
     i = st.identity
     state = "SERVING" if serving else ("DRAINING" if st.draining else "NOT SERVING")
@@ -110,6 +118,7 @@ def render(st: pb.Status, serving: bool, rate: float | None = None) -> str:
         f"up {_dur(st.uptime_s)} - {state}",
         f"  handshake  {i.handshake_endpoint}   agent {i.agent_name}   NIXL {','.join(i.nixl_backends)} "
         f"({i.ucx_error_mode})",
+        f"  security   {_security(st)}",
     ]
     if not st.ranks:
         lines.append("  ranks      none registered")

@@ -86,7 +86,8 @@ def status_proto(snap: Snapshot) -> pb.Status:
                        bad_messages=t.bad_messages, control_denied=t.control_denied)
     return pb.Status(identity=ident, ranks=ranks, peers=[peer_proto(p) for p in snap.peers],
                      leases=leases, transfers=transfers_proto(snap), totals=totals,
-                     uptime_s=snap.uptime_s, ready=snap.ready, draining=snap.draining)
+                     uptime_s=snap.uptime_s, ready=snap.ready, draining=snap.draining,
+                     insecure=snap.insecure, authenticated=snap.authenticated, encrypted=snap.encrypted)
 
 
 def load_proto(snap: Snapshot) -> pb.Load:

@@ -19,6 +19,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from kvxfer.auth import new_token
 from kvxfer.client import RemoteBlocks
 from kvxfer.protocol import KVLayout
 from kvxfer.testing.engine import SyntheticEngine, make_layout
@@ -111,10 +112,12 @@ def _prefill_main(opts: DemoOptions, endpoint: str, to_decode: Any, results: Any
             blocks = lead.allocate(opts.side_blocks("prefill"))  # block ids are engine-wide
             for e in engines:
                 e.fill(name, blocks)
-            lead.client.hold(name, blocks, lease_s=opts.lease_s)
+            token = new_token()  # as the connector does: the read and its notices must present it
+            lead.client.hold(name, blocks, lease_s=opts.lease_s, token=token)
             params.append(
                 {"req_id": name, "engine_id": reg.engine_id, "host": reg.handshake_host,
-                 "port": reg.handshake_port, "block_ids": blocks, "tp_size": opts.prefill_tp}
+                 "port": reg.handshake_port, "block_ids": blocks, "tp_size": opts.prefill_tp,
+                 "token": token}
             )
         fill_s = time.perf_counter() - t0
         to_decode.send(params)
@@ -147,7 +150,8 @@ def _decode_main(opts: DemoOptions, endpoint: str, from_prefill: Any, results: A
         def post(p: dict[str, Any]) -> None:
             blocks = lead.allocate(opts.side_blocks("decode"))
             local[p["req_id"]] = blocks
-            remote = RemoteBlocks(p["engine_id"], p["host"], p["port"], p["block_ids"], p["tp_size"])
+            remote = RemoteBlocks(p["engine_id"], p["host"], p["port"], p["block_ids"], p["tp_size"],
+                                  token=p["token"])
             for e in engines:
                 e.client.recv(p["req_id"], blocks, remote, tp_rank=e.layout.tp_rank,
                               deadline_s=opts.timeout_s)

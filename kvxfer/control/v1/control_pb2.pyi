@@ -155,7 +155,7 @@ class Totals(_message.Message):
     def __init__(self, bytes: _Optional[int] = ..., transfers_ok: _Optional[int] = ..., transfers_failed: _Optional[int] = ..., leases_released: _Optional[int] = ..., leases_expired: _Optional[int] = ..., handshakes: _Optional[int] = ..., handshake_failures: _Optional[int] = ..., bad_messages: _Optional[int] = ..., control_denied: _Optional[int] = ...) -> None: ...
 
 class Status(_message.Message):
-    __slots__ = ("identity", "ranks", "peers", "leases", "transfers", "totals", "uptime_s", "ready", "draining")
+    __slots__ = ("identity", "ranks", "peers", "leases", "transfers", "totals", "uptime_s", "ready", "draining", "insecure", "authenticated", "encrypted")
     IDENTITY_FIELD_NUMBER: _ClassVar[int]
     RANKS_FIELD_NUMBER: _ClassVar[int]
     PEERS_FIELD_NUMBER: _ClassVar[int]
@@ -165,6 +165,9 @@ class Status(_message.Message):
     UPTIME_S_FIELD_NUMBER: _ClassVar[int]
     READY_FIELD_NUMBER: _ClassVar[int]
     DRAINING_FIELD_NUMBER: _ClassVar[int]
+    INSECURE_FIELD_NUMBER: _ClassVar[int]
+    AUTHENTICATED_FIELD_NUMBER: _ClassVar[int]
+    ENCRYPTED_FIELD_NUMBER: _ClassVar[int]
     identity: Identity
     ranks: _containers.RepeatedCompositeFieldContainer[RankRegistration]
     peers: _containers.RepeatedCompositeFieldContainer[Peer]
@@ -174,7 +177,10 @@ class Status(_message.Message):
     uptime_s: float
     ready: bool
     draining: bool
-    def __init__(self, identity: _Optional[_Union[Identity, _Mapping]] = ..., ranks: _Optional[_Iterable[_Union[RankRegistration, _Mapping]]] = ..., peers: _Optional[_Iterable[_Union[Peer, _Mapping]]] = ..., leases: _Optional[_Iterable[_Union[Lease, _Mapping]]] = ..., transfers: _Optional[_Iterable[_Union[Transfer, _Mapping]]] = ..., totals: _Optional[_Union[Totals, _Mapping]] = ..., uptime_s: _Optional[float] = ..., ready: _Optional[bool] = ..., draining: _Optional[bool] = ...) -> None: ...
+    insecure: bool
+    authenticated: bool
+    encrypted: bool
+    def __init__(self, identity: _Optional[_Union[Identity, _Mapping]] = ..., ranks: _Optional[_Iterable[_Union[RankRegistration, _Mapping]]] = ..., peers: _Optional[_Iterable[_Union[Peer, _Mapping]]] = ..., leases: _Optional[_Iterable[_Union[Lease, _Mapping]]] = ..., transfers: _Optional[_Iterable[_Union[Transfer, _Mapping]]] = ..., totals: _Optional[_Union[Totals, _Mapping]] = ..., uptime_s: _Optional[float] = ..., ready: _Optional[bool] = ..., draining: _Optional[bool] = ..., insecure: _Optional[bool] = ..., authenticated: _Optional[bool] = ..., encrypted: _Optional[bool] = ...) -> None: ...
 
 class Load(_message.Message):
     __slots__ = ("queued_requests", "queued_bytes", "inflight_requests", "inflight_bytes", "held_requests", "held_blocks", "draining")
