@@ -102,7 +102,7 @@ def setup(sidecars: SidecarFactory, pki: Path) -> Iterator[Setup]:
     addr = host_ip()
     port, hport = free_port(), free_port()
     unix = f"unix://{sidecars.dir}/acl-d.ctl2"
-    ps = sidecars.start("acl-p", "--role", "prefill", "--handshake-host", "0.0.0.0",
+    ps = sidecars.start("acl-p", "--role", "prefill", "--handshake-host", "0.0.0.0", "--insecure",
                         "--advertise-host", "127.0.0.1")
     ds = sidecars.start(
         "acl-d", "--role", "decode", "--control-target", f"{unix},0.0.0.0:{port}",

@@ -51,13 +51,15 @@ def hosts() -> Iterator[None]:
 
 
 def start_decode(f: SidecarFactory, tag: str, *args: str) -> SidecarProc:
-    return f.start(f"{tag}-d", "--handshake-host", IP_D, "--ucx-error-mode", "peer",
+    # --insecure: these tests are about the data path across hosts (tests/test_security.py
+    # covers the secret and the encrypted handshake)
+    return f.start(f"{tag}-d", "--handshake-host", IP_D, "--insecure", "--ucx-error-mode", "peer",
                    "--handshake-timeout-s", "2", *args, env=TCP_ONLY, prefix=("ip", "netns", "exec", NS_D))
 
 
 def start_prefill(f: SidecarFactory, tag: str) -> SidecarProc:
-    return f.start(f"{tag}-p", "--handshake-host", IP_P, "--ucx-error-mode", "peer", env=TCP_ONLY,
-                   prefix=("ip", "netns", "exec", NS_P))
+    return f.start(f"{tag}-p", "--handshake-host", IP_P, "--insecure", "--ucx-error-mode", "peer",
+                   env=TCP_ONLY, prefix=("ip", "netns", "exec", NS_P))
 
 
 def start_pair(
