@@ -33,7 +33,9 @@ from kvxfer.protocol import (
     RankInfo,
     RegisterKV,
     ShmMemory,
+    compat_hash,
 )
+from kvxfer.topology import Incompatible, check_layout
 
 _PAGE = mmap.PAGESIZE
 
@@ -350,20 +352,41 @@ def check_shm_files(msg: RegisterKV, shm_dirs: list[str]) -> None:
             raise refuse(f"owned by uid {st.st_uid}, the engine runs as uid {want_uid}")
 
 
-def validate_rank_info(info: RankInfo) -> None:
-    """Check a peer's advertised rank the way a local registration is checked: the regions
-    it offers must be blocks of exactly the geometry its layout states, or no plan built
-    from that layout can be trusted to cover them."""
+def validate_rank_info(info: RankInfo, compat: str) -> None:
+    """Check a peer's advertised rank before its metadata is loaded or any descriptor is
+    built from it, the way a local registration is checked: a layout that hashes to the
+    compatibility hash agreed at the handshake and is self-consistent (ranks within sizes,
+    heads as the TP split gives them, layers within the model), and regions that are blocks
+    of exactly that geometry, not overlapping, within the address space. A peer holding the
+    secret can still lie about *where* its blocks are; it then hands us its own bytes."""
     lay = info.layout
+    who = f"peer rank pp{lay.pp_rank}/tp{lay.tp_rank}"
     if lay.dtype not in DTYPE_SIZES:
-        raise RequestError(ErrorCode.INCOMPATIBLE, f"peer rank {lay.tp_rank}: unknown dtype {lay.dtype!r}")
+        raise RequestError(ErrorCode.INCOMPATIBLE, f"{who}: unknown dtype {lay.dtype!r}")
+    if lay.tp_rank >= lay.tp_size:
+        raise RequestError(ErrorCode.INCOMPATIBLE, f"{who}: tp_rank >= tp_size {lay.tp_size}")
+    if lay.local_kv_heads > lay.num_kv_heads:
+        raise RequestError(ErrorCode.INCOMPATIBLE, f"{who}: {lay.local_kv_heads} local KV heads of "
+                           f"{lay.num_kv_heads}")
+    if compat_hash(lay) != compat:
+        raise RequestError(ErrorCode.INCOMPATIBLE, f"{who}: its layout ({lay.model_signature()}) does "
+                           f"not hash to the handshake's compatibility hash {compat}")
+    try:
+        check_layout(lay)
+    except Incompatible as e:
+        raise RequestError(ErrorCode.INCOMPATIBLE, f"{who}: {e}") from None
     if len(info.regions) != lay.num_regions:
-        raise RequestError(ErrorCode.INCOMPATIBLE, f"peer rank {lay.tp_rank}: {len(info.regions)} regions "
+        raise RequestError(ErrorCode.INCOMPATIBLE, f"{who}: {len(info.regions)} regions "
                            f"for {lay.num_layers} layers x {lay.kv_parts} parts")
-    bad = [i for i, r in enumerate(info.regions) if r.block_len != lay.region_block_len]
-    if bad:
-        raise RequestError(
-            ErrorCode.INCOMPATIBLE,
-            f"peer rank {lay.tp_rank}: region {bad[0]} has {info.regions[bad[0]].block_len}-byte blocks, "
-            f"its layout describes {lay.region_block_len}",
-        )
+    for i, r in enumerate(info.regions):
+        if r.block_len != lay.region_block_len:
+            raise RequestError(ErrorCode.INCOMPATIBLE, f"{who}: region {i} has {r.block_len}-byte "
+                               f"blocks, its layout describes {lay.region_block_len}")
+        if r.block_stride < r.block_len:
+            raise RequestError(ErrorCode.INCOMPATIBLE, f"{who}: region {i}'s blocks overlap "
+                               f"(stride {r.block_stride} < {r.block_len} bytes)")
+        if r.addr + (lay.num_blocks - 1) * r.block_stride + r.block_len > ADDRESS_LIMIT:
+            raise RequestError(ErrorCode.INCOMPATIBLE, f"{who}: region {i} ends beyond the address space")
+
+
+ADDRESS_LIMIT = 1 << 64

@@ -106,6 +106,9 @@ class Observer:
                                       "sidecar's maximum).", ["message", "reason"], registry=r)
         self.g_insecure = Gauge("kvxfer_insecure", "1 when the handshake listener is reachable beyond "
                                 "loopback without a shared secret (--insecure).", registry=r)
+        self.g_dlists = Gauge("kvxfer_descriptor_lists_prepared", "NIXL descriptor-list pairs this "
+                              "sidecar prepared (prep_xfer_dlist), ever: one per (peer, rank pair, "
+                              "region span), reused by every later read.", registry=r)
         self._subscribers: list[tuple[asyncio.Queue[Event], frozenset[str]]] = []
 
     # ---------------------------------------------------------------- events

@@ -104,6 +104,10 @@ class Peer:
                            f"{wanted!r}")
 
 
+# Peer requests the listener answers at once (beyond this, it reads no more until one ends).
+LISTENER_CONCURRENCY = 64
+
+
 class PeerLink:
     """One DEALER connection to a peer's handshake listener for small request/reply calls
     (lease renewals: one per read, so no connect per call). Replies are matched by ``seq``."""
@@ -309,7 +313,7 @@ class Peers:
             if self.secret and not check_welcome(self.secret, reply, hello, frames[1]):
                 raise RequestError(ErrorCode.UNAUTHORIZED, f"{key} cannot prove it holds the shared secret")
             for info in reply.ranks:
-                validate_rank_info(info)
+                validate_rank_info(info, reply.compat_hash)
             # an older sidecar names no engine per rank: they are all its own engine's
             infos = [msgspec.structs.replace(r, engine_id=r.engine_id or reply.engine_id)
                      for r in reply.ranks]
@@ -401,11 +405,25 @@ class Peers:
 
     async def serve(self, hs_sock: zmq.asyncio.Socket) -> None:
         """Answer every request on the handshake listener."""
+        slots = asyncio.Semaphore(LISTENER_CONCURRENCY)
+
+        async def answer(ident: bytes, body: bytes) -> None:
+            try:
+                reply, extra = await self._answer_hello(body)
+                with contextlib.suppress(zmq.ZMQError):
+                    await hs_sock.send_multipart([ident, encode(reply), *extra])
+            except Exception:
+                log.exception("answering a peer failed")
+            finally:
+                slots.release()
+
         while True:
             frames = await hs_sock.recv_multipart()
-            ident, body = frames[0], frames[-1]
-            reply, extra = await self._answer_hello(body)
-            hs_sock.send_multipart([ident, encode(reply), *extra])
+            # Each request is answered on its own (at most LISTENER_CONCURRENCY at once): a
+            # lease renewal, the claim of a read in progress, never queues behind a handshake
+            # or a digest waiting on the NIXL thread.
+            await slots.acquire()
+            self._spawn(answer(frames[0], frames[-1]))
 
     async def _answer_hello(
         self, body: bytes
@@ -507,6 +525,8 @@ class Peers:
             if (sum(len(item.blocks) for item in r.items) > 16 * len(held)
                     or any(sum(n for _, n in item.runs) > block_len for item in r.items)):
                 raise RequestError(ErrorCode.MALFORMED, "digest request larger than the held blocks")
+            if any(off + n > block_len for item in r.items for off, n in item.runs):
+                raise RequestError(ErrorCode.MALFORMED, f"a digest run ends beyond a {block_len}-byte block")
             digests.append(await self._nixl(self.transfer.t_digest, entry.key, r.items, r.region0,
                                             r.num_regions))
         return DigestReply(req_id=req.req_id, digests=digests)

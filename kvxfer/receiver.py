@@ -317,7 +317,11 @@ class Receiver:
         renew = LeaseRenew(seq=0, engine_id=state.remote_engine, req_ids=[msg.remote_req_id or msg.req_id],
                            extend_s=reading_s + timeout + 1.0, agent_name=self.agent_name,
                            tokens=[msg.remote_token])
-        end = time.monotonic() + timeout
+        # An answer may take as long as the read it vouches for (a loaded prefill sidecar
+        # answers late, not wrongly), and no less than a handshake; a Hold still on its way
+        # is waited for one handshake timeout.
+        now = time.monotonic()
+        end, unknown_end = now + max(timeout, reading_s), now + timeout
         pause = 0.002
         while True:
             try:
@@ -335,7 +339,7 @@ class Receiver:
                 break
             # Not held *yet*: its Hold may still be on the way to the prefill sidecar (the
             # engine keeps the blocks meanwhile). Ask again, briefly.
-            if time.monotonic() + pause > end:
+            if time.monotonic() + pause > min(end, unknown_end):
                 return "the prefill sidecar does not hold this request (its Hold never arrived)"
             await asyncio.sleep(pause)
             pause = min(pause * 2, 0.1)

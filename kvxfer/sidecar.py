@@ -99,6 +99,15 @@ class Sidecar:
         self.engine_id = config.resolved_engine_id
         self.agent_name = f"kvxfer-{self.engine_id}-{secrets.token_hex(4)}"
         self.started = time.monotonic()
+        # refused before anything is opened
+        self.secret = config.load_secret()
+        self.insecure = not self.secret and not config.handshake_is_local
+        if self.insecure and not config.insecure:
+            raise ConfigError(
+                f"the handshake listener would bind {config.handshake_host!r}, beyond loopback, with no "
+                "shared secret: anyone who reaches it could read and release this engine's KV cache. "
+                "Set secret_file (--secret-file) or KVXFER_SECRET on every sidecar, or pass --insecure "
+                "to run open on purpose")
         self.ctx = zmq.asyncio.Context()
         self.dial_ctx = zmq.asyncio.Context()
         self.engine_sock: zmq.asyncio.Socket | None = None
@@ -121,15 +130,8 @@ class Sidecar:
         self.registry = RankRegistry(self.engine_id, self._nixl, self.transfer.t_register,
                                      self.transfer.t_unregister)
         self.observer = Observer()
+        self.observer.g_dlists.set_function(lambda: self.transfer.dlists_prepared)
         self.systemd = Notifier()
-        self.secret = config.load_secret()
-        self.insecure = not self.secret and not config.handshake_is_local
-        if self.insecure and not config.insecure:
-            raise ConfigError(
-                f"the handshake listener would bind {config.handshake_host!r}, beyond loopback, with no "
-                "shared secret: anyone who reaches it could read and release this engine's KV cache. "
-                "Set secret_file (--secret-file) or KVXFER_SECRET on every sidecar, or pass --insecure "
-                "to run open on purpose")
         self.control_policy = load_policy(config)
         self.holds = Holds(config, self.registry, self.observer, self._send, self._gauges,
                            authenticated=lambda agent: self.peers.is_authenticated(agent))

@@ -284,6 +284,7 @@ class TransferEngine:
         self.reads_ok = 0
         self.reads_failed = 0
         self.settled_late = 0  # failed reads reported only after in-flight chunks stopped
+        self.dlists_prepared = 0  # descriptor list pairs prepared (prep_xfer_dlist), ever
         self.serving = False  # set by the loop while blocks are held for peers to read
         # Test-only corruption hook (proves --verify-sample catches a wrong byte end to end):
         # the next N successful reads into host memory get one byte flipped after they land.
@@ -403,7 +404,8 @@ class TransferEngine:
         loaded = raw.decode() if isinstance(raw, bytes) else str(raw)
         if loaded != name:
             agent.remove_remote_agent(loaded)
-            raise ValueError(f"peer metadata names agent {loaded!r}, handshake said {name!r}")
+            raise RequestError(ErrorCode.HANDSHAKE_FAILED,
+                               f"peer metadata names agent {loaded!r}, its handshake said {name!r}")
         self._peers[name] = _Peer(name, {info.key: info for info in ranks})
         return name
 
@@ -523,6 +525,7 @@ class TransferEngine:
                                               block_stride=rreg.block_stride, device_id=rreg.device_id))
             row_base.append(bases)
         agent = self._agent
+        self.dlists_prepared += 1  # read by a metrics gauge: a hostile peer must never get here
         ldl = agent.prep_xfer_dlist(
             "NIXL_INIT_AGENT", strided_rows(lrows, local.layout.num_blocks), local.info.mem_type
         )
@@ -589,6 +592,7 @@ class TransferEngine:
             "local_ranks": len(self._local),
             "settling": sum(1 for r in self._reads.values() if r.failure is not None),
             "settled_late": self.settled_late,
+            "dlists_prepared": self.dlists_prepared,
         }
 
     # ------------------------------------------------------------------ thread internals

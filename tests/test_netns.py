@@ -4,9 +4,12 @@ failures, not only a killed process. Needs root (`ip netns`); skipped without it
 
 from __future__ import annotations
 
+import contextlib
 import os
+import secrets
 import signal
 import subprocess
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -48,17 +51,28 @@ def hosts() -> Iterator[None]:
     finally:
         for ns in (NS_P, NS_D):
             subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=10, check=False)
+        with contextlib.suppress(OSError):
+            os.unlink(_secret()[1])
+
+
+def _secret() -> tuple[str, str]:
+    """Both hosts share a secret, as deployed: handshakes across the veth are authenticated
+    and encrypted (CurveZMQ), which these tests therefore also cover across hosts."""
+    path = os.path.join(tempfile.gettempdir(), f"kvxfer-netns-secret-{os.getpid()}")
+    if not os.path.exists(path):
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as fh:
+            fh.write(secrets.token_hex(32))
+    return ("--secret-file", path)
 
 
 def start_decode(f: SidecarFactory, tag: str, *args: str) -> SidecarProc:
-    # --insecure: these tests are about the data path across hosts (tests/test_security.py
-    # covers the secret and the encrypted handshake)
-    return f.start(f"{tag}-d", "--handshake-host", IP_D, "--insecure", "--ucx-error-mode", "peer",
+    return f.start(f"{tag}-d", "--handshake-host", IP_D, *_secret(), "--ucx-error-mode", "peer",
                    "--handshake-timeout-s", "2", *args, env=TCP_ONLY, prefix=("ip", "netns", "exec", NS_D))
 
 
 def start_prefill(f: SidecarFactory, tag: str) -> SidecarProc:
-    return f.start(f"{tag}-p", "--handshake-host", IP_P, "--insecure", "--ucx-error-mode", "peer",
+    return f.start(f"{tag}-p", "--handshake-host", IP_P, *_secret(), "--ucx-error-mode", "peer",
                    env=TCP_ONLY, prefix=("ip", "netns", "exec", NS_P))
 
 

@@ -200,7 +200,7 @@ def test_bad_registration_gets_typed_error(sidecars: SidecarFactory) -> None:
         missing = msgspec.structs.replace(
             msg, memory=[msgspec.structs.replace(msg.memory[0], path="/dev/shm/kvxfer-no-such")]
         )
-        with pytest.raises(Exception, match="memory_map_failed"):
+        with pytest.raises(Exception, match="invalid_memory"):
             eng.client.register(missing, timeout=10)
         too_big = msgspec.structs.replace(
             msg, regions=[msgspec.structs.replace(r, offset=r.offset + (1 << 30)) for r in msg.regions]

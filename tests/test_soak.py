@@ -96,11 +96,13 @@ def test_soak_several_decoders_random_aborts_and_failures(sidecars: SidecarFacto
         for r in released.values():
             reasons[r] = reasons.get(r, 0) + 1
         codes: dict[str, int] = {}
+        why: dict[str, str] = {}  # one reason per code, printed: a red run says what happened
         for a in acc:
             for f in a.failed:
                 codes[f.code] = codes.get(f.code, 0) + 1
+                why.setdefault(f.code, f.reason)
         print(f"\nsoak: {REQUESTS} requests over {DECODERS} decoders in {took:.1f}s: {done} done, "
-              f"{failed} failed {codes}; prefill releases {reasons}; injected {counts}")
+              f"{failed} failed {codes}; prefill releases {reasons}; injected {counts}; e.g. {why}")
         assert not pending, f"{len(pending)} receives never answered"
         assert len(released) == REQUESTS  # every hold released exactly once, for some reason
         assert failed == counts["bad_port"] + counts["bad_blocks"]
