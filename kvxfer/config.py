@@ -75,6 +75,9 @@ class Config:
     insecure: bool = _doc("Allow a handshake listener beyond loopback without a shared secret "
                           "(anyone who reaches it can read and release this engine's KV). "
                           "Shown in status and as kvxfer_insecure 1.", default=False)
+    max_pool_bytes: int = _doc("The most KV-pool memory engines may have this sidecar create on "
+                               "the memory channel, in bytes (0: what the machine has available).",
+                               default=0)
     max_read_s: float = _doc("The longest a peer may extend a lease at once (a read's claim, a "
                              "started notice, a keep-alive); longer asks are cut and counted.",
                              default=300.0)

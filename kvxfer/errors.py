@@ -42,6 +42,7 @@ class ErrorCode(enum.StrEnum):
     INTEGRITY = "integrity"  # the bytes received differ from the bytes the prefill holds (--verify-sample)
     EXPIRED = "expired"  # the request reached the sidecar after the engine gave up on it
     RANK_TAKEN = "rank_taken"  # another live engine process registered that (engine, dp, pp, tp) rank
+    OUT_OF_MEMORY = "out_of_memory"  # a KV pool larger than the memory available (or --max-pool-bytes)
 
 
 class KvxferError(Exception):

@@ -183,6 +183,10 @@ class Holds:
         for lease in self.table.drop(owner=owner, engine=engine):
             self.observer.lease_released(lease.req_id, "aborted")
 
+    def engine_holds(self, engine: str) -> int:
+        """Leases held for ``engine``."""
+        return sum(1 for lease in self.table.items() if lease.engine == engine)
+
     def release_all(self) -> int:
         """Drain: end every lease now (``aborted``); returns how many."""
         leases = self.table.drain_all()

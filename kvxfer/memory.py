@@ -1,14 +1,16 @@
 """Sharing an engine's KV-cache memory with its sidecar.
 
-Engine side: ``SharedKV.create`` allocates a paged KV cache in named shared host memory
-(a 0600 file created with O_EXCL under /dev/shm), pre-touched so the first transfer does
-not pay page faults (25-30x slower on never-touched pages), and describes it as a
-``RegisterKV`` message. ``cuda_ipc_memory`` exports a CUDA tensor's storage instead.
+Engine side: ``SharedKV.create`` lays a paged KV cache out in a pool the sidecar owns
+(a sealed memfd handed over the memory channel, ``kvxfer.pool``; nothing in /dev/shm),
+pre-touched so the first transfer does not pay page faults (25-30x slower on never-touched
+pages), and describes it as a ``RegisterKV`` message. Without a pool client it falls back
+to the legacy engine-owned named file (a 0600 file created with O_EXCL under /dev/shm),
+which outlives a killed engine. ``cuda_ipc_memory`` exports a CUDA tensor's storage.
 
 Sidecar side: ``map_memory`` opens what a ``MemoryRef`` names and returns a ``Mapping``
 (base address, size, NIXL memory type, device id) that stays valid until ``close()``.
 
-This module never talks to NIXL or sockets; torch is imported only on the CUDA path.
+This module never talks to NIXL; torch is imported only on the CUDA path.
 """
 
 from __future__ import annotations
@@ -24,12 +26,14 @@ from typing import Any
 import numpy as np
 
 from kvxfer.errors import ErrorCode, RequestError
+from kvxfer.pool import Pool, PoolClient, PoolServer, map_fd
 from kvxfer.protocol import (
     DTYPE_SIZES,
     CudaIpcMemory,
     KVLayout,
     KVRegion,
     MemoryRef,
+    PoolMemory,
     RankInfo,
     RegisterKV,
     ShmMemory,
@@ -65,16 +69,27 @@ class SharedKV:
     """
 
     layout: KVLayout
-    path: str
+    path: str  # "" in a pool
     nbytes: int
     _mm: mmap.mmap
     _fd: int
     data: np.ndarray = field(repr=False)  # uint8 view of the whole file
+    pool: Pool | None = None
+    _pools: PoolClient | None = field(default=None, repr=False)
 
     @classmethod
-    def create(cls, layout: KVLayout, directory: str = "/dev/shm", prefix: str = "kvxfer") -> SharedKV:
+    def create(cls, layout: KVLayout, pools: PoolClient | None = None, directory: str = "/dev/shm",
+               prefix: str = "kvxfer") -> SharedKV:
+        """In a pool from ``pools`` (the sidecar's memory channel); without one, in a named
+        file under ``directory`` (legacy: a killed engine leaves it behind)."""
         block_len = region_block_len(layout)
         nbytes = layout.num_regions * layout.num_blocks * block_len
+        if pools is not None:
+            pool = pools.create(nbytes, label=f"kv tp{layout.tp_rank} pp{layout.pp_rank}")
+            mm = pool.map()
+            data = np.frombuffer(mm, dtype=np.uint8)
+            data[::_PAGE] = 0  # pre-touch every page
+            return cls(layout, "", nbytes, mm, -1, data, pool, pools)
         path = os.path.join(directory, f"{prefix}-{os.getpid()}-{secrets.token_hex(6)}")
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
@@ -94,10 +109,16 @@ class SharedKV:
         return self.data.reshape(lay.num_layers, lay.kv_parts, lay.num_blocks, -1)
 
     def register_message(self) -> RegisterKV:
+        if self.pool is not None:
+            return _dense_registration(self.layout, PoolMemory(pool=self.pool.id, size=self.nbytes))
         return _dense_registration(self.layout, ShmMemory(path=self.path, size=self.nbytes))
 
     def close(self) -> None:
         del self.data
+        if self.pool is not None:
+            assert self._pools is not None
+            self._pools.free(self.pool)
+            return
         with contextlib.suppress(BufferError):  # a caller still holds a view; freed at exit
             self._mm.close()
         os.close(self._fd)
@@ -255,9 +276,31 @@ def _map_cuda(ref: CudaIpcMemory) -> Mapping:
     )
 
 
-def map_memory(ref: MemoryRef) -> Mapping:
+def _map_pool(ref: PoolMemory, pools: PoolServer | None) -> Mapping:
+    if pools is None:
+        raise RequestError(ErrorCode.INVALID_MEMORY, "this sidecar has no memory channel")
+    fd, size = pools.dup_fd(ref.pool)
+    try:
+        if ref.size > size:
+            raise RequestError(ErrorCode.INVALID_MEMORY, f"pool {ref.pool[:8]} has {size} bytes, the "
+                               f"registration claims {ref.size}")
+        # MAP_POPULATE, as for files: the first read into each page must not fault in the copy
+        mm = map_fd(fd, ref.size)
+    except OSError as e:
+        raise RequestError(ErrorCode.MEMORY_MAP_FAILED, f"cannot map pool {ref.pool[:8]}: {e}") from e
+    finally:
+        os.close(fd)  # the mapping keeps the memory
+    arr = np.frombuffer(mm, dtype=np.uint8)
+    addr = int(arr.ctypes.data)
+    del arr
+    return Mapping(addr=addr, size=ref.size, mem_type="DRAM", device_id=0, _keep=[mm])
+
+
+def map_memory(ref: MemoryRef, pools: PoolServer | None = None) -> Mapping:
     if isinstance(ref, ShmMemory):
         return _map_shm(ref)
+    if isinstance(ref, PoolMemory):
+        return _map_pool(ref, pools)
     return _map_cuda(ref)
 
 

@@ -174,7 +174,15 @@ class CudaIpcMemory(_Msg, tag="cuda_ipc"):
     device_uuid: str = ""
 
 
-MemoryRef = ShmMemory | CudaIpcMemory
+class PoolMemory(_Msg, tag="pool"):
+    """A pool the sidecar created (or got back) on the memory channel (``kvxfer.pool``):
+    a sealed memfd both map; nothing named in /dev/shm."""
+
+    pool: Annotated[str, Meta(min_length=1, max_length=64)]
+    size: Positive
+
+
+MemoryRef = ShmMemory | CudaIpcMemory | PoolMemory
 
 
 class KVRegion(_Msg, tag="region"):

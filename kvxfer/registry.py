@@ -51,6 +51,9 @@ class RankEntry:
     start: str | None  # the process's /proc start time; None: not tracked (pid 0)
     files: list[str] = field(default_factory=list)  # shm files of its KV cache
     registered_unix: float = 0.0
+    # Its engine died while leases still held blocks in it: kept (mapped, registered with
+    # NIXL) so those decodes still read them, removed when the last lease ends.
+    orphaned: bool = False
 
     @property
     def layout(self) -> KVLayout:
@@ -209,5 +212,10 @@ class RankRegistry:
         await self._nixl(self._t_unregister, entry.key)
 
     def dead(self) -> list[RankEntry]:
-        """Ranks whose registering process exited (a recycled pid does not count as alive)."""
-        return [e for e in self.entries() if e.start is not None and process_start_time(e.pid) != e.start]
+        """Ranks whose registering process exited (a recycled pid does not count as alive),
+        not already kept as orphans."""
+        return [e for e in self.entries()
+                if not e.orphaned and e.start is not None and process_start_time(e.pid) != e.start]
+
+    def orphans(self) -> list[RankEntry]:
+        return [e for e in self.entries() if e.orphaned]

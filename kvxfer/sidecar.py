@@ -39,6 +39,7 @@ from kvxfer.holds import Holds
 from kvxfer.memory import check_shm_files, validate_registration
 from kvxfer.observe import Event, Observer, start_metrics_server
 from kvxfer.peers import Peer, Peers
+from kvxfer.pool import PoolServer, mem_socket_path
 from kvxfer.protocol import (
     DECODE_ERRORS,
     PROTOCOL_VERSION,
@@ -111,6 +112,7 @@ class Sidecar:
         self.ctx = zmq.asyncio.Context()
         self.dial_ctx = zmq.asyncio.Context()
         self.engine_sock: zmq.asyncio.Socket | None = None
+        self.pools: PoolServer | None = None  # the memory channel (ipc:// engine sockets)
         self.hs_sock: zmq.asyncio.Socket | None = None
         self.handshake_port = config.handshake_port
         self._tasks: set[asyncio.Task[Any]] = set()
@@ -131,6 +133,8 @@ class Sidecar:
                                      self.transfer.t_unregister)
         self.observer = Observer()
         self.observer.g_dlists.set_function(lambda: self.transfer.dlists_prepared)
+        self.observer.g_pools.set_function(lambda: self.pools.stats()[0] if self.pools else 0)
+        self.observer.g_pool_bytes.set_function(lambda: self.pools.stats()[1] if self.pools else 0)
         self.systemd = Notifier()
         self.control_policy = load_policy(config)
         self.holds = Holds(config, self.registry, self.observer, self._send, self._gauges,
@@ -248,6 +252,10 @@ class Sidecar:
             finally:
                 os.umask(old)
             os.chmod(path, 0o600)
+            # the memory channel beside it: the engine's KV pools, handed over by fd
+            self.pools = PoolServer(mem_socket_path(self.config.engine_socket), self.config.max_pool_bytes)
+            self.pools.start()
+            self.transfer.pools = self.pools
         else:
             self.engine_sock.bind(self.config.engine_socket)
         self.hs_sock = self.ctx.socket(zmq.ROUTER)
@@ -267,6 +275,8 @@ class Sidecar:
                 sock.close(0)
         self.ctx.term()
         self.dial_ctx.term()
+        if self.pools is not None:
+            self.pools.close()
         path = ipc_path(self.config.engine_socket)
         if path:
             with contextlib.suppress(FileNotFoundError):
@@ -448,22 +458,31 @@ class Sidecar:
     # ------------------------------------------------------------------ engine death
 
     async def _engine_watch_loop(self) -> None:
-        """Notice engine processes that died: drop their memory, leases and receives."""
+        """Notice engine processes that died (their receives fail; their held blocks stay
+        readable until those leases end), and remove orphaned ranks nobody holds any more."""
         while True:
             await asyncio.sleep(self.config.engine_check_s)
             for entry in self.registry.dead():
                 await self._engine_gone(entry, f"engine process {entry.pid} exited")
+            for entry in self.registry.orphans():
+                if not self.holds.engine_holds(entry.key.engine):
+                    log.warning("%s: the last lease of its dead engine ended; freeing its memory", entry.key)
+                    await self.registry.remove(entry.key, unlink=True)
+                    self._gauges()
 
     async def _engine_gone(self, entry: RankEntry, reason: str) -> None:
-        log.warning("%s: %s; dropping its registration, receives and holds", entry.key, reason)
         await self.receiver.fail_rank(entry.key, reason)
-        await self.registry.remove(entry.key, unlink=True)  # the dead engine cannot remove its files
         engine = entry.key.engine
-        # the whole engine gone: nobody will free or read its holds; else those of that worker
-        if not self.registry.of_engine(engine):
-            self.holds.drop(engine=engine)
+        held = self.holds.engine_holds(engine)
+        if held:
+            # A finished prefill's KV is still the decode's to read: keep the rank's mapping
+            # and NIXL registration (the memory lives while we map it) until its leases end.
+            log.warning("%s: %s; %d held requests stay readable until read or expired, then its "
+                        "memory is freed", entry.key, reason, held)
+            entry.orphaned = True
         else:
-            self.holds.drop(owner=entry.owner)
+            log.warning("%s: %s; dropping its registration and receives", entry.key, reason)
+            await self.registry.remove(entry.key, unlink=True)  # the dead engine cannot remove its files
         self.observer.emit(Event("engine_gone", reason=f"{entry.key}: {reason}", tp_rank=entry.key.tp))
         self._gauges()
 

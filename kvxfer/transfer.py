@@ -51,6 +51,7 @@ import numpy as np
 from kvxfer.errors import ErrorCode, RequestError
 from kvxfer.integrity import digest, region_view
 from kvxfer.memory import Mapping, map_memory
+from kvxfer.pool import PoolServer
 from kvxfer.protocol import DigestItem, KVLayout, RankInfo, RegisterKV, RemoteRegion
 from kvxfer.topology import BlockPairing, RankPlan
 
@@ -284,6 +285,7 @@ class TransferEngine:
         self.reads_ok = 0
         self.reads_failed = 0
         self.settled_late = 0  # failed reads reported only after in-flight chunks stopped
+        self.pools: PoolServer | None = None  # the sidecar's memory channel (PoolMemory refs)
         self.dlists_prepared = 0  # descriptor list pairs prepared (prep_xfer_dlist), ever
         self.serving = False  # set by the loop while blocks are held for peers to read
         # Test-only corruption hook (proves --verify-sample catches a wrong byte end to end):
@@ -333,7 +335,7 @@ class TransferEngine:
         agent = self._agent
         try:
             for ref in msg.memory:
-                mappings.append(map_memory(ref))
+                mappings.append(map_memory(ref, self.pools))
             mem_types = {m.mem_type for m in mappings}
             if len(mem_types) != 1:
                 raise RequestError(ErrorCode.INVALID_LAYOUT, "mixed DRAM and VRAM in one rank")

@@ -14,7 +14,15 @@ import zmq
 
 from kvxfer.client import Drained, RemoteBlocks, SidecarClient
 from kvxfer.errors import ErrorCode
-from kvxfer.protocol import PROTOCOL_VERSION, Hello, Refused, encode, handshake_reply_decoder
+from kvxfer.protocol import (
+    PROTOCOL_VERSION,
+    Hello,
+    PoolMemory,
+    Refused,
+    ShmMemory,
+    encode,
+    handshake_reply_decoder,
+)
 from kvxfer.testing.engine import SyntheticEngine, make_layout
 from kvxfer.testing.procs import SidecarFactory
 from tests.conftest import PD
@@ -197,11 +205,12 @@ def test_bad_registration_gets_typed_error(sidecars: SidecarFactory) -> None:
     try:
         eng.client.ping(60)
         msg = eng.kv.register_message()
-        missing = msgspec.structs.replace(
-            msg, memory=[msgspec.structs.replace(msg.memory[0], path="/dev/shm/kvxfer-no-such")]
-        )
-        with pytest.raises(Exception, match="invalid_memory"):
-            eng.client.register(missing, timeout=10)
+        size = msg.memory[0].size
+        for ref, says in ((ShmMemory(path="/dev/shm/kvxfer-no-such", size=size), "No such file"),
+                          (PoolMemory(pool="f" * 32, size=size), "no pool"),
+                          (msgspec.structs.replace(msg.memory[0], size=size * 2), "registration claims")):
+            with pytest.raises(Exception, match=f"invalid_memory.*{says}"):
+                eng.client.register(msgspec.structs.replace(msg, memory=[ref]), timeout=10)
         too_big = msgspec.structs.replace(
             msg, regions=[msgspec.structs.replace(r, offset=r.offset + (1 << 30)) for r in msg.regions]
         )

@@ -1,10 +1,12 @@
-"""Put a CPU engine's KV cache in named shared memory, without a copy.
+"""Put a CPU engine's KV cache in memory the sidecar owns, without a copy.
 
 ``SharedAllocator`` is the context ``get_mem_pool_context`` returns on a CPU engine: while
-it is active, ``torch.zeros``/``torch.empty`` on the CPU above ``min_bytes`` are served by
-``torch.from_file(path, shared=True)`` on a fresh 0600 file, so the sidecar can map the
-very pages the engine computes into. ``lookup`` finds the file behind a tensor later
-(``register_kv_caches``). Files are removed by ``close`` (connector shutdown).
+it is active, ``torch.zeros``/``torch.empty`` on the CPU above ``min_bytes`` are served from
+a pool the sidecar creates on its memory channel (``kvxfer.pool``: a sealed memfd passed by
+fd, mapped here), so the sidecar reads the very pages the engine computes into and nothing
+is named in /dev/shm: a killed engine leaves nothing behind. ``lookup`` finds the pool
+behind a tensor later (``register_kv_caches``). Without a pool client (no sidecar memory
+channel) it falls back to the legacy engine-owned 0600 file under ``directory``.
 vLLM-free; torch only.
 """
 
@@ -20,16 +22,23 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
-from kvxfer.protocol import ShmMemory
+from kvxfer.pool import Pool, PoolClient
+from kvxfer.protocol import PoolMemory, ShmMemory
 
 _PAGE = 4096
 
 
 @dataclass(frozen=True)
 class ShmAllocation:
-    path: str
+    path: str  # "" in a pool
     addr: int
     nbytes: int
+    pool: Pool | None = None
+
+    def ref(self) -> ShmMemory | PoolMemory:
+        if self.pool is not None:
+            return PoolMemory(pool=self.pool.id, size=self.nbytes)
+        return ShmMemory(path=self.path, size=self.nbytes)
 
 
 def _is_cpu(device: Any) -> bool:
@@ -37,8 +46,10 @@ def _is_cpu(device: Any) -> bool:
 
 
 class SharedAllocator(TorchFunctionMode):
-    def __init__(self, directory: str = "/dev/shm", min_bytes: int = 1 << 16) -> None:
+    def __init__(self, directory: str = "/dev/shm", min_bytes: int = 1 << 16,
+                 pools: PoolClient | None = None) -> None:
         super().__init__()
+        self.pools = pools
         self.directory = directory
         self.min_bytes = min_bytes
         self.allocations: list[ShmAllocation] = []
@@ -57,30 +68,40 @@ class SharedAllocator(TorchFunctionMode):
     def _allocate(
         self, size: tuple[int, ...], dtype: torch.dtype, numel: int, nbytes: int, kwargs: dict[str, Any]
     ) -> torch.Tensor:
-        path = os.path.join(self.directory, f"kvxfer-kv-{os.getpid()}-{secrets.token_hex(6)}")
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-        try:
-            os.ftruncate(fd, nbytes)
-        finally:
-            os.close(fd)
-        flat = torch.from_file(path, shared=True, size=numel, dtype=dtype)
+        if self.pools is not None:
+            pool = self.pools.create(nbytes, label=f"torch {list(size)} {dtype}")
+            # (inside __torch_function__ this mode is off: frombuffer does not come back here)
+            flat = torch.frombuffer(pool.map(), dtype=torch.uint8, count=nbytes).view(dtype)
+            path = ""
+        else:
+            pool = None
+            path = os.path.join(self.directory, f"kvxfer-kv-{os.getpid()}-{secrets.token_hex(6)}")
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+            try:
+                os.ftruncate(fd, nbytes)
+            finally:
+                os.close(fd)
+            flat = torch.from_file(path, shared=True, size=numel, dtype=dtype)
         flat.view(torch.uint8)[::_PAGE] = 0  # pre-touch: first writes into fresh pages are 25x slower
         tensor = flat.view(size)
         if kwargs.get("pin_memory"):
-            pass  # shared file pages cannot be pinned by torch; NIXL registers them itself
-        self.allocations.append(ShmAllocation(path, tensor.data_ptr(), nbytes))
+            pass  # shared pages cannot be pinned by torch; NIXL registers them itself
+        self.allocations.append(ShmAllocation(path, tensor.data_ptr(), nbytes, pool))
         return tensor
 
-    def lookup(self, tensor: torch.Tensor) -> tuple[ShmMemory, int] | None:
-        """The shm file behind ``tensor`` and the tensor's byte offset in it."""
+    def lookup(self, tensor: torch.Tensor) -> tuple[ShmMemory | PoolMemory, int] | None:
+        """The pool (or shm file) behind ``tensor`` and the tensor's byte offset in it."""
         ptr = tensor.data_ptr()
         for a in self.allocations:
             if a.addr <= ptr < a.addr + a.nbytes:
-                return ShmMemory(path=a.path, size=a.nbytes), ptr - a.addr
+                return a.ref(), ptr - a.addr
         return None
 
     def close(self) -> None:
         for a in self.allocations:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(a.path)
+            if a.pool is None:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(a.path)
         self.allocations.clear()
+        if self.pools is not None:
+            self.pools.close()  # our mappings go with the tensors; the sidecar lets go of its fds

@@ -40,6 +40,7 @@ from kvxfer.connector.settings import ConnectorSettings
 from kvxfer.connector.shm_pool import SharedAllocator
 from kvxfer.errors import KvxferError
 from kvxfer.memory import cuda_ipc_memory
+from kvxfer.pool import PoolClient
 from kvxfer.protocol import Done, Failed, MemoryRef, Registered, Released
 
 log = logging.getLogger(__name__)
@@ -90,7 +91,9 @@ class WorkerSide:
         self.tp_size = tp_size
         self.place = place or Placement()
         self.device = device
-        self.allocator = SharedAllocator(settings.shm_dir) if device == "cpu" else None
+        # CPU: vLLM's KV cache is allocated in pools the sidecar owns (its memory channel)
+        self.pools = PoolClient.for_engine_socket(settings.sidecar) if device == "cpu" else None
+        self.allocator = SharedAllocator(settings.shm_dir, pools=self.pools) if device == "cpu" else None
         self.client: SidecarClient | None = None
         self.registered: Registered | None = None
         self._recvs: dict[str, tuple[list[int], float]] = {}
@@ -123,7 +126,7 @@ class WorkerSide:
                 "the connector's get_mem_pool_context()"
             )
         ref, offset = found
-        return ref, ("shm", ref.path), offset
+        return ref, ("mem", getattr(ref, "pool", "") or getattr(ref, "path", "")), offset
 
     def register_kv_caches(self, kv_caches: dict[str, Any], shape: CacheShape) -> Registered:
         msg = registration_from_tensors(
@@ -251,6 +254,10 @@ class WorkerSide:
         # does, the sidecar refuses this rank's loads (not_registered) and vLLM recomputes.
         new_instance = next((p.instance for p in reversed(pongs) if p.instance), "")
         try:
+            if self.pools is not None and self.pools.pools:
+                # the restarted sidecar gets our pools back (same ids) before the registration
+                # that names them; local and quick (one packet per pool)
+                self.pools.readopt()
             self.client.register_nowait(self._registration)
             self._registering = True
             self._instance = new_instance  # do not treat the same restart twice

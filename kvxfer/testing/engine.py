@@ -12,6 +12,7 @@ import numpy as np
 
 from kvxfer.client import SidecarClient
 from kvxfer.memory import CudaKV, SharedKV
+from kvxfer.pool import PoolClient
 from kvxfer.protocol import KVLayout, Registered
 from kvxfer.testing.pattern import request_pattern
 from kvxfer.testing.vllm_layouts import Geometry
@@ -82,6 +83,8 @@ class SyntheticEngine:
         self.dp_rank = dp_rank
         self.device = device
         self.tensors: TensorKV | None = None
+        # host memory comes from the sidecar's memory channel, as a connector's does
+        self.pools = PoolClient.for_engine_socket(endpoint) if device == "cpu" else None
         self._registration = None
         if kv_layout:
             if device != "cpu":
@@ -90,12 +93,12 @@ class SyntheticEngine:
             self.tensors = TensorKV(kv_layout, Geometry(
                 num_layers=layout.num_layers, num_blocks=layout.num_blocks, block_size=layout.block_size,
                 num_kv_heads=layout.num_kv_heads, tp_rank=layout.tp_rank, tp_size=layout.tp_size,
-                head_dim=layout.head_dim, dtype=layout.dtype))
+                head_dim=layout.head_dim, dtype=layout.dtype), pools=self.pools)
             self._registration = self.tensors.register_message()
             self.layout = self._registration.layout
         self.kv: SharedKV | CudaKV | None = (
             None if self.tensors is not None
-            else SharedKV.create(layout) if device == "cpu" else CudaKV.create(layout, device)
+            else SharedKV.create(layout, self.pools) if device == "cpu" else CudaKV.create(layout, device)
         )
         self.client = SidecarClient(endpoint)
         self._free = list(range(1, layout.num_blocks))
@@ -103,7 +106,11 @@ class SyntheticEngine:
         self.registered: Registered | None = None
 
     def start(self, timeout: float = 60.0) -> Registered:
+        """Register (again: after a sidecar restart, its pools are handed back first, as a
+        connector worker does, so the same memory is registered)."""
         self.client.ping(timeout)
+        if self.registered is not None and self.pools is not None and self.pools.pools:
+            self.pools.readopt()
         msg = self._registration if self.kv is None else self.kv.register_message()
         msg = msgspec.structs.replace(msg, engine_id=self.engine_id, dp_rank=self.dp_rank)
         self.registered = self.client.register(msg, timeout)
@@ -174,3 +181,5 @@ class SyntheticEngine:
             self.tensors.close()
         if self.kv is not None:
             self.kv.close()
+        if self.pools is not None:
+            self.pools.close()

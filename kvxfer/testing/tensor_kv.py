@@ -11,6 +11,7 @@ import torch
 
 from kvxfer.connector.layout import registration_from_tensors
 from kvxfer.connector.shm_pool import SharedAllocator
+from kvxfer.pool import PoolClient
 from kvxfer.protocol import DTYPE_SIZES, RegisterKV
 from kvxfer.testing.vllm_layouts import KINDS, VLLM_PERMUTATIONS, Geometry, logical_pattern
 
@@ -22,13 +23,14 @@ def _torch_dtype(name: str) -> torch.dtype:
 class TensorKV:
     """One rank's KV cache as vLLM allocates it for ``kind``, in shared memory."""
 
-    def __init__(self, kind: str, geo: Geometry, directory: str = "/dev/shm") -> None:
+    def __init__(self, kind: str, geo: Geometry, directory: str = "/dev/shm",
+                 pools: PoolClient | None = None) -> None:
         if kind not in KINDS:
             raise ValueError(f"unknown KV layout {kind!r}; known: {', '.join(KINDS)}")
         self.kind, self.geo = kind, geo
         self.mla = kind == "mla"
         self.heads = range(0, 1) if self.mla else geo.local_heads
-        self.pool = SharedAllocator(directory, min_bytes=1)
+        self.pool = SharedAllocator(directory, min_bytes=1, pools=pools)
         with self.pool:
             self.layers = self._allocate()
 
@@ -94,7 +96,7 @@ class TensorKV:
             if found is None:
                 raise RuntimeError("KV tensor outside the shared pool")
             ref, offset = found
-            return ref, ("shm", ref.path), offset
+            return ref, ("mem", getattr(ref, "pool", "") or getattr(ref, "path", "")), offset
 
         return registration_from_tensors(
             names, num_blocks=g.num_blocks, block_size=g.block_size,
