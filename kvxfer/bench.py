@@ -61,7 +61,20 @@ def _raw_target(ref: bytes, mode: str, threads: int, conn: Any) -> None:
     from kvxfer.memory import map_memory
     from kvxfer.protocol import MemoryRef
 
-    m = map_memory(msgspec.msgpack.decode(ref, type=MemoryRef))  # type: ignore[arg-type]
+    if isinstance(ref, str):  # a pool: the parent's memfd, opened through /proc
+        from kvxfer.memory import Mapping
+        from kvxfer.pool import map_fd
+
+        fd = os.open(ref, os.O_RDWR)
+        try:
+            mm = map_fd(fd, os.fstat(fd).st_size)
+        finally:
+            os.close(fd)
+        arr = np.frombuffer(mm, dtype=np.uint8)
+        m = Mapping(addr=int(arr.ctypes.data), size=len(mm), mem_type="DRAM", device_id=0, _keep=[mm])
+        del arr
+    else:
+        m = map_memory(msgspec.msgpack.decode(ref, type=MemoryRef))  # type: ignore[arg-type]
     agent = create_agent("raw-target", mode, threads)
     agent.register_memory([(m.addr, m.size, m.device_id, "")], m.mem_type)
     conn.send((bytes(agent.get_agent_metadata()), m.addr, m.device_id, m.mem_type))
@@ -84,9 +97,13 @@ class RawNixl:
         ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe()
         (ref,) = src.register_message().memory
-        self.proc = ctx.Process(target=_raw_target, args=(msgspec.msgpack.encode(ref), mode, threads, child),
-                                daemon=True)
+        pool = getattr(src, "pool", None)
+        arg: bytes | str = (f"/proc/{os.getpid()}/fd/{pool.fd}" if pool is not None
+                            else msgspec.msgpack.encode(ref))
+        self.proc = ctx.Process(target=_raw_target, args=(arg, mode, threads, child), daemon=True)
         self.proc.start()
+        if not self.conn.poll(120):
+            raise RuntimeError(f"the raw NIXL target did not start (exit code {self.proc.exitcode})")
         md, remote_addr, remote_dev, mem_type = self.conn.recv()
         self.agent = create_agent("raw-init", mode, threads)
         local_addr, local_dev, local_type = _local_memory(dst)

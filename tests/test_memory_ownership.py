@@ -166,7 +166,8 @@ def test_a_killed_prefill_engines_held_blocks_are_still_read_then_freed(factory:
         here.send("measured")
         proc.join(10)
         assert proc.exitcode == -signal.SIGKILL
-        _until(lambda: f"engine process {proc.pid} exited" in ps.log(), "the sidecar noticing its engine died")
+        _until(lambda: f"engine process {proc.pid} exited" in ps.log(),
+               "the sidecar noticing its engine died")
         # The decode reads what the dead engine prefilled: every byte.
         local = d.allocate(16)
         d.client.recv("kept", local, RemoteBlocks(engine_id, host, port, blocks, token="t-kept"))
