@@ -235,13 +235,21 @@ class Pipeline:
         layers = cfg["num_hidden_layers"]
         group = self.servers[name].proc.pid  # servers run in their own session: pgid == pid
 
-        def of_server(fname: str) -> bool:
+        # The connector builds vLLM's KV cache in memfd pools from its sidecar: find them
+        # among the fds of the server's processes (/proc/PID/fd/N opens the memfd itself).
+        files = []
+        for pid in filter(str.isdigit, os.listdir("/proc")):
             try:
-                return os.getpgid(int(fname.split("-")[2])) == group
-            except (ValueError, IndexError, ProcessLookupError):
-                return False
-
-        files = [os.path.join(self.shm_dir, f) for f in os.listdir(self.shm_dir) if of_server(f)]
+                if os.getpgid(int(pid)) != group:
+                    continue
+                fd_dir = f"/proc/{pid}/fd"
+                for fd in os.listdir(fd_dir):
+                    if os.readlink(f"{fd_dir}/{fd}").startswith("/memfd:kvxfer-kv"):
+                        files.append(f"{fd_dir}/{fd}")
+            except OSError:
+                continue
+        if not files:
+            raise RuntimeError(f"no kvxfer KV pool among the fds of the {name} server's processes")
         path = max(files, key=os.path.getsize)
         size = os.path.getsize(path)
         if size % (layers * page):
