@@ -62,17 +62,14 @@ def _raw_target(ref: bytes, mode: str, threads: int, conn: Any) -> None:
     from kvxfer.protocol import MemoryRef
 
     if isinstance(ref, str):  # a pool: the parent's memfd, opened through /proc
-        from kvxfer.memory import Mapping
+        from kvxfer.memory import host_mapping
         from kvxfer.pool import map_fd
 
         fd = os.open(ref, os.O_RDWR)
         try:
-            mm = map_fd(fd, os.fstat(fd).st_size)
+            m = host_mapping(map_fd(fd, os.fstat(fd).st_size))
         finally:
             os.close(fd)
-        arr = np.frombuffer(mm, dtype=np.uint8)
-        m = Mapping(addr=int(arr.ctypes.data), size=len(mm), mem_type="DRAM", device_id=0, _keep=[mm])
-        del arr
     else:
         m = map_memory(msgspec.msgpack.decode(ref, type=MemoryRef))  # type: ignore[arg-type]
     agent = create_agent("raw-target", mode, threads)

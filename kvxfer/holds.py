@@ -178,11 +178,6 @@ class Holds:
         for ident in targets or {lease.owner}:
             self._send(ident, ev)
 
-    def drop(self, owner: bytes | None = None, engine: str | None = None) -> None:
-        """A worker or a whole engine is gone: nobody will free or read these holds."""
-        for lease in self.table.drop(owner=owner, engine=engine):
-            self.observer.lease_released(lease.req_id, "aborted")
-
     def engine_holds(self, engine: str) -> int:
         """Leases held for ``engine``."""
         return sum(1 for lease in self.table.items() if lease.engine == engine)

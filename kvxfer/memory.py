@@ -243,11 +243,16 @@ def _map_shm(ref: ShmMemory) -> Mapping:
         mm = mmap.mmap(fd, ref.size, flags, mmap.PROT_READ | mmap.PROT_WRITE)
     finally:
         os.close(fd)
+    return host_mapping(mm)
+
+
+def host_mapping(mm: mmap.mmap) -> Mapping:
+    """A ``Mapping`` of host memory mapped as ``mm`` (kept alive by the Mapping)."""
     arr = np.frombuffer(mm, dtype=np.uint8)
     addr = int(arr.ctypes.data)
     del arr
     # ctypes keeps no export; the mmap object itself is what must stay alive.
-    return Mapping(addr=addr, size=ref.size, mem_type="DRAM", device_id=0, _keep=[mm])
+    return Mapping(addr=addr, size=len(mm), mem_type="DRAM", device_id=0, _keep=[mm])
 
 
 def _map_cuda(ref: CudaIpcMemory) -> Mapping:
@@ -290,10 +295,7 @@ def _map_pool(ref: PoolMemory, pools: PoolServer | None) -> Mapping:
         raise RequestError(ErrorCode.MEMORY_MAP_FAILED, f"cannot map pool {ref.pool[:8]}: {e}") from e
     finally:
         os.close(fd)  # the mapping keeps the memory
-    arr = np.frombuffer(mm, dtype=np.uint8)
-    addr = int(arr.ctypes.data)
-    del arr
-    return Mapping(addr=addr, size=ref.size, mem_type="DRAM", device_id=0, _keep=[mm])
+    return host_mapping(mm)
 
 
 def map_memory(ref: MemoryRef, pools: PoolServer | None = None) -> Mapping:

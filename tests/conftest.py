@@ -20,6 +20,13 @@ def sidecars() -> Iterator[SidecarFactory]:
     factory.close()
 
 
+@pytest.fixture
+def factory() -> Iterator[SidecarFactory]:
+    """Sidecars of one test only (stopped when it ends)."""
+    with SidecarFactory() as f:
+        yield f
+
+
 @dataclass
 class PD:
     prefill: SidecarProc

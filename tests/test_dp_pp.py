@@ -13,7 +13,6 @@ from __future__ import annotations
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 
 import pytest
 
@@ -29,12 +28,6 @@ def _wait_done(d: SyntheticEngine, n: int, timeout: float = 30.0) -> Drained:
     assert not got.failed, [(f.req_id, f.code, f.reason) for f in got.failed]
     assert len(got.done) == n, f"{len(got.done)} of {n} receives answered in {timeout}s"
     return got
-
-
-@pytest.fixture
-def factory() -> Iterator[SidecarFactory]:
-    with SidecarFactory() as f:
-        yield f
 
 
 def test_two_dp_engines_share_a_sidecar_and_each_decode_reads_the_one_it_names(

@@ -9,9 +9,6 @@ from __future__ import annotations
 
 import os
 import signal
-from collections.abc import Iterator
-
-import pytest
 
 from kvxfer.client import RemoteBlocks
 from kvxfer.testing.engine import SyntheticEngine, make_layout
@@ -20,12 +17,6 @@ from tests.conftest import pull
 from tests.test_sidecar import wait_for
 
 LAYOUT = make_layout(layers=2, num_blocks=32, heads=4, head_dim=32)
-
-
-@pytest.fixture
-def factory() -> Iterator[SidecarFactory]:
-    with SidecarFactory() as f:
-        yield f
 
 
 def read(p: SyntheticEngine, d: SyntheticEngine, req: str, n: int = 3) -> tuple[bool, str]:

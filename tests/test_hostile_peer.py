@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -58,12 +58,6 @@ SECRET = b"a secret every sidecar here shares"
 # Both ends speak the protocol in the clear so the test can sit in the middle; the channel's
 # encryption is tested on its own (test_security).
 PLAIN = ("--handshake-encryption", "none")
-
-
-@pytest.fixture
-def factory() -> Iterator[SidecarFactory]:
-    with SidecarFactory() as f:
-        yield f
 
 
 @pytest.fixture

@@ -17,20 +17,12 @@ import signal
 import time
 from types import SimpleNamespace
 
-import pytest
-
 from kvxfer.client import RemoteBlocks
 from kvxfer.errors import ErrorCode
 from kvxfer.testing.engine import SyntheticEngine, make_layout
 from kvxfer.testing.procs import SidecarFactory, free_port
 
 LAYOUT = make_layout(layers=2, num_blocks=32, heads=2, head_dim=32)
-
-
-@pytest.fixture
-def factory() -> SidecarFactory:
-    with SidecarFactory() as f:
-        yield f
 
 
 def _pair(factory: SidecarFactory, lease_s: str) -> tuple[SyntheticEngine, SyntheticEngine, object]:

@@ -121,12 +121,6 @@ LAYOUT = make_layout(layers=4, num_blocks=256, heads=8, head_dim=128)  # 64 MiB 
 POOL = LAYOUT.num_regions * LAYOUT.num_blocks * LAYOUT.region_block_len
 
 
-@pytest.fixture
-def factory() -> Any:
-    with SidecarFactory() as f:
-        yield f
-
-
 def _shmem_back_to(baseline: int, what: str, slack: int = 16 * MiB, timeout: float = 20.0) -> int:
     end = time.monotonic() + timeout
     while True:

@@ -16,7 +16,6 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import msgspec
@@ -207,12 +206,6 @@ def test_registrations_name_only_the_engines_own_kvxfer_files(tmp_path: Path) ->
 
 
 # ----------------------------------------------------------------------------- real sidecars
-
-
-@pytest.fixture
-def factory() -> Iterator[SidecarFactory]:
-    with SidecarFactory() as f:
-        yield f
 
 
 @pytest.fixture
