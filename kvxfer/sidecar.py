@@ -157,6 +157,10 @@ class Sidecar:
 
     async def serve(self) -> None:
         self.loop = asyncio.get_running_loop()
+        if self.config.metrics_port:
+            # first: /metrics answers before any engine or peer can reach the sidecar, so
+            # whatever they cause is already counted and scrapeable (kvxfer_ready says 0 until then)
+            start_metrics_server(self.observer, self.config.metrics_host, self.config.metrics_port)
         await asyncio.wrap_future(self.transfer.start())
         self._bind()
         self.ready = True
@@ -175,8 +179,6 @@ class Sidecar:
 
             control = await start_control_server(self, self.config.control_target, self.control_policy,
                                                  self.config.health_target)
-        if self.config.metrics_port:
-            start_metrics_server(self.observer, self.config.metrics_host, self.config.metrics_port)
         with contextlib.suppress(NotImplementedError, RuntimeError):
             self.loop.add_signal_handler(signal.SIGINT, self._stop.set)  # operator: stop now
             self.loop.add_signal_handler(signal.SIGTERM, self._graceful_stop)  # orchestrator
