@@ -19,6 +19,8 @@ def _demo_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-
     d = DemoOptions()
     p = sub.add_parser("demo", help="prefill + decode sidecars with synthetic engines, bytes verified")
     p.add_argument("--requests", type=int, default=d.requests)
+    p.add_argument("--in-flight", type=int, default=d.in_flight,
+                   help="requests moved at once; the KV pools are sized to hold these (0: all)")
     p.add_argument("--layers", type=int, default=d.layers)
     p.add_argument("--blocks-per-request", type=int, default=d.blocks_per_request)
     p.add_argument("--block-size", type=int, default=d.block_size, help="tokens per block")
@@ -47,6 +49,7 @@ def _run_demo(args: argparse.Namespace) -> int:
 
     opts = DemoOptions(
         requests=args.requests,
+        in_flight=args.in_flight,
         layers=args.layers,
         blocks_per_request=args.blocks_per_request,
         block_size=args.block_size,
@@ -66,7 +69,8 @@ def _run_demo(args: argparse.Namespace) -> int:
     )
     try:
         mib = opts.request_bytes() / (1 << 20)
-    except (KeyError, ValueError) as e:
+        opts.check_memory()
+    except (KeyError, ValueError, MemoryError) as e:
         print(f"kvxfer demo: {e}", file=sys.stderr)
         return 2
     kv = "MLA latent" if opts.is_mla else f"K/V x {opts.heads} heads"
@@ -77,7 +81,8 @@ def _run_demo(args: argparse.Namespace) -> int:
         f"({mib:.1f} MiB each; {opts.layers} layers x {kv} x {opts.head_dim} {opts.dtype}, "
         f"blocks of {opts.block_size_of('prefill')} -> {opts.block_size_of('decode')} tokens, "
         f"{where}), prefill TP {opts.prefill_tp} -> decode TP {opts.decode_tp}, "
-        f"NIXL UCX ({opts.ucx_error_mode} mode) over host memory",
+        f"NIXL UCX ({opts.ucx_error_mode} mode) over host memory; {opts.window} in flight, "
+        f"pools {(opts.pool_bytes('prefill') + opts.pool_bytes('decode')) / (1 << 30):.2f} GiB",
         flush=True,
     )
     res = run_demo(opts)
@@ -85,7 +90,8 @@ def _run_demo(args: argparse.Namespace) -> int:
         print(f"  PROBLEM: {problem}")
     print(
         f"  moved   {res['requests']} requests, {res['bytes'] / (1 << 30):.3f} GiB in "
-        f"{res['seconds']:.3f} s = {res['gbps']:.2f} GB/s (decode Recv -> Done, warm peer)"
+        f"{res['seconds']:.3f} s = {res['gbps']:.2f} GB/s (decode Recv -> Done, warm peer, "
+        f"{res['rounds']} rounds of {res['in_flight']})"
     )
     print(f"  first   transfer with handshake (cold): {res['first_transfer_ms_cold']:.1f} ms")
     print(f"  descs   {res['descriptors_per_request']} NIXL descriptors per request (all decode ranks)")

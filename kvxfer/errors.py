@@ -43,6 +43,7 @@ class ErrorCode(enum.StrEnum):
     EXPIRED = "expired"  # the request reached the sidecar after the engine gave up on it
     RANK_TAKEN = "rank_taken"  # another live engine process registered that (engine, dp, pp, tp) rank
     OUT_OF_MEMORY = "out_of_memory"  # a KV pool larger than the memory available (or --max-pool-bytes)
+    UNSUPPORTED = "unsupported"  # not possible on this sidecar (a GPU pool without cuda-bindings or VMM)
 
 
 class KvxferError(Exception):

@@ -128,7 +128,9 @@ class SharedKV:
 
 @dataclass
 class CudaKV:
-    """The same paged layout as ``SharedKV``, in GPU memory exported over CUDA IPC.
+    """The same paged layout as ``SharedKV``, in GPU memory: allocated by the engine and
+    exported over CUDA IPC (legacy), or with ``pools`` in a CUDA VMM pool of the sidecar's
+    (``kvxfer.vmm``; not yet run on a GPU).
 
     ``blocks()`` is a torch uint8 tensor ``[num_layers, kv_parts, num_blocks, block_len]``.
     The engine must keep this object alive while the sidecar has it registered.
@@ -137,13 +139,22 @@ class CudaKV:
     layout: KVLayout
     nbytes: int
     tensor: Any = field(repr=False)
+    pool: Pool | None = field(default=None, repr=False)
+    _pools: PoolClient | None = field(default=None, repr=False)
 
     @classmethod
-    def create(cls, layout: KVLayout, device: str = "cuda:0") -> CudaKV:
+    def create(cls, layout: KVLayout, device: str = "cuda:0", pools: PoolClient | None = None) -> CudaKV:
         import torch
 
         block_len = region_block_len(layout)
         shape = (layout.num_layers, layout.kv_parts, layout.num_blocks, block_len)
+        if pools is not None:
+            index = torch.device(device).index or 0
+            nbytes = layout.num_regions * layout.num_blocks * block_len
+            pool = pools.create(nbytes, label=f"kv tp{layout.tp_rank} pp{layout.pp_rank}", device=index)
+            tensor = pool.map_gpu().tensor()[:nbytes].view(shape)
+            tensor.zero_()  # VMM memory comes uninitialised
+            return cls(layout, nbytes, tensor, pool, pools)
         tensor = torch.zeros(shape, dtype=torch.uint8, device=device)
         return cls(layout, tensor.numel(), tensor)
 
@@ -151,10 +162,15 @@ class CudaKV:
         return self.tensor
 
     def register_message(self) -> RegisterKV:
+        if self.pool is not None:
+            return _dense_registration(self.layout, PoolMemory(pool=self.pool.id, size=self.nbytes))
         return _dense_registration(self.layout, cuda_ipc_memory(self.tensor))
 
     def close(self) -> None:
         self.tensor = None
+        if self.pool is not None and self._pools is not None:
+            self._pools.free(self.pool)
+            self.pool = None
 
 
 def cuda_ipc_memory(tensor: Any) -> CudaIpcMemory:
@@ -205,6 +221,8 @@ class Mapping:
             import torch
 
             storage = self._keep[0]
+            if hasattr(storage, "tensor"):  # a VMM pool's mapping (kvxfer.vmm.VmmMapping)
+                return storage.tensor()
             return torch.empty(0, dtype=torch.uint8, device=f"cuda:{self.device_id}").set_(
                 storage, 0, (self.size,), (1,))
         import ctypes
@@ -284,11 +302,14 @@ def _map_cuda(ref: CudaIpcMemory) -> Mapping:
 def _map_pool(ref: PoolMemory, pools: PoolServer | None) -> Mapping:
     if pools is None:
         raise RequestError(ErrorCode.INVALID_MEMORY, "this sidecar has no memory channel")
-    fd, size = pools.dup_fd(ref.pool)
+    fd, size, device = pools.dup(ref.pool)
     try:
         if ref.size > size:
             raise RequestError(ErrorCode.INVALID_MEMORY, f"pool {ref.pool[:8]} has {size} bytes, the "
                                f"registration claims {ref.size}")
+        if device >= 0:  # a CUDA VMM allocation: NIXL registers it as VRAM of this process
+            gpu = pools.gpu().import_fd(fd, ref.size, device)
+            return Mapping(addr=gpu.va, size=ref.size, mem_type="VRAM", device_id=device, _keep=[gpu])
         # MAP_POPULATE, as for files: the first read into each page must not fault in the copy
         mm = map_fd(fd, ref.size)
     except OSError as e:

@@ -173,7 +173,11 @@ class Observer:
         """A peer's message about a lease was refused (or, for ``capped``, cut down)."""
         self.m_peer_refused.labels(message, reason).inc()
         self.emit(Event("peer_refused", req_id, agent, code=reason, reason=message))
-        log.warning("%s for request %r from agent %s refused: %s", message, req_id, agent, reason)
+        if reason == "capped":  # policy at work, not an attack: a decode whose receive deadline
+            # is longer than --max-read-s asks that much with every read
+            log.info("%s for request %r from agent %s: extension cut to --max-read-s", message, req_id, agent)
+        else:
+            log.warning("%s for request %r from agent %s refused: %s", message, req_id, agent, reason)
 
     def integrity_checked(self, result: str, seconds: float) -> None:
         self.totals.integrity_checks += 1

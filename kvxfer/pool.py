@@ -19,6 +19,10 @@ When the connection closes (the engine exited or was killed), the sidecar closes
 of its pools; a registration's own mapping keeps the memory while leases still hold blocks
 in it, and unregistering it gives the memory back.
 
+``device`` (every message; -1: host memory) asks for a GPU pool instead: a CUDA VMM
+allocation exported as a POSIX fd (``kvxfer.vmm``; not yet run on a GPU), granted rounded
+up to the allocation granularity. The fd plays the memfd's part everywhere above.
+
 The sidecar side (``PoolServer``) runs on its own thread with blocking sockets; the table
 it keeps is read by the NIXL thread under a lock (``dup_fd``).
 """
@@ -39,12 +43,15 @@ import time
 import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import msgspec
 from msgspec import Meta
 
 from kvxfer.errors import ErrorCode, KvxferError, RequestError
+
+if TYPE_CHECKING:
+    from kvxfer.vmm import Vmm, VmmMapping
 
 log = logging.getLogger(__name__)
 
@@ -59,15 +66,20 @@ class _PoolMsg(msgspec.Struct, tag_field="t", forbid_unknown_fields=False, array
     pass
 
 
+Device = Annotated[int, Meta(ge=-1, le=1023)]  # -1: host memory; else a CUDA device ordinal
+
+
 class PoolCreate(_PoolMsg, tag="create"):
     size: Annotated[int, Meta(gt=0, le=MAX_POOL_BYTES)]
     label: Annotated[str, Meta(max_length=256)] = ""  # shown in logs (which rank, which cache)
+    device: Device = -1
 
 
 class PoolAdopt(_PoolMsg, tag="adopt"):
     pool: PoolId
     size: Annotated[int, Meta(gt=0, le=MAX_POOL_BYTES)]
     label: Annotated[str, Meta(max_length=256)] = ""
+    device: Device = -1
 
 
 class PoolFree(_PoolMsg, tag="free"):
@@ -77,6 +89,7 @@ class PoolFree(_PoolMsg, tag="free"):
 class PoolGranted(_PoolMsg, tag="granted"):
     pool: PoolId
     size: int
+    device: int = -1
 
 
 class PoolRefused(_PoolMsg, tag="refused"):
@@ -145,12 +158,26 @@ class Pool:
     size: int
     fd: int
     label: str = ""
+    device: int = -1  # a CUDA device: a VMM allocation, mapped with map_gpu()
     mm: mmap.mmap | None = field(default=None, repr=False)
+    gpu: VmmMapping | None = field(default=None, repr=False)
 
     def map(self) -> mmap.mmap:
+        if self.device >= 0:
+            raise ValueError(f"pool {self.id[:8]} is GPU memory: map_gpu()")
         if self.mm is None:
             self.mm = map_fd(self.fd, self.size, populate=False)
         return self.mm
+
+    def map_gpu(self) -> VmmMapping:
+        """The GPU pool mapped in this process (``.tensor()`` is a CUDA uint8 tensor over it)."""
+        if self.device < 0:
+            raise ValueError(f"pool {self.id[:8]} is host memory: map()")
+        if self.gpu is None:
+            from kvxfer import vmm
+
+            self.gpu = vmm.shared().import_fd(self.fd, self.size, self.device)
+        return self.gpu
 
 
 class PoolClient:
@@ -221,13 +248,18 @@ class PoolClient:
             raise KvxferError(f"[{reply.code}] {reply.message}")
         return reply, (fds[0] if fds else None)
 
-    def create(self, size: int, label: str = "") -> Pool:
-        """A new pool of ``size`` bytes from the sidecar (mapped on first ``map()``)."""
+    def create(self, size: int, label: str = "", device: int = -1) -> Pool:
+        """A new pool of at least ``size`` bytes from the sidecar (mapped on first ``map()``,
+        or ``map_gpu()`` for a pool on CUDA ``device``)."""
         with self._lock:
-            granted, fd = self._call(PoolCreate(size=size, label=label))
+            granted, fd = self._call(PoolCreate(size=size, label=label, device=device))
             if fd is None:
                 raise KvxferError("the sidecar granted a pool without its fd")
-            pool = Pool(granted.pool, granted.size, fd, label)
+            if granted.device != device or granted.size < size:
+                os.close(fd)
+                raise KvxferError(f"the sidecar granted {granted.size} bytes on device {granted.device}, "
+                                  f"asked {size} on {device}")
+            pool = Pool(granted.pool, granted.size, fd, label, device)
             self.pools[pool.id] = pool
             return pool
 
@@ -237,7 +269,8 @@ class PoolClient:
         with self._lock:
             self._disconnect()
             for pool in self.pools.values():
-                self._call(PoolAdopt(pool=pool.id, size=pool.size, label=pool.label), pool.fd)
+                self._call(PoolAdopt(pool=pool.id, size=pool.size, label=pool.label, device=pool.device),
+                           pool.fd)
             return len(self.pools)
 
     def free(self, pool: Pool) -> None:
@@ -271,6 +304,7 @@ def _close_fd(fd: int) -> None:
 
 
 def _close_pool(pool: Pool) -> None:
+    pool.gpu = None  # unmapped when the last tensor over it is gone (VmmMapping.__del__)
     if pool.mm is not None:
         with contextlib.suppress(BufferError):  # a view is still alive: freed with it
             pool.mm.close()
@@ -290,12 +324,13 @@ class _Held:
     conn: int  # the connection's fileno: its pools close with it
     pid: int
     label: str
+    device: int = -1
 
 
 class PoolServer:
     """The sidecar end of the memory channel (its own thread)."""
 
-    def __init__(self, path: str, max_bytes: int = 0) -> None:
+    def __init__(self, path: str, max_bytes: int = 0, vmm: Vmm | None = None) -> None:
         self.path = path
         self.max_bytes = max_bytes  # 0: no limit but the machine's memory
         self._pools: dict[str, _Held] = {}
@@ -304,20 +339,27 @@ class PoolServer:
         self._conns: dict[int, tuple[socket.socket, int, int]] = {}  # fileno -> (sock, pid, uid)
         self._wake_r, self._wake_w = os.pipe()
         self._thread: threading.Thread | None = None
+        self.vmm: Vmm | None = vmm  # GPU pools (kvxfer.vmm.shared() on first use)
         self.created = 0
         self.adopted = 0
+        self._shut = False
 
     # --------------------------------------------------------------- queries (any thread)
 
     def dup_fd(self, pool: str) -> tuple[int, int]:
         """(a duplicate of the pool's fd, its size); RequestError when unknown. The caller
         closes the duplicate (its mapping keeps the memory)."""
+        fd, size, _ = self.dup(pool)
+        return fd, size
+
+    def dup(self, pool: str) -> tuple[int, int, int]:
+        """(a duplicate of the pool's fd, its size, its device: -1 for host memory)."""
         with self._lock:
             held = self._pools.get(pool)
             if held is None:
                 raise RequestError(ErrorCode.INVALID_MEMORY, f"no pool {pool!r} here (its engine must "
                                    "create or hand it back over the memory channel first)")
-            return os.dup(held.fd), held.size
+            return os.dup(held.fd), held.size, held.device
 
     def stats(self) -> tuple[int, int]:
         """(pools, bytes) held."""
@@ -344,6 +386,9 @@ class PoolServer:
         self._thread.start()
 
     def close(self) -> None:
+        if self._shut:
+            return
+        self._shut = True
         os.write(self._wake_w, b"x")
         if self._thread is not None:
             self._thread.join(5)
@@ -439,28 +484,48 @@ class PoolServer:
         except OSError as e:
             log.warning("memory channel: reply not sent: %s", e)
 
-    def _check_room(self, size: int) -> None:
-        _, held = self.stats()
+    def gpu(self) -> Vmm:
+        if self.vmm is None:
+            from kvxfer import vmm
+
+            self.vmm = vmm.shared()
+        return self.vmm
+
+    def _check_room(self, size: int, device: int = -1) -> None:
+        with self._lock:
+            held = sum(h.size for h in self._pools.values() if h.device == device)
         if self.max_bytes and held + size > self.max_bytes:
+            where = "host memory" if device < 0 else f"GPU {device}"
             raise RequestError(ErrorCode.OUT_OF_MEMORY, f"a pool of {size} bytes would exceed this "
-                               f"sidecar's --max-pool-bytes ({held} of {self.max_bytes} in use)")
+                               f"sidecar's --max-pool-bytes ({held} of {self.max_bytes} of {where} in use)")
+        if device >= 0:
+            free = self.gpu().free_memory(device)
+            if size > free:
+                raise RequestError(ErrorCode.OUT_OF_MEMORY, f"a pool of {_gib(size)} needs more memory than "
+                                   f"GPU {device} has free ({_gib(free)})")
+            return
         avail = available_memory()
         if avail is not None and size > avail:
             raise RequestError(ErrorCode.OUT_OF_MEMORY, f"a pool of {_gib(size)} needs more memory than "
                                f"this machine has available ({_gib(avail)})")
 
     def _grant(self, conn: socket.socket, fileno: int, pid: int, msg: PoolCreate) -> None:
-        self._check_room(msg.size)
-        try:
-            fd = memfd(msg.size)
-        except OSError as e:
-            raise RequestError(ErrorCode.OUT_OF_MEMORY, f"memfd of {msg.size} bytes: {e}") from e
+        self._check_room(msg.size, msg.device)
+        size = msg.size
+        if msg.device >= 0:
+            fd, size = self.gpu().create_exported(msg.size, msg.device)  # RequestError if it cannot
+        else:
+            try:
+                fd = memfd(msg.size)
+            except OSError as e:
+                raise RequestError(ErrorCode.OUT_OF_MEMORY, f"memfd of {msg.size} bytes: {e}") from e
         pool = secrets.token_hex(16)
         with self._lock:
-            self._pools[pool] = _Held(pool, fd, msg.size, fileno, pid, msg.label)
+            self._pools[pool] = _Held(pool, fd, size, fileno, pid, msg.label, msg.device)
         self.created += 1
-        log.info("pool %s: %s for pid %d %s", pool[:8], _gib(msg.size), pid, msg.label)
-        self._reply(conn, PoolGranted(pool=pool, size=msg.size), fd)
+        where = "" if msg.device < 0 else f" on GPU {msg.device}"
+        log.info("pool %s: %s%s for pid %d %s", pool[:8], _gib(size), where, pid, msg.label)
+        self._reply(conn, PoolGranted(pool=pool, size=size, device=msg.device), fd)
 
     def _adopt(self, conn: socket.socket, fileno: int, pid: int, msg: PoolAdopt, fds: list[int]) -> None:
         if len(fds) != 1:
@@ -469,13 +534,20 @@ class PoolServer:
             raise RequestError(ErrorCode.MALFORMED, f"adopt carries {len(fds)} fds, not 1")
         fd = fds[0]
         try:
-            check_memfd(fd, msg.size)
+            if msg.device >= 0:  # proof it is a VMM allocation of that size: it maps
+                try:
+                    self.gpu().import_fd(fd, msg.size, msg.device).close()
+                except RequestError as e:
+                    raise RequestError(ErrorCode.INVALID_MEMORY, f"not a GPU pool of {msg.size} bytes "
+                                       f"on GPU {msg.device}: {e.reason}") from e
+            else:
+                check_memfd(fd, msg.size)
         except (RequestError, OSError) as e:
             os.close(fd)
             raise e if isinstance(e, RequestError) else RequestError(ErrorCode.INVALID_MEMORY, str(e)) from e
         with self._lock:
             old = self._pools.pop(msg.pool, None)
-            self._pools[msg.pool] = _Held(msg.pool, fd, msg.size, fileno, pid, msg.label)
+            self._pools[msg.pool] = _Held(msg.pool, fd, msg.size, fileno, pid, msg.label, msg.device)
         if old is not None:
             os.close(old.fd)
         self.adopted += 1

@@ -43,6 +43,7 @@ from kvxfer.pool import PoolServer, mem_socket_path
 from kvxfer.protocol import (
     DECODE_ERRORS,
     PROTOCOL_VERSION,
+    CudaIpcMemory,
     Error,
     Hold,
     KeepAlive,
@@ -52,6 +53,7 @@ from kvxfer.protocol import (
     Registered,
     RegisterKV,
     Release,
+    ShmMemory,
     Unregister,
     encode,
     engine_request_decoder,
@@ -391,6 +393,14 @@ class Sidecar:
             return
         nbytes = sum(m.size for m in msg.memory)
         log.info("registered %s: %d bytes", entry.key, nbytes)
+        if any(isinstance(m, ShmMemory) for m in msg.memory):
+            log.warning("%s registered engine-owned files (%s): the legacy path; a SIGKILLed engine "
+                        "leaves them in RAM while this sidecar is down. Allocate the KV cache from "
+                        "the memory channel instead (the connector's get_mem_pool_context)", entry.key,
+                        ", ".join(m.path for m in msg.memory if isinstance(m, ShmMemory)))
+        elif any(isinstance(m, CudaIpcMemory) for m in msg.memory):
+            log.info("%s registered engine-owned VRAM over CUDA IPC (UCX cannot re-export it; "
+                     "gpu_memory 'vmm' gives it sidecar-owned VMM pools instead)", entry.key)
         self._send(
             ident,
             Registered(

@@ -77,3 +77,36 @@ def test_summary_is_not_verified_when_decode_reports_bad_bytes() -> None:
     assert res["problems"] == ["request req-0: bytes differ"]
     unreleased = {**good, "prefill": {"released": {"expired": 2}, "errors": []}}
     assert _summarise(opts, unreleased, [])["verified"] is False
+
+
+def test_blocks_are_recycled_through_pools_sized_to_what_is_in_flight() -> None:
+    """20 requests through pools that hold 4 (and the warm-up): 5 rounds, each round's blocks
+    freed by both engines once its holds are released and reused by the next; every byte of
+    every request verified in the blocks it landed in (a recycled block that was not written
+    again still holds another request's pattern and fails)."""
+    opts = DemoOptions(requests=20, in_flight=4, layers=2, blocks_per_request=3, heads=2, head_dim=32)
+    assert opts.layout("decode").num_blocks == (4 + 1) * 3 + 1
+    res = run_demo(opts)
+    assert res["problems"] == []
+    assert res["verified"] is True
+    assert (res["requests"], res["rounds"], res["in_flight"]) == (20, 5, 4)
+    assert res["released"] == {"read": 21}
+    assert res["pool_bytes"] < 2 * 21 * res["request_bytes"] / 3  # far less than all requests at once
+
+
+def test_pools_larger_than_the_machine_are_refused_before_anything_starts() -> None:
+    big = DemoOptions(requests=2000, blocks_per_request=64, in_flight=0)
+    with pytest.raises(MemoryError) as ei:
+        big.check_memory(available=22 << 30)
+    msg = str(ei.value)
+    assert "500.25 GiB" in msg  # what it needs
+    assert "22.00 GiB available" in msg  # what there is
+    assert "--in-flight 64 fits" in msg  # and what would, with a quarter to spare:
+    fits = DemoOptions(requests=2000, blocks_per_request=64, in_flight=64)
+    fits.check_memory(available=int(0.75 * (22 << 30)))
+    out = subprocess.run([sys.executable, "-m", "kvxfer", "demo", "--requests", "100000",
+                          "--blocks-per-request", "64", "--in-flight", "0"],
+                         capture_output=True, text=True, timeout=120, check=False)
+    assert out.returncode == 2
+    assert "the KV pools need" in out.stderr
+    assert "moved" not in out.stdout  # nothing ran

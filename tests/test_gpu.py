@@ -1,4 +1,5 @@
-"""The CUDA path: engine VRAM exported over CUDA IPC, registered by the sidecar as VRAM,
+"""The CUDA paths: engine VRAM exported over CUDA IPC (``ipc``), or the sidecar's CUDA VMM
+pools handed to the engine by fd (``vmm``, kvxfer.vmm), registered by the sidecar as VRAM,
 read VRAM -> VRAM by a peer sidecar over NIXL. Runs only where a GPU is present (the lent
 device machine); CI machines have none, so it is skipped there."""
 
@@ -26,13 +27,16 @@ def _has_cuda() -> bool:
 pytestmark = pytest.mark.skipif(not _has_cuda(), reason="needs a CUDA GPU")
 
 
+@pytest.mark.parametrize("gpu_memory", ["ipc", "vmm"])
 @pytest.mark.parametrize("mode", ["peer", "none"])
-def test_vram_to_vram_over_cuda_ipc(sidecars: SidecarFactory, mode: str) -> None:
-    ps = sidecars.start(f"gpu-p-{mode}", "--ucx-error-mode", mode)
-    ds = sidecars.start(f"gpu-d-{mode}", "--ucx-error-mode", mode)
+def test_vram_to_vram(sidecars: SidecarFactory, mode: str, gpu_memory: str) -> None:
+    if gpu_memory == "vmm":
+        pytest.importorskip("cuda.bindings.driver")
+    ps = sidecars.start(f"gpu-p-{mode}-{gpu_memory}", "--ucx-error-mode", mode)
+    ds = sidecars.start(f"gpu-d-{mode}-{gpu_memory}", "--ucx-error-mode", mode)
     layout = make_layout(layers=4, num_blocks=64, heads=8, head_dim=128)
-    p = SyntheticEngine(layout, ps.endpoint, seed=1, device="cuda:0")
-    d = SyntheticEngine(layout, ds.endpoint, seed=2, device="cuda:0")
+    p = SyntheticEngine(layout, ps.endpoint, seed=1, device="cuda:0", gpu_memory=gpu_memory)
+    d = SyntheticEngine(layout, ds.endpoint, seed=2, device="cuda:0", gpu_memory=gpu_memory)
     try:
         reg = p.start()
         d.start()

@@ -22,10 +22,12 @@ import time
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 
-from kvxfer.client import RemoteBlocks
+from kvxfer.client import RemoteBlocks, SidecarClient
 from kvxfer.errors import ErrorCode, KvxferError
+from kvxfer.memory import SharedKV
 from kvxfer.pool import (
     PoolAdopt,
     PoolClient,
@@ -273,3 +275,22 @@ def test_a_pool_larger_than_the_machine_is_refused_before_anything_is_allocated(
         assert sc.scrape()["kvxfer_pool_bytes"] == 4 * MiB
     finally:
         client.close()
+
+
+def test_the_legacy_engine_owned_file_still_registers_with_a_warning(factory: SidecarFactory) -> None:
+    """What still needs it (no pool hook, a tcp:// sidecar) can register a /dev/shm file;
+    the sidecar says at once that it is the path that leaks on a SIGKILL."""
+    sc = factory.start("legacy")
+    layout = make_layout(layers=2, num_blocks=8, heads=2, head_dim=16)
+    kv = SharedKV.create(layout)  # no pools: a named 0600 file
+    client = SidecarClient(sc.endpoint)
+    try:
+        client.ping(30)
+        reg = client.register(msgspec.structs.replace(kv.register_message(), pid=os.getpid()), 30)
+        assert reg.bytes_registered == kv.nbytes
+        log = sc.log()
+        assert "legacy path" in log
+        assert kv.path in log
+    finally:
+        client.close()
+        kv.close()

@@ -13,7 +13,10 @@
                                # waiting for local blocks are renewed (0: lease_s / 6)
      "send_queue": 1000,       # messages queued for a sidecar that does not read before
                                # sends fail (the request then recomputes / frees at once)
-     "shm_dir": "/dev/shm",    # CPU engines: where the KV cache files live
+     "shm_dir": "/dev/shm",    # CPU engines without a memory channel: KV cache files
+     "gpu_memory": "ipc",      # GPU engines: "ipc" (the engine allocates, the sidecar opens
+                               # a CUDA IPC handle; measured) or "vmm" (the sidecar's CUDA
+                               # VMM pools over the memory channel; NOT yet run on a GPU)
      "model_identity": ""}     # overrides the model identity checked at handshake (default:
                                # architecture, model, revision, dtype, KV cache dtype), e.g.
                                # when P and D load the same weights from different paths
@@ -41,7 +44,12 @@ class ConnectorSettings:
     keepalive_s: float = 0.0  # 0: lease_s / 6, as vLLM's NixlConnector heartbeats
     send_queue: int = 1000
     shm_dir: str = "/dev/shm"
+    gpu_memory: str = "ipc"
     model_identity: str = ""
+
+    def __post_init__(self) -> None:
+        if self.gpu_memory not in ("ipc", "vmm"):
+            raise ValueError(f"kvxfer: gpu_memory must be 'ipc' or 'vmm', not {self.gpu_memory!r}")
 
     @property
     def keepalive_period_s(self) -> float:
@@ -62,5 +70,6 @@ class ConnectorSettings:
             keepalive_s=float(extra.get("keepalive_s", cls.keepalive_s)),
             send_queue=int(extra.get("send_queue", cls.send_queue)),
             shm_dir=str(extra.get("shm_dir", cls.shm_dir)),
+            gpu_memory=str(extra.get("gpu_memory", cls.gpu_memory)),
             model_identity=str(extra.get("model_identity", "")),
         )

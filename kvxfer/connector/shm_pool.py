@@ -46,24 +46,51 @@ def _is_cpu(device: Any) -> bool:
 
 
 class SharedAllocator(TorchFunctionMode):
+    """``gpu``: a CUDA device index whose allocations come from the sidecar's VMM pools
+    instead (``kvxfer.vmm``; not yet run on a GPU); None: host allocations only."""
+
     def __init__(self, directory: str = "/dev/shm", min_bytes: int = 1 << 16,
-                 pools: PoolClient | None = None) -> None:
+                 pools: PoolClient | None = None, gpu: int | None = None) -> None:
         super().__init__()
         self.pools = pools
         self.directory = directory
         self.min_bytes = min_bytes
+        self.gpu = gpu
         self.allocations: list[ShmAllocation] = []
+
+    def _ours(self, device: Any) -> bool:
+        if self.gpu is None:
+            return _is_cpu(device)
+        if device is None:
+            return False
+        d = torch.device(device)
+        index = d.index if d.index is not None else torch.cuda.current_device()
+        return d.type == "cuda" and index == self.gpu
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
-        if func in (torch.zeros, torch.empty) and _is_cpu(kwargs.get("device")):
+        if func in (torch.zeros, torch.empty) and self._ours(kwargs.get("device")):
             size = args[0] if len(args) == 1 and isinstance(args[0], list | tuple | torch.Size) else args
             dtype = kwargs.get("dtype") or torch.get_default_dtype()
             numel = math.prod(int(s) for s in size)
             nbytes = numel * torch.empty((), dtype=dtype).element_size()
             if nbytes >= self.min_bytes and not kwargs.get("out") and not kwargs.get("requires_grad"):
+                if self.gpu is not None:
+                    return self._allocate_gpu(tuple(int(s) for s in size), dtype, nbytes, func is torch.zeros)
                 return self._allocate(tuple(int(s) for s in size), dtype, numel, nbytes, kwargs)
         return func(*args, **kwargs)
+
+    def _allocate_gpu(self, size: tuple[int, ...], dtype: torch.dtype, nbytes: int,
+                      zero: bool) -> torch.Tensor:
+        assert self.pools is not None
+        assert self.gpu is not None
+        pool = self.pools.create(nbytes, label=f"torch {list(size)} {dtype}", device=self.gpu)
+        flat = pool.map_gpu().tensor()[:nbytes].view(dtype)  # keeps the mapping alive
+        if zero:
+            flat.zero_()  # fresh VMM memory is not zeroed, unlike a fresh memfd
+        tensor = flat.view(size)
+        self.allocations.append(ShmAllocation("", tensor.data_ptr(), nbytes, pool))
+        return tensor
 
     def _allocate(
         self, size: tuple[int, ...], dtype: torch.dtype, numel: int, nbytes: int, kwargs: dict[str, Any]

@@ -91,9 +91,14 @@ class WorkerSide:
         self.tp_size = tp_size
         self.place = place or Placement()
         self.device = device
-        # CPU: vLLM's KV cache is allocated in pools the sidecar owns (its memory channel)
-        self.pools = PoolClient.for_engine_socket(settings.sidecar) if device == "cpu" else None
-        self.allocator = SharedAllocator(settings.shm_dir, pools=self.pools) if device == "cpu" else None
+        # vLLM's KV cache is allocated in pools the sidecar owns (its memory channel): on a
+        # CPU always, on a GPU with gpu_memory "vmm" (else the engine allocates: CUDA IPC)
+        gpu = _cuda_index(device) if settings.gpu_memory == "vmm" else None
+        uses_pools = device == "cpu" or gpu is not None
+        self.pools = PoolClient.for_engine_socket(settings.sidecar) if uses_pools else None
+        if gpu is not None and self.pools is None:
+            raise RuntimeError("kvxfer: gpu_memory 'vmm' needs an ipc:// sidecar socket (the memory channel)")
+        self.allocator = SharedAllocator(settings.shm_dir, pools=self.pools, gpu=gpu) if uses_pools else None
         self.client: SidecarClient | None = None
         self.registered: Registered | None = None
         self._recvs: dict[str, tuple[list[int], float]] = {}
@@ -115,18 +120,18 @@ class WorkerSide:
         return self.allocator
 
     def _memory_of(self, tensor: Any) -> tuple[MemoryRef, object, int]:
+        found = self.allocator.lookup(tensor) if self.allocator is not None else None
+        if found is not None:
+            ref, offset = found
+            return ref, ("mem", getattr(ref, "pool", "") or getattr(ref, "path", "")), offset
         if tensor.device.type == "cuda":
             storage = tensor.untyped_storage()
             ref = cuda_ipc_memory(tensor)
             return ref, ("cuda", storage.data_ptr()), tensor.data_ptr() - storage.data_ptr()
-        found = self.allocator.lookup(tensor) if self.allocator is not None else None
-        if found is None:
-            raise RuntimeError(
-                "kvxfer: this CPU KV cache is not in shared memory; it must be allocated inside "
-                "the connector's get_mem_pool_context()"
-            )
-        ref, offset = found
-        return ref, ("mem", getattr(ref, "pool", "") or getattr(ref, "path", "")), offset
+        raise RuntimeError(
+            "kvxfer: this CPU KV cache is not in shared memory; it must be allocated inside "
+            "the connector's get_mem_pool_context()"
+        )
 
     def register_kv_caches(self, kv_caches: dict[str, Any], shape: CacheShape) -> Registered:
         msg = registration_from_tensors(
@@ -297,3 +302,15 @@ class WorkerSide:
             self.client = None
         if self.allocator is not None:
             self.allocator.close()
+
+
+def _cuda_index(device: str) -> int | None:
+    """The CUDA ordinal of a worker's device ("cuda:1" -> 1; "cuda" -> the current one)."""
+    if not device.startswith("cuda"):
+        return None
+    _, _, idx = device.partition(":")
+    if idx:
+        return int(idx)
+    import torch
+
+    return int(torch.cuda.current_device())

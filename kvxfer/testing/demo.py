@@ -2,12 +2,15 @@
 synthetic engine process each, moving KV blocks over NIXL and checking every byte.
 
 Each engine process holds one KV cache per TP rank, each registered separately over its
-own connection, as separate GPUs' workers would. Phases: the prefill engine fills and
-holds all requests (the decode side gets their kv_transfer_params over a pipe, as a router
-would forward them); one warm-up request pays the handshake; the decode engine then posts
-every rank's receive at once and the clock runs from the first ``Recv`` to the last
-``Done``; every received byte of every rank is verified; the prefill engine waits until
-every hold is released by read notices.
+own connection, as separate GPUs' workers would, in pools from its sidecar's memory
+channel. The pools hold what is in flight at once (``in_flight`` requests and the
+warm-up), not every request: blocks are recycled as an engine recycles them. One warm-up
+request pays the handshake; then, round by round, the prefill engine fills and holds
+``in_flight`` requests (the decode side gets their kv_transfer_params over a pipe, as a
+router would forward them), the decode engine posts every rank's receive at once, the
+clock runs from the first ``Recv`` to the last ``Done``, every received byte of every rank
+is verified, and both sides free the blocks once the prefill's holds are released by read
+notices. The throughput is the bytes over the sum of the rounds' ``Recv``→``Done`` times.
 """
 
 from __future__ import annotations
@@ -21,6 +24,8 @@ from typing import Any
 
 from kvxfer.auth import new_token
 from kvxfer.client import RemoteBlocks
+from kvxfer.memory import region_block_len
+from kvxfer.pool import available_memory
 from kvxfer.protocol import KVLayout
 from kvxfer.testing.engine import SyntheticEngine, make_layout
 from kvxfer.testing.procs import SidecarFactory, SidecarProc, free_port
@@ -29,6 +34,7 @@ from kvxfer.testing.procs import SidecarFactory, SidecarProc, free_port
 @dataclass(frozen=True)
 class DemoOptions:
     requests: int = 64
+    in_flight: int = 32  # requests moved at once; the pools hold these (0: all of them)
     layers: int = 32
     blocks_per_request: int = 8  # in prefill blocks
     block_size: int = 16
@@ -69,10 +75,40 @@ class DemoOptions:
     def is_mla(self) -> bool:
         return self.mla or self.kv_layout == "mla"
 
+    @property
+    def window(self) -> int:
+        """Requests in flight at once (a round)."""
+        return max(1, min(self.in_flight or self.requests, self.requests))
+
+    def rounds(self) -> list[range]:
+        """The timed requests (1..requests; 0 is the warm-up), ``window`` at a time."""
+        w = self.window
+        return [range(i, min(i + w, self.requests + 1)) for i in range(1, self.requests + 1, w)]
+
+    def pool_bytes(self, side: str) -> int:
+        """KV-pool bytes one side's engine asks its sidecar for (all its TP ranks)."""
+        lay = self.layout(side)
+        tp = self.prefill_tp if side == "prefill" else self.decode_tp
+        return tp * lay.num_regions * lay.num_blocks * region_block_len(lay)
+
+    def check_memory(self, available: int | None = None) -> None:
+        """Refuse, before anything is allocated, pools this machine cannot hold."""
+        need = self.pool_bytes("prefill") + self.pool_bytes("decode")
+        have = available_memory() if available is None else available
+        if need > have:
+            per = need / (self.window + 1)  # the pools hold the window and the warm-up
+            fits = int(0.75 * have // per) - 1
+            hint = (f"--in-flight {fits} fits in three quarters of that" if fits >= 1
+                    else "fewer --blocks-per-request or --layers are needed")
+            raise MemoryError(
+                f"the KV pools need {_gib(need)} ({_gib(self.pool_bytes('prefill'))} prefill + "
+                f"{_gib(self.pool_bytes('decode'))} decode for {self.window} requests in flight and "
+                f"a warm-up), and this machine has {_gib(have)} available (MemAvailable); {hint}")
+
     def layout(self, side: str, rank: int = 0) -> KVLayout:
         return make_layout(
             layers=self.layers,
-            num_blocks=(self.requests + 1) * self.side_blocks(side) + 1,  # + warm-up + null
+            num_blocks=(self.window + 1) * self.side_blocks(side) + 1,  # in flight + warm-up + null
             block_size=self.block_size_of(side),
             heads=self.heads,
             head_dim=self.head_dim,
@@ -105,30 +141,38 @@ def _prefill_main(opts: DemoOptions, endpoint: str, to_decode: Any, results: Any
             e.start()
         reg = lead.registered
         assert reg is not None
-        params = []
-        t0 = time.perf_counter()
-        names = ["warmup"] + [f"req-{i}" for i in range(opts.requests)]
-        for name in names:
-            blocks = lead.allocate(opts.side_blocks("prefill"))  # block ids are engine-wide
-            for e in engines:
-                e.fill(name, blocks)
-            token = new_token()  # as the connector does: the read and its notices must present it
-            lead.client.hold(name, blocks, lease_s=opts.lease_s, token=token)
-            params.append(
-                {"req_id": name, "engine_id": reg.engine_id, "host": reg.handshake_host,
-                 "port": reg.handshake_port, "block_ids": blocks, "tp_size": opts.prefill_tp,
-                 "token": token}
-            )
-        fill_s = time.perf_counter() - t0
-        to_decode.send(params)
+        fill_s = 0.0
         reasons: dict[str, int] = {}
         errors: list[str] = []
-        deadline = time.monotonic() + opts.timeout_s
-        while sum(reasons.values()) < len(names) and time.monotonic() < deadline:
-            ev = lead.client.wait(0.5)
-            for r in ev.released:
-                reasons[r.reason] = reasons.get(r.reason, 0) + 1
-            errors += [f"{e.code}: {e.message}" for e in ev.errors]
+        for round_ in [range(0, 1), *opts.rounds()]:  # the warm-up, then the timed rounds
+            deadline = time.monotonic() + opts.timeout_s  # (a round's)
+            t0 = time.perf_counter()
+            params, held = [], {}
+            for i in round_:
+                name = _req_name(i)
+                blocks = lead.allocate(opts.side_blocks("prefill"))  # block ids are engine-wide
+                for e in engines:
+                    e.fill(name, blocks)
+                token = new_token()  # as the connector does: the read and its notices must present it
+                lead.client.hold(name, blocks, lease_s=opts.lease_s, token=token)
+                held[name] = blocks
+                params.append(
+                    {"req_id": name, "engine_id": reg.engine_id, "host": reg.handshake_host,
+                     "port": reg.handshake_port, "block_ids": blocks, "tp_size": opts.prefill_tp,
+                     "token": token}
+                )
+            fill_s += time.perf_counter() - t0
+            to_decode.send(params)
+            while held and time.monotonic() < deadline:  # a block is reused once its hold ends
+                ev = lead.client.wait(0.5)
+                for r in ev.released:
+                    reasons[r.reason] = reasons.get(r.reason, 0) + 1
+                    if r.req_id in held:
+                        lead.free(held.pop(r.req_id))
+                errors += [f"{e.code}: {e.message}" for e in ev.errors]
+            if held:
+                errors.append(f"holds of {sorted(held)} not released in {opts.timeout_s:.0f} s")
+                break
         results.put({"role": "prefill", "released": reasons, "errors": errors, "fill_s": fill_s})
     except BaseException as e:
         results.put({"role": "prefill", "fatal": repr(e)})
@@ -143,7 +187,6 @@ def _decode_main(opts: DemoOptions, endpoint: str, from_prefill: Any, results: A
     try:
         for e in engines:
             e.start()
-        params = from_prefill.recv()
         local: dict[str, list[int]] = {}
         stats = {"bytes": 0, "descriptors": 0}
 
@@ -179,25 +222,43 @@ def _decode_main(opts: DemoOptions, endpoint: str, from_prefill: Any, results: A
                     failed.update({x.req_id or "?": f"{x.code}: {x.message}" for x in ev.errors})
             return done, failed
 
-        t_cold = time.perf_counter()
-        post(params[0])
-        done, failed = collect([params[0]["req_id"]])
-        cold_ms = (time.perf_counter() - t_cold) * 1e3
-        stats = {"bytes": 0, "descriptors": 0}
-        t0 = time.perf_counter()
-        for p in params[1:]:
-            post(p)
-        d2, f2 = collect([p["req_id"] for p in params[1:]])
-        done.update(d2)
-        failed.update(f2)
-        seconds = (max(d2.values()) - t0) if d2 else 0.0
-        bad = [f"{r} (rank {e.layout.tp_rank})" for r in done for e in engines
-               if not e.verify(r, local[r])]
+        def verify_and_free(names: list[str]) -> list[str]:
+            """Check every byte of every rank, then give the blocks back for the next round."""
+            bad = [f"{r} (rank {e.layout.tp_rank})" for r in names for e in engines
+                   if not e.verify(r, local[r])]
+            for r in names:
+                lead.free(local.pop(r))
+            return bad
+
+        done: dict[str, float] = {}
+        failed: dict[str, str] = {}
+        bad: list[str] = []
+        verified = seconds = 0.0
+        cold_ms = 0.0
+        for n_round in range(1 + len(opts.rounds())):
+            params = from_prefill.recv()
+            t0 = time.perf_counter()
+            for p in params:
+                post(p)
+            d, f = collect([p["req_id"] for p in params])
+            if n_round == 0:  # the warm-up pays the handshake; its bytes are not counted
+                cold_ms = (time.perf_counter() - t0) * 1e3
+                stats.update(bytes=0, descriptors=0)
+            else:
+                done.update(d)
+                seconds += (max(d.values()) - t0) if d else 0.0
+            failed.update(f)
+            round_bad = verify_and_free(list(d))
+            bad += round_bad
+            verified += 0 if round_bad else len(d)
+            for r in f:  # a failed receive's blocks are the engine's again too
+                if r in local:
+                    lead.free(local.pop(r))
         results.put({
-            "role": "decode", "done": len(d2), "failed": failed, "bad": bad,
-            "verified_requests": len(done) if not bad else 0, "seconds": seconds,
+            "role": "decode", "done": len(done), "failed": failed, "bad": bad,
+            "verified_requests": int(verified) if not bad else 0, "seconds": seconds,
             "first_transfer_ms_cold": cold_ms, "bytes": stats["bytes"],
-            "descriptors": stats["descriptors"],
+            "descriptors": stats["descriptors"], "rounds": len(opts.rounds()),
         })
     except BaseException as e:
         results.put({"role": "decode", "fatal": repr(e)})
@@ -206,9 +267,20 @@ def _decode_main(opts: DemoOptions, endpoint: str, from_prefill: Any, results: A
             e.close()
 
 
+def _req_name(i: int) -> str:
+    return "warmup" if i == 0 else f"req-{i - 1}"
+
+
+def _gib(n: float) -> str:
+    return f"{n / (1 << 30):.2f} GiB"
+
+
 def run_demo(opts: DemoOptions) -> dict[str, Any]:
-    """Run the whole pipeline; returns the summary (``verified`` tells if every byte matched)."""
+    """Run the whole pipeline; returns the summary (``verified`` tells if every byte matched).
+    Raises ``ValueError`` for impossible block sizes and ``MemoryError`` for pools larger than
+    this machine's available memory, before anything starts."""
     opts.side_blocks("decode")  # refuse impossible block-size combinations up front
+    opts.check_memory()
     serve_args = ("--handshake-host", "127.0.0.1", "--lease-s", str(opts.lease_s),
                   "--ucx-error-mode", opts.ucx_error_mode, *opts.extra_serve_args)
     ctx = mp.get_context("spawn")
@@ -226,12 +298,16 @@ def run_demo(opts: DemoOptions) -> dict[str, Any]:
         for e in engines:
             e.start()
         got: dict[str, dict[str, Any]] = {}
-        deadline = time.monotonic() + opts.timeout_s + 60
+        deadline = time.monotonic() + (opts.timeout_s + 60) * (1 + len(opts.rounds()))
         while len(got) < 2 and time.monotonic() < deadline:
+            dead = not any(e.is_alive() for e in engines)  # (before the get: it may hold the last)
             with contextlib.suppress(Exception):
                 r = results.get(timeout=1.0)
                 got[r["role"]] = r
-            if any(sc.proc.poll() is not None for sc in sidecars):
+                if "fatal" in r:
+                    break  # the other side would only wait for it until its deadlines
+                continue
+            if dead or any(sc.proc.poll() is not None for sc in sidecars):
                 break
         summary = _summarise(opts, got, sidecars)
         summary["metrics"] = _metrics(sidecars)
@@ -309,6 +385,9 @@ def _summarise(
         "prefill_tp": opts.prefill_tp,
         "decode_tp": opts.decode_tp,
         "first_transfer_ms_cold": round(float(dec.get("first_transfer_ms_cold", 0.0)), 3),
+        "in_flight": opts.window,
+        "rounds": len(opts.rounds()),
+        "pool_bytes": opts.pool_bytes("prefill") + opts.pool_bytes("decode"),
         "released": released,
         "request_bytes": opts.request_bytes(),
         "descriptors": descriptors,

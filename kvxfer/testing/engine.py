@@ -77,14 +77,17 @@ class SyntheticEngine:
     """
 
     def __init__(self, layout: KVLayout, endpoint: str, *, seed: int = 0, device: str = "cpu",
-                 kv_layout: str = "", engine_id: str = "", dp_rank: int = 0) -> None:
+                 kv_layout: str = "", engine_id: str = "", dp_rank: int = 0,
+                 gpu_memory: str = "ipc") -> None:
         self.layout = layout
         self.engine_id = engine_id  # "": the sidecar's; else this rank's engine (a DP rank's "<id>_dp<k>")
         self.dp_rank = dp_rank
         self.device = device
         self.tensors: TensorKV | None = None
         # host memory comes from the sidecar's memory channel, as a connector's does
-        self.pools = PoolClient.for_engine_socket(endpoint) if device == "cpu" else None
+        # (a GPU engine too with gpu_memory="vmm": the sidecar's CUDA VMM pools)
+        self.pools = (PoolClient.for_engine_socket(endpoint)
+                      if device == "cpu" or gpu_memory == "vmm" else None)
         self._registration = None
         if kv_layout:
             if device != "cpu":
@@ -98,7 +101,8 @@ class SyntheticEngine:
             self.layout = self._registration.layout
         self.kv: SharedKV | CudaKV | None = (
             None if self.tensors is not None
-            else SharedKV.create(layout, self.pools) if device == "cpu" else CudaKV.create(layout, device)
+            else SharedKV.create(layout, self.pools) if device == "cpu"
+            else CudaKV.create(layout, device, self.pools)
         )
         self.client = SidecarClient(endpoint)
         self._free = list(range(1, layout.num_blocks))

@@ -1,0 +1,264 @@
+"""GPU KV pools the sidecar owns: CUDA virtual memory management (VMM) through ``cuda.bindings``.
+
+The GPU half of the memory channel (``kvxfer.pool``). The sidecar creates the physical
+memory (``cuMemCreate``: pinned device memory, exportable as a POSIX fd, plus a fabric
+handle where the driver allows one, ``gpuDirectRDMACapable`` where the device supports
+GPUDirect RDMA on VMM memory, size rounded up to the allocation granularity), exports it as
+a file descriptor and releases its own handle: from then on the fd is the allocation, as a
+memfd is on the CPU, and it is passed to the engine with ``SCM_RIGHTS``. Whoever maps it
+(the engine for its KV cache, the sidecar for its NIXL registration) imports the fd
+(``cuMemImportFromShareableHandle``), reserves a virtual range, maps and enables access.
+The driver frees the memory when the last fd, handle and mapping are gone: a killed engine
+or sidecar leaks nothing, and memory that NIXL/UCX see was allocated through the VMM API,
+which UCX's cuda_ipc transport can export to a peer (legacy ``cuIpcOpenMemHandle`` memory
+cannot be re-exported).
+
+**This path has not run on a GPU.** It was written in a session without one, against the
+``cuda.bindings`` API (import and struct construction are checked on a CPU) and a fake
+driver in ``tests/test_vmm.py``; ``tests/test_gpu.py`` runs it where a GPU is present.
+
+``cuda.bindings`` (the ``cuda-bindings`` package, ``pip install kvxfer[gpu]``) is imported
+only when a GPU pool is asked for.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvxfer.errors import ErrorCode, RequestError
+
+
+class VmmUnavailable(RequestError):
+    """No GPU pools here (no ``cuda.bindings``, no driver, or a device without VMM)."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(ErrorCode.UNSUPPORTED, reason)
+
+
+def align_up(n: int, granularity: int) -> int:
+    return -(-n // granularity) * granularity
+
+
+@dataclass(frozen=True)
+class Caps:
+    """What a device offers VMM allocations."""
+
+    vmm: bool
+    posix_fd: bool
+    fabric: bool
+    rdma: bool  # GPUDirect RDMA on VMM memory
+
+
+@dataclass
+class VmmMapping:
+    """An imported allocation mapped at ``va`` in this process (readable and writable by
+    ``device``). ``close()`` unmaps it; the memory lives on while other holders remain."""
+
+    vmm: Vmm = field(repr=False)
+    va: int
+    size: int
+    device: int
+    closed: bool = False
+
+    @property
+    def __cuda_array_interface__(self) -> dict[str, Any]:
+        return {"shape": (self.size,), "typestr": "|u1", "data": (self.va, False), "version": 3,
+                "strides": None}
+
+    def tensor(self) -> Any:
+        """The whole mapping as a ``torch.uint8`` CUDA tensor (no copy; keeps this alive)."""
+        import torch
+
+        return torch.as_tensor(self, device=f"cuda:{self.device}")
+
+    def close(self) -> None:
+        """Unmap now (no tensor over it may be used after this)."""
+        if not self.closed:
+            self.closed = True
+            self.vmm.unmap(self.va, self.size, self.device)
+
+    def __del__(self) -> None:  # the last tensor over it (torch keeps a reference) is gone
+        with contextlib.suppress(Exception):
+            self.close()
+
+
+class Vmm:
+    """The few driver calls the pools need. ``driver`` is ``cuda.bindings.driver`` (a fake
+    in unit tests); every call returns ``(CUresult, *values)`` as that module's do."""
+
+    def __init__(self, driver: Any = None) -> None:
+        self.d = driver if driver is not None else _load_driver()
+        self._lock = threading.Lock()
+        self._ctx: dict[int, Any] = {}
+        self._caps: dict[int, Caps] = {}
+        self._gran: dict[int, int] = {}
+
+    # ------------------------------------------------------------------ plumbing
+
+    def _ok(self, ret: Any, what: str) -> Any:
+        err, *vals = ret if isinstance(ret, tuple) else (ret,)
+        if err != self.d.CUresult.CUDA_SUCCESS:
+            raise RequestError(ErrorCode.MEMORY_MAP_FAILED, f"{what}: {self._name(err)}")
+        return vals[0] if len(vals) == 1 else tuple(vals)
+
+    def _name(self, err: Any) -> str:
+        try:
+            e, name = self.d.cuGetErrorName(err)
+            return name.decode() if isinstance(name, bytes) else str(name)
+        except Exception:  # the name is only for the message
+            return str(err)
+
+    def context(self, device: int) -> None:
+        """Make ``device``'s primary context current on this thread (retained once)."""
+        with self._lock:
+            ctx = self._ctx.get(device)
+            if ctx is None:
+                try:
+                    ret = self.d.cuInit(0)
+                except Exception as e:  # cuda.bindings without a driver library raises here
+                    raise VmmUnavailable(f"no CUDA driver: {e}") from e
+                if ret[0] != self.d.CUresult.CUDA_SUCCESS:
+                    raise VmmUnavailable(f"cuInit: {self._name(ret[0])}")
+                dev = self._ok(self.d.cuDeviceGet(device), f"cuDeviceGet({device})")
+                ctx = self._ok(self.d.cuDevicePrimaryCtxRetain(dev), "cuDevicePrimaryCtxRetain")
+                self._ctx[device] = ctx
+        self._ok(self.d.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
+
+    def caps(self, device: int) -> Caps:
+        caps = self._caps.get(device)
+        if caps is None:
+            self.context(device)
+            dev = self._ok(self.d.cuDeviceGet(device), "cuDeviceGet")
+            a = self.d.CUdevice_attribute
+
+            def attr(name: str) -> bool:
+                return bool(self._ok(self.d.cuDeviceGetAttribute(getattr(a, name), dev), name))
+
+            caps = Caps(
+                vmm=attr("CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED"),
+                posix_fd=attr("CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED"),
+                fabric=attr("CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_FABRIC_SUPPORTED"),
+                rdma=attr("CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED"),
+            )
+            if not (caps.vmm and caps.posix_fd):
+                raise VmmUnavailable(f"GPU {device} has no VMM allocations with POSIX-fd handles")
+            self._caps[device] = caps
+        return caps
+
+    def prop(self, device: int, fabric: bool, rdma: bool) -> Any:
+        """The ``CUmemAllocationProp`` of a pool on ``device``."""
+        d = self.d
+        p = d.CUmemAllocationProp()
+        p.type = d.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
+        p.location.type = d.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+        p.location.id = device
+        types = int(d.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR)
+        if fabric:
+            types |= int(d.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_FABRIC)
+        p.requestedHandleTypes = types
+        p.allocFlags.gpuDirectRDMACapable = 1 if rdma else 0
+        return p
+
+    def granularity(self, device: int) -> int:
+        g = self._gran.get(device)
+        if g is None:
+            caps = self.caps(device)
+            g = int(self._ok(self.d.cuMemGetAllocationGranularity(
+                self.prop(device, False, caps.rdma),
+                self.d.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_RECOMMENDED),
+                "cuMemGetAllocationGranularity"))
+            self._gran[device] = g
+        return g
+
+    def free_memory(self, device: int) -> int:
+        self.context(device)
+        free, _total = self._ok(self.d.cuMemGetInfo(), "cuMemGetInfo")
+        return int(free)
+
+    # ------------------------------------------------------------------ the sidecar's side
+
+    def create_exported(self, size: int, device: int) -> tuple[int, int]:
+        """A new allocation of at least ``size`` bytes on ``device``; returns (its POSIX fd,
+        its size). No handle or mapping is kept here: the fd is the allocation."""
+        caps = self.caps(device)
+        size = align_up(size, self.granularity(device))
+        handle = None
+        for fabric in ((True, False) if caps.fabric else (False,)):
+            ret = self.d.cuMemCreate(size, self.prop(device, fabric, caps.rdma), 0)
+            if ret[0] == self.d.CUresult.CUDA_SUCCESS:
+                handle = ret[1]
+                break
+            if not fabric:  # fabric handles need an IMEX channel: without one, plain fds
+                self._ok(ret, f"cuMemCreate({size} bytes on GPU {device})")
+        assert handle is not None
+        try:
+            fd = int(self._ok(self.d.cuMemExportToShareableHandle(
+                handle, self.d.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0),
+                "cuMemExportToShareableHandle"))
+        finally:
+            self._ok(self.d.cuMemRelease(handle), "cuMemRelease")
+        os.set_inheritable(fd, False)
+        return fd, size
+
+    # ------------------------------------------------------------------ anyone's side
+
+    def import_fd(self, fd: int, size: int, device: int) -> VmmMapping:
+        """Map the first ``size`` bytes (rounded up to the granularity, as the driver wants
+        every size) of the allocation behind ``fd``; the caller keeps ``fd``."""
+        self.context(device)
+        size = align_up(size, self.granularity(device))
+        handle = self._ok(self.d.cuMemImportFromShareableHandle(
+            fd, self.d.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR),
+            "cuMemImportFromShareableHandle (is the fd a VMM allocation?)")
+        va = None
+        try:
+            va = self._ok(self.d.cuMemAddressReserve(size, self.granularity(device), 0, 0),
+                          "cuMemAddressReserve")
+            self._ok(self.d.cuMemMap(va, size, 0, handle, 0), f"cuMemMap({size} bytes)")
+            try:
+                access = self.d.CUmemAccessDesc()
+                access.location.type = self.d.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+                access.location.id = device
+                access.flags = self.d.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+                self._ok(self.d.cuMemSetAccess(va, size, [access], 1), "cuMemSetAccess")
+            except BaseException:
+                self._ok(self.d.cuMemUnmap(va, size), "cuMemUnmap")
+                raise
+        except BaseException:
+            if va is not None:
+                with contextlib.suppress(RequestError):
+                    self._ok(self.d.cuMemAddressFree(va, size), "cuMemAddressFree")
+            raise
+        finally:
+            self._ok(self.d.cuMemRelease(handle), "cuMemRelease")  # the mapping holds it now
+        return VmmMapping(self, int(va), size, device)
+
+    def unmap(self, va: int, size: int, device: int) -> None:
+        self.context(device)
+        self._ok(self.d.cuMemUnmap(va, size), "cuMemUnmap")
+        self._ok(self.d.cuMemAddressFree(va, size), "cuMemAddressFree")
+
+
+def _load_driver() -> Any:
+    try:
+        from cuda.bindings import driver
+    except ImportError as e:
+        raise VmmUnavailable("GPU pools need the cuda-bindings package (pip install kvxfer[gpu])") from e
+    return driver
+
+
+_shared: Vmm | None = None
+_shared_lock = threading.Lock()
+
+
+def shared() -> Vmm:
+    """This process's ``Vmm`` (contexts are per process)."""
+    global _shared
+    with _shared_lock:
+        if _shared is None:
+            _shared = Vmm()
+        return _shared
