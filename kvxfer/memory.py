@@ -149,11 +149,14 @@ class CudaKV:
         block_len = region_block_len(layout)
         shape = (layout.num_layers, layout.kv_parts, layout.num_blocks, block_len)
         if pools is not None:
-            index = torch.device(device).index or 0
+            d = torch.device(device)
+            index = d.index if d.index is not None else torch.cuda.current_device()
             nbytes = layout.num_regions * layout.num_blocks * block_len
-            pool = pools.create(nbytes, label=f"kv tp{layout.tp_rank} pp{layout.pp_rank}", device=index)
+            pool = pools.create(nbytes, label=f"kv tp{layout.tp_rank} pp{layout.pp_rank}", device=index,
+                                device_uuid=str(torch.cuda.get_device_properties(index).uuid))
             tensor = pool.map_gpu().tensor()[:nbytes].view(shape)
             tensor.zero_()  # VMM memory comes uninitialised
+            torch.cuda.synchronize(index)
             return cls(layout, nbytes, tensor, pool, pools)
         tensor = torch.zeros(shape, dtype=torch.uint8, device=device)
         return cls(layout, tensor.numel(), tensor)

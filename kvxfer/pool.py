@@ -49,6 +49,7 @@ import msgspec
 from msgspec import Meta
 
 from kvxfer.errors import ErrorCode, KvxferError, RequestError
+from kvxfer.vmm import align_up
 
 if TYPE_CHECKING:
     from kvxfer.vmm import Vmm, VmmMapping
@@ -73,6 +74,7 @@ class PoolCreate(_PoolMsg, tag="create"):
     size: Annotated[int, Meta(gt=0, le=MAX_POOL_BYTES)]
     label: Annotated[str, Meta(max_length=256)] = ""  # shown in logs (which rank, which cache)
     device: Device = -1
+    device_uuid: Annotated[str, Meta(max_length=64)] = ""  # the GPU's, as the engine sees it
 
 
 class PoolAdopt(_PoolMsg, tag="adopt"):
@@ -80,6 +82,7 @@ class PoolAdopt(_PoolMsg, tag="adopt"):
     size: Annotated[int, Meta(gt=0, le=MAX_POOL_BYTES)]
     label: Annotated[str, Meta(max_length=256)] = ""
     device: Device = -1
+    device_uuid: Annotated[str, Meta(max_length=64)] = ""
 
 
 class PoolFree(_PoolMsg, tag="free"):
@@ -159,6 +162,7 @@ class Pool:
     fd: int
     label: str = ""
     device: int = -1  # a CUDA device: a VMM allocation, mapped with map_gpu()
+    device_uuid: str = ""
     mm: mmap.mmap | None = field(default=None, repr=False)
     gpu: VmmMapping | None = field(default=None, repr=False)
 
@@ -248,18 +252,20 @@ class PoolClient:
             raise KvxferError(f"[{reply.code}] {reply.message}")
         return reply, (fds[0] if fds else None)
 
-    def create(self, size: int, label: str = "", device: int = -1) -> Pool:
+    def create(self, size: int, label: str = "", device: int = -1, device_uuid: str = "") -> Pool:
         """A new pool of at least ``size`` bytes from the sidecar (mapped on first ``map()``,
-        or ``map_gpu()`` for a pool on CUDA ``device``)."""
+        or ``map_gpu()`` for a pool on CUDA ``device``, whose UUID tells the sidecar which GPU
+        that is where its CUDA_VISIBLE_DEVICES differs)."""
         with self._lock:
-            granted, fd = self._call(PoolCreate(size=size, label=label, device=device))
+            granted, fd = self._call(PoolCreate(size=size, label=label, device=device,
+                                                device_uuid=device_uuid))
             if fd is None:
                 raise KvxferError("the sidecar granted a pool without its fd")
             if granted.device != device or granted.size < size:
                 os.close(fd)
                 raise KvxferError(f"the sidecar granted {granted.size} bytes on device {granted.device}, "
                                   f"asked {size} on {device}")
-            pool = Pool(granted.pool, granted.size, fd, label, device)
+            pool = Pool(granted.pool, granted.size, fd, label, device, device_uuid)
             self.pools[pool.id] = pool
             return pool
 
@@ -269,8 +275,8 @@ class PoolClient:
         with self._lock:
             self._disconnect()
             for pool in self.pools.values():
-                self._call(PoolAdopt(pool=pool.id, size=pool.size, label=pool.label, device=pool.device),
-                           pool.fd)
+                self._call(PoolAdopt(pool=pool.id, size=pool.size, label=pool.label, device=pool.device,
+                                     device_uuid=pool.device_uuid), pool.fd)
             return len(self.pools)
 
     def free(self, pool: Pool) -> None:
@@ -491,7 +497,15 @@ class PoolServer:
             self.vmm = vmm.shared()
         return self.vmm
 
+    def _local_device(self, device: int, uuid: str) -> int:
+        """The sidecar's ordinal of the engine's GPU (by UUID when the engine sent one)."""
+        if device < 0 or not uuid:
+            return device
+        return self.gpu().ordinal_of(uuid)
+
     def _check_room(self, size: int, device: int = -1) -> None:
+        if device >= 0:
+            size = align_up(size, self.gpu().granularity(device))
         with self._lock:
             held = sum(h.size for h in self._pools.values() if h.device == device)
         if self.max_bytes and held + size > self.max_bytes:
@@ -510,10 +524,11 @@ class PoolServer:
                                f"this machine has available ({_gib(avail)})")
 
     def _grant(self, conn: socket.socket, fileno: int, pid: int, msg: PoolCreate) -> None:
-        self._check_room(msg.size, msg.device)
+        device = self._local_device(msg.device, msg.device_uuid)
+        self._check_room(msg.size, device)
         size = msg.size
-        if msg.device >= 0:
-            fd, size = self.gpu().create_exported(msg.size, msg.device)  # RequestError if it cannot
+        if device >= 0:
+            fd, size = self.gpu().create_exported(msg.size, device)  # RequestError if it cannot
         else:
             try:
                 fd = memfd(msg.size)
@@ -521,9 +536,9 @@ class PoolServer:
                 raise RequestError(ErrorCode.OUT_OF_MEMORY, f"memfd of {msg.size} bytes: {e}") from e
         pool = secrets.token_hex(16)
         with self._lock:
-            self._pools[pool] = _Held(pool, fd, size, fileno, pid, msg.label, msg.device)
+            self._pools[pool] = _Held(pool, fd, size, fileno, pid, msg.label, device)
         self.created += 1
-        where = "" if msg.device < 0 else f" on GPU {msg.device}"
+        where = "" if device < 0 else f" on GPU {device}"
         log.info("pool %s: %s%s for pid %d %s", pool[:8], _gib(size), where, pid, msg.label)
         self._reply(conn, PoolGranted(pool=pool, size=size, device=msg.device), fd)
 
@@ -533,13 +548,15 @@ class PoolServer:
                 os.close(fd)
             raise RequestError(ErrorCode.MALFORMED, f"adopt carries {len(fds)} fds, not 1")
         fd = fds[0]
+        device = -1
         try:
-            if msg.device >= 0:  # proof it is a VMM allocation of that size: it maps
+            device = self._local_device(msg.device, msg.device_uuid)
+            if device >= 0:  # proof it is a VMM allocation of that size on that GPU: it maps
                 try:
-                    self.gpu().import_fd(fd, msg.size, msg.device).close()
+                    self.gpu().import_fd(fd, msg.size, device).close()
                 except RequestError as e:
                     raise RequestError(ErrorCode.INVALID_MEMORY, f"not a GPU pool of {msg.size} bytes "
-                                       f"on GPU {msg.device}: {e.reason}") from e
+                                       f"on GPU {device}: {e.reason}") from e
             else:
                 check_memfd(fd, msg.size)
         except (RequestError, OSError) as e:
@@ -547,7 +564,7 @@ class PoolServer:
             raise e if isinstance(e, RequestError) else RequestError(ErrorCode.INVALID_MEMORY, str(e)) from e
         with self._lock:
             old = self._pools.pop(msg.pool, None)
-            self._pools[msg.pool] = _Held(msg.pool, fd, msg.size, fileno, pid, msg.label, msg.device)
+            self._pools[msg.pool] = _Held(msg.pool, fd, msg.size, fileno, pid, msg.label, device)
         if old is not None:
             os.close(old.fd)
         self.adopted += 1

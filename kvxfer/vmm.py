@@ -9,9 +9,19 @@ memfd is on the CPU, and it is passed to the engine with ``SCM_RIGHTS``. Whoever
 (the engine for its KV cache, the sidecar for its NIXL registration) imports the fd
 (``cuMemImportFromShareableHandle``), reserves a virtual range, maps and enables access.
 The driver frees the memory when the last fd, handle and mapping are gone: a killed engine
-or sidecar leaks nothing, and memory that NIXL/UCX see was allocated through the VMM API,
-which UCX's cuda_ipc transport can export to a peer (legacy ``cuIpcOpenMemHandle`` memory
-cannot be re-exported).
+or sidecar leaks nothing, and memory that NIXL/UCX see was allocated through the VMM API
+(UCX detects it as CUDA memory through ``cuMemRetainAllocationHandle``; legacy
+``cuIpcOpenMemHandle`` memory is taken for host memory unless ``UCX_MEMTYPE_CACHE=n``).
+Whether UCX's cuda_ipc transport can hand it to a peer on the same node depends on the UCX
+build: POSIX-fd VMM handles only from UCX 1.22 (through ``pidfd_getfd``, which needs the
+peer in the same PID namespace and a ptrace permission that Yama ``ptrace_scope=1`` denies
+between unrelated processes), fabric handles earlier (which need an IMEX channel on the
+machine). The UCX bundled with nixl-cu12 1.5.1 exports fabric handles only; without one the
+pool still works, over whichever lane UCX picks. Which kind a pool got is logged.
+
+Every call runs with the device's primary context pushed and popped again (never left
+current on a thread torch also uses), and mappings are unmapped only after the context's
+work is done (``cuMemUnmap`` does not synchronise in every case).
 
 **This path has not run on a GPU.** It was written in a session without one, against the
 ``cuda.bindings`` API (import and struct construction are checked on a CPU) and a fake
@@ -24,12 +34,16 @@ only when a GPU pool is asked for.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 from kvxfer.errors import ErrorCode, RequestError
+
+log = logging.getLogger(__name__)
 
 
 class VmmUnavailable(RequestError):
@@ -92,18 +106,28 @@ class Vmm:
 
     def __init__(self, driver: Any = None) -> None:
         self.d = driver if driver is not None else _load_driver()
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # (a finaliser may unmap on a thread already inside)
         self._ctx: dict[int, Any] = {}
         self._caps: dict[int, Caps] = {}
         self._gran: dict[int, int] = {}
+        self._no_fabric: set[int] = set()  # devices where a fabric handle was refused once
 
     # ------------------------------------------------------------------ plumbing
 
     def _ok(self, ret: Any, what: str) -> Any:
         err, *vals = ret if isinstance(ret, tuple) else (ret,)
         if err != self.d.CUresult.CUDA_SUCCESS:
-            raise RequestError(ErrorCode.MEMORY_MAP_FAILED, f"{what}: {self._name(err)}")
+            code = (ErrorCode.OUT_OF_MEMORY if err == self.d.CUresult.CUDA_ERROR_OUT_OF_MEMORY
+                    else ErrorCode.MEMORY_MAP_FAILED)
+            raise RequestError(code, f"{what}: {self._name(err)}")
         return vals[0] if len(vals) == 1 else tuple(vals)
+
+    def _quietly(self, ret: Any, what: str) -> None:
+        """A clean-up call on a failure path: log its error, never hide the first one."""
+        try:
+            self._ok(ret, what)
+        except RequestError as e:
+            log.warning("%s", e)
 
     def _name(self, err: Any) -> str:
         try:
@@ -112,26 +136,59 @@ class Vmm:
         except Exception:  # the name is only for the message
             return str(err)
 
-    def context(self, device: int) -> None:
-        """Make ``device``'s primary context current on this thread (retained once)."""
+    def _init(self) -> None:
+        try:
+            ret = self.d.cuInit(0)
+        except Exception as e:  # cuda.bindings without a driver library raises here
+            raise VmmUnavailable(f"no CUDA driver: {e}") from e
+        if ret[0] != self.d.CUresult.CUDA_SUCCESS:
+            raise VmmUnavailable(f"cuInit: {self._name(ret[0])}")
+
+    def _primary(self, device: int) -> Any:
         with self._lock:
             ctx = self._ctx.get(device)
             if ctx is None:
-                try:
-                    ret = self.d.cuInit(0)
-                except Exception as e:  # cuda.bindings without a driver library raises here
-                    raise VmmUnavailable(f"no CUDA driver: {e}") from e
-                if ret[0] != self.d.CUresult.CUDA_SUCCESS:
-                    raise VmmUnavailable(f"cuInit: {self._name(ret[0])}")
+                self._init()
                 dev = self._ok(self.d.cuDeviceGet(device), f"cuDeviceGet({device})")
                 ctx = self._ok(self.d.cuDevicePrimaryCtxRetain(dev), "cuDevicePrimaryCtxRetain")
                 self._ctx[device] = ctx
-        self._ok(self.d.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
+            return ctx
+
+    @contextlib.contextmanager
+    def context(self, device: int) -> Iterator[None]:
+        """``device``'s primary context current on this thread for the block, and whatever
+        was current before (torch's, on an engine) current again after it."""
+        ctx = self._primary(device)
+        current = self._ok(self.d.cuCtxGetCurrent(), "cuCtxGetCurrent")
+        if current is not None and int(current) == int(ctx):
+            yield
+            return
+        self._ok(self.d.cuCtxPushCurrent(ctx), "cuCtxPushCurrent")
+        try:
+            yield
+        finally:
+            self._quietly(self.d.cuCtxPopCurrent(), "cuCtxPopCurrent")
+
+    def ordinal_of(self, uuid: str) -> int:
+        """The ordinal, in this process, of the GPU with ``uuid`` (as torch or nvidia-smi
+        print it: "GPU-" and dashes optional): CUDA_VISIBLE_DEVICES may differ between an
+        engine and its sidecar, so an ordinal alone may name another GPU here."""
+        want = uuid.lower().removeprefix("gpu-").replace("-", "")
+        with self._lock:
+            self._init()
+            count = int(self._ok(self.d.cuDeviceGetCount(), "cuDeviceGetCount"))
+            for i in range(count):
+                dev = self._ok(self.d.cuDeviceGet(i), "cuDeviceGet")
+                got = self._ok(self.d.cuDeviceGetUuid(dev), "cuDeviceGetUuid")
+                if bytes(got.bytes).hex() == want:
+                    return i
+        raise RequestError(ErrorCode.INVALID_MEMORY, f"no GPU {uuid} visible to this sidecar "
+                           f"({count} visible): check CUDA_VISIBLE_DEVICES on both sides")
 
     def caps(self, device: int) -> Caps:
         caps = self._caps.get(device)
         if caps is None:
-            self.context(device)
+            self._primary(device)
             dev = self._ok(self.d.cuDeviceGet(device), "cuDeviceGet")
             a = self.d.CUdevice_attribute
 
@@ -175,8 +232,8 @@ class Vmm:
         return g
 
     def free_memory(self, device: int) -> int:
-        self.context(device)
-        free, _total = self._ok(self.d.cuMemGetInfo(), "cuMemGetInfo")
+        with self.context(device):
+            free, _total = self._ok(self.d.cuMemGetInfo(), "cuMemGetInfo")
         return int(free)
 
     # ------------------------------------------------------------------ the sidecar's side
@@ -187,21 +244,33 @@ class Vmm:
         caps = self.caps(device)
         size = align_up(size, self.granularity(device))
         handle = None
-        for fabric in ((True, False) if caps.fabric else (False,)):
+        with self.context(device):
+            fabric = caps.fabric and device not in self._no_fabric
             ret = self.d.cuMemCreate(size, self.prop(device, fabric, caps.rdma), 0)
-            if ret[0] == self.d.CUresult.CUDA_SUCCESS:
-                handle = ret[1]
-                break
-            if not fabric:  # fabric handles need an IMEX channel: without one, plain fds
-                self._ok(ret, f"cuMemCreate({size} bytes on GPU {device})")
-        assert handle is not None
-        try:
-            fd = int(self._ok(self.d.cuMemExportToShareableHandle(
-                handle, self.d.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0),
-                "cuMemExportToShareableHandle"))
-        finally:
-            self._ok(self.d.cuMemRelease(handle), "cuMemRelease")
+            if fabric and ret[0] in (self.d.CUresult.CUDA_ERROR_NOT_PERMITTED,
+                                     self.d.CUresult.CUDA_ERROR_NOT_SUPPORTED):
+                # fabric handles need an IMEX channel: without one, POSIX fds only (from now on)
+                self._no_fabric.add(device)
+                log.info("GPU %d: no fabric handles here (%s); pools export POSIX fds only",
+                         device, self._name(ret[0]))
+                fabric = False
+                ret = self.d.cuMemCreate(size, self.prop(device, False, caps.rdma), 0)
+            handle = self._ok(ret, f"cuMemCreate({size} bytes on GPU {device})")
+            try:
+                fd = int(self._ok(self.d.cuMemExportToShareableHandle(
+                    handle, self.d.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0),
+                    "cuMemExportToShareableHandle"))
+            except BaseException:
+                self._quietly(self.d.cuMemRelease(handle), "cuMemRelease")
+                raise
+            try:
+                self._ok(self.d.cuMemRelease(handle), "cuMemRelease")  # the fd is the allocation now
+            except BaseException:
+                os.close(fd)
+                raise
         os.set_inheritable(fd, False)
+        log.debug("GPU %d: pool of %d bytes, handles posix_fd%s, gpuDirectRDMACapable=%d", device, size,
+                  "+fabric" if fabric else "", int(caps.rdma))
         return fd, size
 
     # ------------------------------------------------------------------ anyone's side
@@ -209,38 +278,43 @@ class Vmm:
     def import_fd(self, fd: int, size: int, device: int) -> VmmMapping:
         """Map the first ``size`` bytes (rounded up to the granularity, as the driver wants
         every size) of the allocation behind ``fd``; the caller keeps ``fd``."""
-        self.context(device)
         size = align_up(size, self.granularity(device))
-        handle = self._ok(self.d.cuMemImportFromShareableHandle(
-            fd, self.d.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR),
-            "cuMemImportFromShareableHandle (is the fd a VMM allocation?)")
-        va = None
-        try:
-            va = self._ok(self.d.cuMemAddressReserve(size, self.granularity(device), 0, 0),
-                          "cuMemAddressReserve")
-            self._ok(self.d.cuMemMap(va, size, 0, handle, 0), f"cuMemMap({size} bytes)")
+        with self.context(device):
+            handle = self._ok(self.d.cuMemImportFromShareableHandle(
+                fd, self.d.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR),
+                "cuMemImportFromShareableHandle (is the fd a VMM allocation?)")
+            va = None
+            mapped = False
             try:
+                where = self._ok(self.d.cuMemGetAllocationPropertiesFromHandle(handle),
+                                 "cuMemGetAllocationPropertiesFromHandle").location.id
+                if int(where) != device:
+                    raise RequestError(ErrorCode.INVALID_MEMORY, f"the allocation is on GPU {where}, "
+                                       f"not GPU {device}")
+                va = int(self._ok(self.d.cuMemAddressReserve(size, self.granularity(device), 0, 0),
+                                  "cuMemAddressReserve"))
+                self._ok(self.d.cuMemMap(va, size, 0, handle, 0), f"cuMemMap({size} bytes)")
+                mapped = True
                 access = self.d.CUmemAccessDesc()
                 access.location.type = self.d.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
                 access.location.id = device
                 access.flags = self.d.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
                 self._ok(self.d.cuMemSetAccess(va, size, [access], 1), "cuMemSetAccess")
             except BaseException:
-                self._ok(self.d.cuMemUnmap(va, size), "cuMemUnmap")
+                if mapped:
+                    self._quietly(self.d.cuMemUnmap(va, size), "cuMemUnmap")
+                if va is not None:
+                    self._quietly(self.d.cuMemAddressFree(va, size), "cuMemAddressFree")
+                self._quietly(self.d.cuMemRelease(handle), "cuMemRelease")
                 raise
-        except BaseException:
-            if va is not None:
-                with contextlib.suppress(RequestError):
-                    self._ok(self.d.cuMemAddressFree(va, size), "cuMemAddressFree")
-            raise
-        finally:
-            self._ok(self.d.cuMemRelease(handle), "cuMemRelease")  # the mapping holds it now
-        return VmmMapping(self, int(va), size, device)
+            self._quietly(self.d.cuMemRelease(handle), "cuMemRelease")  # the mapping holds it now
+        return VmmMapping(self, va, size, device)
 
     def unmap(self, va: int, size: int, device: int) -> None:
-        self.context(device)
-        self._ok(self.d.cuMemUnmap(va, size), "cuMemUnmap")
-        self._ok(self.d.cuMemAddressFree(va, size), "cuMemAddressFree")
+        with self.context(device):
+            self._ok(self.d.cuCtxSynchronize(), "cuCtxSynchronize")  # no copy still running into it
+            self._ok(self.d.cuMemUnmap(va, size), "cuMemUnmap")
+            self._ok(self.d.cuMemAddressFree(va, size), "cuMemAddressFree")
 
 
 def _load_driver() -> Any:

@@ -83,6 +83,9 @@ class FakeDriver:
     attrs: dict[int, int] = field(default_factory=dict)
     fabric_permitted: bool = False
     no_library: bool = False
+    uuids: list[bytes] = field(default_factory=lambda: [bytes([0xA0 + i] * 16) for i in range(2)])
+    ctx_stack: list[int] = field(default_factory=list)  # this thread's current context, last
+    synced: int = 0
     calls: list[tuple[str, int]] = field(default_factory=list)
     handles: dict[int, int] = field(default_factory=dict)  # handle -> memfd (its reference)
     reserved: dict[int, int] = field(default_factory=dict)  # va -> size
@@ -129,13 +132,41 @@ class FakeDriver:
         self._log("cuDeviceGet", ordinal)
         return CUresult.CUDA_SUCCESS, ordinal
 
-    def cuDevicePrimaryCtxRetain(self, dev: int) -> tuple[Any, str]:  # noqa: N802
+    def cuDevicePrimaryCtxRetain(self, dev: int) -> tuple[Any, int]:  # noqa: N802
         self._log("cuDevicePrimaryCtxRetain", dev)
-        return CUresult.CUDA_SUCCESS, f"ctx{dev}"
+        return CUresult.CUDA_SUCCESS, 1000 + dev
 
-    def cuCtxSetCurrent(self, ctx: Any) -> tuple[Any, ...]:  # noqa: N802
-        self._log("cuCtxSetCurrent", ctx)
+    def cuCtxGetCurrent(self) -> tuple[Any, int | None]:  # noqa: N802
+        self._log("cuCtxGetCurrent")
+        return CUresult.CUDA_SUCCESS, (self.ctx_stack[-1] if self.ctx_stack else None)
+
+    def cuCtxPushCurrent(self, ctx: int) -> tuple[Any, ...]:  # noqa: N802
+        self._log("cuCtxPushCurrent", ctx)
+        self.ctx_stack.append(ctx)
         return OK
+
+    def cuCtxPopCurrent(self) -> tuple[Any, int]:  # noqa: N802
+        self._log("cuCtxPopCurrent")
+        return CUresult.CUDA_SUCCESS, self.ctx_stack.pop()
+
+    def cuCtxSynchronize(self) -> tuple[Any, ...]:  # noqa: N802
+        self._log("cuCtxSynchronize")
+        self.synced += 1
+        return OK
+
+    def _device(self) -> int:
+        """The device of the current context (calls that need one fail without it)."""
+        if not self.ctx_stack:
+            raise AssertionError("a driver call that needs a current context ran without one")
+        return self.ctx_stack[-1] - 1000
+
+    def cuDeviceGetCount(self) -> tuple[Any, int]:  # noqa: N802
+        self._log("cuDeviceGetCount")
+        return CUresult.CUDA_SUCCESS, len(self.uuids)
+
+    def cuDeviceGetUuid(self, dev: int) -> tuple[Any, Any]:  # noqa: N802
+        self._log("cuDeviceGetUuid", dev)
+        return CUresult.CUDA_SUCCESS, SimpleNamespace(bytes=self.uuids[dev])
 
     def cuDeviceGetAttribute(self, attrib: Any, dev: int) -> tuple[Any, int]:  # noqa: N802
         self._log("cuDeviceGetAttribute", attrib, dev)
@@ -158,8 +189,9 @@ class FakeDriver:
             return (CUresult.CUDA_ERROR_NOT_PERMITTED,)
         if size > self.free:
             return (CUresult.CUDA_ERROR_OUT_OF_MEMORY,)
+        self._device()
         self.created.append(prop)
-        fd = os.memfd_create(_NAME, os.MFD_CLOEXEC)
+        fd = os.memfd_create(f"{_NAME}-gpu{prop.location.id}", os.MFD_CLOEXEC)
         os.ftruncate(fd, size)
         h = self._id()
         self.handles[h] = fd
@@ -186,6 +218,15 @@ class FakeDriver:
         self.handles[h] = os.dup(fd)
         return CUresult.CUDA_SUCCESS, h
 
+    def cuMemGetAllocationPropertiesFromHandle(self, handle: int) -> tuple[Any, ...]:  # noqa: N802
+        self._log("cuMemGetAllocationPropertiesFromHandle", handle)
+        if handle not in self.handles:
+            return (CUresult.CUDA_ERROR_INVALID_VALUE,)
+        name = os.readlink(f"/proc/self/fd/{self.handles[handle]}")
+        prop = CUmemAllocationProp()
+        prop.location.id = int(name.split("-gpu")[1].split(" ")[0])
+        return CUresult.CUDA_SUCCESS, prop
+
     def cuMemRelease(self, handle: int) -> tuple[Any, ...]:  # noqa: N802
         self._log("cuMemRelease", handle)
         fd = self.handles.pop(handle, None)
@@ -204,6 +245,7 @@ class FakeDriver:
 
     def cuMemMap(self, va: int, size: int, offset: int, handle: int, flags: int) -> tuple[Any, ...]:  # noqa: N802
         self._log("cuMemMap", va, size, offset, handle, flags)
+        self._device()
         if size % self.granularity or offset % self.granularity:
             return (CUresult.CUDA_ERROR_INVALID_VALUE,)
         if va not in self.reserved or handle not in self.handles or size > self.reserved[va]:
@@ -225,6 +267,7 @@ class FakeDriver:
 
     def cuMemUnmap(self, va: int, size: int) -> tuple[Any, ...]:  # noqa: N802
         self._log("cuMemUnmap", va, size)
+        self._device()
         mm = self.mapped.pop(va, None)
         if mm is None:
             return (CUresult.CUDA_ERROR_INVALID_VALUE,)
@@ -239,4 +282,5 @@ class FakeDriver:
         return OK
 
     def leaks(self) -> dict[str, int]:
-        return {"handles": len(self.handles), "reserved": len(self.reserved), "mapped": len(self.mapped)}
+        return {"handles": len(self.handles), "reserved": len(self.reserved), "mapped": len(self.mapped),
+                "contexts_left_current": len(self.ctx_stack)}

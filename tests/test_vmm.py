@@ -27,6 +27,7 @@ from tests.fake_cuda import FakeDriver
 
 MiB = 1 << 20
 G = 2 * MiB
+NONE = {"handles": 0, "reserved": 0, "mapped": 0, "contexts_left_current": 0}
 
 
 def test_an_allocation_is_aligned_exported_as_an_fd_and_keeps_no_handle() -> None:
@@ -41,7 +42,7 @@ def test_an_allocation_is_aligned_exported_as_an_fd_and_keeps_no_handle() -> Non
         fd_type = fake.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
         assert prop.requestedHandleTypes == fd_type
         assert prop.allocFlags.gpuDirectRDMACapable == 1  # the fake device supports it
-        assert fake.leaks() == {"handles": 0, "reserved": 0, "mapped": 0}  # the fd is the allocation
+        assert fake.leaks() == NONE  # the fd is the allocation
         assert os.fstat(fd).st_size == size
     finally:
         os.close(fd)
@@ -56,9 +57,11 @@ def test_fabric_handles_are_asked_for_where_supported_and_dropped_when_not_permi
     assert allowed.created[0].requestedHandleTypes == both
 
     refused = FakeDriver(fabric_permitted=False)  # no IMEX channel: cuMemCreate says not permitted
-    fd, _ = Vmm(refused).create_exported(G, 0)
-    os.close(fd)
-    assert [n for n, _ in refused.calls].count("cuMemCreate") == 2
+    v = Vmm(refused)
+    for _ in range(2):
+        fd, _ = v.create_exported(G, 0)
+        os.close(fd)
+    assert [n for n, _ in refused.calls].count("cuMemCreate") == 3  # asked for fabric once only
     assert refused.created[0].requestedHandleTypes == int(
         refused.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR)
 
@@ -84,7 +87,7 @@ def test_two_importers_of_one_fd_see_the_same_memory_and_unmapping_leaks_nothing
         mine.close()
         theirs.close()
         mine.close()  # twice is harmless
-        assert engine.leaks() == sidecar.leaks() == {"handles": 0, "reserved": 0, "mapped": 0}
+        assert engine.leaks() == sidecar.leaks() == NONE
     finally:
         os.close(fd)
 
@@ -98,7 +101,7 @@ def test_a_failed_import_releases_what_it_took() -> None:
         assert ei.value.code == ErrorCode.MEMORY_MAP_FAILED
         assert "cuMemMap" in ei.value.reason
         assert "CUDA_ERROR_INVALID_VALUE" in ei.value.reason
-        assert engine.leaks() == {"handles": 0, "reserved": 0, "mapped": 0}
+        assert engine.leaks() == NONE
     finally:
         os.close(fd)
     host = memfd(G)  # not a VMM allocation at all
@@ -148,7 +151,7 @@ def test_a_gpu_pool_crosses_the_memory_channel_and_both_sides_map_the_same_memor
     with pytest.raises(ValueError, match="map_gpu"):
         pool.map()  # a GPU pool has no host mapping
     m.close()
-    assert sidecar.leaks() == {"handles": 0, "reserved": 0, "mapped": 0}
+    assert sidecar.leaks() == NONE
 
 
 def test_a_restarted_sidecar_takes_gpu_pools_back_and_refuses_what_is_not_one(gpu_channel, tmp_path) -> None:  # type: ignore[no-untyped-def]
@@ -223,3 +226,55 @@ def test_what_we_call_exists_in_cuda_bindings_with_the_same_arity() -> None:
     a.flags = driver.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
     assert inspect.isclass(driver.CUmemAllocationGranularity_flags)
     assert driver.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_RECOMMENDED
+
+
+def test_the_sidecar_finds_the_engines_gpu_by_uuid_and_checks_where_an_allocation_lives() -> None:
+    """CUDA_VISIBLE_DEVICES may differ: the engine's GPU 0 can be the sidecar's GPU 1."""
+    fake = FakeDriver()
+    v = Vmm(fake)
+    assert v.ordinal_of("GPU-" + fake.uuids[1].hex()) == 1
+    u = fake.uuids[0].hex()
+    assert v.ordinal_of(f"{u[:8]}-{u[8:12]}-{u[12:16]}-{u[16:20]}-{u[20:]}") == 0  # torch's form
+    with pytest.raises(RequestError, match="CUDA_VISIBLE_DEVICES"):
+        v.ordinal_of("GPU-" + "ff" * 16)
+    fd, size = v.create_exported(G, 1)
+    try:
+        with pytest.raises(RequestError, match="on GPU 1, not GPU 0") as ei:
+            v.import_fd(fd, size, 0)
+        assert ei.value.code == ErrorCode.INVALID_MEMORY
+        v.import_fd(fd, size, 1).close()
+    finally:
+        os.close(fd)
+    assert fake.leaks() == NONE
+
+
+def test_unmapping_waits_for_the_device_and_restores_the_callers_context() -> None:
+    fake = FakeDriver()
+    fake.ctx_stack.append(4242)  # torch's context, current on this thread
+    v = Vmm(fake)
+    fd, size = v.create_exported(G, 0)
+    m = v.import_fd(fd, size, 0)
+    assert fake.ctx_stack == [4242]
+    m.close()
+    os.close(fd)
+    assert fake.synced == 1  # cuCtxSynchronize before cuMemUnmap
+    names = [n for n, _ in fake.calls]
+    assert names.index("cuCtxSynchronize") < names.index("cuMemUnmap")
+    assert fake.ctx_stack == [4242]  # popped back, never left ours current
+
+
+def test_out_of_device_memory_is_out_of_memory() -> None:
+    fake = FakeDriver(free=G, fabric_permitted=True)
+    with pytest.raises(RequestError) as ei:
+        Vmm(fake).create_exported(4 * G, 0)
+    assert ei.value.code == ErrorCode.OUT_OF_MEMORY
+    assert [n for n, _ in fake.calls].count("cuMemCreate") == 1  # not retried without fabric
+
+
+def test_a_gpu_pool_is_created_on_the_gpu_the_uuid_names(gpu_channel) -> None:  # type: ignore[no-untyped-def]
+    server, client, sidecar, _ = gpu_channel
+    pool = client.create(G, device=0, device_uuid="GPU-" + sidecar.uuids[1].hex())
+    assert pool.device == 0  # the engine's ordinal, as it asked
+    _, _, device = server.dup(pool.id)
+    assert device == 1  # the sidecar's ordinal of the same GPU
+    assert sidecar.created[-1].location.id == 1

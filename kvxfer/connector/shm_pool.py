@@ -84,10 +84,12 @@ class SharedAllocator(TorchFunctionMode):
                       zero: bool) -> torch.Tensor:
         assert self.pools is not None
         assert self.gpu is not None
-        pool = self.pools.create(nbytes, label=f"torch {list(size)} {dtype}", device=self.gpu)
+        pool = self.pools.create(nbytes, label=f"torch {list(size)} {dtype}", device=self.gpu,
+                                 device_uuid=str(torch.cuda.get_device_properties(self.gpu).uuid))
         flat = pool.map_gpu().tensor()[:nbytes].view(dtype)  # keeps the mapping alive
         if zero:
             flat.zero_()  # fresh VMM memory is not zeroed, unlike a fresh memfd
+            torch.cuda.synchronize(self.gpu)  # done before the sidecar (or a peer) touches it
         tensor = flat.view(size)
         self.allocations.append(ShmAllocation("", tensor.data_ptr(), nbytes, pool))
         return tensor
