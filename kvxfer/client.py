@@ -52,6 +52,8 @@ class RemoteBlocks:
     req_id: str = ""
     generation: str = ""  # the prefill sidecar's registration generation (kv_transfer_params)
     token: str = ""  # the prefill lease's capability (kv_transfer_params remote_lease_token)
+    # a hybrid model's blocks, one list per KV cache group (block_ids: their distinct blocks)
+    groups: tuple[tuple[int, ...], ...] = ()
 
 
 @dataclass

@@ -181,10 +181,14 @@ def test_connector_layout_reads_nhd_hnd_and_fused_tensors() -> None:
         )
 
     nhd = torch.zeros(2, 6, 4, 2, 8, dtype=torch.float16)
-    r = reg({"a": nhd, "b": nhd})
+    r = reg({"a": nhd, "b": torch.zeros_like(nhd)})
     assert (r.layout.kv_parts, r.layout.head_layout) == (2, "NHD")
     assert [x.block_len for x in r.regions] == [4 * 2 * 8 * 2] * 4
     assert r.regions[1].offset == 6 * 4 * 2 * 8 * 2  # V after all K blocks
+    # vLLM's hybrid KV cache: layers of different groups share one tensor: one region set
+    shared = reg({"full.0": nhd, "sliding.0": nhd.view(2, 6, 4, 2, 8)})
+    assert shared.layout.num_layers == 1
+    assert len(shared.regions) == 2
     hnd = torch.zeros(2, 6, 2, 4, 8, dtype=torch.float16).permute(0, 1, 3, 2, 4)  # vLLM's HND view
     assert reg({"a": hnd}).layout.head_layout == "HND"
     fused = torch.zeros(6, 2, 4, 16, dtype=torch.int8)  # [B, H, N, 2 * hd]: K|V in the content

@@ -24,6 +24,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
+from kvxfer.connector.groups import Groups
 from kvxfer.connector.layout import Placement
 from kvxfer.connector.scheduler import SchedulerSide
 from kvxfer.connector.settings import ConnectorSettings
@@ -33,6 +34,13 @@ try:  # vLLM >= 0.33
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
 except ImportError:  # pragma: no cover - older vLLM
     KVConnectorTransferResults = None  # type: ignore[assignment,misc]
+
+try:  # the hybrid KV cache manager's interface (one block list per KV cache group)
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import SupportsHMA
+
+    _HMA: tuple[type, ...] = (SupportsHMA,)
+except ImportError:  # pragma: no cover - older vLLM: vLLM turns hybrid KV caching off
+    _HMA = ()
 
 if TYPE_CHECKING:
     import torch
@@ -158,12 +166,18 @@ def _tp(vllm_config: VllmConfig) -> tuple[int, int]:
         return 0, size
 
 
-class KvxferConnector(KVConnectorBase_V1):
+class KvxferConnector(KVConnectorBase_V1, *_HMA):  # type: ignore[misc]
     def __init__(
         self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig | None = None
     ) -> None:
         super().__init__(vllm_config, role, kv_cache_config)  # type: ignore[arg-type]
         assert vllm_config.kv_transfer_config is not None
+        # Hybrid models: which groups move and how; state layers are refused here, at start-up
+        # (UnsupportedModel says which layers and why).
+        self.groups = Groups.from_config(kv_cache_config) if kv_cache_config is not None else None
+        if self.groups is not None and self.groups.hybrid:
+            log.info("kvxfer: hybrid KV cache, %d groups: %s", len(self.groups.groups),
+                     self.groups.describe())
         self.settings = ConnectorSettings.from_extra(vllm_config.kv_transfer_config.kv_connector_extra_config)
         rank, size = _tp(vllm_config)
         self.scheduler: SchedulerSide | None = None
@@ -189,7 +203,12 @@ class KvxferConnector(KVConnectorBase_V1):
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
         assert self.scheduler is not None
-        unhashed = blocks.get_unhashed_block_ids() if num_external_tokens > 0 else []
+        unhashed: list[int] | list[list[int]] = []
+        if num_external_tokens > 0:
+            if self.groups is not None and self.groups.hybrid:
+                unhashed = self.groups.clip(blocks.get_unhashed_block_ids_all_groups())
+            else:
+                unhashed = blocks.get_unhashed_block_ids()
         self.scheduler.update_state_after_alloc(request, unhashed, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
@@ -199,14 +218,24 @@ class KvxferConnector(KVConnectorBase_V1):
 
     def request_finished(self, request: Request, block_ids: Any) -> tuple[bool, dict[str, Any] | None]:
         assert self.scheduler is not None
-        if block_ids and isinstance(block_ids[0], list | tuple):  # per-group lists (vLLM >= 0.33)
-            groups = [list(g) for g in block_ids if len(g)]
-            flat = groups[0] if len(groups) == 1 else ([] if not groups else None)
-            if flat is None:
-                log.warning("request %s: several KV cache groups; not transferring", request.request_id)
-                return False, None
-            block_ids = flat
+        if block_ids and isinstance(block_ids[0], list | tuple):  # per-group lists
+            return self.request_finished_all_groups(request, tuple(block_ids))
         return self.scheduler.request_finished(request, list(block_ids))
+
+    def request_finished_all_groups(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """(SupportsHMA) One block list per KV cache group: sliding-window groups keep the
+        window's blocks; one group travels as a flat list, as before."""
+        assert self.scheduler is not None
+        if self.groups is None or not self.groups.hybrid:
+            groups = [list(g) for g in block_ids if len(g)]
+            if len(groups) > 1:
+                log.warning("request %s: %d KV cache groups on an engine configured with one; not "
+                            "transferring", request.request_id, len(groups))
+                return False, None
+            return self.scheduler.request_finished(request, groups[0] if groups else [])
+        return self.scheduler.request_finished(request, self.groups.clip(block_ids))
 
     # ------------------------------------------------------------------ worker role
 
@@ -216,6 +245,11 @@ class KvxferConnector(KVConnectorBase_V1):
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         assert self.worker is not None
         spec = self._kv_cache_config.kv_cache_groups[0].kv_cache_spec
+        spec = next(iter(spec.kv_cache_specs.values())) if hasattr(spec, "kv_cache_specs") else spec
+        if self.groups is not None and self.groups.hybrid:
+            # the transferable groups' layers; vLLM shares each tensor among one layer per group
+            moved = {name for g in self.groups.groups for name in g.layers}
+            kv_caches = {n: t for n, t in kv_caches.items() if n in moved} or kv_caches
         model = self._vllm_config.model_config
         shape = CacheShape(
             num_blocks=self._kv_cache_config.num_blocks,

@@ -142,7 +142,17 @@ def registration_from_tensors(
     regions: list[KVRegion] = []
     geoms: set[tuple[int, str, int]] = set()
     dtypes: set[str] = set()
+    seen: set[tuple[Any, ...]] = set()
+    shared = 0
     for name, t in kv_caches.items():
+        # A tensor several layers share (vLLM's hybrid KV cache: one layer of each group per
+        # tensor; cross-layer KV sharing) is one region: block b of it is whichever layer's
+        # group holds b, and moving it once moves that.
+        view = (t.data_ptr(), tuple(t.shape), tuple(t.stride()), str(t.dtype))
+        if view in seen:
+            shared += 1
+            continue
+        seen.add(view)
         ref, key, base = memory_of(t)
         if key not in index:
             index[key] = len(memory)
@@ -157,6 +167,9 @@ def registration_from_tensors(
     if len(geoms) != 1 or len(dtypes) != 1:
         raise RequestError(ErrorCode.INVALID_LAYOUT,
                            f"layers disagree on K/V split, layout or dtype: {geoms} {dtypes}")
+    if shared and place.pp_size > 1:
+        raise RequestError(ErrorCode.INVALID_LAYOUT, f"{shared} layers share KV tensors with others "
+                           "(a hybrid model): not supported with pipeline parallelism yet")
     kv_parts, head_layout, content = geoms.pop()
     fusion = ""
     if kv_parts == 1 and not mla:
@@ -174,7 +187,7 @@ def registration_from_tensors(
     elif content != head_dim:
         raise RequestError(ErrorCode.INVALID_LAYOUT, f"content dimension {content} != head_dim {head_dim}")
     layout = KVLayout(
-        num_layers=len(kv_caches),
+        num_layers=len(seen),
         num_blocks=num_blocks,
         block_size=block_size,
         num_kv_heads=num_kv_heads,

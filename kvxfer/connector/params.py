@@ -14,6 +14,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from kvxfer.client import RemoteBlocks
+from kvxfer.connector.groups import held_blocks
 
 
 class InvalidTransferParams(ValueError):
@@ -29,21 +30,26 @@ def _int(params: Mapping[str, Any], key: str, lo: int, hi: int | None = None) ->
     return value
 
 
-def _block_ids(value: Any) -> list[int]:
-    """A flat list, or vLLM's per-KV-cache-group list of lists (one group supported)."""
-    if not isinstance(value, Sequence) or isinstance(value, str | bytes):
-        raise InvalidTransferParams(f"remote_block_ids must be a list, got {type(value).__name__}")
-    if value and all(isinstance(g, Sequence) and not isinstance(g, str | bytes) for g in value):
-        groups = [list(g) for g in value if len(g)]
-        if len(groups) > 1:
-            raise InvalidTransferParams("several KV cache groups (hybrid models) are not supported")
-        value = groups[0] if groups else []
+def _ids(value: Any) -> list[int]:
     out = []
     for b in value:
         if isinstance(b, bool) or not isinstance(b, int) or b < 0:
             raise InvalidTransferParams(f"remote_block_ids holds {b!r}, not a block id")
         out.append(b)
     return out
+
+
+def _block_ids(value: Any) -> tuple[list[int], tuple[tuple[int, ...], ...]]:
+    """A flat list, or vLLM's per-KV-cache-group list of lists: (the blocks, the groups when
+    there are several; a single group is its flat list)."""
+    if not isinstance(value, Sequence) or isinstance(value, str | bytes):
+        raise InvalidTransferParams(f"remote_block_ids must be a list, got {type(value).__name__}")
+    if value and all(isinstance(g, Sequence) and not isinstance(g, str | bytes) for g in value):
+        if len(value) > 1:  # a hybrid model: one list per group, positions matter
+            groups = tuple(tuple(_ids(g)) for g in value)
+            return held_blocks(groups), groups
+        value = value[0]
+    return _ids(value), ()
 
 
 def parse_remote(params: Mapping[str, Any]) -> RemoteBlocks:
@@ -64,11 +70,13 @@ def parse_remote(params: Mapping[str, Any]) -> RemoteBlocks:
     token = params.get("remote_lease_token") or ""
     if not isinstance(token, str) or len(token) > 128:
         raise InvalidTransferParams("remote_lease_token must be a string of at most 128 characters")
+    block_ids, groups = _block_ids(params["remote_block_ids"])
     return RemoteBlocks(
         engine_id=params["remote_engine_id"],
         host=params["remote_host"],
         port=_int(params, "remote_port", 1, 65535),
-        block_ids=_block_ids(params["remote_block_ids"]),
+        block_ids=block_ids,
+        groups=groups,
         tp_size=_int(params, "tp_size", 1) if "tp_size" in params else 1,
         req_id=req_id,
         generation=generation,

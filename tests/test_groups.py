@@ -1,0 +1,89 @@
+"""KV cache groups of hybrid models (kvxfer/connector/groups.py) built from vLLM's own spec
+classes: which groups move, how sliding-window groups are cut to their window, how the
+decode's and the prefill's groups pair up, what is refused at start-up and why. The real
+engines run in tests/test_hybrid_pd.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from vllm.v1.kv_cache_interface import (
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    MambaSpec,
+    SlidingWindowSpec,
+)
+
+from kvxfer.connector.groups import Groups, UnsupportedModel, held_blocks, pair_groups
+from kvxfer.connector.params import InvalidTransferParams, parse_remote
+
+FULL = FullAttentionSpec(block_size=32, num_kv_heads=1, head_size=64, dtype=torch.float32)
+SLIDING = SlidingWindowSpec(block_size=32, num_kv_heads=1, head_size=64, dtype=torch.float32,
+                            sliding_window=64)
+
+
+def config(*groups: tuple[list[str], object]) -> KVCacheConfig:
+    return KVCacheConfig(num_blocks=100, kv_cache_tensors=[],
+                         kv_cache_groups=[KVCacheGroupSpec(names, spec) for names, spec in groups])
+
+
+GEMMA3 = config((["l0"], SLIDING), (["l1"], SLIDING), (["l2"], SLIDING), (["l3"], FULL))
+
+
+def test_sliding_window_groups_carry_only_their_window() -> None:
+    g = Groups.from_config(GEMMA3)
+    assert g.hybrid
+    assert [x.kind for x in g.groups] == ["sliding_window"] * 3 + ["full"]
+    assert g.groups[0].window_blocks == 3  # cdiv(64, 32) + 1, as vLLM's NixlConnector
+    blocks = [list(range(10, 32)), list(range(40, 62)), list(range(70, 92)), list(range(100, 122))]
+    clipped = g.clip(blocks)
+    assert clipped[:3] == [[29, 30, 31], [59, 60, 61], [89, 90, 91]]  # the tail: the newest tokens
+    assert clipped[3] == blocks[3]  # full attention: every block
+    assert g.clip([[5], [6], [7], [8, 9]]) == [[5], [6], [7], [8, 9]]  # shorter than the window
+    with pytest.raises(ValueError, match="4 KV cache groups"):
+        g.clip([[1], [2]])
+
+
+def test_one_group_is_not_hybrid() -> None:
+    g = Groups.from_config(config((["a", "b"], FULL)))
+    assert not g.hybrid
+    assert g.clip([[1, 2, 3]]) == [[1, 2, 3]]
+
+
+def test_groups_pair_at_the_tail_and_skip_null_blocks() -> None:
+    local = [[11, 12, 13], [21, 22], [31, 32, 33, 34]]
+    remote = [[51, 52, 53], [0, 62], [72, 73, 74]]  # a freed (null) block in group 1
+    lflat, rflat = pair_groups(local, remote)
+    assert lflat == [11, 12, 13, 22, 32, 33, 34]
+    assert rflat == [51, 52, 53, 62, 72, 73, 74]
+    with pytest.raises(ValueError, match="not the same model"):
+        pair_groups(local, remote[:2])
+    assert held_blocks(remote) == [51, 52, 53, 62, 72, 73, 74]
+    assert held_blocks([[5, 0, 6], [6, 7]]) == [5, 6, 7]  # no null block, none twice
+
+
+def test_state_layers_are_refused_at_start_up_with_the_reason() -> None:
+    mamba = MambaSpec(block_size=32, shapes=((4, 128), (8, 16, 16)), dtypes=(torch.float32, torch.float32))
+    hybrid = config((["model.layers.0.mixer", "model.layers.2.mixer"], mamba),
+                    (["model.layers.1.attn"], FULL))
+    for cfg in (hybrid, config((["m0", "m1", "m2", "m3"], mamba))):  # a Mamba2 hybrid; pure Mamba2
+        with pytest.raises(UnsupportedModel) as ei:
+            Groups.from_config(cfg)
+        msg = str(ei.value)
+        assert "MambaSpec" in msg
+        assert "state" in msg
+        assert "NixlConnector" in msg  # what to do instead
+    assert "model.layers.0.mixer" in str(pytest.raises(UnsupportedModel, Groups.from_config, config(
+        (["model.layers.0.mixer"], mamba), (["a"], FULL))).value)
+
+
+def test_kv_transfer_params_carry_one_list_per_group() -> None:
+    base = {"remote_engine_id": "p", "remote_host": "127.0.0.1", "remote_port": 5000}
+    r = parse_remote(base | {"remote_block_ids": [[1, 2, 3], [0, 4], [5]]})
+    assert r.groups == ((1, 2, 3), (0, 4), (5,))
+    assert list(r.block_ids) == [1, 2, 3, 4, 5]  # what the prefill holds
+    one = parse_remote(base | {"remote_block_ids": [[1, 2, 3]]})  # one group: flat, as before
+    assert (list(one.block_ids), one.groups) == ([1, 2, 3], ())
+    with pytest.raises(InvalidTransferParams):
+        parse_remote(base | {"remote_block_ids": [[1, -2], [3]]})
