@@ -73,7 +73,8 @@ def test_state_layers_are_refused_at_start_up_with_the_reason() -> None:
         msg = str(ei.value)
         assert "MambaSpec" in msg
         assert "state" in msg
-        assert "NixlConnector" in msg  # what to do instead
+        assert "NixlConnector" in msg  # what to do instead (or that it cannot either)
+    assert "without P/D" in str(ei.value)  # the pure state model: NixlConnector cannot help
     assert "model.layers.0.mixer" in str(pytest.raises(UnsupportedModel, Groups.from_config, config(
         (["model.layers.0.mixer"], mamba), (["a"], FULL))).value)
 

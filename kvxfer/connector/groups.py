@@ -57,7 +57,7 @@ class Group:
         return _cdiv(self.window, self.block_size) + 1 if self.window else 0
 
 
-def _group_of(spec: Any, layers: Sequence[str]) -> Group:
+def _group_of(spec: Any, layers: Sequence[str], pure_state: bool = False) -> Group:
     specs = _kinds(spec)
     state = [s for s in specs if not _is(s, "AttentionSpec")]
     if state:
@@ -65,10 +65,13 @@ def _group_of(spec: Any, layers: Sequence[str]) -> Group:
         shown = ", ".join(list(layers)[:3]) + (", ..." if len(layers) > 3 else "")
         what = ("Mamba/linear-attention state (per-request conv and SSM state, not paged KV)"
                 if "Mamba" in kind else "not attention KV")
+        instead = ("Serve it without P/D (vLLM's NixlConnector cannot move a model without "
+                   "attention layers either)." if pure_state
+                   else "Serve it with vLLM's NixlConnector, or without P/D.")
         raise UnsupportedModel(
             f"kvxfer cannot move this model's KV cache: layers {shown} are {kind}: {what}. "
-            "kvxfer moves attention KV (full, sliding-window, MLA) only; moving state is not built "
-            "yet. Serve this model with vLLM's NixlConnector, or without P/D.")
+            f"kvxfer moves attention KV (full, sliding-window, MLA) only; moving state is not built "
+            f"yet. {instead}")
     s = specs[0]
     if _is(s, "SlidingWindowSpec"):
         return Group("sliding_window", int(s.block_size), int(s.sliding_window), tuple(layers))
@@ -93,7 +96,10 @@ class Groups:
         """From vLLM's ``KVCacheConfig``; ``UnsupportedModel`` for state layers."""
         all_groups = list(getattr(kv_cache_config, "kv_cache_groups", None) or [])
         ids = [i for i, g in enumerate(all_groups) if getattr(g, "enable_kv_transfer", True)]
-        groups = tuple(_group_of(all_groups[i].kv_cache_spec, list(all_groups[i].layer_names)) for i in ids)
+        specs = [k for i in ids for k in _kinds(all_groups[i].kv_cache_spec)]
+        pure_state = not any(_is(k, "AttentionSpec") for k in specs)
+        groups = tuple(_group_of(all_groups[i].kv_cache_spec, list(all_groups[i].layer_names), pure_state)
+                       for i in ids)
         sizes = {g.block_size for g in groups}
         if len(sizes) > 1:
             raise UnsupportedModel(f"kvxfer cannot move this model's KV cache: its groups have different "

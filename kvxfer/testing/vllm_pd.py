@@ -101,6 +101,13 @@ FAMILIES: dict[str, dict[str, Any]] = {
                "layer_types": ["sliding_attention"] * 3 + ["full_attention"],
                "tie_word_embeddings": False, "torch_dtype": "float32", "bos_token_id": 1,
                "eos_token_id": 2, "pad_token_id": 0},
+    # 4 Mamba2 layers, no attention (vLLM: one KV cache group of state); needs
+    # --no-enable-prefix-caching on this CPU
+    "mamba2": {"model_type": "mamba2", "architectures": ["Mamba2ForCausalLM"], "vocab_size": 512,
+               "hidden_size": 256, "num_hidden_layers": 4, "state_size": 16, "expand": 2,
+               "head_dim": 64, "num_heads": 8, "n_groups": 1, "conv_kernel": 4, "chunk_size": 64,
+               "tie_word_embeddings": False, "torch_dtype": "float32", "bos_token_id": 1,
+               "eos_token_id": 2, "pad_token_id": 0},
 }
 
 
