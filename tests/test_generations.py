@@ -38,11 +38,26 @@ def test_prefill_sidecar_restarted_on_the_same_endpoint(factory: SidecarFactory)
         p.start()
         d.start()
         assert read(p, d, "before") == (True, "")
+        kept = p.allocate(3)
+        p.fill("kept", kept)  # computed before the sidecar dies
+        pools = sorted(p.pools.pools) if p.pools is not None else []
         os.kill(ps.proc.pid, signal.SIGKILL)
         ps.proc.wait()
         factory.start("gen-p", "--handshake-port", str(port), "--handshake-timeout-s", "2")
-        p.start()  # the engine re-registers with the new sidecar (its connector would)
+        p.start()  # the engine hands its pools back and re-registers (its connector would)
+        assert pools
+        assert sorted(p.pools.pools) == pools  # the same memory, not a new pool
         assert read(p, d, "after") == (True, "")  # the very next request, bytes verified
+        # KV computed before the outage is served from the same pages, not refilled
+        p.client.hold("kept", kept)
+        reg = p.registered
+        assert reg is not None
+        db = d.allocate(3)
+        d.client.recv("kept", db, RemoteBlocks(reg.engine_id, reg.handshake_host, reg.handshake_port, kept,
+                                               generation=p.client.ping().generation))
+        got = wait_for(d.client, lambda a: bool(a.done or a.failed), timeout=30)
+        assert got.done, got.failed
+        assert d.verify("kept", db)
     finally:
         p.close()
         d.close()
