@@ -204,7 +204,9 @@ def test_a_corrupted_load_fails_integrity_and_is_recomputed(pipeline: Pipeline) 
         if corrupted and m.get('kvxfer_integrity_checks_total{result="ok"}', 0) >= 1:
             break
     m = pipeline.d_sidecar.scrape()
-    assert m["kvxfer_integrity_failures_total"] == 1
+    # (CI once saw 2 here, not reproduced in 4 runs since: say what failed if it comes back)
+    said = [line for line in pipeline.d_sidecar.log().splitlines() if "integrity" in line or "corrupt" in line]
+    assert m["kvxfer_integrity_failures_total"] == 1, said
     assert m['kvxfer_integrity_checks_total{result="ok"}'] >= 1
     assert "integrity: receive" in pipeline.d_sidecar.log()
     # The decode engine serves the corrupted prompt again from its own cache: still right.
