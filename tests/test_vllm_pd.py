@@ -205,7 +205,7 @@ def test_a_corrupted_load_fails_integrity_and_is_recomputed(pipeline: Pipeline) 
             break
     m = pipeline.d_sidecar.scrape()
     # (CI once saw 2 here, not reproduced in 4 runs since: say what failed if it comes back)
-    said = [line for line in pipeline.d_sidecar.log().splitlines() if "integrity" in line or "corrupt" in line]
+    said = [ln for ln in pipeline.d_sidecar.log().splitlines() if "integrity" in ln or "corrupt" in ln]
     assert m["kvxfer_integrity_failures_total"] == 1, said
     assert m['kvxfer_integrity_checks_total{result="ok"}'] >= 1
     assert "integrity: receive" in pipeline.d_sidecar.log()
