@@ -54,6 +54,10 @@ class ConfigError(KvxferError):
     """A configuration value is invalid."""
 
 
+class ListenError(ConfigError):
+    """A listener (engine socket, handshake, control, metrics) cannot be had: which and where."""
+
+
 class ProtocolError(KvxferError):
     """A message did not decode or validate."""
 

@@ -349,6 +349,7 @@ class PoolServer:
         self.created = 0
         self.adopted = 0
         self._shut = False
+        self._ino = 0
 
     # --------------------------------------------------------------- queries (any thread)
 
@@ -388,6 +389,7 @@ class PoolServer:
         os.chmod(self.path, 0o600)
         s.listen(64)
         self._listener = s
+        self._ino = os.stat(self.path).st_ino
         self._thread = threading.Thread(target=self._run, name="kvxfer-pools", daemon=True)
         self._thread.start()
 
@@ -409,7 +411,8 @@ class PoolServer:
         if self._listener is not None:
             self._listener.close()
             with contextlib.suppress(FileNotFoundError):
-                os.unlink(self.path)
+                if os.stat(self.path).st_ino == self._ino:  # never another process's socket
+                    os.unlink(self.path)
         for fd in (self._wake_r, self._wake_w):
             with contextlib.suppress(OSError):
                 os.close(fd)

@@ -34,7 +34,7 @@ import zmq.asyncio
 from kvxfer import __version__
 from kvxfer.config import Config
 from kvxfer.control.access import load_policy
-from kvxfer.errors import ConfigError, ErrorCode, RequestError
+from kvxfer.errors import ConfigError, ErrorCode, ListenError, RequestError
 from kvxfer.holds import Holds
 from kvxfer.memory import check_shm_files, validate_registration
 from kvxfer.observe import Event, Observer, start_metrics_server
@@ -116,6 +116,8 @@ class Sidecar:
         self.engine_sock: zmq.asyncio.Socket | None = None
         self.pools: PoolServer | None = None  # the memory channel (ipc:// engine sockets)
         self.hs_sock: zmq.asyncio.Socket | None = None
+        self._lock_fd = -1  # <engine socket>.lock, flocked while this process owns the socket
+        self._sock_ino = 0  # the inode of the socket file this process bound (0: none)
         self.handshake_port = config.handshake_port
         self._tasks: set[asyncio.Task[Any]] = set()
         self._stop = asyncio.Event()
@@ -159,12 +161,23 @@ class Sidecar:
 
     async def serve(self) -> None:
         self.loop = asyncio.get_running_loop()
+        # Every listener binds before NIXL starts: one that cannot says which and where, and
+        # the process exits 2 (ListenError) with nothing to tear down.
         if self.config.metrics_port:
             # first: /metrics answers before any engine or peer can reach the sidecar, so
             # whatever they cause is already counted and scrapeable (kvxfer_ready says 0 until then)
-            start_metrics_server(self.observer, self.config.metrics_host, self.config.metrics_port)
+            try:
+                start_metrics_server(self.observer, self.config.metrics_host, self.config.metrics_port)
+            except OSError as e:
+                self._close()
+                raise ListenError(f"metrics listener {self.config.metrics_host}:{self.config.metrics_port}: "
+                                  f"{e.strerror or e} (--metrics-port; 0 disables it)") from None
+        try:
+            self._bind()
+        except BaseException:
+            self._close()
+            raise
         await asyncio.wrap_future(self.transfer.start())
-        self._bind()
         self.ready = True
         self.observer.g_ready.set(1)
         self.observer.g_insecure.set(int(self.insecure))
@@ -179,8 +192,14 @@ class Sidecar:
         if self.config.control_target or self.config.health_target:
             from kvxfer.control.service import start_control_server
 
-            control = await start_control_server(self, self.config.control_target, self.control_policy,
-                                                 self.config.health_target)
+            try:
+                control = await start_control_server(self, self.config.control_target, self.control_policy,
+                                                     self.config.health_target)
+            except Exception as e:  # grpc says RuntimeError("Failed to bind ...")
+                await asyncio.to_thread(self.transfer.stop)
+                self._close()
+                raise ListenError(f"control listener {self.config.control_target or ''} "
+                                  f"{self.config.health_target or ''}: {e}".replace("  ", " ")) from None
         with contextlib.suppress(NotImplementedError, RuntimeError):
             self.loop.add_signal_handler(signal.SIGINT, self._stop.set)  # operator: stop now
             self.loop.add_signal_handler(signal.SIGTERM, self._graceful_stop)  # orchestrator
@@ -240,6 +259,26 @@ class Sidecar:
 
         self._spawn(run())
 
+    def _own_socket(self, path: str) -> None:
+        """Take ``<path>.lock`` (flock, held for the life of the process) or refuse: a second
+        sidecar on the same engine socket would take it over silently and delete it when it
+        exits, leaving the first one unreachable but still reporting ready."""
+        import fcntl
+
+        lock = path + ".lock"
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.read(fd, 32).decode(errors="replace").strip() or "?"
+            os.close(fd)
+            raise ListenError(f"engine socket {path} belongs to a running sidecar (pid {holder}, "
+                              f"holding {lock}): stop it first, or give this one another "
+                              "--engine-socket") from None
+        os.ftruncate(fd, 0)
+        os.write(fd, f"{os.getpid()}\n".encode())
+        self._lock_fd = fd
+
     def _bind(self) -> None:
         self.engine_sock = self.ctx.socket(zmq.ROUTER)
         self.engine_sock.setsockopt(zmq.LINGER, 0)
@@ -250,27 +289,39 @@ class Sidecar:
             directory = os.path.dirname(path) or "."
             if not os.path.isdir(directory):
                 os.makedirs(directory, mode=0o700)
+            self._own_socket(path)
             old = os.umask(0o177)
             try:
                 self.engine_sock.bind(self.config.engine_socket)
+            except zmq.ZMQError as e:
+                raise ListenError(f"engine socket {self.config.engine_socket}: {e}") from None
             finally:
                 os.umask(old)
             os.chmod(path, 0o600)
+            self._sock_ino = os.stat(path).st_ino
             # the memory channel beside it: the engine's KV pools, handed over by fd
             self.pools = PoolServer(mem_socket_path(self.config.engine_socket), self.config.max_pool_bytes)
             self.pools.start()
             self.transfer.pools = self.pools
         else:
-            self.engine_sock.bind(self.config.engine_socket)
+            try:
+                self.engine_sock.bind(self.config.engine_socket)
+            except zmq.ZMQError as e:
+                raise ListenError(f"engine socket {self.config.engine_socket}: {e}") from None
         self.hs_sock = self.ctx.socket(zmq.ROUTER)
         self.hs_sock.setsockopt(zmq.LINGER, 0)
         self.hs_sock.setsockopt(zmq.MAXMSGSIZE, 1 << 20)  # a Hello is a few hundred bytes
         self.peers.configure_listener(self.hs_sock)
         addr = f"tcp://{self.config.handshake_host}"
-        if self.config.handshake_port == 0:
-            self.handshake_port = self.hs_sock.bind_to_random_port(addr)
-        else:
-            self.hs_sock.bind(f"{addr}:{self.config.handshake_port}")
+        try:
+            if self.config.handshake_port == 0:
+                self.handshake_port = self.hs_sock.bind_to_random_port(addr)
+            else:
+                self.hs_sock.bind(f"{addr}:{self.config.handshake_port}")
+        except zmq.ZMQError as e:
+            where = f"{self.config.handshake_host}:{self.config.handshake_port}"
+            raise ListenError(f"handshake listener {where}: {e} (--handshake-port, "
+                              "--handshake-host)") from None
 
     def _close(self) -> None:
         self.peers.close_links()
@@ -282,9 +333,14 @@ class Sidecar:
         if self.pools is not None:
             self.pools.close()
         path = ipc_path(self.config.engine_socket)
-        if path:
+        if path and self._sock_ino:
             with contextlib.suppress(FileNotFoundError):
-                os.unlink(path)
+                if os.stat(path).st_ino == self._sock_ino:  # never a socket this process did not bind
+                    os.unlink(path)
+            self._sock_ino = 0
+        if self._lock_fd >= 0:
+            os.close(self._lock_fd)  # (the lock file stays: unlinking it would race a successor)
+            self._lock_fd = -1
 
     def _spawn(self, coro: Any) -> None:
         task = asyncio.ensure_future(coro)
@@ -474,6 +530,7 @@ class Sidecar:
         readable until those leases end), and remove orphaned ranks nobody holds any more."""
         while True:
             await asyncio.sleep(self.config.engine_check_s)
+            await self._check_socket()
             for entry in self.registry.dead():
                 await self._engine_gone(entry, f"engine process {entry.pid} exited")
             for entry in self.registry.orphans():
@@ -481,6 +538,25 @@ class Sidecar:
                     log.warning("%s: the last lease of its dead engine ended; freeing its memory", entry.key)
                     await self.registry.remove(entry.key, unlink=True)
                     self._gauges()
+
+    async def _check_socket(self) -> None:
+        """The engine socket file must still be the one this process bound: if it was
+        removed or replaced, engines cannot reach this sidecar, so it is not ready."""
+        path = ipc_path(self.config.engine_socket)
+        if not path or not self._sock_ino or not self.ready:
+            return
+        try:
+            ino = os.stat(path).st_ino
+        except FileNotFoundError:
+            ino = 0
+        if ino != self._sock_ino:
+            self.ready = False
+            self.observer.g_ready.set(0)
+            log.error("engine socket %s was %s: engines cannot reach this sidecar; readiness off "
+                      "(restart it to listen again)", path, "removed" if not ino else "replaced")
+            self.observer.emit(Event("engine_socket_lost", reason=path))
+            if self.on_drain is not None:
+                await self.on_drain()  # readiness NOT_SERVING on gRPC health too
 
     async def _engine_gone(self, entry: RankEntry, reason: str) -> None:
         await self.receiver.fail_rank(entry.key, reason)
@@ -599,7 +675,7 @@ def run_server(config: Config) -> int:
         return 2
     try:
         uvloop.run(sidecar.serve())
-    except OSError as e:  # a listener could not bind
+    except (ListenError, OSError) as e:  # a listener could not bind: which, where, why
         log.critical("cannot start: %s", e)
         return 2
     return sidecar.exit_code
