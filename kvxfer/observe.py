@@ -109,6 +109,10 @@ class Observer:
         self.g_dlists = Gauge("kvxfer_descriptor_lists_prepared", "NIXL descriptor-list pairs this "
                               "sidecar prepared (prep_xfer_dlist), ever: one per (peer, rank pair, "
                               "region span), reused by every later read.", registry=r)
+        self.g_ranks = Gauge("kvxfer_registered_ranks", "Engine ranks (engine, DP, PP, TP) registered "
+                             "with live engines.", registry=r)
+        self.g_orphans = Gauge("kvxfer_orphaned_ranks", "Ranks whose engine died, kept only while "
+                               "leases still hold blocks in them.", registry=r)
         self.g_pools = Gauge("kvxfer_pools", "KV pools this sidecar holds for its engines (memory "
                              "channel).", registry=r)
         self.g_pool_bytes = Gauge("kvxfer_pool_bytes", "Bytes of the KV pools this sidecar holds for "

@@ -41,7 +41,7 @@ import struct
 import threading
 import time
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Annotated
 
@@ -348,6 +348,10 @@ class PoolServer:
         self.vmm: Vmm | None = vmm  # GPU pools (kvxfer.vmm.shared() on first use)
         self.created = 0
         self.adopted = 0
+        # called (on this server's thread) with the pool ids of a connection that closed, and
+        # its pid: the engine exited or was killed. The only death notice that works when
+        # the engine runs in another PID namespace (a Kubernetes pod's other container).
+        self.on_closed: Callable[[list[str], int], None] | None = None
         self._shut = False
         self._ino = 0
 
@@ -367,6 +371,11 @@ class PoolServer:
                 raise RequestError(ErrorCode.INVALID_MEMORY, f"no pool {pool!r} here (its engine must "
                                    "create or hand it back over the memory channel first)")
             return os.dup(held.fd), held.size, held.device
+
+    def holds(self, pool: str) -> bool:
+        """Is ``pool`` held (its engine's channel open, or handed back on a new one)?"""
+        with self._lock:
+            return pool in self._pools
 
     def stats(self) -> tuple[int, int]:
         """(pools, bytes) held."""
@@ -596,6 +605,11 @@ class PoolServer:
         if gone:
             log.info("memory channel of pid %d closed: %d pools (%s) let go", pid, len(gone),
                      _gib(sum(h.size for h in gone)))
+            if self.on_closed is not None:
+                try:
+                    self.on_closed([h.id for h in gone], pid)
+                except Exception:  # never let the notice end the channel
+                    log.exception("memory channel: on_closed failed")
 
 
 def available_memory() -> int | None:

@@ -27,7 +27,7 @@ from typing import Any, NamedTuple
 import msgspec
 
 from kvxfer.errors import ErrorCode, RequestError
-from kvxfer.protocol import KVLayout, RankInfo, RegisterKV, ShmMemory
+from kvxfer.protocol import KVLayout, PoolMemory, RankInfo, RegisterKV, ShmMemory
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +50,7 @@ class RankEntry:
     pid: int
     start: str | None  # the process's /proc start time; None: not tracked (pid 0)
     files: list[str] = field(default_factory=list)  # shm files of its KV cache
+    pools: list[str] = field(default_factory=list)  # memory-channel pools of its KV cache
     registered_unix: float = 0.0
     # Its engine died while leases still held blocks in it: kept (mapped, registered with
     # NIXL) so those decodes still read them, removed when the last lease ends.
@@ -189,6 +190,7 @@ class RankRegistry:
             self.changes += 1  # its old memory is gone: reads planned against it are stale
         entry = RankEntry(key=key, info=info, owner=owner, pid=msg.pid, start=process_start_time(msg.pid),
                           files=[m.path for m in msg.memory if isinstance(m, ShmMemory)],
+                          pools=[m.pool for m in msg.memory if isinstance(m, PoolMemory)],
                           registered_unix=time.time())
         self._entries[key] = entry
         return entry, replaced
@@ -216,6 +218,10 @@ class RankRegistry:
         not already kept as orphans."""
         return [e for e in self.entries()
                 if not e.orphaned and e.start is not None and process_start_time(e.pid) != e.start]
+
+    def in_pools(self, pools: set[str]) -> list[RankEntry]:
+        """Live ranks whose KV cache is in any of ``pools`` (their engine's channel closed)."""
+        return [e for e in self.entries() if not e.orphaned and pools.intersection(e.pools)]
 
     def orphans(self) -> list[RankEntry]:
         return [e for e in self.entries() if e.orphaned]

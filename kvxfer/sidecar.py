@@ -137,6 +137,8 @@ class Sidecar:
                                      self.transfer.t_unregister)
         self.observer = Observer()
         self.observer.g_dlists.set_function(lambda: self.transfer.dlists_prepared)
+        self.observer.g_ranks.set_function(lambda: sum(not e.orphaned for e in self.registry.entries()))
+        self.observer.g_orphans.set_function(lambda: len(self.registry.orphans()))
         self.observer.g_pools.set_function(lambda: self.pools.stats()[0] if self.pools else 0)
         self.observer.g_pool_bytes.set_function(lambda: self.pools.stats()[1] if self.pools else 0)
         self.systemd = Notifier()
@@ -301,6 +303,10 @@ class Sidecar:
             self._sock_ino = os.stat(path).st_ino
             # the memory channel beside it: the engine's KV pools, handed over by fd
             self.pools = PoolServer(mem_socket_path(self.config.engine_socket), self.config.max_pool_bytes)
+            loop = self.loop
+            assert loop is not None
+            self.pools.on_closed = lambda ids, pid: loop.call_soon_threadsafe(
+                self._spawn, self._pools_closed(set(ids), pid))
             self.pools.start()
             self.transfer.pools = self.pools
         else:
@@ -538,6 +544,15 @@ class Sidecar:
                     log.warning("%s: the last lease of its dead engine ended; freeing its memory", entry.key)
                     await self.registry.remove(entry.key, unlink=True)
                     self._gauges()
+
+    async def _pools_closed(self, pools: set[str], pid: int) -> None:
+        """An engine's memory channel closed with pools in it: the engine is gone, whatever
+        PID namespace it ran in (its pid may mean nothing here)."""
+        for entry in self.registry.in_pools(pools):
+            if self.pools is not None and all(self.pools.holds(p) for p in entry.pools):
+                continue  # handed back on a new connection meanwhile (a worker that reconnected)
+            await self._engine_gone(entry, f"engine process {pid} exited (its memory channel closed; "
+                                           "exited or killed)")
 
     async def _check_socket(self) -> None:
         """The engine socket file must still be the one this process bound: if it was

@@ -15,8 +15,11 @@ from __future__ import annotations
 import contextlib
 import multiprocessing as mp
 import os
+import shutil
 import signal
 import socket
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -294,3 +297,43 @@ def test_the_legacy_engine_owned_file_still_registers_with_a_warning(factory: Si
     finally:
         client.close()
         kv.close()
+
+
+_NS_ENGINE = """
+import sys, time
+from kvxfer.testing.engine import SyntheticEngine, make_layout
+e = SyntheticEngine(make_layout(layers=2, num_blocks=16, heads=2, head_dim=16), sys.argv[1])
+e.start()
+import os
+print("registered as pid", os.getpid(), flush=True)
+time.sleep(600)
+"""
+
+
+@pytest.mark.skipif(shutil.which("unshare") is None or os.geteuid() != 0, reason="needs unshare as root")
+def test_an_engine_in_another_pid_namespace_is_seen_to_die(factory: SidecarFactory) -> None:
+    """As a Kubernetes pod's containers are (no shareProcessNamespace): the engine's pid means
+    nothing to the sidecar, so its death shows only as its memory channel closing."""
+    sc = factory.start("ns", "--engine-check-s", "0.2", metrics_port=free_port())
+    engine = subprocess.Popen(["unshare", "--pid", "--fork", sys.executable, "-c", _NS_ENGINE, sc.endpoint],
+                              stdout=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        line = engine.stdout.readline() if engine.stdout else ""
+        assert line.startswith("registered as pid"), line
+        assert int(line.split()[-1]) < 10  # its own namespace's pid, not one the sidecar can check
+        assert sc.scrape()["kvxfer_registered_ranks"] == 1
+        os.killpg(engine.pid, signal.SIGKILL)
+        engine.wait(10)
+        t0 = time.monotonic()
+        while sc.scrape()["kvxfer_registered_ranks"] != 0:
+            assert time.monotonic() - t0 < 5, sc.log()[-2000:]
+            time.sleep(0.05)
+        print(f"\nengine in another PID namespace SIGKILLed: rank dropped in {time.monotonic() - t0:.2f} s")
+        assert "exited (its memory channel closed; exited or killed)" in sc.log()
+        assert sc.scrape()["kvxfer_pool_bytes"] == 0
+    finally:
+        if engine.poll() is None:
+            os.killpg(engine.pid, signal.SIGKILL)
+            engine.wait()
+        if engine.stdout:
+            engine.stdout.close()
