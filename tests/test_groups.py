@@ -88,3 +88,52 @@ def test_kv_transfer_params_carry_one_list_per_group() -> None:
     assert (list(one.block_ids), one.groups) == ([1, 2, 3], ())
     with pytest.raises(InvalidTransferParams):
         parse_remote(base | {"remote_block_ids": [[1, -2], [3]]})
+
+
+def test_a_windowed_group_makes_the_prefill_stop_one_token_short() -> None:
+    from types import SimpleNamespace
+
+    from kvxfer.connector.scheduler import SchedulerSide
+    from kvxfer.connector.settings import ConnectorSettings
+
+    g = Groups.from_config(GEMMA3)
+    assert g.backoff == 1
+    assert Groups.from_config(config((["a"], FULL))).backoff == 0
+    only_sliding = Groups.from_config(config((["a", "b"], SLIDING)))
+    assert only_sliding.grouped  # one group, but windowed: per-group lists, clipped
+    assert only_sliding.clip([[1, 2, 3, 4, 5]]) == [[3, 4, 5]]
+    class NoSidecar:
+        def ping(self, timeout: float) -> object:
+            return SimpleNamespace(engine_id="p", handshake_host="h", handshake_port=1, generation="g")
+
+    side = SchedulerSide(ConnectorSettings(sidecar="ipc:///none"), 1, client=NoSidecar())  # type: ignore[arg-type]
+    side.backoff = g.backoff
+    tokens = list(range(3, 103))
+    req = SimpleNamespace(prompt_token_ids=list(tokens), _all_token_ids=list(tokens), num_prompt_tokens=100,
+                          max_tokens=16, kv_transfer_params={"do_remote_decode": True},
+                          get_skip_reading_prefix_cache=lambda: False)
+    side.on_new_request(req)
+    assert (len(req.prompt_token_ids), len(req._all_token_ids), req.num_prompt_tokens) == (99, 99, 99)
+    assert req.max_tokens == 1
+    side.on_new_request(req)  # preempted and rescheduled: not cut again
+    assert req.num_prompt_tokens == 99
+    decode = SimpleNamespace(prompt_token_ids=list(tokens), kv_transfer_params={"do_remote_prefill": True},
+                             request_id="d")
+    side._remote_for = lambda r: object()  # type: ignore[method-assign]
+    assert side.get_num_new_matched_tokens(decode, 0) == (99, True)  # the decode computes the last one
+
+
+def test_what_cannot_move_as_one_region_is_refused() -> None:
+    other_heads = FullAttentionSpec(block_size=32, num_kv_heads=2, head_size=32, dtype=torch.float32)
+    with pytest.raises(UnsupportedModel, match="differs in shape"):
+        Groups.from_config(config((["a"], SLIDING), (["b"], other_heads)))
+
+    class BoundedReplay(SlidingWindowSpec):  # as DeepSeek V4.1's sliding window
+        @property
+        def prefix_replay_tokens(self) -> int:
+            return 64
+
+    replay = BoundedReplay(block_size=32, num_kv_heads=1, head_size=64, dtype=torch.float32,
+                           sliding_window=64)
+    with pytest.raises(UnsupportedModel, match="bounded prefix replay"):
+        Groups.from_config(config((["a"], replay), (["b"], FULL)))

@@ -131,6 +131,9 @@ class TPEngine:
     scheduled: dict[str, list[int]] = field(default_factory=dict)
     _queued: dict[int, list[Any]] = field(default_factory=dict)
     _inflight: Any = None  # async scheduling: the step the workers execute next
+    steps: int = 0
+    # (rank, req id) -> the step whose output first carried that rank's finished_recving of it
+    delivered: dict[tuple[int, str], int] = field(default_factory=dict)
 
     @classmethod
     def start(cls, name: str, config: VllmConfig, tp: int = 1, *, async_scheduling: bool = False) -> TPEngine:
@@ -179,6 +182,7 @@ class TPEngine:
         return list(self.scheduler.kv_cache_manager.get_block_ids(req_id)[0])
 
     def step(self) -> None:
+        self.steps += 1
         out = self.scheduler.schedule()
         self._update(out, self._execute(out, self._starts(out)))
 
@@ -227,6 +231,8 @@ class TPEngine:
                 res, invalid = self._queued[rank].pop(0)
             else:
                 res, invalid = None, set()
+            for rid in (res.finished_recving or ()) if res else ():
+                self.delivered.setdefault((rank, rid), self.steps)
             outputs.append(ModelRunnerOutput(
                 req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
                 sampled_token_ids=[[7] for _ in req_ids], logprobs=None, prompt_logprobs_dict={},

@@ -24,7 +24,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
-from kvxfer.connector.groups import Groups
+from kvxfer.connector.groups import Groups, UnsupportedModel
 from kvxfer.connector.layout import Placement
 from kvxfer.connector.scheduler import SchedulerSide
 from kvxfer.connector.settings import ConnectorSettings
@@ -175,7 +175,10 @@ class KvxferConnector(KVConnectorBase_V1, *_HMA):  # type: ignore[misc]
         # Hybrid models: which groups move and how; state layers are refused here, at start-up
         # (UnsupportedModel says which layers and why).
         self.groups = Groups.from_config(kv_cache_config) if kv_cache_config is not None else None
-        if self.groups is not None and self.groups.hybrid:
+        if int(getattr(vllm_config, "num_prefill_lookahead_tokens", 0) or 0) > 1:
+            raise UnsupportedModel("kvxfer cannot move KV for multi-token-prediction drafting yet (the "
+                                   "prefill would move draft layers' unverified KV)")
+        if self.groups is not None and self.groups.grouped:
             log.info("kvxfer: hybrid KV cache, %d groups: %s", len(self.groups.groups),
                      self.groups.describe())
         self.settings = ConnectorSettings.from_extra(vllm_config.kv_transfer_config.kv_connector_extra_config)
@@ -186,12 +189,19 @@ class KvxferConnector(KVConnectorBase_V1, *_HMA):  # type: ignore[misc]
             pc = vllm_config.parallel_config
             self.scheduler = SchedulerSide(self.settings, size, engine_id=engine_id_of(vllm_config),
                                            pp_size=pc.pipeline_parallel_size)
+            self.scheduler.backoff = self.groups.backoff if self.groups is not None else 0
         else:
             device = str(vllm_config.device_config.device_type) if vllm_config.device_config else "cuda"
             self.worker = WorkerSide(self.settings, rank, size, "cpu" if device == "cpu" else "cuda",
                                      placement(vllm_config))
 
     # ------------------------------------------------------------------ scheduler role
+
+    def on_new_request(self, request: Request) -> None:
+        """A prefill request of a model with a windowed group stops one token short (the
+        decode computes it: see kvxfer/connector/groups.py)."""
+        if self.scheduler is not None:
+            self.scheduler.on_new_request(request)
 
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
@@ -205,7 +215,7 @@ class KvxferConnector(KVConnectorBase_V1, *_HMA):  # type: ignore[misc]
         assert self.scheduler is not None
         unhashed: list[int] | list[list[int]] = []
         if num_external_tokens > 0:
-            if self.groups is not None and self.groups.hybrid:
+            if self.groups is not None and self.groups.grouped:
                 unhashed = self.groups.clip(blocks.get_unhashed_block_ids_all_groups())
             else:
                 unhashed = blocks.get_unhashed_block_ids()
@@ -228,7 +238,7 @@ class KvxferConnector(KVConnectorBase_V1, *_HMA):  # type: ignore[misc]
         """(SupportsHMA) One block list per KV cache group: sliding-window groups keep the
         window's blocks; one group travels as a flat list, as before."""
         assert self.scheduler is not None
-        if self.groups is None or not self.groups.hybrid:
+        if self.groups is None or not self.groups.grouped:
             groups = [list(g) for g in block_ids if len(g)]
             if len(groups) > 1:
                 log.warning("request %s: %d KV cache groups on an engine configured with one; not "
@@ -244,9 +254,10 @@ class KvxferConnector(KVConnectorBase_V1, *_HMA):  # type: ignore[misc]
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         assert self.worker is not None
-        spec = self._kv_cache_config.kv_cache_groups[0].kv_cache_spec
+        first = self.groups.ids[0] if self.groups is not None and self.groups.ids else 0
+        spec = self._kv_cache_config.kv_cache_groups[first].kv_cache_spec
         spec = next(iter(spec.kv_cache_specs.values())) if hasattr(spec, "kv_cache_specs") else spec
-        if self.groups is not None and self.groups.hybrid:
+        if self.groups is not None and self.groups.grouped:
             # the transferable groups' layers; vLLM shares each tensor among one layer per group
             moved = {name for g in self.groups.groups for name in g.layers}
             kv_caches = {n: t for n, t in kv_caches.items() if n in moved} or kv_caches

@@ -14,6 +14,14 @@ Sliding-window groups move only the blocks inside the window, as vLLM's NixlConn
 does: ``cdiv(window, block_size) + 1`` blocks at the tail (one more than the window covers,
 for a window that does not start on a block boundary).
 
+With a windowed group the prefill stops one token short of the prompt (``backoff``) and
+the decode loads the rest but that token: vLLM frees the blocks that fell out of the window
+of the last *computed* token, and the decode recomputes the prompt's last token, whose
+window reaches one position further back. Without it, a prompt of ``N`` tokens with
+``N % block_size == (window - 1) % block_size`` lost the block holding position ``N - window``
+on both sides (found by review, 7 of 30 such prompts gave other tokens than one engine).
+NixlConnector backs off only for Mamba and bounded-replay windows.
+
 Models with state layers (Mamba, Mamba2, Gated DeltaNet / linear attention: per-request
 conv and SSM state, not paged KV) are refused when the engine starts, with a message that
 says which layers and why; moving their state is not built yet.
@@ -96,15 +104,34 @@ class Groups:
         """From vLLM's ``KVCacheConfig``; ``UnsupportedModel`` for state layers."""
         all_groups = list(getattr(kv_cache_config, "kv_cache_groups", None) or [])
         ids = [i for i, g in enumerate(all_groups) if getattr(g, "enable_kv_transfer", True)]
+        for i in ids:
+            if getattr(all_groups[i], "host_resident", False):
+                raise UnsupportedModel("kvxfer cannot move this model's KV cache: a KV cache group lives "
+                                       "in a separate host pool (HiSparse); not supported")
+            for k in _kinds(all_groups[i].kv_cache_spec):
+                if getattr(k, "prefix_replay_tokens", 0):
+                    raise UnsupportedModel("kvxfer cannot move this model's KV cache: a sliding window "
+                                           "with bounded prefix replay is not supported yet")
         specs = [k for i in ids for k in _kinds(all_groups[i].kv_cache_spec)]
         pure_state = not any(_is(k, "AttentionSpec") for k in specs)
         groups = tuple(_group_of(all_groups[i].kv_cache_spec, list(all_groups[i].layer_names), pure_state)
                        for i in ids)
-        sizes = {g.block_size for g in groups}
-        if len(sizes) > 1:
-            raise UnsupportedModel(f"kvxfer cannot move this model's KV cache: its groups have different "
-                                   f"block sizes {sorted(sizes)}")
+        shapes = {(int(k.block_size), getattr(k, "num_kv_heads", None), getattr(k, "head_size", None),
+                   str(getattr(k, "dtype", ""))) for k in specs}
+        if len(shapes) > 1:  # (block, heads, head size, dtype): one region geometry for all groups
+            raise UnsupportedModel(f"kvxfer cannot move this model's KV cache: its groups' KV differs "
+                                   f"in shape {sorted(map(str, shapes))}")
         return cls(groups, tuple(ids), len(all_groups))
+
+    @property
+    def backoff(self) -> int:
+        """Prompt tokens the prefill leaves to the decode (see the module's doc)."""
+        return 1 if any(g.kind in ("sliding_window", "chunked_local") for g in self.groups) else 0
+
+    @property
+    def grouped(self) -> bool:
+        """Block ids travel as one list per group (several groups, or a windowed one)."""
+        return self.total > 1 or bool(self.backoff)
 
     @property
     def hybrid(self) -> bool:

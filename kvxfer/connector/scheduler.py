@@ -61,6 +61,7 @@ class SchedulerSide:
     ) -> None:
         self.settings = settings
         self.tp_size = tp_size
+        self.backoff = 0  # prompt tokens the prefill leaves to the decode (windowed KV cache groups)
         self.pp_size = pp_size  # each (pp, tp) worker receives its own layers and reports its own Done
         self.client = client or SidecarClient(settings.sidecar, send_queue=settings.send_queue)
         pong = self.client.ping(settings.sidecar_timeout_s)
@@ -95,6 +96,22 @@ class SchedulerSide:
         self._remote[req_id] = remote
         return remote
 
+    def on_new_request(self, request: Any) -> None:
+        """A prefill request (``do_remote_decode``) stops ``backoff`` tokens short of its
+        prompt, once (a preempted request comes back here)."""
+        params = request.kv_transfer_params
+        b = self.backoff
+        if not b or not params or not params.get("do_remote_decode") or params.get("_kvxfer_backoff"):
+            return
+        skip = getattr(request, "get_skip_reading_prefix_cache", None)
+        if request.num_prompt_tokens <= b or request.prompt_token_ids is None or (skip and skip()):
+            return
+        del request.prompt_token_ids[-b:]
+        del request._all_token_ids[-b:]  # (vLLM's own list behind all_token_ids)
+        request.num_prompt_tokens -= b
+        request.max_tokens = 1
+        params["_kvxfer_backoff"] = b
+
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
         params = request.kv_transfer_params
         if not params or not params.get("do_remote_prefill"):
@@ -102,7 +119,10 @@ class SchedulerSide:
         remote = self._remote_for(request)
         if remote is None:
             return 0, False
-        count = len(request.prompt_token_ids or ()) - num_computed_tokens
+        n = len(request.prompt_token_ids or ())
+        if self.backoff and n > self.backoff:
+            n -= self.backoff  # the prefill stopped short of these; this engine computes them
+        count = n - num_computed_tokens
         if count > 0:
             self._waiting[request.request_id] = remote  # until it gets blocks: keep its lease alive
         return (count, True) if count > 0 else (0, False)
