@@ -52,14 +52,16 @@ def test_one_group_is_not_hybrid() -> None:
 
 
 def test_groups_pair_at_the_tail_and_skip_null_blocks() -> None:
-    local = [[11, 12, 13], [21, 22], [31, 32, 33, 34]]
-    remote = [[51, 52, 53], [0, 62], [72, 73, 74]]  # a freed (null) block in group 1
+    local = [[11, 12, 13], [21, 22], [33, 34]]  # group 2: two blocks hit this engine's prefix cache
+    remote = [[51, 52, 53], [0, 62], [71, 72, 73, 74]]  # a freed (null) block in group 1
     lflat, rflat = pair_groups(local, remote)
-    assert lflat == [11, 12, 13, 22, 32, 33, 34]
-    assert rflat == [51, 52, 53, 62, 72, 73, 74]
+    assert lflat == [11, 12, 13, 22, 33, 34]
+    assert rflat == [51, 52, 53, 62, 73, 74]
     with pytest.raises(ValueError, match="not the same model"):
         pair_groups(local, remote[:2])
-    assert held_blocks(remote) == [51, 52, 53, 62, 72, 73, 74]
+    with pytest.raises(ValueError, match="group 0: 4 blocks to load, the prefill holds 3"):
+        pair_groups([[1, 2, 3, 4]], [[5, 6, 7]])  # would shift every block: refused, recomputed
+    assert held_blocks(remote) == [51, 52, 53, 62, 71, 72, 73, 74]
     assert held_blocks([[5, 0, 6], [6, 7]]) == [5, 6, 7]  # no null block, none twice
 
 
@@ -121,6 +123,10 @@ def test_a_windowed_group_makes_the_prefill_stop_one_token_short() -> None:
                              request_id="d")
     side._remote_for = lambda r: object()  # type: ignore[method-assign]
     assert side.get_num_new_matched_tokens(decode, 0) == (99, True)  # the decode computes the last one
+    # a prompt longer here than the prefill computed: only what the prefill has is claimed
+    longer = SimpleNamespace(prompt_token_ids=list(range(3, 123)), request_id="l",
+                             kv_transfer_params={"do_remote_prefill": True, "remote_num_tokens": 99})
+    assert side.get_num_new_matched_tokens(longer, 0) == (99, True)
 
 
 def test_what_cannot_move_as_one_region_is_refused() -> None:

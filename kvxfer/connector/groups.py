@@ -158,15 +158,18 @@ class Groups:
 def pair_groups(local: Sequence[Sequence[int]],
                 remote: Sequence[Sequence[int]]) -> tuple[list[int], list[int]]:
     """Per-group block lists of the decode (``local``) and the prefill (``remote``) -> one flat
-    list each, pair by pair: each group lined up at the tail, pairs with a null block (0)
-    on either side skipped. ``ValueError`` when the group counts differ."""
+    list each, pair by pair: each group lined up at the tail (the decode's list may be shorter:
+    its prefix cache), pairs with a null block (0) on either side skipped. ``ValueError`` when
+    the group counts differ or a decode list is longer than the prefill's."""
     if len(local) != len(remote):
         raise ValueError(f"the prefill has {len(remote)} KV cache groups, this engine {len(local)}: "
                          "not the same model")
     lflat: list[int] = []
     rflat: list[int] = []
-    for lg, rg in zip(local, remote, strict=True):
-        n = min(len(lg), len(rg))
+    for i, (lg, rg) in enumerate(zip(local, remote, strict=True)):
+        if len(lg) > len(rg):  # pairing would shift every block of the group: wrong KV
+            raise ValueError(f"group {i}: {len(lg)} blocks to load, the prefill holds {len(rg)}")
+        n = len(lg)
         for a, b in zip(list(lg)[len(lg) - n:], list(rg)[len(rg) - n:], strict=True):
             if a and b:
                 lflat.append(a)

@@ -122,6 +122,9 @@ class SchedulerSide:
         n = len(request.prompt_token_ids or ())
         if self.backoff and n > self.backoff:
             n -= self.backoff  # the prefill stopped short of these; this engine computes them
+        computed = params.get("remote_num_tokens")
+        if isinstance(computed, int) and not isinstance(computed, bool) and 0 < computed < n:
+            n = computed  # never claim tokens the prefill did not compute (a longer prompt here)
         count = n - num_computed_tokens
         if count > 0:
             self._waiting[request.request_id] = remote  # until it gets blocks: keep its lease alive
@@ -161,7 +164,14 @@ class SchedulerSide:
             local = list(unhashed_block_ids)  # type: ignore[arg-type]
             remote_ids = list(remote.block_ids)
             if len(local) > len(remote_ids):
-                local = local[-len(remote_ids):]
+                # more blocks here than the prefill has: pairing them would shift every block
+                # by the difference (wrong KV); compute the prompt instead
+                e = f"{len(local)} blocks to load, the prefill holds {len(remote_ids)}"
+                self.errors[request.request_id] = e
+                log.warning("request %s: %s; computing the prompt locally", request.request_id, e)
+                self._release_remote(request.request_id, remote)
+                self._plan.failed[request.request_id] = local
+                return
             remote_ids = remote_ids[len(remote_ids) - len(local):]
         give_up = self.settings.transfer_timeout_s + self.settings.grace_s
         expires = time.time() + give_up
