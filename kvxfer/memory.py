@@ -149,15 +149,11 @@ class CudaKV:
         block_len = region_block_len(layout)
         shape = (layout.num_layers, layout.kv_parts, layout.num_blocks, block_len)
         if pools is not None:
-            d = torch.device(device)
-            index = d.index if d.index is not None else torch.cuda.current_device()
             nbytes = layout.num_regions * layout.num_blocks * block_len
-            pool = pools.create(nbytes, label=f"kv tp{layout.tp_rank} pp{layout.pp_rank}", device=index,
-                                device_uuid=str(torch.cuda.get_device_properties(index).uuid))
-            tensor = pool.map_gpu().tensor()[:nbytes].view(shape)
-            tensor.zero_()  # VMM memory comes uninitialised
-            torch.cuda.synchronize(index)
-            return cls(layout, nbytes, tensor, pool, pools)
+            index = cuda_ordinal(device)
+            assert index is not None
+            pool, flat = gpu_pool_tensor(pools, nbytes, f"kv tp{layout.tp_rank} pp{layout.pp_rank}", index)
+            return cls(layout, nbytes, flat.view(shape), pool, pools)
         tensor = torch.zeros(shape, dtype=torch.uint8, device=device)
         return cls(layout, tensor.numel(), tensor)
 
@@ -174,6 +170,34 @@ class CudaKV:
         if self.pool is not None and self._pools is not None:
             self._pools.free(self.pool)
             self.pool = None
+
+
+def cuda_ordinal(device: Any) -> int | None:
+    """The CUDA ordinal of a torch device ("cuda:1" -> 1, "cuda" -> the current one); None
+    for any other device."""
+    import torch
+
+    d = torch.device(device)
+    if d.type != "cuda":
+        return None
+    return d.index if d.index is not None else int(torch.cuda.current_device())
+
+
+def gpu_pool_tensor(pools: PoolClient, nbytes: int, label: str, index: int,
+                    zero: bool = True) -> tuple[Pool, Any]:
+    """A GPU pool of ``nbytes`` from the sidecar on CUDA device ``index`` (named to it by
+    UUID) and a flat uint8 tensor over it (keeping its mapping alive); zeroed (fresh VMM
+    memory is not, unlike a fresh memfd) and synchronised before the sidecar or a peer
+    touches it."""
+    import torch
+
+    pool = pools.create(nbytes, label=label, device=index,
+                        device_uuid=str(torch.cuda.get_device_properties(index).uuid))
+    flat = pool.map_gpu().tensor()[:nbytes]
+    if zero:
+        flat.zero_()
+        torch.cuda.synchronize(index)
+    return pool, flat
 
 
 def cuda_ipc_memory(tensor: Any) -> CudaIpcMemory:

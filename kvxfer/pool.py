@@ -24,7 +24,7 @@ allocation exported as a POSIX fd (``kvxfer.vmm``; not yet run on a GPU), grante
 up to the allocation granularity. The fd plays the memfd's part everywhere above.
 
 The sidecar side (``PoolServer``) runs on its own thread with blocking sockets; the table
-it keeps is read by the NIXL thread under a lock (``dup_fd``).
+it keeps is read by the NIXL thread under a lock (``dup``).
 """
 
 from __future__ import annotations
@@ -357,14 +357,10 @@ class PoolServer:
 
     # --------------------------------------------------------------- queries (any thread)
 
-    def dup_fd(self, pool: str) -> tuple[int, int]:
-        """(a duplicate of the pool's fd, its size); RequestError when unknown. The caller
-        closes the duplicate (its mapping keeps the memory)."""
-        fd, size, _ = self.dup(pool)
-        return fd, size
-
     def dup(self, pool: str) -> tuple[int, int, int]:
-        """(a duplicate of the pool's fd, its size, its device: -1 for host memory)."""
+        """(a duplicate of the pool's fd, its size, its device: -1 for host memory);
+        RequestError when unknown. The caller closes the duplicate (its mapping keeps the
+        memory)."""
         with self._lock:
             held = self._pools.get(pool)
             if held is None:
@@ -419,9 +415,7 @@ class PoolServer:
         self._conns.clear()
         if self._listener is not None:
             self._listener.close()
-            with contextlib.suppress(FileNotFoundError):
-                if os.stat(self.path).st_ino == self._ino:  # never another process's socket
-                    os.unlink(self.path)
+            unlink_if_same(self.path, self._ino)
         for fd in (self._wake_r, self._wake_w):
             with contextlib.suppress(OSError):
                 os.close(fd)
@@ -527,13 +521,13 @@ class PoolServer:
         if device >= 0:
             free = self.gpu().free_memory(device)
             if size > free:
-                raise RequestError(ErrorCode.OUT_OF_MEMORY, f"a pool of {_gib(size)} needs more memory than "
-                                   f"GPU {device} has free ({_gib(free)})")
+                raise RequestError(ErrorCode.OUT_OF_MEMORY, f"a pool of {gib(size)} needs more memory than "
+                                   f"GPU {device} has free ({gib(free)})")
             return
         avail = available_memory()
         if avail is not None and size > avail:
-            raise RequestError(ErrorCode.OUT_OF_MEMORY, f"a pool of {_gib(size)} needs more memory than "
-                               f"this machine has available ({_gib(avail)})")
+            raise RequestError(ErrorCode.OUT_OF_MEMORY, f"a pool of {gib(size)} needs more memory than "
+                               f"this machine has available ({gib(avail)})")
 
     def _grant(self, conn: socket.socket, fileno: int, pid: int, msg: PoolCreate) -> None:
         device = self._local_device(msg.device, msg.device_uuid)
@@ -551,7 +545,7 @@ class PoolServer:
             self._pools[pool] = _Held(pool, fd, size, fileno, pid, msg.label, device)
         self.created += 1
         where = "" if device < 0 else f" on GPU {device}"
-        log.info("pool %s: %s%s for pid %d %s", pool[:8], _gib(size), where, pid, msg.label)
+        log.info("pool %s: %s%s for pid %d %s", pool[:8], gib(size), where, pid, msg.label)
         self._reply(conn, PoolGranted(pool=pool, size=size, device=msg.device), fd)
 
     def _adopt(self, conn: socket.socket, fileno: int, pid: int, msg: PoolAdopt, fds: list[int]) -> None:
@@ -580,7 +574,7 @@ class PoolServer:
         if old is not None:
             os.close(old.fd)
         self.adopted += 1
-        log.info("pool %s: %s handed back by pid %d %s", msg.pool[:8], _gib(msg.size), pid, msg.label)
+        log.info("pool %s: %s handed back by pid %d %s", msg.pool[:8], gib(msg.size), pid, msg.label)
         self._reply(conn, PoolGranted(pool=msg.pool, size=msg.size))
 
     def _free(self, fileno: int, pool: str) -> None:
@@ -604,12 +598,20 @@ class PoolServer:
             os.close(h.fd)
         if gone:
             log.info("memory channel of pid %d closed: %d pools (%s) let go", pid, len(gone),
-                     _gib(sum(h.size for h in gone)))
+                     gib(sum(h.size for h in gone)))
             if self.on_closed is not None:
                 try:
                     self.on_closed([h.id for h in gone], pid)
                 except Exception:  # never let the notice end the channel
                     log.exception("memory channel: on_closed failed")
+
+
+def unlink_if_same(path: str, ino: int) -> None:
+    """Remove the socket file at ``path`` only if it is still inode ``ino``, the one this
+    process bound: never one another process put there since."""
+    with contextlib.suppress(FileNotFoundError):
+        if ino and os.stat(path).st_ino == ino:
+            os.unlink(path)
 
 
 def available_memory() -> int | None:
@@ -633,6 +635,6 @@ def shmem_bytes() -> int:
     return 0
 
 
-def _gib(n: int) -> str:
+def gib(n: float) -> str:
     return f"{n / (1 << 30):.2f} GiB"
 

@@ -39,7 +39,7 @@ from kvxfer.holds import Holds
 from kvxfer.memory import check_shm_files, validate_registration
 from kvxfer.observe import Event, Observer, start_metrics_server
 from kvxfer.peers import Peer, Peers
-from kvxfer.pool import PoolServer, mem_socket_path
+from kvxfer.pool import PoolServer, mem_socket_path, unlink_if_same
 from kvxfer.protocol import (
     DECODE_ERRORS,
     PROTOCOL_VERSION,
@@ -339,10 +339,8 @@ class Sidecar:
         if self.pools is not None:
             self.pools.close()
         path = ipc_path(self.config.engine_socket)
-        if path and self._sock_ino:
-            with contextlib.suppress(FileNotFoundError):
-                if os.stat(path).st_ino == self._sock_ino:  # never a socket this process did not bind
-                    os.unlink(path)
+        if path:
+            unlink_if_same(path, self._sock_ino)  # never a socket this process did not bind
             self._sock_ino = 0
         if self._lock_fd >= 0:
             os.close(self._lock_fd)  # (the lock file stays: unlinking it would race a successor)

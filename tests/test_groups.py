@@ -33,7 +33,7 @@ GEMMA3 = config((["l0"], SLIDING), (["l1"], SLIDING), (["l2"], SLIDING), (["l3"]
 
 def test_sliding_window_groups_carry_only_their_window() -> None:
     g = Groups.from_config(GEMMA3)
-    assert g.hybrid
+    assert g.grouped
     assert [x.kind for x in g.groups] == ["sliding_window"] * 3 + ["full"]
     assert g.groups[0].window_blocks == 3  # cdiv(64, 32) + 1, as vLLM's NixlConnector
     blocks = [list(range(10, 32)), list(range(40, 62)), list(range(70, 92)), list(range(100, 122))]
@@ -47,7 +47,7 @@ def test_sliding_window_groups_carry_only_their_window() -> None:
 
 def test_one_group_is_not_hybrid() -> None:
     g = Groups.from_config(config((["a", "b"], FULL)))
-    assert not g.hybrid
+    assert not g.grouped
     assert g.clip([[1, 2, 3]]) == [[1, 2, 3]]
 
 

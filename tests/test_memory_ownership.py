@@ -67,7 +67,7 @@ def test_the_memory_channel_hands_out_sealed_memfds_and_refuses_what_is_not(tmp_
             os.ftruncate(pool.fd, MiB)  # sealed: nobody shrinks it under a mapping
         mm = pool.map()
         mm[:4] = b"kvxf"
-        fd, size = server.dup_fd(pool.id)  # the sidecar's side: the same pages
+        fd, size, _ = server.dup(pool.id)  # the sidecar's side: the same pages
         try:
             assert size == 8 * MiB
             assert os.pread(fd, 4, 0) == b"kvxf"
@@ -95,7 +95,7 @@ def test_the_memory_channel_hands_out_sealed_memfds_and_refuses_what_is_not(tmp_
         finally:
             os.close(sealed)
         with pytest.raises(Exception, match="no pool"):
-            server.dup_fd("f" * 32)
+            server.dup("f" * 32)
         # The engine's connection ends: the sidecar lets go of its pools.
         client.close()
         _until(lambda: server.stats() == (0, 0), "the pools of a closed connection")

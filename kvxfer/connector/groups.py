@@ -133,11 +133,6 @@ class Groups:
         """Block ids travel as one list per group (several groups, or a windowed one)."""
         return self.total > 1 or bool(self.backoff)
 
-    @property
-    def hybrid(self) -> bool:
-        """More than one group: block ids travel as one list per group."""
-        return len(self.groups) > 1
-
     def clip(self, block_ids: Sequence[Sequence[int]]) -> list[list[int]]:
         """vLLM's per-group block lists (all groups) -> the transferable groups' lists, each
         sliding-window group cut to the blocks of its window (the tail)."""

@@ -147,32 +147,20 @@ class SchedulerSide:
             # Full local prefix hit: nothing to read, but the prefill side still holds.
             self._release_remote(request.request_id, remote)
             return
+        # one list per KV cache group on both sides (a single-group model: one each), paired
+        # group by group at the tail, then flat; a decode list longer than the prefill's would
+        # shift every block (wrong KV): the prompt is computed here instead
         hybrid = bool(unhashed_block_ids) and isinstance(unhashed_block_ids[0], list | tuple)
-        if hybrid or remote.groups:
-            # one list per KV cache group on both sides: paired group by group, then flat
-            mine = [list(g) for g in unhashed_block_ids] if hybrid else [list(unhashed_block_ids)]
-            theirs = [list(g) for g in remote.groups] if remote.groups else [list(remote.block_ids)]
-            try:
-                local, remote_ids = pair_groups(mine, theirs)
-            except ValueError as e:
-                self.errors[request.request_id] = str(e)
-                log.warning("request %s: %s; computing the prompt locally", request.request_id, e)
-                self._release_remote(request.request_id, remote)
-                self._plan.failed[request.request_id] = [b for g in mine for b in g if b]
-                return
-        else:
-            local = list(unhashed_block_ids)  # type: ignore[arg-type]
-            remote_ids = list(remote.block_ids)
-            if len(local) > len(remote_ids):
-                # more blocks here than the prefill has: pairing them would shift every block
-                # by the difference (wrong KV); compute the prompt instead
-                e = f"{len(local)} blocks to load, the prefill holds {len(remote_ids)}"
-                self.errors[request.request_id] = e
-                log.warning("request %s: %s; computing the prompt locally", request.request_id, e)
-                self._release_remote(request.request_id, remote)
-                self._plan.failed[request.request_id] = local
-                return
-            remote_ids = remote_ids[len(remote_ids) - len(local):]
+        mine = [list(g) for g in unhashed_block_ids] if hybrid else [list(unhashed_block_ids)]  # type: ignore[arg-type]
+        theirs = [list(g) for g in remote.groups] if remote.groups else [list(remote.block_ids)]
+        try:
+            local, remote_ids = pair_groups(mine, theirs)
+        except ValueError as e:
+            self.errors[request.request_id] = str(e)
+            log.warning("request %s: %s; computing the prompt locally", request.request_id, e)
+            self._release_remote(request.request_id, remote)
+            self._plan.failed[request.request_id] = [b for g in mine for b in g if b]
+            return
         give_up = self.settings.transfer_timeout_s + self.settings.grace_s
         expires = time.time() + give_up
         for n, (pp, rank) in enumerate(self._ranks()):

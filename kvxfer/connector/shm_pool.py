@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
+from kvxfer.memory import cuda_ordinal, gpu_pool_tensor
 from kvxfer.pool import Pool, PoolClient
 from kvxfer.protocol import PoolMemory, ShmMemory
 
@@ -61,11 +62,7 @@ class SharedAllocator(TorchFunctionMode):
     def _ours(self, device: Any) -> bool:
         if self.gpu is None:
             return _is_cpu(device)
-        if device is None:
-            return False
-        d = torch.device(device)
-        index = d.index if d.index is not None else torch.cuda.current_device()
-        return d.type == "cuda" and index == self.gpu
+        return device is not None and cuda_ordinal(device) == self.gpu
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
@@ -84,13 +81,8 @@ class SharedAllocator(TorchFunctionMode):
                       zero: bool) -> torch.Tensor:
         assert self.pools is not None
         assert self.gpu is not None
-        pool = self.pools.create(nbytes, label=f"torch {list(size)} {dtype}", device=self.gpu,
-                                 device_uuid=str(torch.cuda.get_device_properties(self.gpu).uuid))
-        flat = pool.map_gpu().tensor()[:nbytes].view(dtype)  # keeps the mapping alive
-        if zero:
-            flat.zero_()  # fresh VMM memory is not zeroed, unlike a fresh memfd
-            torch.cuda.synchronize(self.gpu)  # done before the sidecar (or a peer) touches it
-        tensor = flat.view(size)
+        pool, flat = gpu_pool_tensor(self.pools, nbytes, f"torch {list(size)} {dtype}", self.gpu, zero)
+        tensor = flat.view(dtype).view(size)
         self.allocations.append(ShmAllocation("", tensor.data_ptr(), nbytes, pool))
         return tensor
 

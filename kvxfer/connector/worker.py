@@ -39,7 +39,7 @@ from kvxfer.connector.layout import Placement, registration_from_tensors
 from kvxfer.connector.settings import ConnectorSettings
 from kvxfer.connector.shm_pool import SharedAllocator
 from kvxfer.errors import KvxferError
-from kvxfer.memory import cuda_ipc_memory
+from kvxfer.memory import cuda_ipc_memory, cuda_ordinal
 from kvxfer.pool import PoolClient
 from kvxfer.protocol import Done, Failed, MemoryRef, Registered, Released
 
@@ -93,7 +93,7 @@ class WorkerSide:
         self.device = device
         # vLLM's KV cache is allocated in pools the sidecar owns (its memory channel): on a
         # CPU always, on a GPU with gpu_memory "vmm" (else the engine allocates: CUDA IPC)
-        gpu = _cuda_index(device) if settings.gpu_memory == "vmm" else None
+        gpu = cuda_ordinal(device) if settings.gpu_memory == "vmm" else None
         uses_pools = device == "cpu" or gpu is not None
         self.pools = PoolClient.for_engine_socket(settings.sidecar) if uses_pools else None
         if gpu is not None and self.pools is None:
@@ -303,14 +303,3 @@ class WorkerSide:
         if self.allocator is not None:
             self.allocator.close()
 
-
-def _cuda_index(device: str) -> int | None:
-    """The CUDA ordinal of a worker's device ("cuda:1" -> 1; "cuda" -> the current one)."""
-    if not device.startswith("cuda"):
-        return None
-    _, _, idx = device.partition(":")
-    if idx:
-        return int(idx)
-    import torch
-
-    return int(torch.cuda.current_device())

@@ -25,7 +25,7 @@ from typing import Any
 from kvxfer.auth import new_token
 from kvxfer.client import RemoteBlocks
 from kvxfer.memory import region_block_len
-from kvxfer.pool import available_memory
+from kvxfer.pool import available_memory, gib
 from kvxfer.protocol import KVLayout
 from kvxfer.testing.engine import SyntheticEngine, make_layout
 from kvxfer.testing.procs import SidecarFactory, SidecarProc, free_port
@@ -101,9 +101,9 @@ class DemoOptions:
             hint = (f"--in-flight {fits} fits in three quarters of that" if fits >= 1
                     else "fewer --blocks-per-request or --layers are needed")
             raise MemoryError(
-                f"the KV pools need {_gib(need)} ({_gib(self.pool_bytes('prefill'))} prefill + "
-                f"{_gib(self.pool_bytes('decode'))} decode for {self.window} requests in flight and "
-                f"a warm-up), and this machine has {_gib(have)} available (MemAvailable); {hint}")
+                f"the KV pools need {gib(need)} ({gib(self.pool_bytes('prefill'))} prefill + "
+                f"{gib(self.pool_bytes('decode'))} decode for {self.window} requests in flight and "
+                f"a warm-up), and this machine has {gib(have)} available (MemAvailable); {hint}")
 
     def layout(self, side: str, rank: int = 0) -> KVLayout:
         return make_layout(
@@ -269,10 +269,6 @@ def _decode_main(opts: DemoOptions, endpoint: str, from_prefill: Any, results: A
 
 def _req_name(i: int) -> str:
     return "warmup" if i == 0 else f"req-{i - 1}"
-
-
-def _gib(n: float) -> str:
-    return f"{n / (1 << 30):.2f} GiB"
 
 
 def run_demo(opts: DemoOptions) -> dict[str, Any]:
