@@ -177,7 +177,9 @@ class SidecarClient:
         expires_unix: float = 0.0,
         engine_id: str = "",
         pp_rank: int = 0,
+        state: tuple[Iterable[int], Iterable[int]] = ((), ()),
     ) -> None:
+        """``state``: (local, remote) blocks of state groups (Mamba/GDN), paired one to one."""
         self._send(
             Recv(
                 req_id=req_id,
@@ -196,6 +198,8 @@ class SidecarClient:
                 engine_id=engine_id,
                 pp_rank=pp_rank,
                 remote_token=remote.token,
+                state_block_ids=list(state[0]) or None,
+                remote_state_block_ids=list(state[1]) or None,
             )
         )
 

@@ -36,24 +36,28 @@ _MASK = (1 << 64) - 1
 
 def digest_items(
     plans: Sequence[RankPlan], pairing: BlockPairing, local_blocks: Sequence[int],
-    remote_blocks: Sequence[int],
-) -> dict[tuple[int, int], tuple[list[DigestItem], list[DigestItem], RankPlan]]:
-    """(remote pp, remote tp) -> (items over the local blocks, the same items over the remote
-    blocks, the plan: its region slices say which regions each side digests)."""
+    remote_blocks: Sequence[int], state_blocks: tuple[Sequence[int], Sequence[int]] = ((), ()),
+) -> dict[tuple[int, int, bool], tuple[list[DigestItem], list[DigestItem], RankPlan]]:
+    """(remote pp, remote tp, state plan?) -> (items over the local blocks, the same items over
+    the remote blocks, the plan: its region slices say which regions each side digests).
+    State plans digest the state block pairs (``state_blocks``: local, remote) whole."""
     pairs = pairing.pairs(len(local_blocks), len(remote_blocks))
-    out: dict[tuple[int, int], tuple[list[DigestItem], list[DigestItem], RankPlan]] = {}
+    out: dict[tuple[int, int, bool], tuple[list[DigestItem], list[DigestItem], RankPlan]] = {}
     for plan in plans:
+        lb, rb = (state_blocks if plan.state else (local_blocks, remote_blocks))
+        ps = [(i, i, 0) for i in range(len(lb))] if plan.state else pairs
         local: list[DigestItem] = []
         remote: list[DigestItem] = []
         for q, segs in enumerate(plan.segments):
-            sel = [(li, ri) for li, ri, qq in pairs if qq == q]
+            sel = [(li, ri) for li, ri, qq in ps if qq == q]
             if not sel or not segs:
                 continue
-            local.append(DigestItem(blocks=[local_blocks[a] for a, _ in sel],
+            local.append(DigestItem(blocks=[lb[a] for a, _ in sel],
                                     runs=[[s.local_off, s.length] for s in segs]))
-            remote.append(DigestItem(blocks=[remote_blocks[b] for _, b in sel],
+            remote.append(DigestItem(blocks=[rb[b] for _, b in sel],
                                      runs=[[s.remote_off, s.length] for s in segs]))
-        out[(plan.remote_pp, plan.remote_rank)] = (local, remote, plan)
+        if local:
+            out[(plan.remote_pp, plan.remote_rank, plan.state)] = (local, remote, plan)
     return out
 
 

@@ -50,14 +50,27 @@ def region_block_len(layout: KVLayout) -> int:
 
 
 def _dense_registration(layout: KVLayout, memory: MemoryRef) -> RegisterKV:
-    """One memory holding ``[layers, kv_parts, num_blocks, block_len]`` densely."""
+    """One memory holding ``[layers, kv_parts, num_blocks, block_len]`` densely, then
+    ``[state_regions, num_blocks, state_bytes]``."""
     block_len = region_block_len(layout)
     span = layout.num_blocks * block_len
     regions = [
         KVRegion(memory=0, offset=i * span, block_len=block_len, block_stride=block_len)
         for i in range(layout.num_regions)
     ]
+    base = layout.num_regions * span
+    regions += [
+        KVRegion(memory=0, offset=base + i * layout.num_blocks * layout.state_bytes,
+                 block_len=layout.state_bytes, block_stride=layout.state_bytes)
+        for i in range(layout.state_regions)
+    ]
     return RegisterKV(layout=layout, memory=[memory], regions=regions)
+
+
+def dense_bytes(layout: KVLayout) -> int:
+    """Bytes of ``_dense_registration``'s memory."""
+    return layout.num_blocks * (layout.num_regions * region_block_len(layout)
+                                + layout.state_regions * layout.state_bytes)
 
 
 @dataclass
@@ -82,8 +95,7 @@ class SharedKV:
                prefix: str = "kvxfer") -> SharedKV:
         """In a pool from ``pools`` (the sidecar's memory channel); without one, in a named
         file under ``directory`` (legacy: a killed engine leaves it behind)."""
-        block_len = region_block_len(layout)
-        nbytes = layout.num_regions * layout.num_blocks * block_len
+        nbytes = dense_bytes(layout)
         if pools is not None:
             pool = pools.create(nbytes, label=f"kv tp{layout.tp_rank} pp{layout.pp_rank}")
             mm = pool.map()
@@ -106,7 +118,14 @@ class SharedKV:
     def blocks(self) -> np.ndarray:
         """uint8 view ``[num_layers, kv_parts, num_blocks, block_len]``."""
         lay = self.layout
-        return self.data.reshape(lay.num_layers, lay.kv_parts, lay.num_blocks, -1)
+        n = lay.num_regions * lay.num_blocks * lay.region_block_len
+        return self.data[:n].reshape(lay.num_layers, lay.kv_parts, lay.num_blocks, lay.region_block_len)
+
+    def state_blocks(self) -> np.ndarray:
+        """uint8 view ``[state_regions, num_blocks, state_bytes]`` (after the KV)."""
+        lay = self.layout
+        n = lay.num_regions * lay.num_blocks * lay.region_block_len
+        return self.data[n:].reshape(lay.state_regions, lay.num_blocks, lay.state_bytes)
 
     def register_message(self) -> RegisterKV:
         if self.pool is not None:
@@ -363,21 +382,27 @@ def validate_registration(msg: RegisterKV) -> None:
         raise RequestError(ErrorCode.INVALID_LAYOUT, f"tp_rank {lay.tp_rank} >= tp_size {lay.tp_size}")
     if lay.local_kv_heads > lay.num_kv_heads:
         raise RequestError(ErrorCode.INVALID_LAYOUT, "local_kv_heads > num_kv_heads")
-    if len(msg.regions) != lay.num_regions:
+    if len(msg.regions) != lay.total_regions:
         raise RequestError(
             ErrorCode.INVALID_LAYOUT,
-            f"{len(msg.regions)} regions for {lay.num_layers} layers x {lay.kv_parts} parts",
+            f"{len(msg.regions)} regions for {lay.num_layers} layers x {lay.kv_parts} parts"
+            + (f" + {lay.state_regions} state regions" if lay.state_regions else ""),
         )
+    if bool(lay.state_regions) != bool(lay.state_bytes):
+        raise RequestError(ErrorCode.INVALID_LAYOUT, "state_regions and state_bytes go together")
+    if not lay.num_layers and not lay.state_regions:
+        raise RequestError(ErrorCode.INVALID_LAYOUT, "a registration with neither KV nor state layers")
     if not msg.memory:
         raise RequestError(ErrorCode.INVALID_LAYOUT, "no memory in registration")
-    want = lay.region_block_len
     for i, r in enumerate(msg.regions):
+        want = lay.region_len(i)
         if r.block_len != want:
+            what = (f"{lay.block_size} tokens x {lay.local_kv_heads} heads x {lay.head_dim} x "
+                    f"{lay.itemsize} B, kv_parts={lay.kv_parts}, mla={lay.mla}, fused={lay.fused!r}"
+                    if i < lay.num_regions else f"state of {lay.state_bytes} B")
             raise RequestError(
                 ErrorCode.INVALID_LAYOUT,
-                f"region {i}: a block is {r.block_len} bytes in memory, but the layout "
-                f"({lay.block_size} tokens x {lay.local_kv_heads} heads x {lay.head_dim} x "
-                f"{lay.itemsize} B, kv_parts={lay.kv_parts}, mla={lay.mla}, fused={lay.fused!r}) "
+                f"region {i}: a block is {r.block_len} bytes in memory, but the layout ({what}) "
                 f"describes {want}",
             )
         if r.memory >= len(msg.memory):
@@ -468,13 +493,15 @@ def validate_rank_info(info: RankInfo, compat: str) -> None:
         check_layout(lay)
     except Incompatible as e:
         raise RequestError(ErrorCode.INCOMPATIBLE, f"{who}: {e}") from None
-    if len(info.regions) != lay.num_regions:
+    if len(info.regions) != lay.total_regions:
         raise RequestError(ErrorCode.INCOMPATIBLE, f"{who}: {len(info.regions)} regions "
-                           f"for {lay.num_layers} layers x {lay.kv_parts} parts")
+                           f"for {lay.num_layers} layers x {lay.kv_parts} parts + {lay.state_regions} state")
+    if bool(lay.state_regions) != bool(lay.state_bytes):
+        raise RequestError(ErrorCode.INCOMPATIBLE, f"{who}: state_regions and state_bytes go together")
     for i, r in enumerate(info.regions):
-        if r.block_len != lay.region_block_len:
+        if r.block_len != lay.region_len(i):
             raise RequestError(ErrorCode.INCOMPATIBLE, f"{who}: region {i} has {r.block_len}-byte "
-                               f"blocks, its layout describes {lay.region_block_len}")
+                               f"blocks, its layout describes {lay.region_len(i)}")
         if r.block_stride < r.block_len:
             raise RequestError(ErrorCode.INCOMPATIBLE, f"{who}: region {i}'s blocks overlap "
                                f"(stride {r.block_stride} < {r.block_len} bytes)")

@@ -505,9 +505,9 @@ class Peers:
             raise RequestError(ErrorCode.UNKNOWN_REQUEST, "no blocks held for this request (lease over?)")
         held = set(lease.block_ids)
         engine_ranks = self.registry.of_engine(lease.engine)
-        if (len({(r.pp_rank, r.rank) for r in req.ranks}) != len(req.ranks)
-                or len(req.ranks) > len(engine_ranks)):
-            raise RequestError(ErrorCode.MALFORMED, "each registered rank at most once")
+        if (len({(r.pp_rank, r.rank, r.region0) for r in req.ranks}) != len(req.ranks)
+                or len(req.ranks) > 2 * len(engine_ranks)):  # (KV and state regions of a rank)
+            raise RequestError(ErrorCode.MALFORMED, "each registered rank's regions at most once")
         digests = []
         for r in req.ranks:
             if any(b not in held for item in r.items for b in item.blocks):
@@ -521,7 +521,7 @@ class Peers:
                 raise RequestError(ErrorCode.NOT_REGISTERED, f"rank pp{r.pp_rank}/tp{r.rank} of engine "
                                    f"{lease.engine!r} is not registered")
             regions = entry.info.regions
-            block_len = regions[0].block_len if regions else 0
+            block_len = regions[r.region0].block_len if r.region0 < len(regions) else 0
             if (sum(len(item.blocks) for item in r.items) > 16 * len(held)
                     or any(sum(n for _, n in item.runs) > block_len for item in r.items)):
                 raise RequestError(ErrorCode.MALFORMED, "digest request larger than the held blocks")

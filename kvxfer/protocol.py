@@ -31,7 +31,9 @@ from msgspec import Meta, Struct
 # 4: challenge-bound, canonically MAC'd handshake (Challenge; Hello.challenge/target; the
 #    Welcome MAC covers the ranks); per-request capability tokens on holds, reads, notices,
 #    renewals and digests
-PROTOCOL_VERSION = 4
+# 5: state layers (Mamba/GDN): KVLayout.state_regions/state_bytes/state_kind, num_layers may be
+#    0; Recv.state_block_ids/remote_state_block_ids; digests of a rank's KV and state regions
+PROTOCOL_VERSION = 5
 
 NonNeg = Annotated[int, Meta(ge=0)]
 Positive = Annotated[int, Meta(gt=0)]
@@ -61,7 +63,7 @@ class _Msg(Struct, array_like=True, omit_defaults=True, gc=False, frozen=True):
 class KVLayout(_Msg, tag="layout"):
     """The shape of one tp rank's paged KV cache, as the TP mapping needs it."""
 
-    num_layers: Positive
+    num_layers: NonNeg  # attention layers (0: a model of state layers only, e.g. Mamba2)
     num_blocks: Positive
     block_size: Positive  # tokens per block
     num_kv_heads: Positive  # total KV heads of the model
@@ -85,6 +87,12 @@ class KVLayout(_Msg, tag="layout"):
     pp_size: Positive = 1
     first_layer: NonNeg = 0
     total_layers: NonNeg = 0
+    # Per-request state (Mamba/Mamba2/Gated DeltaNet layers; vLLM's MambaSpec): regions after
+    # the attention ones, one per state layer, whose block is one request's whole state
+    # (conv and SSM/recurrent state, ``state_bytes``), moved as one run between equal TP sizes.
+    state_regions: NonNeg = 0
+    state_bytes: NonNeg = 0
+    state_kind: Annotated[str, Meta(max_length=256)] = ""  # what the state is (status, errors)
 
     @property
     def model_layers(self) -> int:
@@ -122,12 +130,21 @@ class KVLayout(_Msg, tag="layout"):
 
     @property
     def num_regions(self) -> int:
-        """Regions are (layer, part) pairs, ordered layer-major."""
+        """Attention regions are (layer, part) pairs, ordered layer-major."""
         return self.num_layers * self.kv_parts
+
+    @property
+    def total_regions(self) -> int:
+        """Attention regions, then ``state_regions`` state regions."""
+        return self.num_regions + self.state_regions
+
+    def region_len(self, i: int) -> int:
+        """Bytes of one block of region ``i`` (attention or state)."""
+        return self.region_block_len if i < self.num_regions else self.state_bytes
 
     def model_signature(self) -> tuple[object, ...]:
         """What two engines must share for their KV blocks to be interchangeable."""
-        return (
+        sig: tuple[object, ...] = (
             self.model_layers,
             self.num_kv_heads,
             self.head_dim,
@@ -137,6 +154,9 @@ class KVLayout(_Msg, tag="layout"):
             self.fused,
             self.model,
         )
+        if self.state_regions:  # (attention-only layouts keep the hash they always had)
+            sig += (self.state_regions, self.state_bytes)
+        return sig
 
 
 def compat_hash(layout: KVLayout | None) -> str:
@@ -271,6 +291,15 @@ class Recv(_Msg, tag="recv"):
     engine_id: EngineId = ""  # the local engine whose memory receives ("": the sidecar's)
     pp_rank: NonNeg = 0  # the local pipeline stage whose memory receives
     remote_token: Token = ""  # the prefill lease's capability (kv_transfer_params remote_lease_token)
+    # Blocks of state groups (Mamba/GDN), paired one to one and moved in the layout's state
+    # regions only (``block_ids`` move in the attention regions).
+    # (None, not []: msgspec omits a trailing None, so receives without state encode as before)
+    state_block_ids: BlockIds | None = None
+    remote_state_block_ids: BlockIds | None = None
+
+    @property
+    def state_pairs(self) -> tuple[list[int], list[int]]:
+        return list(self.state_block_ids or ()), list(self.remote_state_block_ids or ())
 
 
 class Ping(_Msg, tag="ping"):

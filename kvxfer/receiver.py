@@ -42,7 +42,7 @@ from kvxfer.protocol import (
     encode,
 )
 from kvxfer.registry import RankKey, RankRegistry
-from kvxfer.topology import BlockPairing, Incompatible, RankPlan, block_pairing, plan_stages
+from kvxfer.topology import BlockPairing, Incompatible, RankPlan, block_pairing, plan_stages, plan_state
 from kvxfer.transfer import ReadFinished, TransferEngine
 
 log = logging.getLogger(__name__)
@@ -64,6 +64,11 @@ class _RecvState:
     @property
     def peer(self) -> str:
         return f"{self.msg.remote_host}:{self.msg.remote_port}"
+
+
+def _local_blocks(msg: Recv) -> list[int]:
+    """Every local block a receive writes (its contents are invalid when it fails)."""
+    return list(msg.block_ids) + msg.state_pairs[0]
 
 
 def recv_key(req_id: str, tp_rank: int, engine: str = "", pp_rank: int = 0) -> str:
@@ -133,19 +138,30 @@ class Receiver:
                                    f"rank pp{msg.pp_rank}/tp{msg.tp_rank} of engine {engine!r} not "
                                    f"registered (registered: {self.registry.describe()})")
             check_blocks(msg.req_id, msg.block_ids, local.layout.num_blocks, "local")
+            s_local, s_remote = msg.state_pairs
+            check_blocks(msg.req_id, s_local, local.layout.num_blocks, "local")
+            if len(s_local) != len(s_remote):
+                raise RequestError(ErrorCode.MALFORMED, f"{len(s_local)} local state blocks "
+                                   f"for {len(s_remote)} remote ones", msg.req_id)
+            if s_local and not local.layout.state_regions:
+                raise RequestError(ErrorCode.INVALID_LAYOUT, "state blocks to receive, but this rank "
+                                   "registered no state layers", msg.req_id)
             if msg.expires_unix and time.time() > msg.expires_unix:
                 raise RequestError(ErrorCode.EXPIRED, "receive arrived after the engine gave up on it "
                                    f"({time.time() - msg.expires_unix:.1f}s late); not read")
         except RequestError as e:
-            self._fail(ident, msg.req_id, list(msg.block_ids), e)
+            self._fail(ident, msg.req_id, _local_blocks(msg), e)
             return
         now = time.monotonic()
-        block_bytes = sum(r.block_len for r in local.info.regions)
+        lay = local.layout
+        block_bytes = sum(r.block_len for r in local.info.regions[:lay.num_regions])
+        nbytes = (block_bytes * len(msg.block_ids)
+                  + lay.state_regions * lay.state_bytes * len(msg.state_pairs[0]))
         if msg.expires_unix:  # never read past the moment the engine gives up on the load
             left = max(0.001, msg.expires_unix - time.time())
             msg = msgspec.structs.replace(msg, deadline_s=min(msg.deadline_s or left, left))
         self.recvs[key] = _RecvState(
-            owner=ident, msg=msg, nbytes=block_bytes * len(msg.block_ids), started=now,
+            owner=ident, msg=msg, nbytes=nbytes, started=now,
             deadline=now + (msg.deadline_s or self.config.transfer_timeout_s), local=local.key,
         )
         self._on_change()
@@ -176,7 +192,7 @@ class Receiver:
                 self._check_generation(msg, peer)
                 plans, pairing = self._plan(msg, peer, state)
             state.peer_agent = peer.agent_name
-            if not msg.block_ids:
+            if not msg.block_ids and not msg.state_block_ids:
                 # Nothing to read (full prefix hit / abort): just release the prefill side.
                 self.recvs.pop(key, None)
                 self._on_change()
@@ -208,6 +224,7 @@ class Receiver:
                 remaining,
                 encode(started),
                 state.remote_engine,
+                msg.state_pairs,
             )
         except TimeoutError:
             self._finish_recv_error(
@@ -245,7 +262,7 @@ class Receiver:
         for (pp, _tp), info in sorted(ranks.items()):
             stages.setdefault(pp, info.layout)
         try:
-            plans = plan_stages(local, stages)
+            plans = plan_stages(local, stages) + plan_state(local, remote)
             pairing = block_pairing(local, remote)
             if msg.block_ids:
                 pairing.pairs(len(msg.block_ids), len(msg.remote_block_ids))
@@ -262,7 +279,8 @@ class Receiver:
                     f"peer has {len(ranks)} of {remote.tp_size * remote.pp_size} ranks of engine {engine!r} "
                     f"registered; pp{plan.remote_pp}/tp{plan.remote_rank} is missing",
                 )
-            check_blocks(msg.req_id, msg.remote_block_ids, info.layout.num_blocks, "remote")
+            check_blocks(msg.req_id, msg.state_pairs[1] if plan.state else msg.remote_block_ids,
+                         info.layout.num_blocks, "remote")
         return plans, pairing
 
     def _finish_recv_error(self, key: str, err: RequestError) -> None:
@@ -271,7 +289,7 @@ class Receiver:
             self.observer.transfer_failed(
                 state.msg.req_id, state.peer, state.msg.tp_rank, err.code, err.reason
             )
-            self._fail(state.owner, state.msg.req_id, list(state.msg.block_ids), err)
+            self._fail(state.owner, state.msg.req_id, _local_blocks(state.msg), err)
             self._on_change()
 
     def _notice(self, state: _RecvState, ok: bool) -> ReadNotice:
@@ -396,7 +414,7 @@ class Receiver:
             if peer is not None:
                 peer.failures += 1
                 peer.stale = True  # any failed read: handshake again before the next one
-            self._fail(state.owner, msg.req_id, list(msg.block_ids), err)
+            self._fail(state.owner, msg.req_id, _local_blocks(msg), err)
         self._on_change()
         if event.code == ErrorCode.PEER_DISCONNECTED:
             self._spawn(self.peers.drop_peer(event.peer, event.reason))
@@ -422,14 +440,15 @@ class Receiver:
         t0 = time.monotonic()
         try:
             plans, pairing = self._plan(msg, peer, state)
-            items = digest_items(plans, pairing, list(msg.block_ids), list(msg.remote_block_ids))
+            items = digest_items(plans, pairing, list(msg.block_ids), list(msg.remote_block_ids),
+                                 msg.state_pairs)
             ranks = sorted(items)
             req = DigestRequest(
                 req_id=msg.remote_req_id or msg.req_id, agent_name=self.agent_name,
                 engine_id=state.remote_engine, token=msg.remote_token,
-                ranks=[DigestRank(rank=tp, items=items[(pp, tp)][1], pp_rank=pp,
-                                  region0=items[(pp, tp)][2].remote_region0,
-                                  num_regions=items[(pp, tp)][2].num_regions) for pp, tp in ranks])
+                ranks=[DigestRank(rank=key[1], items=items[key][1], pp_rank=key[0],
+                                  region0=items[key][2].remote_region0,
+                                  num_regions=items[key][2].num_regions) for key in ranks])
             timeout = self.config.handshake_timeout_s
             remote, local = await asyncio.gather(
                 self.peers.request_digest(msg.remote_host, msg.remote_port, req, timeout),

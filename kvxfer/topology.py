@@ -61,6 +61,7 @@ class RankPlan:
     local_region0: int = 0
     remote_region0: int = 0
     num_regions: int = 0
+    state: bool = False  # moves the request's state blocks (Recv.state_block_ids), one to one
 
     def region_slices(self, n_local: int) -> tuple[range, range]:
         n = self.num_regions or n_local
@@ -110,6 +111,9 @@ def check_layout(layout: KVLayout) -> None:
     if layout.layers.stop > layout.model_layers:
         raise Incompatible(f"layers {layout.layers.start}..{layout.layers.stop - 1} outside a "
                            f"{layout.model_layers}-layer model")
+    if layout.state_regions and layout.pp_size > 1:
+        raise Incompatible("state layers (Mamba/linear attention) with pipeline parallelism are not "
+                           "supported")
     if layout.pp_size == 1 and (layout.first_layer or layout.num_layers != layout.model_layers):
         raise Incompatible("without pipeline parallelism a rank holds every layer")
     if layout.holds_kv_together and not layout.fused:
@@ -145,6 +149,17 @@ def check_compatible(local: KVLayout, remote: KVLayout) -> None:
         lv, rv = getattr(local, name), getattr(remote, name)
         if lv != rv:
             raise Incompatible(f"{name} differs: remote {rv!r}, local {lv!r}")
+    for name in ("state_regions", "state_bytes"):
+        lv, rv = getattr(local, name), getattr(remote, name)
+        if lv != rv:
+            raise Incompatible(f"{name} differs: remote {rv!r}, local {lv!r} (not the same state layers)")
+    if local.state_regions and local.tp_size != remote.tp_size:
+        raise Incompatible(
+            f"Mamba/linear-attention state ({local.state_kind or 'state layers'}) moves only between "
+            f"equal TP sizes (prefill TP {remote.tp_size}, decode TP {local.tp_size}): each rank's "
+            "conv and SSM state is its own shard; splitting them across ranks is not built")
+    if not local.num_layers:
+        return  # state only (no attention block geometry to pair)
     block_pairing(local, remote)
     if local.fused == "kv_per_head" and local.block_size != remote.block_size:
         raise Incompatible(
@@ -209,6 +224,23 @@ def plan_stages(local: KVLayout, remote_stages: dict[int, KVLayout]) -> list[Ran
         raise Incompatible(f"no remote pipeline stage holds layers {missing[:8]} (stages given: "
                            f"{sorted(remote_stages)})")
     return out
+
+
+def plan_state(local: KVLayout, remote: KVLayout) -> list[RankPlan]:
+    """The state reads of one local rank: its state regions from the same rank of the remote
+    engine, each state block whole (``[]`` for a layout without state layers). Equal TP
+    sizes and state geometry are required (``check_compatible``); pipeline parallelism with
+    state layers is refused at registration (their tensors are shared with attention)."""
+    check_compatible(local, remote)
+    if not local.state_regions:
+        return []
+    plan = RankPlan(local.tp_rank, ((Segment(0, 0, local.state_bytes),),), remote_pp=0,
+                    local_region0=local.num_regions, remote_region0=remote.num_regions,
+                    num_regions=local.state_regions, state=True)
+    seg = plan.segments[0][0]
+    if seg.length != remote.state_bytes or not 0 <= plan.remote_rank < remote.tp_size:
+        raise Incompatible(f"state plan reads {seg} of a {remote.state_bytes}-byte state block")
+    return [plan]
 
 
 def plan_rank(local: KVLayout, remote: KVLayout) -> list[RankPlan]:

@@ -460,6 +460,7 @@ class TransferEngine:
         deadline_s: float,
         started_notice: bytes = b"",
         remote_engine: str = "",
+        state_blocks: tuple[list[int], list[int]] = ([], []),
     ) -> None:
         """Queue a READ (one leg per remote rank); a ReadFinished event reports the end.
 
@@ -471,21 +472,33 @@ class TransferEngine:
         pairs = pairing.pairs(len(local_blocks), len(remote_blocks))
         lb = np.asarray(local_blocks, dtype=np.int64)
         rb = np.asarray(remote_blocks, dtype=np.int64)
+        # state blocks (Mamba/GDN) pair one to one and move only in the state regions
+        sl, sr = state_blocks
+        spairs = [(i, i, 0) for i in range(len(sl))]
+        slb = np.asarray(sl, dtype=np.int64)
+        srb = np.asarray(sr, dtype=np.int64)
         legs = []
         nbytes = 0
         for plan in plans:
             pl = self._pair_lists(peer, local, plan, remote_engine)
             remote_info = self._peers[peer].ranks[(remote_engine, plan.remote_pp, plan.remote_rank)]
             remote_nb = remote_info.layout.num_blocks
-            li, ri, n = _leg_indices(pl, pairs, lb, rb, local.layout.num_blocks, remote_nb)
+            if plan.state:
+                li, ri, n = _leg_indices(pl, spairs, slb, srb, local.layout.num_blocks, remote_nb)
+            else:
+                li, ri, n = _leg_indices(pl, pairs, lb, rb, local.layout.num_blocks, remote_nb)
+            if not len(li):
+                continue
             legs.append(_Leg(pl, li, ri))
             nbytes += n
         corrupt_at = 0
-        if self._corrupt_reads > 0 and plans and local_blocks and local.info.mem_type == "DRAM":
+        target = next((p for p in plans if (sl if p.state else local_blocks)), None)
+        if self._corrupt_reads > 0 and target is not None and local.info.mem_type == "DRAM":
             self._corrupt_reads -= 1
-            reg = local.info.regions[plans[0].local_region0]
-            seg = next(q[0] for q in plans[0].segments if q)
-            corrupt_at = reg.addr + local_blocks[pairs[0][0]] * reg.block_stride + seg.local_off
+            reg = local.info.regions[target.local_region0]
+            seg = next(q[0] for q in target.segments if q)
+            first = sl[0] if target.state else local_blocks[pairs[0][0]]
+            corrupt_at = reg.addr + first * reg.block_stride + seg.local_off
         largest = max((max(q) for leg in legs for q in leg.pair.seg_lens if q), default=1)
         self._reads[req_id] = _Read(
             req_id=req_id,

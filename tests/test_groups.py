@@ -54,9 +54,14 @@ def test_one_group_is_not_hybrid() -> None:
 def test_groups_pair_at_the_tail_and_skip_null_blocks() -> None:
     local = [[11, 12, 13], [21, 22], [33, 34]]  # group 2: two blocks hit this engine's prefix cache
     remote = [[51, 52, 53], [0, 62], [71, 72, 73, 74]]  # a freed (null) block in group 1
-    lflat, rflat = pair_groups(local, remote)
-    assert lflat == [11, 12, 13, 22, 33, 34]
-    assert rflat == [51, 52, 53, 62, 73, 74]
+    pairs = pair_groups(local, remote)
+    assert pairs.local == [11, 12, 13, 22, 33, 34]
+    assert pairs.remote == [51, 52, 53, 62, 73, 74]
+    assert pairs.state_local == pairs.state_remote == []
+    # a state group's pairs travel apart (they move in the state regions only)
+    pairs = pair_groups([[8], [11, 12]], [[9], [51, 52]], state=(True, False))
+    assert (pairs.local, pairs.remote) == ([11, 12], [51, 52])
+    assert (pairs.state_local, pairs.state_remote) == ([8], [9])
     with pytest.raises(ValueError, match="not the same model"):
         pair_groups(local, remote[:2])
     with pytest.raises(ValueError, match="group 0: 4 blocks to load, the prefill holds 3"):
@@ -65,20 +70,46 @@ def test_groups_pair_at_the_tail_and_skip_null_blocks() -> None:
     assert held_blocks([[5, 0, 6], [6, 7]]) == [5, 6, 7]  # no null block, none twice
 
 
-def test_state_layers_are_refused_at_start_up_with_the_reason() -> None:
-    mamba = MambaSpec(block_size=32, shapes=((4, 128), (8, 16, 16)), dtypes=(torch.float32, torch.float32))
-    hybrid = config((["model.layers.0.mixer", "model.layers.2.mixer"], mamba),
-                    (["model.layers.1.attn"], FULL))
-    for cfg in (hybrid, config((["m0", "m1", "m2", "m3"], mamba))):  # a Mamba2 hybrid; pure Mamba2
-        with pytest.raises(UnsupportedModel) as ei:
-            Groups.from_config(cfg)
-        msg = str(ei.value)
-        assert "MambaSpec" in msg
-        assert "state" in msg
-        assert "NixlConnector" in msg  # what to do instead (or that it cannot either)
-    assert "without P/D" in str(ei.value)  # the pure state model: NixlConnector cannot help
-    assert "model.layers.0.mixer" in str(pytest.raises(UnsupportedModel, Groups.from_config, config(
-        (["model.layers.0.mixer"], mamba), (["a"], FULL))).value)
+MAMBA = MambaSpec(block_size=2048, shapes=((3, 544), (8, 64, 16)), dtypes=(torch.bfloat16, torch.float32),
+                  page_size_padded=65536)
+
+
+def test_state_layers_form_a_state_group_cut_to_the_state_block() -> None:
+    hybrid = Groups.from_config(config((["model.layers.0.mixer", "model.layers.2.mixer"], MAMBA),
+                                       (["model.layers.1.attn"], FULL)))
+    assert [g.kind for g in hybrid.groups] == ["state", "full"]
+    assert hybrid.state == (True, False)
+    st = hybrid.groups[0]
+    assert st.state_bytes == 3 * 544 * 2 + 8 * 64 * 16 * 4  # the real state, not the padded page
+    assert "(3, 544) bfloat16" in st.state_kind
+    assert "(8, 64, 16) float32" in st.state_kind
+    assert hybrid.backoff == 1  # vLLM's n-1 rule: the decode computes the prompt's last token
+    assert hybrid.grouped
+    assert hybrid.clip([[7], [1, 2, 3]]) == [[7], [1, 2, 3]]
+    assert hybrid.clip([[0, 0, 7], [1, 2, 3]]) == [[7], [1, 2, 3]]  # (align mode: nulls before the state)
+    spec = Groups.from_config(config((["m0"], MambaSpec(
+        block_size=2048, shapes=((3, 544),), dtypes=(torch.float32,), num_speculative_blocks=2)),
+        (["a"], FULL)))
+    assert spec.clip([[5, 6, 7], [1]]) == [[5], [1]]  # speculative scratch blocks dropped
+    pure = Groups.from_config(config((["m0", "m1", "m2", "m3"], MAMBA)))  # pure Mamba2: state alone
+    assert pure.state == (True,)
+    assert pure.grouped
+    assert pure.backoff == 1
+    assert pure.state_group is not None
+    assert pure.state_group.layers == ("m0", "m1", "m2", "m3")
+
+
+def test_what_is_neither_attention_nor_state_is_refused_at_start_up() -> None:
+    from vllm.v1.kv_cache_interface import KVCacheSpec
+
+    class Opaque(KVCacheSpec):
+        pass
+
+    with pytest.raises(UnsupportedModel, match="layers model.layers.0.x are Opaque"):
+        Groups.from_config(config((["model.layers.0.x"], Opaque(block_size=32)), (["a"], FULL)))
+    other = MambaSpec(block_size=2048, shapes=((3, 100),), dtypes=(torch.float32,))
+    with pytest.raises(UnsupportedModel, match="state groups differ in size"):
+        Groups.from_config(config((["m0"], MAMBA), (["m1"], other), (["a"], FULL)))
 
 
 def test_kv_transfer_params_carry_one_list_per_group() -> None:

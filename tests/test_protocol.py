@@ -20,9 +20,9 @@ MESSAGES: dict[str, tuple[object, str]] = {
             regions=[p.KVRegion(memory=0, offset=0, block_len=64, block_stride=64)],
         ),
         (
-            "97a87265676973746572dc0013a66c61796f7574020a100808cc80a862666c6f6174313602c2a34e"
-            "48440001a0a0000100009193a373686daa2f6465762f73686d2f78cd10009195a6726567696f6e00"
-            "00404000a000"
+            "97a87265676973746572dc0016a66c61796f7574020a100808cc80a862666c6f6174313602c2a34e"
+            "48440001a0a0000100000000a09193a373686daa2f6465762f73686d2f78cd10009195a672656769"
+            "6f6e0000404000a000"
         ),
     ),
     "unregister": (p.Unregister(tp_rank=1), "94aa756e726567697374657201a000"),
@@ -32,8 +32,8 @@ MESSAGES: dict[str, tuple[object, str]] = {
         p.Recv(req_id="r1", block_ids=[4, 5], remote_engine_id="P", remote_host="10.0.0.1",
                remote_port=5700, remote_block_ids=[1, 2]),
         (
-            "dc0011a472656376a27231920405a150a831302e302e302e31cd16449201020100a0cb0000000000"
-            "000000c2cb0000000000000000a0a000a0"
+            "dc0013a472656376a27231920405a150a831302e302e302e31cd16449201020100a0cb0000000000"
+            "000000c2cb0000000000000000a0a000a0c0c0"
         ),
     ),
     "ping": (p.Ping(seq=7), "92a470696e6707"),
@@ -52,9 +52,9 @@ MESSAGES: dict[str, tuple[object, str]] = {
         p.Welcome(version=1, compat_hash="abcd", engine_id="P", agent_name="b",
                   ranks=[p.RankInfo(layout=LAYOUT, regions=[p.RemoteRegion(addr=4096, block_len=64, block_stride=64)])]),
         (
-            "98a777656c636f6d6501a461626364a150a1629196a472616e6bdc0013a66c61796f7574020a1008"
-            "08cc80a862666c6f6174313602c2a34e48440001a0a0000100009195a772726567696f6ecd100040"
-            "4000a44452414da000a0a0"
+            "98a777656c636f6d6501a461626364a150a1629196a472616e6bdc0016a66c61796f7574020a1008"
+            "08cc80a862666c6f6174313602c2a34e48440001a0a0000100000000a09195a772726567696f6ecd"
+            "1000404000a44452414da000a0a0"
         ),
     ),
     "refused": (p.Refused(version=1, code="incompatible", reason="no"), "94a77265667573656401ac696e636f6d70617469626c65a26e6f"),
@@ -103,7 +103,7 @@ def test_every_message_kind_is_pinned() -> None:
 
 def test_protocol_version_is_pinned() -> None:
     # Changing the wire format means bumping this and re-pinning the bytes above.
-    assert p.PROTOCOL_VERSION == 4
+    assert p.PROTOCOL_VERSION == 5
 
 
 @pytest.mark.parametrize(

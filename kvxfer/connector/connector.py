@@ -190,6 +190,7 @@ class KvxferConnector(KVConnectorBase_V1, *_HMA):  # type: ignore[misc]
             self.scheduler = SchedulerSide(self.settings, size, engine_id=engine_id_of(vllm_config),
                                            pp_size=pc.pipeline_parallel_size)
             self.scheduler.backoff = self.groups.backoff if self.groups is not None else 0
+            self.scheduler.state_groups = self.groups.state if self.groups is not None else ()
         else:
             device = str(vllm_config.device_config.device_type) if vllm_config.device_config else "cuda"
             self.worker = WorkerSide(self.settings, rank, size, "cpu" if device == "cpu" else "cuda",
@@ -254,25 +255,40 @@ class KvxferConnector(KVConnectorBase_V1, *_HMA):  # type: ignore[misc]
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         assert self.worker is not None
-        first = self.groups.ids[0] if self.groups is not None and self.groups.ids else 0
-        spec = self._kv_cache_config.kv_cache_groups[first].kv_cache_spec
-        spec = next(iter(spec.kv_cache_specs.values())) if hasattr(spec, "kv_cache_specs") else spec
-        if self.groups is not None and self.groups.grouped:
+        groups = self.groups
+        attn = ([i for g, i in zip(groups.groups, groups.ids, strict=True) if not g.is_state]
+                if groups else [0])
+        state: dict[str, Any] = {}
+        if groups is not None and groups.grouped:
             # the transferable groups' layers; vLLM shares each tensor among one layer per group
-            moved = {name for g in self.groups.groups for name in g.layers}
-            kv_caches = {n: t for n, t in kv_caches.items() if n in moved} or kv_caches
+            moved = {name for g in groups.groups if not g.is_state for name in g.layers}
+            stateful = {name for g in groups.groups if g.is_state for name in g.layers}
+            state = {n: t for n, t in kv_caches.items() if n in stateful}
+            kv_caches = {n: t for n, t in kv_caches.items() if n in moved}
         model = self._vllm_config.model_config
-        shape = CacheShape(
-            num_blocks=self._kv_cache_config.num_blocks,
-            block_size=spec.block_size,
-            num_kv_heads=model.get_total_num_kv_heads() if model is not None else spec.num_kv_heads,
-            local_kv_heads=spec.num_kv_heads,
-            head_dim=spec.head_size,
-            mla="MLA" in type(spec).__name__,
-            fused=kv_fusion(_attn_backend_names(self._vllm_config), self.worker.device),
-            model=model_identity(self._vllm_config, self.settings.model_identity),
-        )
-        self.worker.register_kv_caches(kv_caches, shape)
+        fused = kv_fusion(_attn_backend_names(self._vllm_config), self.worker.device)
+        identity = model_identity(self._vllm_config, self.settings.model_identity)
+        if attn:
+            spec = self._kv_cache_config.kv_cache_groups[attn[0]].kv_cache_spec
+            spec = next(iter(spec.kv_cache_specs.values())) if hasattr(spec, "kv_cache_specs") else spec
+            shape = CacheShape(
+                num_blocks=self._kv_cache_config.num_blocks,
+                block_size=spec.block_size,
+                num_kv_heads=model.get_total_num_kv_heads() if model is not None else spec.num_kv_heads,
+                local_kv_heads=spec.num_kv_heads,
+                head_dim=spec.head_size,
+                mla="MLA" in type(spec).__name__,
+                fused=fused,
+                model=identity,
+            )
+        else:  # state layers only (pure Mamba2): no attention geometry
+            sg = groups.state_group if groups is not None else None
+            assert sg is not None
+            shape = CacheShape(num_blocks=self._kv_cache_config.num_blocks, block_size=sg.block_size,
+                               num_kv_heads=1, local_kv_heads=1, head_dim=1, mla=False, fused=fused,
+                               model=identity)
+        sg = groups.state_group if groups is not None else None
+        self.worker.register_kv_caches(kv_caches, shape, state=state, state_kind=sg.state_kind if sg else "")
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         if self.worker is None or not self.has_connector_metadata():

@@ -22,9 +22,16 @@ window reaches one position further back. Without it, a prompt of ``N`` tokens w
 on both sides (found by review, 7 of 30 such prompts gave other tokens than one engine).
 NixlConnector backs off only for Mamba and bounded-replay windows.
 
-Models with state layers (Mamba, Mamba2, Gated DeltaNet / linear attention: per-request
-conv and SSM state, not paged KV) are refused when the engine starts, with a message that
-says which layers and why; moving their state is not built yet.
+State groups (vLLM's ``MambaSpec``: Mamba, Mamba2, Gated DeltaNet / linear attention, short
+conv) hold one request's conv and SSM/recurrent state in one block per request, not KV per
+token. The state after ``n`` tokens cannot be rewound, so, as vLLM's NixlConnector does, the
+prefill computes ``n - 1`` prompt tokens (``backoff`` 1), the decode loads that state and
+computes the last token itself. A state group's list is cut to its state-bearing block (the
+last one before any speculative scratch blocks, vLLM's ``clip_ssm_state_blocks``); its
+pairs travel apart from the attention pairs (``Recv.state_block_ids``) and move in the
+state regions only, whole, between equal TP sizes (heterogeneous TP with state is refused
+when the two sidecars plan the read). A model of state layers only (pure Mamba2) moves its
+state alone.
 """
 
 from __future__ import annotations
@@ -54,32 +61,51 @@ def _is(spec: Any, name: str) -> bool:
 
 @dataclass(frozen=True)
 class Group:
-    kind: str  # "full" | "sliding_window" | "mla" | "chunked_local"
+    kind: str  # "full" | "sliding_window" | "mla" | "chunked_local" | "state"
     block_size: int
     window: int = 0  # tokens (sliding window), 0: none
     layers: tuple[str, ...] = ()
+    state_bytes: int = 0  # state groups: bytes of one request's state per layer
+    spec_blocks: int = 0  # state groups: speculative scratch blocks after the state block
+    state_kind: str = ""  # state groups: what the state is (e.g. "mamba2: conv (3, 544) ...")
 
     @property
     def window_blocks(self) -> int:
         """Blocks a transfer carries for this group (0: all of the request's)."""
         return _cdiv(self.window, self.block_size) + 1 if self.window else 0
 
+    @property
+    def is_state(self) -> bool:
+        return self.kind == "state"
 
-def _group_of(spec: Any, layers: Sequence[str], pure_state: bool = False) -> Group:
+
+def _state_group(specs: list[Any], layers: Sequence[str]) -> Group:
+    s = specs[0]
+    shown = ", ".join(list(layers)[:3]) + (", ..." if len(layers) > 3 else "")
+    if not _is(s, "MambaSpec"):
+        raise UnsupportedModel(
+            f"kvxfer cannot move this model's KV cache: layers {shown} are {type(s).__name__}, neither "
+            "attention KV nor Mamba/linear-attention state; not supported")
+    sizes = {int(getattr(k, "state_content_size_bytes", 0) or 0) for k in specs}
+    if len(sizes) != 1 or not sizes.issubset({n for n in sizes if n > 0}):
+        raise UnsupportedModel(f"kvxfer cannot move this model's state: layers {shown} hold states of "
+                               f"different sizes {sorted(sizes)}")
+    mtype = getattr(getattr(s, "mamba_type", None), "name", "") or str(getattr(s, "mamba_type", "mamba"))
+    parts = " + ".join(f"{tuple(sh)} {str(dt).removeprefix('torch.')}"
+                       for sh, dt in zip(getattr(s, "shapes", ()), getattr(s, "dtypes", ()), strict=False))
+    return Group("state", int(s.block_size), 0, tuple(layers), state_bytes=sizes.pop(),
+                 spec_blocks=int(getattr(s, "num_speculative_blocks", 0) or 0),
+                 state_kind=f"{mtype.lower()}: {parts}" if parts else mtype.lower())
+
+
+def _group_of(spec: Any, layers: Sequence[str]) -> Group:
     specs = _kinds(spec)
     state = [s for s in specs if not _is(s, "AttentionSpec")]
     if state:
-        kind = type(state[0]).__name__
-        shown = ", ".join(list(layers)[:3]) + (", ..." if len(layers) > 3 else "")
-        what = ("Mamba/linear-attention state (per-request conv and SSM state, not paged KV)"
-                if "Mamba" in kind else "not attention KV")
-        instead = ("Serve it without P/D (vLLM's NixlConnector cannot move a model without "
-                   "attention layers either)." if pure_state
-                   else "Serve it with vLLM's NixlConnector, or without P/D.")
-        raise UnsupportedModel(
-            f"kvxfer cannot move this model's KV cache: layers {shown} are {kind}: {what}. "
-            f"kvxfer moves attention KV (full, sliding-window, MLA) only; moving state is not built "
-            f"yet. {instead}")
+        if len(state) != len(specs):
+            raise UnsupportedModel("kvxfer cannot move this model's KV cache: a KV cache group mixes "
+                                   "attention and state layers")
+        return _state_group(state, layers)
     s = specs[0]
     if _is(s, "SlidingWindowSpec"):
         return Group("sliding_window", int(s.block_size), int(s.sliding_window), tuple(layers))
@@ -101,7 +127,8 @@ class Groups:
 
     @classmethod
     def from_config(cls, kv_cache_config: Any) -> Groups:
-        """From vLLM's ``KVCacheConfig``; ``UnsupportedModel`` for state layers."""
+        """From vLLM's ``KVCacheConfig``; ``UnsupportedModel`` (at engine start-up) for what
+        cannot be moved, naming the layers and why."""
         all_groups = list(getattr(kv_cache_config, "kv_cache_groups", None) or [])
         ids = [i for i, g in enumerate(all_groups) if getattr(g, "enable_kv_transfer", True)]
         for i in ids:
@@ -112,12 +139,12 @@ class Groups:
                 if getattr(k, "prefix_replay_tokens", 0):
                     raise UnsupportedModel("kvxfer cannot move this model's KV cache: a sliding window "
                                            "with bounded prefix replay is not supported yet")
-        specs = [k for i in ids for k in _kinds(all_groups[i].kv_cache_spec)]
-        pure_state = not any(_is(k, "AttentionSpec") for k in specs)
-        groups = tuple(_group_of(all_groups[i].kv_cache_spec, list(all_groups[i].layer_names), pure_state)
-                       for i in ids)
+        groups = tuple(_group_of(all_groups[i].kv_cache_spec, list(all_groups[i].layer_names)) for i in ids)
+        specs = [k for i in ids for k in _kinds(all_groups[i].kv_cache_spec) if _is(k, "AttentionSpec")]
         shapes = {(int(k.block_size), getattr(k, "num_kv_heads", None), getattr(k, "head_size", None),
                    str(getattr(k, "dtype", ""))) for k in specs}
+        if len({g.state_bytes for g in groups if g.is_state}) > 1:
+            raise UnsupportedModel("kvxfer cannot move this model's state: its state groups differ in size")
         if len(shapes) > 1:  # (block, heads, head size, dtype): one region geometry for all groups
             raise UnsupportedModel(f"kvxfer cannot move this model's KV cache: its groups' KV differs "
                                    f"in shape {sorted(map(str, shapes))}")
@@ -126,50 +153,77 @@ class Groups:
     @property
     def backoff(self) -> int:
         """Prompt tokens the prefill leaves to the decode (see the module's doc)."""
-        return 1 if any(g.kind in ("sliding_window", "chunked_local") for g in self.groups) else 0
+        return 1 if any(g.kind in ("sliding_window", "chunked_local", "state") for g in self.groups) else 0
 
     @property
     def grouped(self) -> bool:
-        """Block ids travel as one list per group (several groups, or a windowed one)."""
+        """Block ids travel as one list per group (several groups, a windowed or a state one)."""
         return self.total > 1 or bool(self.backoff)
+
+    @property
+    def state(self) -> tuple[bool, ...]:
+        """Per transferable group: a state group (its pairs move in the state regions)."""
+        return tuple(g.is_state for g in self.groups)
+
+    @property
+    def state_group(self) -> Group | None:
+        return next((g for g in self.groups if g.is_state), None)
 
     def clip(self, block_ids: Sequence[Sequence[int]]) -> list[list[int]]:
         """vLLM's per-group block lists (all groups) -> the transferable groups' lists, each
-        sliding-window group cut to the blocks of its window (the tail)."""
+        sliding-window group cut to the blocks of its window (the tail), each state group to
+        its state-bearing block (the last before the speculative scratch blocks)."""
         if len(block_ids) != self.total:
             raise ValueError(f"{len(block_ids)} block lists for {self.total} KV cache groups")
         out = []
         for g, i in zip(self.groups, self.ids, strict=True):
             blocks = list(block_ids[i])
             n = g.window_blocks
+            if g.is_state and blocks:
+                scratch = min(g.spec_blocks, len(blocks) - 1)
+                blocks = (blocks[:-scratch] if scratch else blocks)[-1:]
             out.append(blocks[-n:] if n and len(blocks) > n else blocks)
         return out
 
     def describe(self) -> str:
-        return ", ".join(f"{g.kind}" + (f"(window {g.window})" if g.window else "") + f" x{len(g.layers)}"
+        return ", ".join(f"{g.kind}" + (f"(window {g.window})" if g.window else "")
+                         + (f"({g.state_kind}; {g.state_bytes} B)" if g.is_state else "")
+                         + f" x{len(g.layers)}"
                          for g in self.groups)
 
 
-def pair_groups(local: Sequence[Sequence[int]],
-                remote: Sequence[Sequence[int]]) -> tuple[list[int], list[int]]:
-    """Per-group block lists of the decode (``local``) and the prefill (``remote``) -> one flat
-    list each, pair by pair: each group lined up at the tail (the decode's list may be shorter:
-    its prefix cache), pairs with a null block (0) on either side skipped. ``ValueError`` when
-    the group counts differ or a decode list is longer than the prefill's."""
+@dataclass
+class Pairs:
+    """A request's block pairs: attention (``local``/``remote``) and state, flat."""
+
+    local: list[int]
+    remote: list[int]
+    state_local: list[int]
+    state_remote: list[int]
+
+
+def pair_groups(local: Sequence[Sequence[int]], remote: Sequence[Sequence[int]],
+                state: Sequence[bool] = ()) -> Pairs:
+    """Per-group block lists of the decode (``local``) and the prefill (``remote``) -> flat
+    lists, pair by pair: each group lined up at the tail (the decode's list may be shorter:
+    its prefix cache), pairs with a null block (0) on either side skipped; groups flagged in
+    ``state`` go to the state lists. ``ValueError`` when the group counts differ or a decode
+    list is longer than the prefill's."""
     if len(local) != len(remote):
         raise ValueError(f"the prefill has {len(remote)} KV cache groups, this engine {len(local)}: "
                          "not the same model")
-    lflat: list[int] = []
-    rflat: list[int] = []
+    out = Pairs([], [], [], [])
     for i, (lg, rg) in enumerate(zip(local, remote, strict=True)):
         if len(lg) > len(rg):  # pairing would shift every block of the group: wrong KV
             raise ValueError(f"group {i}: {len(lg)} blocks to load, the prefill holds {len(rg)}")
+        is_state = i < len(state) and state[i]
+        la, ra = (out.state_local, out.state_remote) if is_state else (out.local, out.remote)
         n = len(lg)
         for a, b in zip(list(lg)[len(lg) - n:], list(rg)[len(rg) - n:], strict=True):
             if a and b:
-                lflat.append(a)
-                rflat.append(b)
-    return lflat, rflat
+                la.append(a)
+                ra.append(b)
+    return out
 
 
 def held_blocks(groups: Sequence[Sequence[int]]) -> list[int]:

@@ -103,6 +103,36 @@ def _layer_geometry(
     return _Geometry(2, head_layout, content, [(p * kv_stride, block_len, block_stride) for p in range(2)])
 
 
+def _state_region(name: str, views: Any, num_blocks: int) -> tuple[Any, int, int]:
+    """A state layer's views (one tensor, or vLLM's list of conv and SSM state views into the
+    same pages) -> (the view that starts first, bytes of one block from it, block stride).
+    Each view is ``[num_blocks, ...]`` with the rest of a block contiguous; one request's state
+    is the run from the first view's start to the last view's end inside its block."""
+    parts = list(views) if isinstance(views, list | tuple) else [views]
+    runs = []
+    for t in parts:
+        shape, stride, item = tuple(t.shape), tuple(t.stride()), t.element_size()
+        if not shape or shape[0] != num_blocks:
+            raise _bad(name, f"a state view is [num_blocks={num_blocks}, ...], not {shape}")
+        expect = 1
+        for d in sorted(range(1, len(shape)), key=lambda d: (-stride[d], d))[::-1]:
+            if shape[d] > 1 and stride[d] != expect:
+                raise _bad(name, f"one block's state is not one contiguous run (shape {shape}, "
+                                 f"strides {stride})")
+            expect *= shape[d]
+        runs.append((t.data_ptr(), expect * item, stride[0] * item, t))
+    strides = {r[2] for r in runs}
+    if len(strides) != 1:
+        raise _bad(name, f"state views with different block strides {sorted(strides)}")
+    start = min(r[0] for r in runs)
+    end = max(r[0] + r[1] for r in runs)
+    stride = strides.pop()
+    if end - start > stride:
+        raise _bad(name, f"one block's state ({end - start} B) is longer than the block stride {stride}")
+    first = next(r[3] for r in runs if r[0] == start)
+    return first, end - start, stride
+
+
 @dataclass(frozen=True)
 class Placement:
     """Where a worker's rank sits: its engine (vLLM's kv_transfer_config.engine_id, already
@@ -132,10 +162,15 @@ def registration_from_tensors(
     fused: str = "kv_content",
     model: str = "",
     place: Placement | None = None,
+    state: dict[str, Any] | None = None,
+    state_kind: str = "",
 ) -> RegisterKV:
     """``fused`` says how a block without a K/V dimension holds K and V ("kv_content" or
     "kv_per_head"); it is ignored for K/V-split and MLA caches. ``place``: which engine, DP
-    rank and pipeline stage (its layers) the rank belongs to."""
+    rank and pipeline stage (its layers) the rank belongs to. ``state``: the state layers'
+    views (Mamba/GDN, vLLM's MambaSpec groups), registered after the attention regions, one
+    region per layer (``state_kind`` says what they hold, for status and errors); a model of
+    state layers only has no ``kv_caches``."""
     place = place or Placement()
     memory: list[MemoryRef] = []
     index: dict[object, int] = {}
@@ -164,6 +199,35 @@ def registration_from_tensors(
             KVRegion(memory=index[key], offset=base + off, block_len=blen, block_stride=bstride)
             for off, blen, bstride in g.regions
         ]
+    state_regions: list[KVRegion] = []
+    state_lens: set[int] = set()
+    state_seen: set[tuple[Any, ...]] = set()
+    for name, views in (state or {}).items():
+        first, nbytes, stride = _state_region(name, views, num_blocks)
+        key_view = (first.data_ptr(), nbytes, stride)
+        if key_view in state_seen:
+            shared += 1
+            continue
+        state_seen.add(key_view)
+        ref, key, base = memory_of(first)
+        if key not in index:
+            index[key] = len(memory)
+            memory.append(ref)
+        state_lens.add(nbytes)
+        state_regions.append(KVRegion(memory=index[key], offset=base, block_len=nbytes, block_stride=stride))
+    if len(state_lens) > 1:
+        raise RequestError(ErrorCode.INVALID_LAYOUT, f"state layers of different sizes {sorted(state_lens)} "
+                           "(one state geometry per model is supported)")
+    if state_regions and place.pp_size > 1:
+        raise RequestError(ErrorCode.INVALID_LAYOUT, "state layers (Mamba/linear attention) with pipeline "
+                           "parallelism are not supported")
+    if not seen:  # state layers only: no attention geometry
+        if not state_regions:
+            raise RequestError(ErrorCode.INVALID_LAYOUT, "no KV cache or state layers to register")
+        geoms.add((2, "NHD", 1))
+        dtypes.add("int8")
+        head_dim = num_kv_heads = local_kv_heads = 1
+        mla = False
     if len(geoms) != 1 or len(dtypes) != 1:
         raise RequestError(ErrorCode.INVALID_LAYOUT,
                            f"layers disagree on K/V split, layout or dtype: {geoms} {dtypes}")
@@ -184,7 +248,7 @@ def registration_from_tensors(
         fusion = fused
         if fused == "kv_per_head":
             head_layout = "HND"  # heads outermost; tokens are opaque inside a head
-    elif content != head_dim:
+    elif content != head_dim and seen:
         raise RequestError(ErrorCode.INVALID_LAYOUT, f"content dimension {content} != head_dim {head_dim}")
     layout = KVLayout(
         num_layers=len(seen),
@@ -205,6 +269,10 @@ def registration_from_tensors(
         pp_size=place.pp_size,
         first_layer=place.first_layer,
         total_layers=place.total_layers if place.pp_size > 1 else 0,
+        state_regions=len(state_regions),
+        state_bytes=state_lens.pop() if state_lens else 0,
+        state_kind=state_kind if state_regions else "",
     )
-    return RegisterKV(layout=layout, memory=memory, regions=regions, engine_id=place.engine_id,
+    return RegisterKV(layout=layout, memory=memory, regions=regions + state_regions,
+                      engine_id=place.engine_id,
                       dp_rank=place.dp_rank)

@@ -61,7 +61,8 @@ class SchedulerSide:
     ) -> None:
         self.settings = settings
         self.tp_size = tp_size
-        self.backoff = 0  # prompt tokens the prefill leaves to the decode (windowed KV cache groups)
+        self.backoff = 0  # prompt tokens the prefill leaves to the decode (windowed or state groups)
+        self.state_groups: tuple[bool, ...] = ()  # per transferable group: a state (Mamba/GDN) group
         self.pp_size = pp_size  # each (pp, tp) worker receives its own layers and reports its own Done
         self.client = client or SidecarClient(settings.sidecar, send_queue=settings.send_queue)
         pong = self.client.ping(settings.sidecar_timeout_s)
@@ -120,8 +121,10 @@ class SchedulerSide:
         if remote is None:
             return 0, False
         n = len(request.prompt_token_ids or ())
-        if self.backoff and n > self.backoff:
-            n -= self.backoff  # the prefill stopped short of these; this engine computes them
+        if self.backoff:
+            # the prefill stopped short of these; this engine computes them (a prompt no longer
+            # than that is computed here whole: a state cannot be recomputed on top of itself)
+            n = n - self.backoff if n > self.backoff else 0
         computed = params.get("remote_num_tokens")
         if isinstance(computed, int) and not isinstance(computed, bool) and 0 < computed < n:
             n = computed  # never claim tokens the prefill did not compute (a longer prompt here)
@@ -154,21 +157,22 @@ class SchedulerSide:
         mine = [list(g) for g in unhashed_block_ids] if hybrid else [list(unhashed_block_ids)]  # type: ignore[arg-type]
         theirs = [list(g) for g in remote.groups] if remote.groups else [list(remote.block_ids)]
         try:
-            local, remote_ids = pair_groups(mine, theirs)
+            pairs = pair_groups(mine, theirs, self.state_groups if hybrid else ())
         except ValueError as e:
             self.errors[request.request_id] = str(e)
             log.warning("request %s: %s; computing the prompt locally", request.request_id, e)
             self._release_remote(request.request_id, remote)
             self._plan.failed[request.request_id] = [b for g in mine for b in g if b]
             return
+        local = pairs.local + pairs.state_local  # every block the load writes
         give_up = self.settings.transfer_timeout_s + self.settings.grace_s
         expires = time.time() + give_up
         for n, (pp, rank) in enumerate(self._ranks()):
             try:
                 self.client.recv(
                     request.request_id,
-                    local,
-                    RemoteBlocks(remote.engine_id, remote.host, remote.port, remote_ids, remote.tp_size,
+                    pairs.local,
+                    RemoteBlocks(remote.engine_id, remote.host, remote.port, pairs.remote, remote.tp_size,
                                  remote.req_id, remote.generation, remote.token),
                     tp_rank=rank,
                     deadline_s=self.settings.transfer_timeout_s,
@@ -176,6 +180,7 @@ class SchedulerSide:
                     expires_unix=expires,
                     engine_id=self.local_engine,
                     pp_rank=pp,
+                    state=(pairs.state_local, pairs.state_remote),
                 )
             except SEND_ERRORS as e:
                 log.warning("request %s: KV load not posted to the sidecar (rank pp%d/tp%d): %s",

@@ -133,7 +133,9 @@ class WorkerSide:
             "the connector's get_mem_pool_context()"
         )
 
-    def register_kv_caches(self, kv_caches: dict[str, Any], shape: CacheShape) -> Registered:
+    def register_kv_caches(self, kv_caches: dict[str, Any], shape: CacheShape,
+                           state: dict[str, Any] | None = None, state_kind: str = "") -> Registered:
+        """``state``: the views of state layers (Mamba/GDN), registered after the KV layers."""
         msg = registration_from_tensors(
             kv_caches,
             num_blocks=shape.num_blocks,
@@ -148,6 +150,8 @@ class WorkerSide:
             fused=shape.fused,
             model=shape.model,
             place=self.place,
+            state=state,
+            state_kind=state_kind,
         )
         self.client = SidecarClient(self.settings.sidecar)
         self.client.ping(self.settings.sidecar_timeout_s)

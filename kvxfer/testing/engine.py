@@ -3,6 +3,7 @@ through ``SidecarClient`` exactly as a worker would drive it."""
 
 from __future__ import annotations
 
+import hashlib
 import random
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
@@ -34,6 +35,8 @@ def make_layout(
     mla: bool = False,
     head_layout: str = "NHD",
     model: str = "",
+    state_layers: int = 0,
+    state_bytes: int = 0,
 ) -> KVLayout:
     """A vLLM-like layout; with ``mla`` one latent of ``head_dim`` replicated on every rank
     (``stage_layout`` cuts one pipeline stage out of it)."""
@@ -53,6 +56,9 @@ def make_layout(
         tp_rank=tp_rank,
         tp_size=tp_size,
         model=model,
+        state_regions=state_layers,
+        state_bytes=state_bytes if state_layers else 0,
+        state_kind="synthetic" if state_layers else "",
     )
 
 
@@ -165,6 +171,23 @@ class SyntheticEngine:
         if self.device == "cpu":
             return bool(np.array_equal(got, want))
         return bool((got == want).all().item())
+
+    def _state_pattern(self, req_id: str, n: int) -> np.ndarray:
+        lay = self.layout
+        seed = int.from_bytes(hashlib.blake2b(f"state:{req_id}".encode(), digest_size=8).digest(), "little")
+        return np.random.default_rng(seed).integers(
+            0, 256, (lay.state_regions, n, lay.state_bytes), dtype=np.uint8)
+
+    def fill_state(self, req_id: str, blocks: Sequence[int]) -> None:
+        """Write request ``req_id``'s state (every state layer) into ``blocks`` (CPU only)."""
+        assert isinstance(self.kv, SharedKV)
+        idx = np.asarray(blocks, dtype=np.int64)
+        self.kv.state_blocks()[:, idx, :] = self._state_pattern(req_id, len(blocks))
+
+    def verify_state(self, req_id: str, blocks: Sequence[int]) -> bool:
+        assert isinstance(self.kv, SharedKV)
+        got = self.kv.state_blocks()[:, np.asarray(blocks, dtype=np.int64), :]
+        return bool(np.array_equal(got, self._state_pattern(req_id, len(blocks))))
 
     def wipe(self, blocks: Sequence[int]) -> None:
         if self.tensors is not None:

