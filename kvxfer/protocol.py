@@ -220,6 +220,17 @@ class KVRegion(_Msg, tag="region"):
 EngineId = Annotated[str, Meta(max_length=256)]
 
 
+class KVGroup(_Msg, tag="group"):
+    """One of vLLM's KV cache groups as the engine registered it (for status and errors)."""
+
+    kind: Annotated[str, Meta(max_length=32)]  # full | sliding_window | mla | chunked_local | state
+    block_size: NonNeg  # tokens per block
+    layers: NonNeg = 0
+    window: NonNeg = 0  # sliding window, tokens
+    state_bytes: NonNeg = 0  # state groups: bytes of one request's state per layer
+    state_kind: Annotated[str, Meta(max_length=256)] = ""
+
+
 class RegisterKV(_Msg, tag="register"):
     layout: KVLayout
     memory: list[MemoryRef]
@@ -230,6 +241,7 @@ class RegisterKV(_Msg, tag="register"):
     # (engine_id, dp_rank, layout.pp_rank, layout.tp_rank).
     engine_id: EngineId = ""
     dp_rank: NonNeg = 0
+    groups: Annotated[list[KVGroup], Meta(max_length=64)] | None = None  # vLLM's KV cache groups
 
 
 class Unregister(_Msg, tag="unregister"):

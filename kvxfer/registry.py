@@ -27,7 +27,7 @@ from typing import Any, NamedTuple
 import msgspec
 
 from kvxfer.errors import ErrorCode, RequestError
-from kvxfer.protocol import KVLayout, PoolMemory, RankInfo, RegisterKV, ShmMemory
+from kvxfer.protocol import KVGroup, KVLayout, PoolMemory, RankInfo, RegisterKV, ShmMemory
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +55,7 @@ class RankEntry:
     # Its engine died while leases still held blocks in it: kept (mapped, registered with
     # NIXL) so those decodes still read them, removed when the last lease ends.
     orphaned: bool = False
+    groups: list[KVGroup] = field(default_factory=list)  # vLLM's KV cache groups (hybrid models)
 
     @property
     def layout(self) -> KVLayout:
@@ -191,7 +192,7 @@ class RankRegistry:
         entry = RankEntry(key=key, info=info, owner=owner, pid=msg.pid, start=process_start_time(msg.pid),
                           files=[m.path for m in msg.memory if isinstance(m, ShmMemory)],
                           pools=[m.pool for m in msg.memory if isinstance(m, PoolMemory)],
-                          registered_unix=time.time())
+                          registered_unix=time.time(), groups=list(msg.groups or ()))
         self._entries[key] = entry
         return entry, replaced
 

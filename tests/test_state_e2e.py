@@ -9,12 +9,16 @@ tests/test_hybrid_pd.py.
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 from collections.abc import Iterator
 
 import pytest
 
 from kvxfer.auth import new_token
 from kvxfer.client import Drained, RemoteBlocks
+from kvxfer.protocol import KVGroup
 from kvxfer.testing.engine import SyntheticEngine, make_layout
 from kvxfer.testing.procs import SidecarFactory
 
@@ -84,7 +88,8 @@ def test_attention_and_state_blocks_move_as_one_transfer(factory: SidecarFactory
 
 
 def test_a_model_of_state_layers_only(factory: SidecarFactory) -> None:
-    """Pure Mamba2: no attention layers at all, one state block per request."""
+    """Pure Mamba2: no attention layers at all, one state block per request; `kvxfer status`
+    shows the rank's state regions and the group its engine registered."""
     p, d = engines(factory, layers=0, state_layers=4)
     try:
         assert (d.layout.num_layers, d.layout.state_regions) == (0, 4)
@@ -92,6 +97,19 @@ def test_a_model_of_state_layers_only(factory: SidecarFactory) -> None:
         assert [x.req_id for x in got.done] == ["pure"], got.failed
         assert d.verify_state("pure", [ds])
         assert got.done[0].nbytes == 4 * STATE
+        d.groups = [KVGroup(kind="state", block_size=2048, layers=4, state_bytes=STATE,
+                            state_kind="mamba2: (3, 544) bfloat16 + (8, 64, 16) float32")]
+        d.start()  # registered again, now telling its groups (as the connector does)
+        ctl = next(sc for sc in factory.procs if sc.name == "decode").control
+        text = subprocess.run([sys.executable, "-m", "kvxfer", "status", "--target", ctl],
+                              capture_output=True, text=True, timeout=60, check=False).stdout
+        assert f"4 state regions x {STATE} B" in text, text
+        assert f"group    state: 4 layers, {STATE} B per request per layer (mamba2: (3, 544)" in text, text
+        js = subprocess.run([sys.executable, "-m", "kvxfer", "status", "--target", ctl, "--json"],
+                            capture_output=True, text=True, timeout=60, check=False).stdout
+        rank = json.loads(js)["ranks"][0]
+        assert (rank["state_regions"], int(rank["state_bytes"])) == (4, STATE)
+        assert rank["groups"][0]["kind"] == "state"
     finally:
         p.close()
         d.close()

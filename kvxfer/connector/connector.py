@@ -288,7 +288,8 @@ class KvxferConnector(KVConnectorBase_V1, *_HMA):  # type: ignore[misc]
                                num_kv_heads=1, local_kv_heads=1, head_dim=1, mla=False, fused=fused,
                                model=identity)
         sg = groups.state_group if groups is not None else None
-        self.worker.register_kv_caches(kv_caches, shape, state=state, state_kind=sg.state_kind if sg else "")
+        self.worker.register_kv_caches(kv_caches, shape, state=state, state_kind=sg.state_kind if sg else "",
+                                       groups=groups.registered() if groups is not None else None)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         if self.worker is None or not self.has_connector_metadata():

@@ -40,6 +40,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from kvxfer.protocol import KVGroup
+
 
 class UnsupportedModel(ValueError):
     """The model's KV cache has layers kvxfer cannot move; raised at engine start-up."""
@@ -184,6 +186,11 @@ class Groups:
                 blocks = (blocks[:-scratch] if scratch else blocks)[-1:]
             out.append(blocks[-n:] if n and len(blocks) > n else blocks)
         return out
+
+    def registered(self) -> list[KVGroup]:
+        """The groups as the sidecar shows them (``kvxfer status``)."""
+        return [KVGroup(kind=g.kind, block_size=g.block_size, layers=len(g.layers), window=g.window,
+                        state_bytes=g.state_bytes, state_kind=g.state_kind[:256]) for g in self.groups]
 
     def describe(self) -> str:
         return ", ".join(f"{g.kind}" + (f"(window {g.window})" if g.window else "")

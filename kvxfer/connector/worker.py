@@ -32,6 +32,7 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
 import zmq
 
 from kvxfer.client import Drained, SidecarClient
@@ -41,7 +42,7 @@ from kvxfer.connector.shm_pool import SharedAllocator
 from kvxfer.errors import KvxferError
 from kvxfer.memory import cuda_ipc_memory, cuda_ordinal
 from kvxfer.pool import PoolClient
-from kvxfer.protocol import Done, Failed, MemoryRef, Registered, Released
+from kvxfer.protocol import Done, Failed, KVGroup, MemoryRef, Registered, Released
 
 log = logging.getLogger(__name__)
 
@@ -134,8 +135,10 @@ class WorkerSide:
         )
 
     def register_kv_caches(self, kv_caches: dict[str, Any], shape: CacheShape,
-                           state: dict[str, Any] | None = None, state_kind: str = "") -> Registered:
-        """``state``: the views of state layers (Mamba/GDN), registered after the KV layers."""
+                           state: dict[str, Any] | None = None, state_kind: str = "",
+                           groups: list[KVGroup] | None = None) -> Registered:
+        """``state``: the views of state layers (Mamba/GDN), registered after the KV layers;
+        ``groups``: vLLM's KV cache groups, as ``kvxfer status`` shows them."""
         msg = registration_from_tensors(
             kv_caches,
             num_blocks=shape.num_blocks,
@@ -153,6 +156,8 @@ class WorkerSide:
             state=state,
             state_kind=state_kind,
         )
+        if groups:
+            msg = msgspec.structs.replace(msg, groups=groups)
         self.client = SidecarClient(self.settings.sidecar)
         self.client.ping(self.settings.sidecar_timeout_s)
         self.registered = self.client.register(msg, self.settings.sidecar_timeout_s)

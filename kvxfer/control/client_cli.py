@@ -129,7 +129,12 @@ def render(st: pb.Status, serving: bool, rate: float | None = None) -> str:
             f"  rank       {where}tp {r.tp_rank}/{r.tp_size}: {r.num_layers} layers x {r.num_blocks} "
             f"blocks x {r.block_size} tok, {kv} x {r.head_dim} {r.dtype} {r.head_layout}, "
             f"{_human_bytes(r.bytes_registered)} {r.mem_type}"
+            + (f", {r.state_regions} state regions x {r.state_bytes} B" if r.state_regions else "")
         )
+        for g in r.groups:
+            what = (f"{g.state_bytes} B per request per layer ({g.state_kind})" if g.kind == "state"
+                    else f"{g.block_size} tok blocks" + (f", window {g.window}" if g.window else ""))
+            lines.append(f"    group    {g.kind}: {g.num_layers} layers, {what}")
     lines.append(f"  peers      {len(st.peers)}")
     if st.peers:
         lines.append(f"    {'ENDPOINT':<24}{'ENGINE':<20}{'STATE':<11}{'HANDSHAKE':>10}{'READS':>8}"

@@ -72,7 +72,10 @@ def status_proto(snap: Snapshot) -> pb.Status:
             local_kv_heads=lay.local_kv_heads, head_dim=lay.head_dim, dtype=lay.dtype,
             kv_parts=lay.kv_parts, mla=lay.mla, head_layout=lay.head_layout,
             bytes_registered=sum(x.block_len for x in info.regions) * lay.num_blocks,
-            mem_type=info.mem_type,
+            mem_type=info.mem_type, state_regions=lay.state_regions, state_bytes=lay.state_bytes,
+            groups=[pb.KVCacheGroup(kind=g.kind, block_size=g.block_size, num_layers=g.layers,
+                                    window=g.window, state_bytes=g.state_bytes, state_kind=g.state_kind)
+                    for g in entry.groups],
         ))
     leases = [
         pb.Lease(request_id=x.req_id, num_blocks=x.num_blocks, age_s=x.age_s, expires_in_s=x.expires_in_s,

@@ -14,7 +14,7 @@ import numpy as np
 from kvxfer.client import SidecarClient
 from kvxfer.memory import CudaKV, SharedKV
 from kvxfer.pool import PoolClient
-from kvxfer.protocol import KVLayout, Registered
+from kvxfer.protocol import KVGroup, KVLayout, Registered
 from kvxfer.testing.pattern import request_pattern
 from kvxfer.testing.vllm_layouts import Geometry
 
@@ -114,6 +114,7 @@ class SyntheticEngine:
         self._free = list(range(1, layout.num_blocks))
         random.Random(seed).shuffle(self._free)  # non-contiguous block ids, as in a busy engine
         self.registered: Registered | None = None
+        self.groups: list[KVGroup] | None = None  # vLLM's KV cache groups, as a connector tells them
 
     def start(self, timeout: float = 60.0) -> Registered:
         """Register (again: after a sidecar restart, its pools are handed back first, as a
@@ -122,7 +123,7 @@ class SyntheticEngine:
         if self.registered is not None and self.pools is not None and self.pools.pools:
             self.pools.readopt()
         msg = self._registration if self.kv is None else self.kv.register_message()
-        msg = msgspec.structs.replace(msg, engine_id=self.engine_id, dp_rank=self.dp_rank)
+        msg = msgspec.structs.replace(msg, engine_id=self.engine_id, dp_rank=self.dp_rank, groups=self.groups)
         self.registered = self.client.register(msg, timeout)
         return self.registered
 

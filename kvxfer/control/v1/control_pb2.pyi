@@ -26,8 +26,24 @@ class Identity(_message.Message):
     ucx_error_mode: str
     def __init__(self, engine_id: _Optional[str] = ..., role: _Optional[str] = ..., version: _Optional[str] = ..., nixl_backends: _Optional[_Iterable[str]] = ..., handshake_endpoint: _Optional[str] = ..., agent_name: _Optional[str] = ..., protocol_version: _Optional[int] = ..., ucx_error_mode: _Optional[str] = ...) -> None: ...
 
+class KVCacheGroup(_message.Message):
+    __slots__ = ("kind", "block_size", "num_layers", "window", "state_bytes", "state_kind")
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    WINDOW_FIELD_NUMBER: _ClassVar[int]
+    STATE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    STATE_KIND_FIELD_NUMBER: _ClassVar[int]
+    kind: str
+    block_size: int
+    num_layers: int
+    window: int
+    state_bytes: int
+    state_kind: str
+    def __init__(self, kind: _Optional[str] = ..., block_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., window: _Optional[int] = ..., state_bytes: _Optional[int] = ..., state_kind: _Optional[str] = ...) -> None: ...
+
 class RankRegistration(_message.Message):
-    __slots__ = ("tp_rank", "tp_size", "num_layers", "num_blocks", "block_size", "num_kv_heads", "local_kv_heads", "head_dim", "dtype", "kv_parts", "mla", "head_layout", "bytes_registered", "mem_type", "engine_id", "dp_rank", "pp_rank", "pp_size", "first_layer", "pid")
+    __slots__ = ("tp_rank", "tp_size", "num_layers", "num_blocks", "block_size", "num_kv_heads", "local_kv_heads", "head_dim", "dtype", "kv_parts", "mla", "head_layout", "bytes_registered", "mem_type", "engine_id", "dp_rank", "pp_rank", "pp_size", "first_layer", "pid", "groups", "state_regions", "state_bytes")
     TP_RANK_FIELD_NUMBER: _ClassVar[int]
     TP_SIZE_FIELD_NUMBER: _ClassVar[int]
     NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
@@ -48,6 +64,9 @@ class RankRegistration(_message.Message):
     PP_SIZE_FIELD_NUMBER: _ClassVar[int]
     FIRST_LAYER_FIELD_NUMBER: _ClassVar[int]
     PID_FIELD_NUMBER: _ClassVar[int]
+    GROUPS_FIELD_NUMBER: _ClassVar[int]
+    STATE_REGIONS_FIELD_NUMBER: _ClassVar[int]
+    STATE_BYTES_FIELD_NUMBER: _ClassVar[int]
     tp_rank: int
     tp_size: int
     num_layers: int
@@ -68,7 +87,10 @@ class RankRegistration(_message.Message):
     pp_size: int
     first_layer: int
     pid: int
-    def __init__(self, tp_rank: _Optional[int] = ..., tp_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., local_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[str] = ..., kv_parts: _Optional[int] = ..., mla: _Optional[bool] = ..., head_layout: _Optional[str] = ..., bytes_registered: _Optional[int] = ..., mem_type: _Optional[str] = ..., engine_id: _Optional[str] = ..., dp_rank: _Optional[int] = ..., pp_rank: _Optional[int] = ..., pp_size: _Optional[int] = ..., first_layer: _Optional[int] = ..., pid: _Optional[int] = ...) -> None: ...
+    groups: _containers.RepeatedCompositeFieldContainer[KVCacheGroup]
+    state_regions: int
+    state_bytes: int
+    def __init__(self, tp_rank: _Optional[int] = ..., tp_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., local_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[str] = ..., kv_parts: _Optional[int] = ..., mla: _Optional[bool] = ..., head_layout: _Optional[str] = ..., bytes_registered: _Optional[int] = ..., mem_type: _Optional[str] = ..., engine_id: _Optional[str] = ..., dp_rank: _Optional[int] = ..., pp_rank: _Optional[int] = ..., pp_size: _Optional[int] = ..., first_layer: _Optional[int] = ..., pid: _Optional[int] = ..., groups: _Optional[_Iterable[_Union[KVCacheGroup, _Mapping]]] = ..., state_regions: _Optional[int] = ..., state_bytes: _Optional[int] = ...) -> None: ...
 
 class Peer(_message.Message):
     __slots__ = ("endpoint", "engine_id", "agent_name", "state", "last_handshake_unix", "handshake_ms", "tp_size", "reads", "bytes", "failures")
