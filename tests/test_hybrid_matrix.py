@@ -92,6 +92,7 @@ def run(family: str, connector: str, tmp: str) -> dict[int, tuple[str, str, list
     return out
 
 
+@pytest.mark.timeout(1800)  # two sets of three vLLM servers, 13 prompts each
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_family_through_kvxfer_and_nixl_connector(family: str, tmp_path: Any) -> None:
     ours = run(family, "kvxfer", str(tmp_path))

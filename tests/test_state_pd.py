@@ -81,3 +81,15 @@ def test_tokens_match_one_engine_with_state_and_attention_groups(pipeline: Pipel
     # every receive was digested here and at the prefill (attention blocks and state): equal
     assert m[checked] - before.get(checked, 0) == 9
     assert m.get('kvxfer_integrity_checks_total{result="mismatch"}', 0) == 0
+
+
+def test_status_shows_each_registered_group(pipeline: Pipeline) -> None:
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "kvxfer", "status", "--target", pipeline.d_sidecar.control],
+                         capture_output=True, text=True, timeout=60, check=False).stdout
+    print(out)
+    assert "2 state regions x 36032 B" in out, out  # conv (3, 544) bf16 + ssm (8, 64, 16) fp32
+    assert "group    state: 2 layers, 36032 B per request per layer (mamba2: (3, 544) bfloat16" in out, out
+    assert f"group    full: 2 layers, {BS} tok blocks" in out, out
