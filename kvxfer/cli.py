@@ -131,11 +131,22 @@ def main(argv: list[str] | None = None) -> int:
 
         return bench_main(args)
     if args.command == "serve":
+        flags = vars(args)
+        check = flags.pop("check", False)
+        sources: dict[str, str] = {}
+        warnings: list[str] = []
         try:
-            config = load_config(vars(args))
+            config = load_config(flags, sources=sources, warnings=warnings)
         except ConfigError as e:
             print(f"kvxfer: {e}", file=sys.stderr)
             return 2
+        for w in warnings:
+            print(f"kvxfer: warning: {w}", file=sys.stderr)
+        if check:
+            from kvxfer.config import describe
+
+            print(describe(config, sources))
+            return 0
         from kvxfer.sidecar import run_server
 
         return run_server(config)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import ipaddress
+import json
 import os
 import socket
 import tomllib
@@ -60,8 +61,9 @@ class Config:
     health_target: str = _doc("Extra plaintext listener serving only gRPC health (kubelet "
                               "probes cannot do TLS), e.g. 0.0.0.0:5702 ('' : none).", default="")
     metrics_host: str = _doc("Address the Prometheus /metrics listener binds.", default="0.0.0.0")
-    metrics_port: int = _doc("Port of the Prometheus /metrics listener (0 disables it).",
-                             default=9400)
+    metrics_port: int = _doc("Port of the Prometheus /metrics listener (0 disables it). Not "
+                             "9400, dcgm-exporter's default on GPU hosts: kvxfer's ports are "
+                             "5700-5703.", default=5703)
     role: str = _doc("What this engine does, for status and routers: prefill, decode or both.",
                      default="both")
     drain_timeout_s: float = _doc("How long SIGTERM waits for in-flight work before exiting.",
@@ -122,9 +124,19 @@ class Config:
                               "it still holds; a mismatch fails the load (code 'integrity', "
                               "recomputed). The first read from each new peer is always checked.",
                               default=100)
-    log_level: str = _doc("Logging level (also KVXFER_LOG_LEVEL).", default="WARNING")
+    log_level: str = _doc("Logging level: DEBUG, INFO, WARNING, ERROR or CRITICAL (also "
+                          "KVXFER_LOG_LEVEL).", default="WARNING")
 
     def __post_init__(self) -> None:
+        if self.log_level.upper() not in LOG_LEVELS:
+            raise ConfigError(f"log_level must be one of {', '.join(LOG_LEVELS)}, not {self.log_level!r}")
+        scheme = self.engine_socket.partition("://")[0]
+        if scheme not in ("ipc", "tcp") or not self.engine_socket.partition("://")[2]:
+            raise ConfigError(f"engine_socket must be ipc:///path (or tcp://host:port), not "
+                              f"{self.engine_socket!r}")
+        for name in ("control_target", "health_target"):
+            for target in filter(None, (t.strip() for t in getattr(self, name).split(","))):
+                check_target(name, target)
         if self.ucx_error_mode not in ("peer", "none"):
             raise ConfigError(f"ucx_error_mode must be 'peer' or 'none', not {self.ucx_error_mode!r}")
         if not 0 <= self.handshake_port < 65536:
@@ -205,13 +217,48 @@ class Config:
         return self.handshake_host
 
 
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off", "")
+
+
+def check_target(name: str, target: str) -> None:
+    """A gRPC listener address: unix:///path or host:port (IPv6 as [addr]:port)."""
+    if target.startswith("unix://"):
+        if not target[len("unix://"):]:
+            raise ConfigError(f"{name}: {target!r} names no socket path")
+        return
+    host, sep, port = target.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ConfigError(f"{name}: {target!r} is neither host:port nor unix:///path")
+
+
 def _convert(name: str, raw: Any, kind: type) -> Any:
+    """An environment value (a string) as the field's type."""
+    if kind is bool:
+        v = str(raw).strip().lower()
+        if v not in _TRUE + _FALSE:
+            raise ConfigError(f"{name}: {raw!r} is not a boolean (true/false, 1/0, yes/no, on/off)")
+        return v in _TRUE
     try:
-        if kind is bool and isinstance(raw, str):
-            return raw.strip().lower() in ("1", "true", "yes", "on")
         return kind(raw)
     except (TypeError, ValueError) as e:
         raise ConfigError(f"{name}: cannot read {raw!r} as {kind.__name__}") from e
+
+
+_TOML_NAMES = {bool: "a boolean (true/false)", int: "an integer", float: "a number", str: "a string"}
+
+
+def _typed(path: str, name: str, value: Any, kind: type) -> Any:
+    """A TOML value, which must already have the field's type (``lease_s = true`` is refused,
+    not read as 1; an integer is a valid float)."""
+    ok = (isinstance(value, bool) if kind is bool
+          else isinstance(value, int) and not isinstance(value, bool) if kind is int
+          else isinstance(value, int | float) and not isinstance(value, bool) if kind is float
+          else isinstance(value, str))
+    if not ok:
+        shown = json.dumps(value) if isinstance(value, bool | int | float | str) else repr(value)
+        raise ConfigError(f"config file {path}: {name} = {shown}: expected {_TOML_NAMES[kind]}")
+    return kind(value)
 
 
 _TYPES = {"str": str, "int": int, "float": float, "bool": bool}
@@ -220,6 +267,9 @@ _TYPES = {"str": str, "int": int, "float": float, "bool": bool}
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", help="TOML file with any of the fields below "
                         f"(also {ENV_PREFIX}CONFIG).")
+    parser.add_argument("--check", action="store_true",
+                        help="validate the configuration, print every effective value and where "
+                             "it came from (flag, env, file, default), and exit (0: valid, 2: not)")
     for f in dataclasses.fields(Config):
         if str(f.type) == "bool":
             parser.add_argument("--" + f.name.replace("_", "-"), dest=f.name, default=None,
@@ -237,13 +287,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def load_config(
-    flags: Mapping[str, Any] | None = None, env: Mapping[str, str] | None = None
+    flags: Mapping[str, Any] | None = None, env: Mapping[str, str] | None = None,
+    sources: dict[str, str] | None = None, warnings: list[str] | None = None,
 ) -> Config:
+    """The effective configuration. ``sources`` (when given) is filled with where each
+    value came from ("flag", "env KVXFER_X", "file PATH", "default"); ``warnings`` with an
+    environment variable that shadows a key of the file."""
     flags = dict(flags or {})
     env = os.environ if env is None else env
     values: dict[str, Any] = {}
+    src: dict[str, str] = {} if sources is None else sources
     toml_path = flags.pop("config", None) or env.get(ENV_PREFIX + "CONFIG")
     known = {f.name: _TYPES[str(f.type)] for f in dataclasses.fields(Config)}
+    in_file: set[str] = set()
     if toml_path:
         try:
             with open(toml_path, "rb") as fh:
@@ -253,12 +309,30 @@ def load_config(
         unknown = sorted(set(data) - set(known))
         if unknown:
             raise ConfigError(f"config file {toml_path}: unknown keys {unknown}")
-        values.update({k: _convert(k, v, known[k]) for k, v in data.items()})
+        values.update({k: _typed(toml_path, k, v, known[k]) for k, v in data.items()})
+        in_file = set(data)
+        src.update({k: f"file {toml_path}" for k in data})
     for name, kind in known.items():
         raw = env.get(ENV_PREFIX + name.upper())
         if raw is not None:
             values[name] = _convert(ENV_PREFIX + name.upper(), raw, kind)
+            src[name] = f"env {ENV_PREFIX}{name.upper()}"
+            if name in in_file and warnings is not None and flags.get(name) is None:
+                warnings.append(f"{ENV_PREFIX}{name.upper()} shadows {name} of {toml_path}")
     for name, value in flags.items():
         if name in known and value is not None:
             values[name] = value
+            src[name] = "flag"
+    for name in known:
+        src.setdefault(name, "default")
     return Config(**values)
+
+
+def describe(config: Config, sources: Mapping[str, str]) -> str:
+    """``kvxfer serve --check``: every field, its effective value and where it came from
+    (secrets are files or environment variables: never printed)."""
+    rows = [(f.name, repr(getattr(config, f.name)), sources.get(f.name, "default"))
+            for f in dataclasses.fields(Config)]
+    w = max(len(r[0]) for r in rows)
+    v = min(48, max(len(r[1]) for r in rows))
+    return "\n".join(f"{n:<{w}}  {val:<{v}}  ({where})" for n, val, where in rows)

@@ -10,6 +10,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -122,7 +123,7 @@ def test_overlays_render_and_validate(role: str) -> None:
     for doc in (K8S / "base").rglob("*.yaml"):
         assert "stringData" not in doc.read_text(), doc
         assert "kind: Secret" not in doc.read_text(), doc
-    assert pod["metadata"]["annotations"]["prometheus.io/port"] == "9400"
+    assert pod["metadata"]["annotations"]["prometheus.io/port"] == "5703"
 
 
 def test_validator_catches_a_broken_manifest() -> None:
@@ -153,6 +154,26 @@ def test_systemd_units_verify(tmp_path: Path) -> None:
     bad = tmp_path / "bad@test.service"
     bad.write_text(f"[Service]\nType=notifyy\nExecStart={true}\n")
     assert _verify(bad)  # the check can fail
+
+
+def test_systemd_unit_hardening_leaves_nixl_and_restarts_sane() -> None:
+    """Under ProtectHome=yes the unit user's home is unreadable and NIXL aborts reading
+    $HOME/.nixl.cfg when its agent starts: HOME must point inside the unit's runtime
+    directory. A configuration error or a listener that cannot bind exits 2: never restarted."""
+    unit = {}
+    for line in (Path("deploy/systemd") / "kvxfer@.service").read_text().splitlines():
+        key, sep, value = line.partition("=")
+        if sep and not line.startswith("#"):
+            unit.setdefault(key.strip(), []).append(value.strip())
+    env = dict(v.split("=", 1) for v in unit["Environment"])
+    assert unit["ProtectHome"] == ["yes"]
+    runtime = "/run/" + unit["RuntimeDirectory"][0]
+    assert env["HOME"] == runtime, env
+    assert "2" in unit["RestartPreventExitStatus"][0].split()
+    # and the daemon does exit 2 on a configuration error (what RestartPreventExitStatus sees)
+    bad = subprocess.run([sys.executable, "-m", "kvxfer", "serve", "--engine-socket", "nope"],
+                         capture_output=True, text=True, timeout=60, check=False)
+    assert bad.returncode == 2, bad.stderr
 
 
 def test_systemd_notify_ready_watchdog_and_drain_on_sigterm(sidecars: SidecarFactory, tmp_path: Path) -> None:

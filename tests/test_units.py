@@ -90,11 +90,55 @@ def test_config_precedence(tmp_path: os.PathLike[str]) -> None:
         ({}, {"KVXFER_LEASE_S": "soon"}),
         ({}, {"KVXFER_LEASE_S": "-1"}),
         ({"handshake_port": 70000}, {}),
+        ({"log_level": "verbose"}, {}),
+        ({"engine_socket": "/run/kvxfer/engine.sock"}, {}),  # no ipc://
+        ({"control_target": "foo"}, {}),
+        ({"health_target": "0.0.0.0:99999"}, {}),
+        ({}, {"KVXFER_INSECURE": "maybe"}),  # not silently false
     ],
 )
 def test_config_rejects_bad_values(flags: dict[str, object], env: dict[str, str]) -> None:
     with pytest.raises(ConfigError):
         load_config(flags, env=env)
+
+
+@pytest.mark.parametrize(("line", "message"), [
+    ("lease_s = true", "lease_s = true: expected a number"),  # once read as a 1 s lease
+    ("handshake_port = 5700.5", "handshake_port = 5700.5: expected an integer"),
+    ('metrics_port = "9400"', 'metrics_port = "9400": expected an integer'),
+    ("insecure = 1", "insecure = 1: expected a boolean"),
+    ("engine_id = 7", "engine_id = 7: expected a string"),
+])
+def test_config_file_values_must_have_their_types(
+    tmp_path: os.PathLike[str], line: str, message: str
+) -> None:
+    toml = os.path.join(tmp_path, "k.toml")
+    with open(toml, "w") as fh:
+        fh.write(line + "\n")
+    with pytest.raises(ConfigError, match=message.replace(".", "\\.")):
+        load_config({"config": toml}, env={})
+
+
+def test_config_sources_and_env_shadowing_a_file_key(tmp_path: os.PathLike[str]) -> None:
+    from kvxfer.config import describe
+
+    toml = os.path.join(tmp_path, "k.toml")
+    with open(toml, "w") as fh:
+        fh.write('lease_s = 5\nrole = "prefill"\n')
+    sources: dict[str, str] = {}
+    warnings: list[str] = []
+    cfg = load_config({"config": toml, "handshake_port": 7000}, env={"KVXFER_ROLE": "decode"},
+                      sources=sources, warnings=warnings)
+    assert (cfg.lease_s, cfg.role, cfg.handshake_port) == (5.0, "decode", 7000)
+    assert sources["lease_s"] == f"file {toml}"
+    assert sources["role"] == "env KVXFER_ROLE"
+    assert sources["handshake_port"] == "flag"
+    assert sources["metrics_port"] == "default"
+    assert warnings == [f"KVXFER_ROLE shadows role of {toml}"]
+    text = describe(cfg, sources)
+    assert "role" in text
+    assert "'decode'" in text
+    assert "(env KVXFER_ROLE)" in text
 
 
 def test_config_rejects_unknown_toml_keys(tmp_path: os.PathLike[str]) -> None:
