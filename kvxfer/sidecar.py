@@ -158,6 +158,9 @@ class Sidecar:
         self._idle = asyncio.Event()  # nothing in flight, nothing held
         self.exit_code = 0
         self.on_drain: Any = None  # async callback (the control server flips readiness)
+        self.on_resume: Any = None  # async callback (readiness back on)
+        self.on_engines: Any = None  # async callback(bool): an engine rank registered (health "engine")
+        self._engine_serving: bool | None = None
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -414,6 +417,7 @@ class Sidecar:
                                        f"{self.registry.engine_of(msg.engine_id)!r} is not registered by "
                                        "this connection")
                 await self.registry.remove(entry.key)
+                self._gauges()
 
     def _pong(self, seq: int) -> Pong:
         return Pong(
@@ -474,6 +478,7 @@ class Sidecar:
                 dp_rank=entry.key.dp,
             ),
         )
+        self._gauges()
 
     def _gauges(self) -> None:
         o = self.observer
@@ -483,6 +488,11 @@ class Sidecar:
         o.g_leases.set(len(self.holds))
         o.g_peers.set(len(self.peers.peers))
         self.transfer.set_serving(bool(len(self.holds)))
+        engines = any(not e.orphaned for e in self.registry.entries()) and not self.draining
+        if engines != self._engine_serving and self.on_engines is not None:
+            self._engine_serving = engines
+            with contextlib.suppress(RuntimeError):  # (no running loop: at teardown)
+                asyncio.get_running_loop().create_task(self.on_engines(engines))
         if recvs or len(self.holds):
             self._idle.clear()
         else:
@@ -655,6 +665,18 @@ class Sidecar:
         took = time.monotonic() - start
         self.observer.emit(Event("drained", seconds=took))
         return failed == 0 and released == 0, failed, released, took
+
+    async def resume(self) -> bool:
+        """Undo a drain: new holds and receives are taken again. False: not draining."""
+        if not self.draining:
+            return False
+        self.draining = False
+        self.observer.g_ready.set(1 if self.ready else 0)
+        self.observer.emit(Event("resumed"))
+        if self.on_resume is not None:
+            await self.on_resume()
+        self._gauges()
+        return True
 
 
 def hard_exit(code: int) -> None:

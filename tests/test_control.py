@@ -22,7 +22,7 @@ from kvxfer.client import RemoteBlocks
 from kvxfer.control.v1 import control_pb2 as pb
 from kvxfer.control.v1 import control_pb2_grpc as pb_grpc
 from kvxfer.errors import ErrorCode
-from kvxfer.protocol import PROTOCOL_VERSION
+from kvxfer.protocol import PROTOCOL_VERSION, Unregister, encode
 from kvxfer.testing.engine import SyntheticEngine, make_layout
 from kvxfer.testing.procs import SidecarFactory, SidecarProc, free_port
 from tests.test_sidecar import wait_for
@@ -259,8 +259,68 @@ def test_drain_finishes_work_then_refuses(sidecars: SidecarFactory) -> None:
                             capture_output=True, text=True, timeout=30, check=False)
         assert st.returncode == 1
         assert "not serving (draining)" in st.stderr
+        assert health.Check(health_pb2.HealthCheckRequest(service="engine"), timeout=5).status == \
+            health_pb2.HealthCheckResponse.NOT_SERVING
+        # Resume undoes it: health, new holds and a verified transfer again
+        out = subprocess.run([sys.executable, "-m", "kvxfer", "resume", "--target", pr.ps.control, "--json"],
+                             capture_output=True, text=True, timeout=30, check=False)
+        assert json.loads(out.stdout) == {"resumed": True}, out.stderr
+        assert d.Resume(pb.ResumeRequest(), timeout=10).resumed is True
+        assert d.Resume(pb.ResumeRequest(), timeout=10).resumed is False  # not draining any more
+        for service in ("readiness", "engine"):
+            assert health.Check(health_pb2.HealthCheckRequest(service=service), timeout=5).status == \
+                health_pb2.HealthCheckResponse.SERVING, service
+        pr.move("after-resume")
+        assert "drain requested over the control API" in pr.ps.log()
+        assert "resume requested over the control API" in pr.ps.log()
     finally:
         pr.close()
+
+
+def test_engine_health_needs_a_registered_engine(sidecars: SidecarFactory) -> None:
+    """'readiness' goes SERVING once the sidecar can take its engine (the engine starts after
+    it); 'engine' only while an engine rank is registered."""
+    sc = sidecars.start("lonely")
+    health = health_pb2_grpc.HealthStub(grpc.insecure_channel(sc.control))
+
+    def status(service: str) -> int:
+        return health.Check(health_pb2.HealthCheckRequest(service=service), timeout=5,
+                            wait_for_ready=True).status
+
+    assert status("readiness") == health_pb2.HealthCheckResponse.SERVING
+    assert status("engine") == health_pb2.HealthCheckResponse.NOT_SERVING
+    eng = SyntheticEngine(make_layout(layers=1, num_blocks=8, heads=1, head_dim=8), sc.endpoint)
+    eng.start()
+    deadline = time.monotonic() + 5
+    while status("engine") != health_pb2.HealthCheckResponse.SERVING and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert status("engine") == health_pb2.HealthCheckResponse.SERVING
+    eng.client.send_raw(encode(Unregister(tp_rank=0)))  # as a worker shutting down does
+    deadline = time.monotonic() + 5
+    while status("engine") != health_pb2.HealthCheckResponse.NOT_SERVING and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert status("engine") == health_pb2.HealthCheckResponse.NOT_SERVING
+    eng.close()
+
+
+def test_cli_json_numbers_are_numbers_and_peers_list_is_a_table(pair: Pair) -> None:
+    pair.move("numbers")
+    js = json.loads(subprocess.run([sys.executable, "-m", "kvxfer", "status", "--target",
+                                    pair.ds.control, "--json"],
+                                   capture_output=True, text=True, timeout=30, check=False).stdout)
+    assert isinstance(js["totals"]["bytes"], int)  # uint64: a number, not proto3 JSON's string
+    assert js["totals"]["bytes"] > 0
+    assert isinstance(js["ranks"][0]["bytes_registered"], int)
+    assert isinstance(js["peers"][0]["reads"], int)
+    out = subprocess.run([sys.executable, "-m", "kvxfer", "peers", "list", "--target", pair.ds.control],
+                         capture_output=True, text=True, timeout=30, check=False).stdout
+    assert out.splitlines()[0].split()[:3] == ["ENDPOINT", "ENGINE", "STATE"], out
+    assert "ctl-p" in out
+    assert "{" not in out  # no Python repr
+    lst = json.loads(subprocess.run([sys.executable, "-m", "kvxfer", "peers", "list", "--target",
+                                     pair.ds.control, "--json"], capture_output=True, text=True, timeout=30,
+                                    check=False).stdout)
+    assert isinstance(lst["peers"][0]["bytes"], int)
 
 
 def test_drain_waits_for_inflight_reads(sidecars: SidecarFactory) -> None:

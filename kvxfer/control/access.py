@@ -36,7 +36,7 @@ from kvxfer.errors import ConfigError
 if TYPE_CHECKING:
     from kvxfer.config import Config
 
-MUTATING = frozenset({"ConnectPeer", "DisconnectPeer", "CancelTransfer", "Drain"})
+MUTATING = frozenset({"ConnectPeer", "DisconnectPeer", "CancelTransfer", "Drain", "Resume"})
 MODES = ("local", "authenticated", "any", "none")
 TOKEN_ENV = "KVXFER_CONTROL_TOKEN"
 

@@ -12,6 +12,7 @@ import time
 from typing import Any
 
 import grpc
+from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.json_format import MessageToDict
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
@@ -178,6 +179,42 @@ def _unreachable(verb: str, target: str, e: grpc.RpcError) -> int:
     return 2
 
 
+_INT64 = {FieldDescriptor.TYPE_INT64, FieldDescriptor.TYPE_UINT64, FieldDescriptor.TYPE_SINT64,
+          FieldDescriptor.TYPE_FIXED64, FieldDescriptor.TYPE_SFIXED64}
+
+
+def to_dict(msg: Any) -> dict[str, Any]:
+    """A reply as JSON-ready data, every field present, 64-bit integers as numbers (proto3's
+    JSON mapping writes them as strings; scripts compare them as numbers)."""
+    d = MessageToDict(msg, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
+    return _numbers(msg.DESCRIPTOR, d)
+
+
+def _numbers(desc: Any, d: dict[str, Any]) -> dict[str, Any]:
+    for f in desc.fields:
+        if f.name not in d:
+            continue
+        repeated = (f.is_repeated if hasattr(f, "is_repeated")
+                    else f.label == FieldDescriptor.LABEL_REPEATED)  # (older protobuf)
+        if f.message_type is not None and not f.message_type.GetOptions().map_entry:
+            d[f.name] = ([_numbers(f.message_type, x) for x in d[f.name]] if repeated
+                         else _numbers(f.message_type, d[f.name]))
+        elif f.type in _INT64:
+            d[f.name] = [int(x) for x in d[f.name]] if repeated else int(d[f.name])
+    return d
+
+
+def render_peers(peers: Any) -> str:
+    if not peers:
+        return "no peers"
+    lines = [f"{'ENDPOINT':<24}{'ENGINE':<20}{'STATE':<11}{'HANDSHAKE':>10}{'READS':>8}{'BYTES':>12}"
+             f"{'FAILED':>8}"]
+    for p in peers:
+        lines.append(f"{p.endpoint:<24}{p.engine_id[:19]:<20}{p.state:<11}{p.handshake_ms:>8.1f}ms"
+                     f"{p.reads:>8}{_human_bytes(p.bytes):>12}{p.failures:>8}")
+    return "\n".join(lines)
+
+
 def cmd_status(args: argparse.Namespace) -> int:
     last: tuple[float, int] | None = None
     while True:
@@ -189,9 +226,7 @@ def cmd_status(args: argparse.Namespace) -> int:
         except grpc.RpcError as e:
             return _unreachable("status", args.target, e)
         if args.json:
-            d = MessageToDict(st, preserving_proto_field_name=True,
-                              always_print_fields_with_no_presence=True)
-            print(json.dumps(d | {"serving": serving, "target": args.target}), flush=True)
+            print(json.dumps(to_dict(st) | {"serving": serving, "target": args.target}), flush=True)
         else:
             now = time.monotonic()
             rate = None
@@ -210,8 +245,9 @@ def cmd_status(args: argparse.Namespace) -> int:
         time.sleep(args.watch)
 
 
-def _call(args: argparse.Namespace, verb: str, fn: Any) -> int:
-    """Run ``fn(stub, metadata)``; print the reply (JSON with --json)."""
+def _call(args: argparse.Namespace, verb: str, fn: Any, render: Any = None) -> int:
+    """Run ``fn(stub, metadata)``; print the reply (JSON with --json; else ``render(reply)``,
+    or one ``field: value`` line per field)."""
     try:
         md = call_metadata(args)
         with open_channel(args) as ch:
@@ -225,8 +261,13 @@ def _call(args: argparse.Namespace, verb: str, fn: Any) -> int:
             return _unreachable(verb, args.target, e)
         print(f"kvxfer {verb}: {e.code().name}: {e.details()}", file=sys.stderr)
         return 1
-    d = MessageToDict(out, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
-    print(json.dumps(d) if args.json else "\n".join(f"{k}: {v}" for k, v in d.items()))
+    d = to_dict(out)
+    if args.json:
+        print(json.dumps(d))
+    elif render is not None:
+        print(render(out))
+    else:
+        print("\n".join(f"{k}: {v}" for k, v in d.items()))
     return 0
 
 
@@ -238,19 +279,26 @@ def cmd_peers(args: argparse.Namespace) -> int:
             return 2
         req = pb.ConnectPeerRequest(host=host, port=int(port))
         return _call(args, "peers connect",
-                     lambda s, md: s.ConnectPeer(req, timeout=max(args.timeout, 10), metadata=md))
+                     lambda s, md: s.ConnectPeer(req, timeout=max(args.timeout, 10), metadata=md),
+                     render=lambda out: render_peers([out]))
     if args.peers_cmd == "disconnect":
         req2 = pb.DisconnectPeerRequest(endpoint=args.endpoint)
         return _call(args, "peers disconnect", lambda s, md: s.DisconnectPeer(req2, timeout=args.timeout,
                                                                        metadata=md))
     return _call(args, "peers list", lambda s, md: s.ListPeers(pb.ListPeersRequest(), timeout=args.timeout,
-                                                                  metadata=md))
+                                                                  metadata=md),
+                 render=lambda out: render_peers(out.peers))
 
 
 def cmd_drain(args: argparse.Namespace) -> int:
     req = pb.DrainRequest(timeout_s=args.drain_timeout)
     return _call(args, "drain", lambda s, md: s.Drain(req, timeout=args.drain_timeout + args.timeout,
                                                           metadata=md))
+
+
+def cmd_resume(args: argparse.Namespace) -> int:
+    return _call(args, "resume",
+                 lambda s, md: s.Resume(pb.ResumeRequest(), timeout=args.timeout, metadata=md))
 
 
 def cmd_cancel(args: argparse.Namespace) -> int:
@@ -280,6 +328,10 @@ def add_commands(sub: Any) -> None:
     p.add_argument("--drain-timeout", type=float, default=20.0, help="seconds to wait for in-flight work")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_drain)
+    p = sub.add_parser("resume", help="undo a drain: take new holds and receives again")
+    add_target(p)
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_resume)
     p = sub.add_parser("cancel", help="fail a request's receive now")
     p.add_argument("request_id")
     add_target(p)

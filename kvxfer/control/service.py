@@ -3,7 +3,9 @@
 It builds replies from the sidecar's ``snapshot()`` and calls its operations (``connect_peer``,
 ``disconnect_peer``, ``cancel``, ``drain``); it never touches NIXL or ZMQ itself. Health:
 "" and "liveness" are SERVING while the loop runs; "readiness" (and "") only while NIXL is
-up, the engine socket listens and the sidecar is not draining. Who may call what:
+up, the engine socket listens and the sidecar is not draining (the engine starts after
+that); "engine" only while, in addition, an engine rank is registered (for routers: this
+sidecar can move KV now). Who may call what:
 ``kvxfer/control/access.py``.
 """
 
@@ -28,6 +30,7 @@ if TYPE_CHECKING:
     from kvxfer.sidecar import Sidecar
     from kvxfer.status import Snapshot
 
+ENGINE = "engine"  # health service: SERVING while an engine rank is registered and not draining
 log = logging.getLogger(__name__)
 SERVICE = pb.DESCRIPTOR.services_by_name["Control"].full_name
 _GRPC_CODE = {
@@ -144,7 +147,10 @@ class ControlService(pb_grpc.ControlServicer):
         self, request: pb.DisconnectPeerRequest, context: Any
     ) -> pb.DisconnectPeerResponse:
         await self._authorize("DisconnectPeer", context)
-        return pb.DisconnectPeerResponse(disconnected=await self.sc.disconnect_peer(request.endpoint))
+        done = await self.sc.disconnect_peer(request.endpoint)
+        log.warning("peer %s disconnected over the control API by %s: %s", request.endpoint, context.peer(),
+                    "done" if done else "no such peer")
+        return pb.DisconnectPeerResponse(disconnected=done)
 
     async def ListTransfers(self, request: pb.ListTransfersRequest, context: Any) -> pb.ListTransfersResponse:
         snap = self.sc.snapshot()
@@ -156,13 +162,25 @@ class ControlService(pb_grpc.ControlServicer):
         await self._authorize("CancelTransfer", context)
         if not request.request_id:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id is required")
-        return pb.CancelTransferResponse(cancelled=await self.sc.cancel(request.request_id))
+        cancelled = await self.sc.cancel(request.request_id)
+        log.warning("transfer %s cancelled over the control API by %s: %s", request.request_id,
+                    context.peer(), f"{cancelled} receives" if cancelled else "none in flight")
+        return pb.CancelTransferResponse(cancelled=cancelled)
 
     async def Drain(self, request: pb.DrainRequest, context: Any) -> pb.DrainResponse:
         await self._authorize("Drain", context)
         timeout = request.timeout_s if request.timeout_s > 0 else self.sc.config.drain_timeout_s
+        log.warning("drain requested over the control API by %s (timeout %.0fs)", context.peer(), timeout)
         drained, failed, released, took = await self.sc.drain(timeout)
+        log.warning("drain done in %.1fs: %d receives failed, %d holds released", took, failed, released)
         return pb.DrainResponse(drained=drained, failed=failed, released=released, seconds=took)
+
+    async def Resume(self, request: pb.ResumeRequest, context: Any) -> pb.ResumeResponse:
+        await self._authorize("Resume", context)
+        resumed = await self.sc.resume()
+        log.warning("resume requested over the control API by %s: %s", context.peer(),
+                    "taking new work again" if resumed else "was not draining")
+        return pb.ResumeResponse(resumed=resumed)
 
     async def WatchEvents(self, request: pb.WatchEventsRequest, context: Any) -> Any:
         with self.sc.observer.subscribe(frozenset(request.kinds)) as queue:
@@ -227,5 +245,18 @@ async def start_control_server(
             for name in ("", "readiness", SERVICE):
                 await h.set(name, not_serving)
 
+    async def on_resume() -> None:
+        for h in healths:
+            for name in ("", "readiness", SERVICE):
+                await h.set(name, serving if sidecar.ready else not_serving)
+
+    async def on_engines(registered: bool) -> None:
+        for h in healths:
+            await h.set(ENGINE, serving if registered and not sidecar.draining else not_serving)
+
+    for h in healths:
+        await h.set(ENGINE, not_serving)
     sidecar.on_drain = on_drain
+    sidecar.on_resume = on_resume
+    sidecar.on_engines = on_engines
     return servers

@@ -69,6 +69,11 @@ class ControlStub:
                 request_serializer=kvxfer_dot_control_dot_v1_dot_control__pb2.DrainRequest.SerializeToString,
                 response_deserializer=kvxfer_dot_control_dot_v1_dot_control__pb2.DrainResponse.FromString,
                 _registered_method=True)
+        self.Resume = channel.unary_unary(
+                '/kvxfer.control.v1.Control/Resume',
+                request_serializer=kvxfer_dot_control_dot_v1_dot_control__pb2.ResumeRequest.SerializeToString,
+                response_deserializer=kvxfer_dot_control_dot_v1_dot_control__pb2.ResumeResponse.FromString,
+                _registered_method=True)
         self.WatchEvents = channel.unary_stream(
                 '/kvxfer.control.v1.Control/WatchEvents',
                 request_serializer=kvxfer_dot_control_dot_v1_dot_control__pb2.WatchEventsRequest.SerializeToString,
@@ -130,6 +135,13 @@ class ControlServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Resume(self, request, context):
+        """Undo a drain: take new holds and receives again (a no-op when not draining).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def WatchEvents(self, request, context):
         """Transfer, lease and peer events as they happen.
         """
@@ -181,6 +193,11 @@ def add_ControlServicer_to_server(servicer, server):
                     servicer.Drain,
                     request_deserializer=kvxfer_dot_control_dot_v1_dot_control__pb2.DrainRequest.FromString,
                     response_serializer=kvxfer_dot_control_dot_v1_dot_control__pb2.DrainResponse.SerializeToString,
+            ),
+            'Resume': grpc.unary_unary_rpc_method_handler(
+                    servicer.Resume,
+                    request_deserializer=kvxfer_dot_control_dot_v1_dot_control__pb2.ResumeRequest.FromString,
+                    response_serializer=kvxfer_dot_control_dot_v1_dot_control__pb2.ResumeResponse.SerializeToString,
             ),
             'WatchEvents': grpc.unary_stream_rpc_method_handler(
                     servicer.WatchEvents,
@@ -382,6 +399,33 @@ class Control:
             '/kvxfer.control.v1.Control/Drain',
             kvxfer_dot_control_dot_v1_dot_control__pb2.DrainRequest.SerializeToString,
             kvxfer_dot_control_dot_v1_dot_control__pb2.DrainResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Resume(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvxfer.control.v1.Control/Resume',
+            kvxfer_dot_control_dot_v1_dot_control__pb2.ResumeRequest.SerializeToString,
+            kvxfer_dot_control_dot_v1_dot_control__pb2.ResumeResponse.FromString,
             options,
             channel_credentials,
             insecure,
