@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 from kvxfer import __version__
@@ -102,6 +103,12 @@ def _run_demo(args: argparse.Namespace) -> int:
     return 0 if res["verified"] else 1
 
 
+# the sidecar's level -> (UCX_LOG_LEVEL, NIXL_LOG_LEVEL). UCX at "warn" prints its DIAG lines
+# (measured: 3 at every exit, dozens when a peer leaves), so below DEBUG it logs errors only
+NATIVE_LOG_LEVELS = {"DEBUG": ("diag", "DEBUG"), "INFO": ("error", "WARN"), "WARNING": ("error", "WARN"),
+                     "ERROR": ("error", "ERROR"), "CRITICAL": ("fatal", "FATAL")}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="kvxfer", description=__doc__)
     parser.add_argument("--version", action="version", version=f"kvxfer {__version__}")
@@ -147,7 +154,11 @@ def main(argv: list[str] | None = None) -> int:
 
             print(describe(config, sources))
             return 0
+        # UCX and NIXL log at the sidecar's level (set before NIXL loads; their own variables win)
+        ucx, nixl = NATIVE_LOG_LEVELS[config.log_level.upper()]
+        os.environ.setdefault("UCX_LOG_LEVEL", ucx)
+        os.environ.setdefault("NIXL_LOG_LEVEL", nixl)
         from kvxfer.sidecar import run_server
 
-        return run_server(config)
+        return run_server(config, reload=lambda: load_config(flags))
     return _run_demo(args)

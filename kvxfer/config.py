@@ -125,9 +125,16 @@ class Config:
                               "recomputed). The first read from each new peer is always checked.",
                               default=100)
     log_level: str = _doc("Logging level: DEBUG, INFO, WARNING, ERROR or CRITICAL (also "
-                          "KVXFER_LOG_LEVEL).", default="WARNING")
+                          "KVXFER_LOG_LEVEL). SIGHUP re-reads it (from the config file or the "
+                          "environment the daemon started with; a flag wins). UCX and NIXL log "
+                          "at the matching level unless UCX_LOG_LEVEL / NIXL_LOG_LEVEL are set.",
+                          default="INFO")
+    log_format: str = _doc("Log lines as 'text' or 'json' (one object per line: time, level, "
+                           "logger, message).", default="text")
 
     def __post_init__(self) -> None:
+        if self.log_format not in ("text", "json"):
+            raise ConfigError(f"log_format must be text or json, not {self.log_format!r}")
         if self.log_level.upper() not in LOG_LEVELS:
             raise ConfigError(f"log_level must be one of {', '.join(LOG_LEVELS)}, not {self.log_level!r}")
         scheme = self.engine_socket.partition("://")[0]

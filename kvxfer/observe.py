@@ -96,6 +96,10 @@ class Observer:
         self.g_leases = Gauge("kvxfer_held_leases", "Prefill holds waiting for a read.", registry=r)
         self.g_peers = Gauge("kvxfer_peers", "Peers with a completed handshake.", registry=r)
         self.g_ready = Gauge("kvxfer_ready", "1 when NIXL is up and the engine socket listens.", registry=r)
+        self.g_build = Gauge("kvxfer_build_info", "Always 1; the labels say what runs: kvxfer, its wire "
+                             "protocol, NIXL, UCX and Python versions.",
+                             ["version", "protocol", "nixl", "ucx", "python"], registry=r)
+        self.g_build.labels(**build_info()).set(1)
         self.m_denied = Counter("kvxfer_control_denied", "Control RPCs refused, by method and status.",
                                 ["method", "code"], registry=r)
         self.m_hs_refused = Counter("kvxfer_handshakes_refused", "Handshake-listener requests refused "
@@ -226,6 +230,43 @@ class Observer:
     def bad_message(self, socket: str) -> None:
         self.totals.bad_messages += 1
         self.m_bad.labels(socket).inc()
+
+
+def build_info() -> dict[str, str]:
+    """Versions for ``kvxfer_build_info`` (UCX: the library NIXL's wheel ships, asked directly;
+    "unknown" when it cannot be found)."""
+    import ctypes
+    import glob
+    import importlib.metadata
+    import importlib.util
+    import os
+    import platform
+
+    from kvxfer import __version__
+    from kvxfer.protocol import PROTOCOL_VERSION
+
+    nixl = ucx = "unknown"
+    for dist in ("nixl-cu12", "nixl-cu13", "nixl"):
+        try:
+            nixl = f"{dist} {importlib.metadata.version(dist)}"
+            break
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    try:
+        for mod in ("nixl_cu12", "nixl_cu13"):
+            spec = importlib.util.find_spec(mod)
+            if spec is None or spec.origin is None:
+                continue
+            libs = glob.glob(os.path.join(os.path.dirname(spec.origin), "..", f"{mod}.libs", "libucp*.so*"))
+            if libs:
+                lib = ctypes.CDLL(libs[0])
+                lib.ucp_get_version_string.restype = ctypes.c_char_p
+                ucx = lib.ucp_get_version_string().decode()
+                break
+    except (OSError, AttributeError):
+        pass
+    return {"version": __version__, "protocol": str(PROTOCOL_VERSION), "nixl": nixl, "ucx": ucx,
+            "python": platform.python_version()}
 
 
 def start_metrics_server(observer: Observer, host: str, port: int) -> None:

@@ -19,12 +19,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import copy
+import json
 import logging
 import os
 import secrets
 import signal
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -159,6 +161,7 @@ class Sidecar:
         self.exit_code = 0
         self.on_drain: Any = None  # async callback (the control server flips readiness)
         self.on_resume: Any = None  # async callback (readiness back on)
+        self.on_hup: Any = None  # SIGHUP handler (run_server: reload the log level)
         self.on_engines: Any = None  # async callback(bool): an engine rank registered (health "engine")
         self._engine_serving: bool | None = None
 
@@ -208,15 +211,19 @@ class Sidecar:
         with contextlib.suppress(NotImplementedError, RuntimeError):
             self.loop.add_signal_handler(signal.SIGINT, self._stop.set)  # operator: stop now
             self.loop.add_signal_handler(signal.SIGTERM, self._graceful_stop)  # orchestrator
-        print(
+            if self.on_hup is not None:
+                self.loop.add_signal_handler(signal.SIGHUP, self.on_hup)  # re-read the log level
+        ready = (
             f"kvxfer {__version__} ready: engine_id={self.engine_id} "
             f"engine_socket={self.config.engine_socket} "
             f"handshake={self.config.resolved_advertise_host}:{self.handshake_port} "
             f"agent={self.agent_name} ucx_error_mode={self.config.ucx_error_mode} "
-            f"control={self.config.control_target or '-'} metrics_port={self.config.metrics_port or '-'}",
-            file=sys.stderr,
-            flush=True,
+            f"control={self.config.control_target or '-'} metrics_port={self.config.metrics_port or '-'}"
         )
+        if self.config.log_format == "json":  # (printed whatever the log level)
+            record = logging.LogRecord(log.name, logging.INFO, __file__, 0, ready, None, None)
+            ready = JsonFormatter().format(record)
+        print(ready, file=sys.stderr, flush=True)
         loops = [
             asyncio.ensure_future(self._engine_loop()),
             asyncio.ensure_future(self.peers.serve(self.hs_sock)),
@@ -690,8 +697,33 @@ def hard_exit(code: int) -> None:
     os._exit(code)
 
 
-def run_server(config: Config) -> int:
-    """Run the daemon until SIGINT, or SIGTERM and a drain; returns the exit status."""
+class JsonFormatter(logging.Formatter):
+    """One JSON object per line: time (ISO 8601, UTC), level, logger, message (and exc)."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        out = {"time": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created))
+                       + f".{int(record.msecs):03d}Z",
+               "level": record.levelname, "logger": record.name, "message": record.getMessage(),
+               "pid": record.process}
+        if record.exc_info:
+            out["exc"] = self.formatException(record.exc_info)
+        return json.dumps(out)
+
+
+def setup_logging(config: Config) -> None:
+    handler = logging.StreamHandler()
+    handler.setFormatter(JsonFormatter() if config.log_format == "json"
+                         else logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    root = logging.getLogger()
+    for h in list(root.handlers):
+        root.removeHandler(h)
+    root.addHandler(handler)
+    root.setLevel(config.log_level.upper())
+
+
+def run_server(config: Config, reload: Callable[[], Config] | None = None) -> int:
+    """Run the daemon until SIGINT, or SIGTERM and a drain; returns the exit status.
+    ``reload``: the configuration read again (SIGHUP applies its log level)."""
     import faulthandler
 
     import uvloop
@@ -699,15 +731,24 @@ def run_server(config: Config) -> int:
     faulthandler.enable(all_threads=True)  # a crash in NIXL/UCX leaves every stack in the log
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1` dumps every stack
 
-    logging.basicConfig(
-        level=os.environ.get("KVXFER_LOG_LEVEL", config.log_level).upper(),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
+    setup_logging(config)
+
+    def on_hup() -> None:
+        try:
+            new = reload() if reload is not None else config
+        except ConfigError as e:
+            log.error("SIGHUP: configuration not reloaded: %s", e)
+            return
+        logging.getLogger().setLevel(new.log_level.upper())
+        log.warning("SIGHUP: log level now %s", new.log_level.upper())
+
+
     try:
         sidecar = Sidecar(config)
     except ConfigError as e:  # e.g. an unreadable secret file: refuse to start rather than run open
         log.critical("%s", e)
         return 2
+    sidecar.on_hup = on_hup
     try:
         uvloop.run(sidecar.serve())
     except (ListenError, OSError) as e:  # a listener could not bind: which, where, why

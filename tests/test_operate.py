@@ -1,0 +1,87 @@
+"""What an operator sees of a running daemon: JSON log lines, a log level changed with SIGHUP,
+no raw UCX lines at the default level, build info in /metrics."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+from kvxfer.testing.procs import free_port
+
+
+def serve(tmp: Path, *args: str, env: dict[str, str] | None = None) -> subprocess.Popen[str]:
+    cmd = [sys.executable, "-m", "kvxfer", "serve", "--engine-socket", f"ipc://{tmp}/e.sock",
+           "--control-target", f"unix://{tmp}/c.sock", "--handshake-port", "0", *args]
+    clean = {k: v for k, v in os.environ.items() if not k.startswith(("KVXFER_", "UCX_", "NIXL_"))}
+    return subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
+                            env=clean | (env or {}))
+
+
+def wait_ready(proc: subprocess.Popen[str], lines: list[str]) -> None:
+    assert proc.stderr is not None
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        line = proc.stderr.readline()
+        if not line:
+            break
+        lines.append(line.rstrip("\n"))
+        if "ready:" in line:
+            return
+    raise AssertionError(f"not ready: {lines}")
+
+
+def finish(proc: subprocess.Popen[str], lines: list[str]) -> None:
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=30)
+    lines += err.splitlines()
+
+
+def test_json_logs_and_a_log_level_changed_with_sighup(tmp_path: Path) -> None:
+    cfg = tmp_path / "k.toml"
+    cfg.write_text('log_level = "WARNING"\n')
+    proc = serve(tmp_path, "--config", str(cfg), "--log-format", "json", "--metrics-port", "0")
+    lines: list[str] = []
+    try:
+        wait_ready(proc, lines)
+        cfg.write_text('log_level = "DEBUG"\n')
+        proc.send_signal(signal.SIGHUP)
+        time.sleep(1.0)
+        cfg.write_text('log_level = "LOUD"\n')  # a bad reload keeps the daemon and its level
+        proc.send_signal(signal.SIGHUP)
+        time.sleep(1.0)
+        assert proc.poll() is None
+    finally:
+        finish(proc, lines)
+    records = [json.loads(line) for line in lines]  # every line is one JSON object
+    assert {"time", "level", "logger", "message"} <= set(records[0])
+    assert "ready:" in records[0]["message"]
+    assert any(r["message"] == "SIGHUP: log level now DEBUG" for r in records), records
+    bad = [r for r in records if r["message"].startswith("SIGHUP: configuration not reloaded")]
+    assert bad, records
+    assert bad[0]["level"] == "ERROR"
+    assert "log_level must be one of" in bad[0]["message"]
+
+
+def test_no_raw_ucx_lines_at_the_default_level_and_build_info(tmp_path: Path) -> None:
+    """UCX prints DIAG lines at every exit (and dozens when a peer leaves) at its own default
+    level; the sidecar keeps UCX at errors below its DEBUG."""
+    port = free_port()
+    proc = serve(tmp_path, "--metrics-port", str(port))
+    lines: list[str] = []
+    try:
+        wait_ready(proc, lines)
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as resp:
+            metrics = resp.read().decode()
+    finally:
+        finish(proc, lines)
+    assert not [line for line in lines if " UCX " in line], lines
+    info = next(line for line in metrics.splitlines() if line.startswith("kvxfer_build_info{"))
+    for label in ("version=", "nixl=", "python="):
+        assert label in info, info
+    assert info.endswith(" 1.0")
