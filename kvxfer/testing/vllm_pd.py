@@ -103,7 +103,8 @@ FAMILIES: dict[str, dict[str, Any]] = {
                "eos_token_id": 2, "pad_token_id": 0},
     # 4 Mamba2 layers, no attention (vLLM: one KV cache group of state); needs
     # --no-enable-prefix-caching on this CPU
-    "mamba2": {"model_type": "mamba2", "architectures": ["Mamba2ForCausalLM"], "vocab_size": 512,
+    "mamba2": {"_mixer_std": 0.2,  # (at 0.05 no single-token change moved the output)
+               "model_type": "mamba2", "architectures": ["Mamba2ForCausalLM"], "vocab_size": 512,
                "hidden_size": 256, "num_hidden_layers": 4, "state_size": 16, "expand": 2,
                "head_dim": 64, "num_heads": 8, "n_groups": 1, "conv_kernel": 4, "chunk_size": 64,
                "tie_word_embeddings": False, "torch_dtype": "float32", "bos_token_id": 1,
@@ -120,7 +121,8 @@ FAMILIES: dict[str, dict[str, Any]] = {
                 "tie_word_embeddings": False, "torch_dtype": "float32", "bos_token_id": 1,
                 "eos_token_id": 2, "pad_token_id": 0},
     # 3 Gated DeltaNet (linear attention) layers + 1 full attention; needs --dtype bfloat16
-    "qwen3next": {"model_type": "qwen3_next", "architectures": ["Qwen3NextForCausalLM"], "vocab_size": 512,
+    "qwen3next": {"_mixer_std": 0.1,  # (at 0.05 a token 8 from the end did not move the output)
+                  "model_type": "qwen3_next", "architectures": ["Qwen3NextForCausalLM"], "vocab_size": 512,
                   "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 4,
                   "num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 64,
                   "layer_types": ["linear_attention"] * 3 + ["full_attention"],
@@ -153,6 +155,7 @@ def write_family_model(path: str, family: str, seed: int = 0) -> str:
     os.makedirs(path, exist_ok=True)
     spec = dict(FAMILIES[family])
     model_type = spec.pop("model_type")
+    mixer_std = spec.pop("_mixer_std", 0.05)  # Mamba / Gated DeltaNet layers' matrices
     config = AutoConfig.for_model(model_type, **spec)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config)
@@ -162,7 +165,8 @@ def write_family_model(path: str, family: str, seed: int = 0) -> str:
         if t.dim() >= 2:
             # (embeddings small: Gemma scales them by sqrt(hidden); at std 1 the output
             # changed for 1 of 6 one-token prompt changes, at 0.05 for 6 of 6)
-            std = 0.05 if "embed" in name else 0.2 if (".q_proj." in name or ".k_proj." in name) else 0.05
+            std = (0.05 if "embed" in name else 0.2 if (".q_proj." in name or ".k_proj." in name)
+                   else mixer_std if (".mixer." in name or ".linear_attn." in name) else 0.05)
             t = torch.randn(t.shape, generator=gen) * std
         elif name.endswith(("q_norm.weight", "k_norm.weight")):
             t = torch.full_like(t, 1.0)  # Gemma's norms scale by (1 + w): 2
