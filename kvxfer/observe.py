@@ -102,6 +102,8 @@ class Observer:
         self.g_build.labels(**build_info()).set(1)
         self.m_denied = Counter("kvxfer_control_denied", "Control RPCs refused, by method and status.",
                                 ["method", "code"], registry=r)
+        self.m_hs_accepted = Counter("kvxfer_handshakes_accepted", "Handshakes this sidecar's listener "
+                                     "accepted (peers that may now read its held blocks).", registry=r)
         self.m_hs_refused = Counter("kvxfer_handshakes_refused", "Handshake-listener requests refused "
                                     "(hellos, renewals, digests), by error code.", ["code"], registry=r)
         self.m_peer_refused = Counter("kvxfer_peer_refused", "Peer messages about held leases refused "
@@ -172,6 +174,9 @@ class Observer:
                         "may have been reused", peer, req_id)
         else:
             log.info("stray read notice (%s) for %r from %s", kind, req_id, peer)
+
+    def handshake_accepted(self) -> None:
+        self.m_hs_accepted.inc()
 
     def handshake_refused(self, sender: str, code: str) -> None:
         self.m_hs_refused.labels(code).inc()

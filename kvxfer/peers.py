@@ -70,6 +70,14 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
+def peer_address(frame: zmq.Frame) -> str:
+    """The sending peer's IP address as ZMQ saw it ("" when the transport has none)."""
+    try:
+        return str(frame.get("Peer-Address"))
+    except (zmq.ZMQError, AttributeError, ValueError):
+        return ""
+
+
 @dataclass
 class Peer:
     endpoint: str  # host:port of its handshake listener
@@ -407,9 +415,9 @@ class Peers:
         """Answer every request on the handshake listener."""
         slots = asyncio.Semaphore(LISTENER_CONCURRENCY)
 
-        async def answer(ident: bytes, body: bytes) -> None:
+        async def answer(ident: bytes, body: bytes, addr: str) -> None:
             try:
-                reply, extra = await self._answer_hello(body)
+                reply, extra = await self._answer_hello(body, addr)
                 with contextlib.suppress(zmq.ZMQError):
                     await hs_sock.send_multipart([ident, encode(reply), *extra])
             except Exception:
@@ -418,21 +426,22 @@ class Peers:
                 slots.release()
 
         while True:
-            frames = await hs_sock.recv_multipart()
+            frames = await hs_sock.recv_multipart(copy=False)
             # Each request is answered on its own (at most LISTENER_CONCURRENCY at once): a
             # lease renewal, the claim of a read in progress, never queues behind a handshake
             # or a digest waiting on the NIXL thread.
             await slots.acquire()
-            self._spawn(answer(frames[0], frames[-1]))
+            self._spawn(answer(frames[0].bytes, frames[-1].bytes, peer_address(frames[-1])))
 
     async def _answer_hello(
-        self, body: bytes
+        self, body: bytes, addr: str = ""
     ) -> tuple[Welcome | Refused | DigestReply | LeaseState | Challenge, list[bytes]]:
         sender = ""
 
         def refuse(code: ErrorCode, reason: str) -> tuple[Refused, list[bytes]]:
-            log.warning("handshake refused (from %s): %s", sender or "?", reason)
-            self.observer.handshake_refused(sender, code)
+            log.warning("handshake refused (from %s%s): %s", addr or "?", f", {sender}" if sender else "",
+                        reason)
+            self.observer.handshake_refused(f"{addr} {sender}".strip(), code)
             return Refused(version=PROTOCOL_VERSION, code=code, reason=reason), []
 
         try:
@@ -492,7 +501,8 @@ class Peers:
         if self.secret:
             welcome = sign_welcome(self.secret, welcome, hello, metadata)
             self._authenticated(hello.agent_name)
-        log.info("handshake from %s accepted", sender)
+        log.info("handshake from %s (%s) accepted: %d ranks offered", addr or "?", sender, len(welcome.ranks))
+        self.observer.handshake_accepted()
         return welcome, [metadata]
 
     # ---------------------------------------------------------------- integrity digests
