@@ -27,6 +27,7 @@ from tests.test_sidecar import wait_for
 
 K8S = Path("deploy/k8s")
 K8S_VERSION = "1.37.0"
+K8S_MIN_VERSION = "1.34.0"  # README: native sidecars (1.33) and DRA resource.k8s.io/v1 (1.34)
 
 
 def _apply_json6902(doc: dict[str, Any], ops: list[dict[str, Any]]) -> None:
@@ -75,9 +76,15 @@ def render(directory: Path) -> list[dict[str, Any]]:
 @pytest.mark.parametrize("role", ["prefill", "decode"])
 def test_overlays_render_and_validate(role: str) -> None:
     docs = render(K8S / "overlays" / role)
-    for d in docs:
-        kubernetes_validate.validate(d, K8S_VERSION, strict=True)
-    by_kind = {d["kind"]: d for d in docs}
+    shared = render(K8S / "shared")
+    for d in docs + shared:
+        for version in (K8S_MIN_VERSION, K8S_VERSION):
+            kubernetes_validate.validate(d, version, strict=True)
+    # shared resources stay out of the role overlays (a role label would flip between roles,
+    # and deleting one role would delete the other's)
+    assert {d["kind"] for d in docs} == {"Deployment", "Service"}
+    assert all("kvxfer.io/role" not in d["metadata"].get("labels", {}) for d in shared)
+    by_kind = {d["kind"]: d for d in docs + shared}
     dep, svc = by_kind["Deployment"], by_kind["Service"]
     assert dep["metadata"]["name"] == svc["metadata"]["name"] == f"{role}-vllm"
     pod = dep["spec"]["template"]
@@ -106,7 +113,16 @@ def test_overlays_render_and_validate(role: str) -> None:
     assert kvx["readinessProbe"]["grpc"] == {"port": 5702, "service": "readiness"}
     assert kvx["livenessProbe"]["grpc"] == {"port": 5702, "service": "liveness"}
     assert kvx["startupProbe"]["grpc"] == {"port": 5702, "service": "readiness"}
-    assert "IPC_LOCK" in kvx["securityContext"]["capabilities"]["add"]
+    sec = kvx["securityContext"]
+    assert sec["capabilities"] == {"drop": ["ALL"], "add": ["IPC_LOCK"]}
+    assert sec["runAsNonRoot"] is True
+    assert sec["allowPrivilegeEscalation"] is False
+    assert sec["readOnlyRootFilesystem"] is True
+    assert sec["seccompProfile"] == {"type": "RuntimeDefault"}
+    # a read-only root: everything it writes is an emptyDir, and HOME (NIXL's .nixl.cfg) is one
+    writable = {m["mountPath"] for m in kvx["volumeMounts"] if not m.get("readOnly")}
+    assert {"/run/kvxfer", "/tmp"} <= writable
+    assert env["HOME"] == "/run/kvxfer"
     # Same socket dir, same /dev/shm, same GPU claim for engine and sidecar.
     for c in (kvx, vllm):
         assert {"kvxfer-run", "dshm"} <= {m["name"] for m in c["volumeMounts"]}
@@ -124,6 +140,50 @@ def test_overlays_render_and_validate(role: str) -> None:
         assert "stringData" not in doc.read_text(), doc
         assert "kind: Secret" not in doc.read_text(), doc
     assert pod["metadata"]["annotations"]["prometheus.io/port"] == "5703"
+
+
+def test_image_recipes_choose_one_variant_and_keep_the_engine_thin() -> None:
+    """No container builder runs here: the recipes are checked. The sidecar image installs
+    torch from the PyTorch index of its variant, then kvxfer[variant] (never a mixed resolve);
+    the vLLM layer installs the connector with --no-deps."""
+    side = Path("deploy/docker/Dockerfile").read_text()
+    for variant, index in (("cpu", "cpu"), ("cu12", "cu128"), ("cu13", "cu130")):
+        assert f"{variant})" in side
+        assert f"index={index}" in side
+    assert '"/src[${VARIANT}]"' in side
+    assert side.index("download.pytorch.org") < side.index('"/src[${VARIANT}]"')  # torch first
+    assert "USER 10001" in side
+    assert "HOME=/run/kvxfer" in side
+    engine = Path("deploy/docker/Dockerfile.vllm").read_text()
+    assert "pip install --no-cache-dir --no-deps" in engine
+    assert 'import kvxfer.connector' in engine
+    import tomllib
+
+    extras = tomllib.loads(Path("pyproject.toml").read_text())["project"]
+    assert not any(d.startswith(("nixl", "torch")) for d in extras["dependencies"])
+    opt = extras["optional-dependencies"]
+    assert [d for d in opt["cu12"] if d.startswith("nixl")] == ["nixl-cu12>=1.5,<2"]
+    assert [d for d in opt["cu13"] if d.startswith("nixl")] == ["nixl-cu13>=1.5,<2"]
+
+
+def test_the_connector_imports_without_the_sidecars_packages() -> None:
+    """What `pip install --no-deps kvxfer` into vLLM's image relies on: the connector (and
+    vLLM) import without NIXL and gRPC, which only the sidecar uses."""
+    code = (
+        "import sys, importlib.abc\n"
+        "BLOCK = {'grpc', 'grpc_health', 'grpc_reflection', 'nixl', 'nixl_cu12', 'nixl_cu13'}\n"
+        "class B(importlib.abc.MetaPathFinder):\n"
+        "    def find_spec(self, name, path, target=None):\n"
+        "        if name.split('.')[0] in BLOCK:\n"
+        "            raise ImportError('blocked ' + name)\n"
+        "sys.meta_path.insert(0, B())\n"
+        "import kvxfer.connector\n"
+        "from kvxfer.connector import KvxferConnector\n"
+        "print('ok')\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         check=False)
+    assert out.stdout.strip() == "ok", out.stderr[-2000:]
 
 
 def test_validator_catches_a_broken_manifest() -> None:
