@@ -82,11 +82,23 @@ def run(family: str, connector: str, tmp: str) -> dict[int, tuple[str, str, list
                 out[n] = (text_of(pl.baseline(text, 8)), text_of(got), shape(params))
             except Exception as e:  # (NixlConnector on a pure state model: HTTP 500)
                 out[n] = f"error: {str(e)[:120]}"
+        # what the decode engine says it did with the prompt tokens (vLLM's own counter): tokens
+        # loaded from the prefill vs computed, so a load that failed and was recomputed shows
+        sources: dict[str, float] = {}
+        for line in pl.metrics("decode").splitlines():
+            if line.startswith("vllm:prompt_tokens_by_source_total{"):
+                src = line.split('source="')[1].split('"')[0]
+                sources[src] = sources.get(src, 0) + float(line.rsplit(" ", 1)[1])
+        print(f"{family} {connector}: decode prompt tokens by source {sources}")
         if connector == "kvxfer":
             m = pl.d_sidecar.scrape()
             ok = m.get('kvxfer_transfers_total{result="ok"}', 0)
             print(f"{family}: kvxfer moved {m.get('kvxfer_transferred_bytes_total', 0) / 1e6:.2f} MB in "
                   f"{ok:.0f} transfers")
+            # every prompt of more than one token loaded (+ the sensitivity's cross decode): none
+            # failed and was recomputed behind the identical tokens
+            assert ok == len([n for n in LENGTHS if n > 1]) + 1, m
+            assert not m.get('kvxfer_transfers_total{result="failed"}', 0), m
     finally:
         pl.close()
     return out
