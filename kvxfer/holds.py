@@ -144,7 +144,10 @@ class Holds:
             self.table.note_started(lease.key, (agent, notice.pp_rank, notice.tp_rank))
             self._extend(lease, notice.reading_s + 1.0, agent, "read_notice", self.config.max_read_s)
             return
+        before = lease.reads_seen
         done = self.table.note_read(lease.key, (agent, notice.pp_rank, notice.tp_rank), notice.readers)
+        if notice.ok and lease.reads_seen > before:  # (a repeated notice counts once)
+            self.observer.served(agent, len(lease.block_ids) if before == 0 else 0)
         if done is not None:
             self.release(done, "read" if notice.ok else "aborted")
 

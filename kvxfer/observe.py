@@ -102,6 +102,12 @@ class Observer:
         self.g_build.labels(**build_info()).set(1)
         self.m_denied = Counter("kvxfer_control_denied", "Control RPCs refused, by method and status.",
                                 ["method", "code"], registry=r)
+        self._engines_of: dict[str, str] = {}  # reading agent -> its engine id (from its handshake)
+        self.m_served_reads = Counter("kvxfer_served_reads", "Reads peers finished from blocks this "
+                                      "sidecar held, by the reading engine (one per reading rank).",
+                                      ["peer"], registry=r)
+        self.m_served_blocks = Counter("kvxfer_served_blocks", "Held blocks peers read, by the reading "
+                                       "engine (once per request).", ["peer"], registry=r)
         self.m_hs_accepted = Counter("kvxfer_handshakes_accepted", "Handshakes this sidecar's listener "
                                      "accepted (peers that may now read its held blocks).", registry=r)
         self.m_hs_refused = Counter("kvxfer_handshakes_refused", "Handshake-listener requests refused "
@@ -175,8 +181,20 @@ class Observer:
         else:
             log.info("stray read notice (%s) for %r from %s", kind, req_id, peer)
 
-    def handshake_accepted(self) -> None:
+    def handshake_accepted(self, agent: str = "", engine: str = "") -> None:
         self.m_hs_accepted.inc()
+        if agent:
+            if len(self._engines_of) > 4096:  # (agent names change with every peer restart)
+                self._engines_of.clear()
+            self._engines_of[agent] = engine
+
+    def served(self, agent: str, blocks: int) -> None:
+        """A peer finished reading a held request (one notice per reading rank; ``blocks``:
+        the request's blocks, counted with its first notice)."""
+        peer = self._engines_of.get(agent, "") or "unknown"
+        self.m_served_reads.labels(peer).inc()
+        if blocks:
+            self.m_served_blocks.labels(peer).inc(blocks)
 
     def handshake_refused(self, sender: str, code: str) -> None:
         self.m_hs_refused.labels(code).inc()

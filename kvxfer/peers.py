@@ -502,7 +502,7 @@ class Peers:
             welcome = sign_welcome(self.secret, welcome, hello, metadata)
             self._authenticated(hello.agent_name)
         log.info("handshake from %s (%s) accepted: %d ranks offered", addr or "?", sender, len(welcome.ranks))
-        self.observer.handshake_accepted()
+        self.observer.handshake_accepted(hello.agent_name, hello.engine_id)
         return welcome, [metadata]
 
     # ---------------------------------------------------------------- integrity digests

@@ -120,5 +120,12 @@ def test_handshakes_are_logged_with_the_peer_and_counted() -> None:
         m = ps.scrape()
         assert m["kvxfer_handshakes_accepted_total"] == 1
         assert m['kvxfer_handshakes_refused_total{code="not_registered"}'] == 1
+        # reads served, by the reading engine
+        from tests.conftest import pull
+
+        pull(p, d, "served", 3)
+        m = ps.scrape()
+        assert m[f'kvxfer_served_reads_total{{peer="{reg.engine_id}"}}'] == 1
+        assert m[f'kvxfer_served_blocks_total{{peer="{reg.engine_id}"}}'] == 3
         p.close()
         d.close()
