@@ -62,6 +62,8 @@ def test_taken_ports_are_refused_naming_the_listener(factory: SidecarFactory) ->
                 "--metrics-port")
         refused(factory.start("ctl", "--control-target", f"127.0.0.1:{port}"), "control listener",
                 f"127.0.0.1:{port}")
+        refused(factory.start("health", "--health-target", f"127.0.0.1:{port}"), "control listener",
+                f"127.0.0.1:{port}")
 
 
 def test_readiness_goes_off_when_the_engine_socket_is_removed(factory: SidecarFactory) -> None:
