@@ -90,6 +90,6 @@ def test_status_shows_each_registered_group(pipeline: Pipeline) -> None:
     out = subprocess.run([sys.executable, "-m", "kvxfer", "status", "--target", pipeline.d_sidecar.control],
                          capture_output=True, text=True, timeout=60, check=False).stdout
     print(out)
-    assert "2 state regions x 36032 B" in out, out  # conv (3, 544) bf16 + ssm (8, 64, 16) fp32
-    assert "group    state: 2 layers, 36032 B per request per layer (mamba2: (3, 544) bfloat16" in out, out
+    assert "2 state regions x 39296 B" in out, out  # conv (3, 544) + ssm (8, 64, 16), fp32
+    assert "group    state: 2 layers, 39296 B per request per layer (mamba2: (3, 544) float32" in out, out
     assert f"group    full: 2 layers, {BS} tok blocks" in out, out
