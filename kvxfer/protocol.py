@@ -155,7 +155,7 @@ class KVLayout(_Msg, tag="layout"):
             self.model,
         )
         if self.state_regions:  # (attention-only layouts keep the hash they always had)
-            sig += (self.state_regions, self.state_bytes)
+            sig += (self.state_regions, self.state_bytes, self.state_kind)
         return sig
 
 

@@ -149,7 +149,8 @@ def check_compatible(local: KVLayout, remote: KVLayout) -> None:
         lv, rv = getattr(local, name), getattr(remote, name)
         if lv != rv:
             raise Incompatible(f"{name} differs: remote {rv!r}, local {lv!r}")
-    for name in ("state_regions", "state_bytes"):
+    for name in ("state_regions", "state_bytes", "state_kind"):  # (kind: shapes and dtypes, e.g.
+        # a conv state laid out (dim, state) on one side and (state, dim) on the other)
         lv, rv = getattr(local, name), getattr(remote, name)
         if lv != rv:
             raise Incompatible(f"{name} differs: remote {rv!r}, local {lv!r} (not the same state layers)")

@@ -212,3 +212,54 @@ def test_state_views_register_as_the_run_of_one_requests_state() -> None:
     gaps = torch.as_strided(buf, (n, 1, 2, 100), (page, 200, 200, 1), n * page)  # 100 B used of 200
     with pytest.raises(RequestError, match="not one contiguous run"):
         registration_from_tensors({}, state={"m0": gaps}, **kw)
+
+
+def test_a_state_pair_is_whole_or_the_prompt_is_computed_here() -> None:
+    with pytest.raises(ValueError, match="state"):
+        pair_groups([[0], [11, 12]], [[9], [51, 52]], state=(True, False))  # a null state block
+    with pytest.raises(ValueError, match="state"):
+        pair_groups([[8], [11]], [[9, 10], [51]], state=(True, False))  # not one block each
+
+
+def test_a_state_is_loaded_only_under_the_claim_it_was_computed_for() -> None:
+    """The prefill's state covers exactly ``remote_num_tokens`` tokens; loaded under another
+    claim the decode would compute a token on top of a state that already holds it."""
+    from types import SimpleNamespace
+
+    from kvxfer.connector.scheduler import SchedulerSide
+    from kvxfer.connector.settings import ConnectorSettings
+
+    class NoSidecar:
+        def ping(self, timeout: float) -> object:
+            return SimpleNamespace(engine_id="p", handshake_host="h", handshake_port=1, generation="g")
+
+    side = SchedulerSide(ConnectorSettings(sidecar="ipc:///none"), 1, client=NoSidecar())  # type: ignore[arg-type]
+    side.backoff, side.state_groups = 1, (True, False)
+    side._remote_for = lambda r: object()  # type: ignore[method-assign]
+
+    def claim(prompt: int, computed: object) -> tuple[int, bool]:
+        params = {"do_remote_prefill": True} | ({} if computed is None else {"remote_num_tokens": computed})
+        req = SimpleNamespace(prompt_token_ids=list(range(prompt)), kv_transfer_params=params, request_id="r")
+        return side.get_num_new_matched_tokens(req, 0)
+
+    assert claim(100, 99) == (99, True)  # the prefill stopped one short: load n - 1, compute 1
+    assert claim(100, 100) == (0, False)  # it computed them all (prompt logprobs there): not loaded
+    assert claim(120, 99) == (0, False)  # a longer prompt here: its state is another one
+    assert claim(100, None) == (0, False)  # not told: not loaded
+    assert claim(1, 0) == (0, False)  # one token: computed here
+    side.state_groups = (False, False)  # a sliding-window model: a shorter prefill is fine
+    assert claim(120, 99) == (99, True)
+
+
+def test_state_geometry_must_match_on_both_sides() -> None:
+    import msgspec
+
+    from kvxfer.testing.engine import make_layout
+    from kvxfer.topology import Incompatible, check_compatible
+
+    a = make_layout(layers=1, state_layers=2, state_bytes=39296)
+    a = msgspec.structs.replace(a, state_kind="mamba2: (3, 544) float32 + (8, 64, 16) float32")
+    b = msgspec.structs.replace(a, state_kind="mamba2: (544, 3) float32 + (8, 64, 16) float32")  # conv DS
+    check_compatible(a, a)
+    with pytest.raises(Incompatible, match="state_kind differs"):
+        check_compatible(a, b)

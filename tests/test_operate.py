@@ -88,44 +88,54 @@ def test_no_raw_ucx_lines_at_the_default_level_and_build_info(tmp_path: Path) ->
 
 
 def test_handshakes_are_logged_with_the_peer_and_counted() -> None:
+    from kvxfer.client import SidecarClient
     from kvxfer.testing.engine import SyntheticEngine, make_layout
     from kvxfer.testing.procs import SidecarFactory
+    from tests.conftest import pull
 
     with SidecarFactory() as f:
         ps = f.start("p", metrics_port=free_port())
         ds = f.start("d")
         lay = make_layout(layers=1, num_blocks=8, heads=1, head_dim=8)
         d = SyntheticEngine(lay, ds.endpoint)
-        d.start()
-        reg = d.registered
-        assert reg is not None
-        hs = ps.log().split("handshake=")[1].split()[0]  # the prefill's handshake endpoint
-
-        def connect() -> subprocess.CompletedProcess[str]:
-            return subprocess.run([sys.executable, "-m", "kvxfer", "peers", "connect", hs, "--target",
-                                   ds.control], capture_output=True, text=True, timeout=60, check=False)
-
-        assert connect().returncode != 0  # the prefill has no engine yet: refused
         p = SyntheticEngine(lay, ps.endpoint)
-        p.start()
-        ok = connect()
-        assert ok.returncode == 0, ok.stderr
-        log = ps.log()
-        refused = next(line for line in log.splitlines() if "handshake refused" in line)
-        assert "from 127.0.0.1, " in refused, refused  # the peer's address
-        assert f"of engine {reg.engine_id!r}" in refused, refused
-        assert "no KV cache registered yet" in refused
-        accepted = next(line for line in log.splitlines() if "accepted" in line)
-        assert "handshake from 127.0.0.1 (" in accepted, accepted
-        m = ps.scrape()
-        assert m["kvxfer_handshakes_accepted_total"] == 1
-        assert m['kvxfer_handshakes_refused_total{code="not_registered"}'] == 1
-        # reads served, by the reading engine
-        from tests.conftest import pull
+        probe = SidecarClient(ps.endpoint)
+        try:
+            d.start()
+            reg = d.registered
+            assert reg is not None
+            pong = probe.ping(30)  # (answers once the prefill sidecar is up)
+            hs = f"{pong.handshake_host}:{pong.handshake_port}"
 
-        pull(p, d, "served", 3)
-        m = ps.scrape()
-        assert m[f'kvxfer_served_reads_total{{peer="{reg.engine_id}"}}'] == 1
-        assert m[f'kvxfer_served_blocks_total{{peer="{reg.engine_id}"}}'] == 3
-        p.close()
-        d.close()
+            def connect() -> subprocess.CompletedProcess[str]:
+                return subprocess.run([sys.executable, "-m", "kvxfer", "peers", "connect", hs, "--target",
+                                       ds.control], capture_output=True, text=True, timeout=60, check=False)
+
+            assert connect().returncode != 0  # the prefill has no engine yet: refused
+            p.start()
+            ok = connect()
+            assert ok.returncode == 0, ok.stderr
+            log = ps.log()
+            refused = next(line for line in log.splitlines() if "handshake refused" in line)
+            assert "from 127.0.0.1, " in refused, refused  # the peer's address
+            assert f"of engine {reg.engine_id!r}" in refused, refused
+            assert "no KV cache registered yet" in refused
+            accepted = next(line for line in log.splitlines() if "accepted" in line)
+            assert "handshake from 127.0.0.1 (" in accepted, accepted
+            m = ps.scrape()
+            assert m["kvxfer_handshakes_accepted_total"] == 1
+            assert m['kvxfer_handshakes_refused_total{code="not_registered"}'] == 1
+            # reads served, by the reading engine (the read notice reaches the prefill just after
+            # the decode's Done)
+            pull(p, d, "served", 3)
+            key = f'kvxfer_served_reads_total{{peer="{reg.engine_id}"}}'
+            deadline = time.monotonic() + 10
+            while key not in m and time.monotonic() < deadline:
+                time.sleep(0.05)
+                m = ps.scrape()
+            assert m[key] == 1
+            assert m[f'kvxfer_served_blocks_total{{peer="{reg.engine_id}"}}'] == 3
+        finally:
+            probe.close()
+            p.close()
+            d.close()

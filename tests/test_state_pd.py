@@ -93,3 +93,21 @@ def test_status_shows_each_registered_group(pipeline: Pipeline) -> None:
     assert "2 state regions x 39296 B" in out, out  # conv (3, 544) + ssm (8, 64, 16), fp32
     assert "group    state: 2 layers, 39296 B per request per layer (mamba2: (3, 544) float32" in out, out
     assert f"group    full: 2 layers, {BS} tok blocks" in out, out
+
+
+def test_a_failed_load_is_recomputed_and_the_engine_lives_on(pipeline: Pipeline) -> None:
+    """A proxy that retries the decode with the same kv_transfer_params: the first read
+    released the prefill's lease, so the second load fails (expired). vLLM must recompute the
+    request (its engine raises on block-level failures of a model with several KV cache
+    groups: the connector reports the request failed instead), and serve the next one."""
+    d = pipeline.d_sidecar
+    text = prompt(300, 9)
+    want = text_of(pipeline.baseline(text, 8))
+    params = pipeline.prefill(text)
+    assert text_of(pipeline.decode(text, 8, params)) == want
+    failed = 'kvxfer_transfers_total{result="failed"}'
+    before = d.scrape().get(failed, 0)
+    assert text_of(pipeline.decode(text, 8, params)) == want  # recomputed
+    assert d.scrape().get(failed, 0) == before + 1
+    again = prompt(200, 10)
+    assert text_of(pipeline.complete(again, 8)[0]) == text_of(pipeline.baseline(again, 8))

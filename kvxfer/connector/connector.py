@@ -332,7 +332,21 @@ class KvxferConnector(KVConnectorBase_V1, *_HMA):  # type: ignore[misc]
         return self.worker.get_transfer_results()
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        return self.worker.take_invalid_block_ids() if self.worker is not None else set()
+        invalid = self.worker.take_invalid_block_ids() if self.worker is not None else set()
+        kv_groups = len(getattr(self._kv_cache_config, "kv_cache_groups", None) or ())
+        if kv_groups > 1 and KVConnectorTransferResults is not None:
+            # vLLM raises (and its engine core dies) on block-level failures of a model with
+            # several KV cache groups (block ids are per group there); the failed requests go
+            # out as failed_recving instead, which vLLM recomputes from scratch (as NixlConnector).
+            return set()
+        return invalid
+
+    def get_loaded_kv_cache_group_ids(self, request: Request) -> tuple[int, ...]:
+        """A P/D load writes every transferable group of the request's own blocks (vLLM must
+        not zero any of them under the read), as NixlConnector says too."""
+        if self.groups is not None:
+            return tuple(self.groups.ids)
+        return tuple(getattr(self._kv_cache_config, "transfer_group_ids", ()) or (0,))
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
         if self.worker is None:

@@ -224,6 +224,9 @@ def pair_groups(local: Sequence[Sequence[int]], remote: Sequence[Sequence[int]],
         if len(lg) > len(rg):  # pairing would shift every block of the group: wrong KV
             raise ValueError(f"group {i}: {len(lg)} blocks to load, the prefill holds {len(rg)}")
         is_state = i < len(state) and state[i]
+        if is_state and (len(lg) != len(rg) or not all(lg) or not all(rg)):
+            # a state is one block, whole: without it the decode would run on another state
+            raise ValueError(f"group {i} (state): blocks {list(lg)} to load from {list(rg)}")
         la, ra = (out.state_local, out.state_remote) if is_state else (out.local, out.remote)
         n = len(lg)
         for a, b in zip(list(lg)[len(lg) - n:], list(rg)[len(rg) - n:], strict=True):

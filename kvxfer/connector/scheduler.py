@@ -126,7 +126,15 @@ class SchedulerSide:
             # than that is computed here whole: a state cannot be recomputed on top of itself)
             n = n - self.backoff if n > self.backoff else 0
         computed = params.get("remote_num_tokens")
-        if isinstance(computed, int) and not isinstance(computed, bool) and 0 < computed < n:
+        known = isinstance(computed, int) and not isinstance(computed, bool)
+        if any(self.state_groups) and n and not (known and computed == n):
+            # A state is the state after exactly ``computed`` tokens: loaded under any other
+            # claim it would be recomputed on top of itself (a prefill that did not stop short,
+            # e.g. prompt logprobs asked there, or another prompt here): compute it all here.
+            log.info("request %s: the prefill's state covers %s tokens, this engine would load %d; "
+                     "computing the prompt here", request.request_id, computed, n)
+            n = 0
+        elif known and 0 < computed < n:
             n = computed  # never claim tokens the prefill did not compute (a longer prompt here)
         count = n - num_computed_tokens
         if count > 0:
