@@ -289,6 +289,9 @@ def test_engine_health_needs_a_registered_engine(sidecars: SidecarFactory) -> No
 
     assert status("readiness") == health_pb2.HealthCheckResponse.SERVING
     assert status("engine") == health_pb2.HealthCheckResponse.NOT_SERVING
+    text = subprocess.run([sys.executable, "-m", "kvxfer", "status", "--target", sc.control],
+                          capture_output=True, text=True, timeout=30, check=False).stdout
+    assert "SERVING (no engine registered yet" in text, text
     eng = SyntheticEngine(make_layout(layers=1, num_blocks=8, heads=1, head_dim=8), sc.endpoint)
     eng.start()
     deadline = time.monotonic() + 5

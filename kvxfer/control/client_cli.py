@@ -114,6 +114,8 @@ def _security(st: pb.Status) -> str:
 def render(st: pb.Status, serving: bool, rate: float | None = None) -> str:
     i = st.identity
     state = "SERVING" if serving else ("DRAINING" if st.draining else "NOT SERVING")
+    if serving and not any(r for r in st.ranks):
+        state += " (no engine registered yet: nothing to move)"
     lines = [
         f"kvxfer sidecar {i.engine_id} (role {i.role}, v{i.version}, protocol {i.protocol_version}) "
         f"up {_dur(st.uptime_s)} - {state}",
