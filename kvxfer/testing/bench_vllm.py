@@ -131,13 +131,14 @@ def one_request(pl: Pipeline, system: str, req: Req, out_tokens: int, t0: float,
         res.error = repr(e)[:300]
 
 
-def cpu_seconds(pids: list[int]) -> float:
-    """utime + stime of every live process in the process groups led by ``pids``."""
+def cpu_seconds(pids: list[int], groups: bool = True) -> float:
+    """utime + stime of every live process in the process groups led by ``pids`` (the vLLM
+    servers run in their own sessions), or of the processes ``pids`` themselves (sidecars)."""
     total = 0.0
-    groups = set(pids)
+    wanted = set(pids)
     for name in filter(str.isdigit, os.listdir("/proc")):
         try:
-            if os.getpgid(int(name)) not in groups:
+            if (os.getpgid(int(name)) if groups else int(name)) not in wanted:
                 continue
             with open(f"/proc/{name}/stat") as fh:
                 fields = fh.read().rsplit(")", 1)[1].split()
@@ -157,7 +158,7 @@ def groups_of(pl: Pipeline) -> dict[str, list[int]]:
 def drive(pl: Pipeline, system: str, rate: float, reqs: list[Req], out_tokens: int) -> Run:
     run = Run(system, rate)
     groups = groups_of(pl)
-    before = {k: cpu_seconds(v) for k, v in groups.items()}
+    before = {k: cpu_seconds(v, k == "engines") for k, v in groups.items()}
     threads = []
     start = time.perf_counter()
     for req in reqs:
@@ -172,7 +173,7 @@ def drive(pl: Pipeline, system: str, rate: float, reqs: list[Req], out_tokens: i
     for t in threads:
         t.join()
     run.wall_s = time.perf_counter() - start
-    run.cpu_s = {k: cpu_seconds(v) - before[k] for k, v in groups.items()}
+    run.cpu_s = {k: cpu_seconds(v, k == "engines") - before[k] for k, v in groups.items()}
     return run
 
 
@@ -227,6 +228,9 @@ def main(argv: list[str] | None = None) -> int:
                 t = time.monotonic()
                 pl.start()
                 print(f"  round {rnd} {system}: servers ready in {time.monotonic() - t:.0f} s", flush=True)
+                for k in range(2):  # warm-up, not measured (first handshake, first batch shapes)
+                    one_request(pl, system, Req(-1, prompt(200 + k, 4242 + k), 0.0), 4, time.perf_counter(),
+                                Result())
                 for i, rate in enumerate(rates):
                     rng = random.Random(args.seed * 100 + rnd * 10 + i)
                     texts = workload(args.requests, args.seed * 100 + rnd * 10 + i, lo, hi,
