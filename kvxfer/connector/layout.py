@@ -179,6 +179,15 @@ def registration_from_tensors(
     dtypes: set[str] = set()
     seen: set[tuple[Any, ...]] = set()
     shared = 0
+
+    def locate(t: Any) -> tuple[int, int]:
+        """(index into ``memory`` of the memory ``t`` lives in, ``t``'s byte offset in it)."""
+        ref, key, base = memory_of(t)
+        if key not in index:
+            index[key] = len(memory)
+            memory.append(ref)
+        return index[key], base
+
     for name, t in kv_caches.items():
         # A tensor several layers share (vLLM's hybrid KV cache: one layer of each group per
         # tensor; cross-layer KV sharing) is one region: block b of it is whichever layer's
@@ -188,15 +197,12 @@ def registration_from_tensors(
             shared += 1
             continue
         seen.add(view)
-        ref, key, base = memory_of(t)
-        if key not in index:
-            index[key] = len(memory)
-            memory.append(ref)
+        mem, base = locate(t)
         g = _layer_geometry(name, t, num_blocks, block_size, 1 if mla else local_kv_heads, mla)
         geoms.add((g.kv_parts, g.head_layout, g.content))
         dtypes.add(str(t.dtype).removeprefix("torch."))
         regions += [
-            KVRegion(memory=index[key], offset=base + off, block_len=blen, block_stride=bstride)
+            KVRegion(memory=mem, offset=base + off, block_len=blen, block_stride=bstride)
             for off, blen, bstride in g.regions
         ]
     state_regions: list[KVRegion] = []
@@ -209,12 +215,9 @@ def registration_from_tensors(
             shared += 1
             continue
         state_seen.add(key_view)
-        ref, key, base = memory_of(first)
-        if key not in index:
-            index[key] = len(memory)
-            memory.append(ref)
+        mem, base = locate(first)
         state_lens.add(nbytes)
-        state_regions.append(KVRegion(memory=index[key], offset=base, block_len=nbytes, block_stride=stride))
+        state_regions.append(KVRegion(memory=mem, offset=base, block_len=nbytes, block_stride=stride))
     if len(state_lens) > 1:
         raise RequestError(ErrorCode.INVALID_LAYOUT, f"state layers of different sizes {sorted(state_lens)} "
                            "(one state geometry per model is supported)")
