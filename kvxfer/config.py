@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvxfer.control.access import MODES as MUTATING_MODES
+from kvxfer.control.access import is_unix, split_targets
 from kvxfer.errors import ConfigError
 
 ENV_PREFIX = "KVXFER_"
@@ -142,7 +143,7 @@ class Config:
             raise ConfigError(f"engine_socket must be ipc:///path (or tcp://host:port), not "
                               f"{self.engine_socket!r}")
         for name in ("control_target", "health_target"):
-            for target in filter(None, (t.strip() for t in getattr(self, name).split(","))):
+            for target in split_targets(getattr(self, name)):
                 check_target(name, target)
         if self.ucx_error_mode not in ("peer", "none"):
             raise ConfigError(f"ucx_error_mode must be 'peer' or 'none', not {self.ucx_error_mode!r}")
@@ -229,9 +230,10 @@ _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off", "")
 
 
 def check_target(name: str, target: str) -> None:
-    """A gRPC listener address: unix:///path or host:port (IPv6 as [addr]:port)."""
-    if target.startswith("unix://"):
-        if not target[len("unix://"):]:
+    """A gRPC listener address: unix:PATH (as the control server tells them: ``is_unix``) or
+    host:port (IPv6 as [addr]:port)."""
+    if is_unix(target):
+        if not target[len("unix:"):].lstrip("/"):
             raise ConfigError(f"{name}: {target!r} names no socket path")
         return
     host, sep, port = target.rpartition(":")

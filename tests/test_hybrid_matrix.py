@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from kvxfer.testing.vllm_pd import Pipeline, prompt
+from kvxfer.testing.vllm_pd import Pipeline, prompt, text_of
 
 PY = os.environ.get("KVXFER_VLLM_PYTHON", "")
 pytestmark = [
@@ -43,9 +43,6 @@ FAMILIES: dict[str, tuple[str, ...]] = {
 # NixlConnector's does not: their block lists differ by design for gemma3 and gptoss
 STATE_HYBRIDS = ("granite", "qwen3next")
 
-
-def text_of(resp: dict[str, Any]) -> str:
-    return str(resp["choices"][0]["text"])
 
 
 def shape(params: dict[str, Any]) -> list[int]:

@@ -14,12 +14,11 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Iterator
-from typing import Any
 
 import numpy as np
 import pytest
 
-from kvxfer.testing.vllm_pd import Pipeline, prompt
+from kvxfer.testing.vllm_pd import Pipeline, prompt, text_of
 
 PY = os.environ.get("KVXFER_VLLM_PYTHON", "")
 pytestmark = [
@@ -42,9 +41,6 @@ def pipeline(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pipeline]:
     finally:
         pl.close()
 
-
-def text_of(resp: dict[str, Any]) -> str:
-    return str(resp["choices"][0]["text"])
 
 
 def moved_bytes(pl: Pipeline) -> float:

@@ -18,11 +18,10 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Iterator
-from typing import Any
 
 import pytest
 
-from kvxfer.testing.vllm_pd import Pipeline, prompt
+from kvxfer.testing.vllm_pd import Pipeline, prompt, text_of
 
 PY = os.environ.get("KVXFER_VLLM_PYTHON", "")
 pytestmark = [
@@ -43,9 +42,6 @@ def pipeline(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pipeline]:
     finally:
         pl.close()
 
-
-def text_of(resp: dict[str, Any]) -> str:
-    return str(resp["choices"][0]["text"])
 
 
 def test_sensitivity_the_output_depends_on_the_kv_cache_and_the_state(pipeline: Pipeline) -> None:

@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from kvxfer.testing.vllm_pd import Pipeline, prompt
+from kvxfer.testing.vllm_pd import Pipeline, prompt, text_of
 
 PY = os.environ.get("KVXFER_VLLM_PYTHON", "")
 pytestmark = [
@@ -56,9 +56,6 @@ def pipeline(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFa
 def bs(pl: Pipeline) -> int:
     return pl.block_size or 128
 
-
-def text_of(resp: dict[str, Any]) -> str:
-    return str(resp["choices"][0]["text"])
 
 
 def unique(n: int, seed: int, first: str) -> str:

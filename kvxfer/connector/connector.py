@@ -265,6 +265,7 @@ class KvxferConnector(KVConnectorBase_V1, *_HMA):  # type: ignore[misc]
             stateful = {name for g in groups.groups if g.is_state for name in g.layers}
             state = {n: t for n, t in kv_caches.items() if n in stateful}
             kv_caches = {n: t for n, t in kv_caches.items() if n in moved}
+        sg = groups.state_group if groups is not None else None
         model = self._vllm_config.model_config
         fused = kv_fusion(_attn_backend_names(self._vllm_config), self.worker.device)
         identity = model_identity(self._vllm_config, self.settings.model_identity)
@@ -282,12 +283,10 @@ class KvxferConnector(KVConnectorBase_V1, *_HMA):  # type: ignore[misc]
                 model=identity,
             )
         else:  # state layers only (pure Mamba2): no attention geometry
-            sg = groups.state_group if groups is not None else None
             assert sg is not None
             shape = CacheShape(num_blocks=self._kv_cache_config.num_blocks, block_size=sg.block_size,
                                num_kv_heads=1, local_kv_heads=1, head_dim=1, mla=False, fused=fused,
                                model=identity)
-        sg = groups.state_group if groups is not None else None
         self.worker.register_kv_caches(kv_caches, shape, state=state, state_kind=sg.state_kind if sg else "",
                                        groups=groups.registered() if groups is not None else None)
 

@@ -228,8 +228,7 @@ def pair_groups(local: Sequence[Sequence[int]], remote: Sequence[Sequence[int]],
             # a state is one block, whole: without it the decode would run on another state
             raise ValueError(f"group {i} (state): blocks {list(lg)} to load from {list(rg)}")
         la, ra = (out.state_local, out.state_remote) if is_state else (out.local, out.remote)
-        n = len(lg)
-        for a, b in zip(list(lg)[len(lg) - n:], list(rg)[len(rg) - n:], strict=True):
+        for a, b in zip(lg, list(rg)[len(rg) - len(lg):], strict=True):
             if a and b:
                 la.append(a)
                 ra.append(b)

@@ -311,4 +311,3 @@ class WorkerSide:
             self.client = None
         if self.allocator is not None:
             self.allocator.close()
-

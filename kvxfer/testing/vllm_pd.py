@@ -177,6 +177,11 @@ def write_family_model(path: str, family: str, seed: int = 0) -> str:
     return path
 
 
+def text_of(resp: dict[str, Any]) -> str:
+    """The generated text of a completions response."""
+    return str(resp["choices"][0]["text"])
+
+
 def prompt(n_tokens: int, seed: int) -> str:
     return " ".join(f"t{3 + (seed * 7 + i * 13) % 500}" for i in range(n_tokens))
 
