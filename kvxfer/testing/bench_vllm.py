@@ -10,9 +10,13 @@ proxy does (prefill with ``do_remote_decode`` and ``max_tokens=1``, then decode 
 returned ``kv_transfer_params``), TTFT measured from the request's arrival to the first
 streamed token of the decode. Every request's tokens must be identical across the systems
 (a mismatch fails the run). CPU seconds are read from /proc for each system's process
-groups (engines, and kvxfer's sidecars).
+groups (each engine, and kvxfer's sidecars); KV bytes moved from the decode side's own
+counters (vLLM's ``vllm:nixl_bytes_transferred``, the kvxfer sidecar's
+``kvxfer_transferred_bytes_total``) and the decode's prompt tokens by source (loaded vs
+computed there). ``--plot`` draws TTFT p50/p99 against the rate, one line per system.
 
-The model is the tiny Llama of ``vllm_pd.write_model`` (output sensitive to its KV cache).
+The model is the tiny Llama of ``vllm_pd.write_model`` (output sensitive to its KV cache),
+with positions for 4,000-token prompts.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import http.client
 import json
 import os
 import random
+import shutil
 import statistics
 import sys
 import tempfile
@@ -33,7 +38,9 @@ from typing import Any
 from kvxfer.testing.vllm_pd import Pipeline, prompt
 
 SYSTEMS = ("one-engine", "nixl", "kvxfer")
+LABELS = {"one-engine": "one engine", "nixl": "NixlConnector P/D", "kvxfer": "kvxfer P/D"}
 _TICK = os.sysconf("SC_CLK_TCK")
+MAX_MODEL_LEN = 4352  # 4,000-token prompts + 128 output tokens + BOS, with room
 
 
 @dataclass
@@ -41,6 +48,7 @@ class Req:
     rid: int
     text: str
     arrival: float  # seconds after the rate's start
+    out_tokens: int
 
 
 @dataclass
@@ -59,6 +67,8 @@ class Run:
     results: dict[int, Result] = field(default_factory=dict)
     wall_s: float = 0.0
     cpu_s: dict[str, float] = field(default_factory=dict)
+    kv_bytes: float = 0.0
+    prompt_tokens: dict[str, float] = field(default_factory=dict)  # decode's, by source
 
 
 def workload(n: int, seed: int, lo: int, hi: int, shared: float) -> list[str]:
@@ -72,6 +82,17 @@ def workload(n: int, seed: int, lo: int, hi: int, shared: float) -> list[str]:
             words = prefix + words[len(prefix):]
         out.append(" ".join(words))
     return out
+
+
+def requests_for(rate: float, n: int, seed: int, prompt_tokens: tuple[int, int], shared: float,
+                 out_tokens: tuple[int, int], rid0: int) -> list[Req]:
+    """The same requests for every system: prompts, output lengths and Poisson arrivals."""
+    rng = random.Random(seed)
+    at, reqs = 0.0, []
+    for j, text in enumerate(workload(n, seed, *prompt_tokens, shared)):
+        reqs.append(Req(rid0 + j, text, at, rng.randint(*out_tokens)))
+        at += rng.expovariate(rate)
+    return reqs
 
 
 def _post(port: int, body: dict[str, Any], timeout: float) -> dict[str, Any]:
@@ -114,8 +135,8 @@ def _stream(port: int, body: dict[str, Any], timeout: float, t0: float, res: Res
         conn.close()
 
 
-def one_request(pl: Pipeline, system: str, req: Req, out_tokens: int, t0: float, res: Result) -> None:
-    body = {"model": pl.model, "prompt": req.text, "max_tokens": out_tokens, "temperature": 0,
+def one_request(pl: Pipeline, system: str, req: Req, t0: float, res: Result) -> None:
+    body = {"model": pl.model, "prompt": req.text, "max_tokens": req.out_tokens, "temperature": 0,
             "ignore_eos": True}
     try:
         if system == "one-engine":
@@ -148,17 +169,45 @@ def cpu_seconds(pids: list[int], groups: bool = True) -> float:
     return total
 
 
-def groups_of(pl: Pipeline) -> dict[str, list[int]]:
-    out = {"engines": [s.proc.pid for s in pl.servers.values()]}
+def groups_of(pl: Pipeline) -> dict[str, tuple[list[int], bool]]:
+    """Process groups whose CPU is counted: each vLLM server (its whole process group), and
+    kvxfer's two sidecars together."""
+    out = {f"{name} engine": ([s.proc.pid], True) for name, s in pl.servers.items()}
     if pl.p_sidecar is not None and pl.d_sidecar is not None:
-        out["sidecars"] = [pl.p_sidecar.proc.pid, pl.d_sidecar.proc.pid]
+        out["sidecars"] = ([pl.p_sidecar.proc.pid, pl.d_sidecar.proc.pid], False)
     return out
 
 
-def drive(pl: Pipeline, system: str, rate: float, reqs: list[Req], out_tokens: int) -> Run:
+def prometheus(text: str, name: str) -> float:
+    """The sum of every sample of ``name`` (all label sets) in a Prometheus text page."""
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name) and line[len(name):len(name) + 1] in ("{", " "):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def decode_counters(pl: Pipeline, system: str) -> tuple[float, dict[str, float]]:
+    """(KV bytes the decode side has pulled, the decode engine's prompt tokens by source)."""
+    if system == "one-engine":
+        return 0.0, {}
+    page = pl.metrics("decode")
+    sources: dict[str, float] = {}
+    for line in page.splitlines():
+        if line.startswith("vllm:prompt_tokens_by_source_total{"):
+            src = line.split('source="')[1].split('"')[0]
+            sources[src] = sources.get(src, 0.0) + float(line.rsplit(" ", 1)[1])
+    if system == "nixl":
+        return prometheus(page, "vllm:nixl_bytes_transferred_sum"), sources
+    assert pl.d_sidecar is not None
+    return pl.d_sidecar.scrape().get("kvxfer_transferred_bytes_total", 0.0), sources
+
+
+def drive(pl: Pipeline, system: str, rate: float, reqs: list[Req]) -> Run:
     run = Run(system, rate)
     groups = groups_of(pl)
-    before = {k: cpu_seconds(v, k == "engines") for k, v in groups.items()}
+    before = {k: cpu_seconds(*v) for k, v in groups.items()}
+    kv0, src0 = decode_counters(pl, system)
     threads = []
     start = time.perf_counter()
     for req in reqs:
@@ -166,14 +215,16 @@ def drive(pl: Pipeline, system: str, rate: float, reqs: list[Req], out_tokens: i
         if delay > 0:
             time.sleep(delay)
         res = run.results.setdefault(req.rid, Result())
-        t = threading.Thread(target=one_request,
-                             args=(pl, system, req, out_tokens, time.perf_counter(), res))
+        t = threading.Thread(target=one_request, args=(pl, system, req, time.perf_counter(), res))
         t.start()
         threads.append(t)
     for t in threads:
         t.join()
     run.wall_s = time.perf_counter() - start
-    run.cpu_s = {k: cpu_seconds(v, k == "engines") - before[k] for k, v in groups.items()}
+    run.cpu_s = {k: cpu_seconds(*v) - before[k] for k, v in groups.items()}
+    kv1, src1 = decode_counters(pl, system)
+    run.kv_bytes = kv1 - kv0
+    run.prompt_tokens = {k: v - src0.get(k, 0.0) for k, v in src1.items() if v - src0.get(k, 0.0)}
     return run
 
 
@@ -188,63 +239,148 @@ def summarise(run: Run) -> dict[str, Any]:
     ok = [r for r in run.results.values() if not r.error]
     ttft = [r.ttft_s for r in ok]
     tpot = [(r.total_s - r.ttft_s) / (r.n_out - 1) for r in ok if r.n_out > 1]
+    n = max(1, len(ok))
     return {"system": run.system, "rate": run.rate, "requests": len(run.results),
             "errors": len(run.results) - len(ok),
             "ttft_p50_ms": round(pct(ttft, 0.5) * 1e3, 1), "ttft_p99_ms": round(pct(ttft, 0.99) * 1e3, 1),
             "tpot_ms": round(statistics.median(tpot) * 1e3, 2) if tpot else None,
             "req_per_s": round(len(ok) / run.wall_s, 3) if run.wall_s else 0.0,
-            "cpu_s_per_request": {k: round(v / max(1, len(ok)), 3) for k, v in run.cpu_s.items()},
-            "cpu_s_per_request_total": round(sum(run.cpu_s.values()) / max(1, len(ok)), 3)}
+            "kv_mb_per_request": round(run.kv_bytes / n / 1e6, 3),
+            "decode_prompt_tokens": {k: int(v) for k, v in sorted(run.prompt_tokens.items())},
+            "cpu_s_per_request": {k: round(v / n, 3) for k, v in run.cpu_s.items()},
+            "cpu_s_per_request_total": round(sum(run.cpu_s.values()) / n, 3)}
+
+
+def _median(rows: list[dict[str, Any]], key: str) -> float:
+    vals = [r[key] for r in rows if r[key] is not None]
+    return round(statistics.median(vals), 3) if vals else float("nan")
+
+
+def table(runs: list[Run]) -> dict[str, dict[str, dict[str, Any]]]:
+    """Per system and rate, the median over rounds of each number."""
+    cells: dict[str, dict[float, list[dict[str, Any]]]] = {}
+    for run in runs:
+        cells.setdefault(run.system, {}).setdefault(run.rate, []).append(summarise(run))
+    out: dict[str, dict[str, dict[str, Any]]] = {}
+    for system, by_rate in cells.items():
+        for rate, rows in sorted(by_rate.items()):
+            row = {k: _median(rows, k) for k in ("ttft_p50_ms", "ttft_p99_ms", "tpot_ms", "req_per_s",
+                                                 "kv_mb_per_request")}
+            row["cpu_s_per_request"] = _median(rows, "cpu_s_per_request_total")
+            row["cpu_s_per_request_by_group"] = {
+                g: round(statistics.median(r["cpu_s_per_request"][g] for r in rows), 3)
+                for g in rows[0]["cpu_s_per_request"]}
+            out.setdefault(system, {})[str(rate)] = row
+    return out
+
+
+def targets(summary: dict[str, dict[str, dict[str, Any]]]) -> list[str]:
+    """#20's targets, kvxfer P/D against NixlConnector P/D at each rate: lines, each
+    ``met`` or ``MISSED``."""
+    out = []
+    for rate, k in summary.get("kvxfer", {}).items():
+        n = summary.get("nixl", {}).get(rate)
+        if n is None:
+            continue
+        for what, key, factor in (("TTFT p50", "ttft_p50_ms", 1.0), ("TTFT p99", "ttft_p99_ms", 0.8),
+                                  ("CPU s/request", "cpu_s_per_request", 1.0)):
+            mine, theirs = k[key], n[key]
+            ok = mine <= factor * theirs
+            bound = f"{factor}x " if factor != 1.0 else ""
+            out.append(f"{'met' if ok else 'MISSED'}: {rate} req/s {what} kvxfer {mine} <= {bound}"
+                       f"NixlConnector {theirs}")
+    return out
+
+
+def plot(summary: dict[str, dict[str, dict[str, Any]]], path: str, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for system, by_rate in summary.items():
+        rates = sorted(by_rate, key=float)
+        xs = [float(r) for r in rates]
+        line = a.plot(xs, [by_rate[r]["ttft_p50_ms"] for r in rates], marker="o",
+                      label=f"{LABELS[system]} p50")
+        a.plot(xs, [by_rate[r]["ttft_p99_ms"] for r in rates], marker="x", linestyle="--",
+               color=line[0].get_color(), label=f"{LABELS[system]} p99")
+        b.plot(xs, [by_rate[r]["cpu_s_per_request"] for r in rates], marker="o", label=LABELS[system])
+    a.set_yscale("log")
+    a.set_xlabel("offered load (requests/s, Poisson)")
+    a.set_ylabel("time to first token (ms)")
+    a.set_title("TTFT vs rate")
+    a.grid(alpha=0.3, which="both")
+    a.legend(fontsize=8)
+    b.set_xlabel("offered load (requests/s, Poisson)")
+    b.set_ylabel("CPU seconds per request (all processes)")
+    b.set_title("CPU per request")
+    b.grid(alpha=0.3)
+    b.legend(fontsize=8)
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def pair(text: str, kind: type = int) -> tuple[Any, Any]:
+    lo, _, hi = text.partition(",")
+    return kind(lo), kind(hi or lo)
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="bench-vllm", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--rates", default="0.5,1.5", help="request rates (req/s), comma-separated")
-    ap.add_argument("--requests", type=int, default=16, help="requests per rate and round")
-    ap.add_argument("--rounds", type=int, default=2, help="rounds; each runs every system once")
-    ap.add_argument("--prompt-tokens", default="100,1500", help="LO,HI prompt length spread")
+    ap.add_argument("--rates", default="1,2,4,8,16", help="offered request rates (req/s), comma-separated")
+    ap.add_argument("--requests", type=int, default=24, help="requests per rate and round")
+    ap.add_argument("--rounds", type=int, default=3, help="rounds; each runs every system once")
+    ap.add_argument("--prompt-tokens", default="100,4000", help="LO,HI prompt length spread")
     ap.add_argument("--shared-prefix", type=float, default=0.3, help="fraction of prompts sharing a prefix")
-    ap.add_argument("--output-tokens", type=int, default=32)
+    ap.add_argument("--output-tokens", default="32,128", help="LO,HI output length spread (or one number)")
     ap.add_argument("--systems", default=",".join(SYSTEMS))
     ap.add_argument("--seed", type=int, default=7)
+    ap.add_argument("--plot", default="", help="write TTFT and CPU vs rate to this PNG")
     ap.add_argument("--json", action="store_true", help="last line: one JSON object")
     args = ap.parse_args(argv)
     rates = [float(r) for r in args.rates.split(",")]
-    lo, hi = (int(x) for x in args.prompt_tokens.split(","))
+    prompt_tokens, out_tokens = pair(args.prompt_tokens), pair(args.output_tokens)
     systems = [s for s in args.systems.split(",") if s]
+    unknown = set(systems) - set(SYSTEMS)
+    if unknown:
+        ap.error(f"unknown systems {sorted(unknown)}; known: {', '.join(SYSTEMS)}")
     work = tempfile.mkdtemp(prefix="kvxfer-bench-vllm-", dir="/tmp")
-    print(f"bench-vllm: systems {systems}, rates {rates} req/s, {args.requests} requests per rate, "
-          f"{args.rounds} rounds, prompts {lo}-{hi} tokens ({args.shared_prefix:.0%} share a prefix), "
-          f"{args.output_tokens} output tokens; {os.cpu_count()} cores shared by every process", flush=True)
+    setup = (f"{args.requests} requests per rate, {args.rounds} rounds, prompts {prompt_tokens[0]}-"
+             f"{prompt_tokens[1]} tokens ({args.shared_prefix:.0%} share a prefix), {out_tokens[0]}-"
+             f"{out_tokens[1]} output tokens; {os.cpu_count()} cores shared by every process")
+    print(f"bench-vllm: systems {systems}, rates {rates} req/s, {setup}", flush=True)
+    t_start = time.monotonic()
     runs: list[Run] = []
     problems: list[str] = []
     for rnd in range(args.rounds):
         order = systems if rnd % 2 == 0 else list(reversed(systems))
         for system in order:
             servers = ("baseline",) if system == "one-engine" else ("prefill", "decode")
-            pl = Pipeline(os.path.join(work, f"{system}-{rnd}"),
-                          connector="nixl" if system == "nixl" else "kvxfer", servers=servers)
+            pl = Pipeline(os.path.join(work, f"{system}-{rnd}"), max_model_len=MAX_MODEL_LEN,
+                          connector="nixl" if system == "nixl" else "kvxfer", servers=servers,
+                          max_position_embeddings=MAX_MODEL_LEN)
             try:
                 t = time.monotonic()
                 pl.start()
                 print(f"  round {rnd} {system}: servers ready in {time.monotonic() - t:.0f} s", flush=True)
                 for k in range(2):  # warm-up, not measured (first handshake, first batch shapes)
-                    one_request(pl, system, Req(-1, prompt(200 + k, 4242 + k), 0.0), 4, time.perf_counter(),
+                    one_request(pl, system, Req(-1, prompt(200 + k, 4242 + k), 0.0, 4), time.perf_counter(),
                                 Result())
                 for i, rate in enumerate(rates):
-                    rng = random.Random(args.seed * 100 + rnd * 10 + i)
-                    texts = workload(args.requests, args.seed * 100 + rnd * 10 + i, lo, hi,
-                                     args.shared_prefix)
-                    at, reqs = 0.0, []
-                    for j, text in enumerate(texts):
-                        reqs.append(Req(rid=(rnd * 100 + i) * 1000 + j, text=text, arrival=at))
-                        at += rng.expovariate(rate)
-                    run = drive(pl, system, rate, reqs, args.output_tokens)
+                    seed = args.seed * 100 + rnd * 10 + i
+                    reqs = requests_for(rate, args.requests, seed, prompt_tokens, args.shared_prefix,
+                                        out_tokens, rid0=(rnd * 100 + i) * 1000)
+                    run = drive(pl, system, rate, reqs)
                     runs.append(run)
                     s = summarise(run)
                     print(f"    {rate:>5.2f} req/s: TTFT p50 {s['ttft_p50_ms']} ms p99 {s['ttft_p99_ms']} "
-                          f"ms, TPOT {s['tpot_ms']} ms, {s['req_per_s']} req/s, CPU "
-                          f"{s['cpu_s_per_request']} s/req, {s['errors']} errors", flush=True)
+                          f"ms, TPOT {s['tpot_ms']} ms, {s['req_per_s']} req/s done, KV "
+                          f"{s['kv_mb_per_request']} MB/req, decode prompt tokens "
+                          f"{s['decode_prompt_tokens']}, "
+                          f"CPU {s['cpu_s_per_request']} s/req, {s['errors']} errors", flush=True)
             finally:
                 pl.close()
     # every request's tokens identical across the systems
@@ -257,27 +393,31 @@ def main(argv: list[str] | None = None) -> int:
                 by_rid.setdefault(rid, {})[run.system] = r.tokens
     mismatched = [rid for rid, got in by_rid.items() if len(set(got.values())) > 1]
     problems += [f"request {rid}: tokens differ across systems" for rid in mismatched[:10]]
-    table: dict[str, dict[float, dict[str, Any]]] = {}
-    for run in runs:  # medians over rounds
-        table.setdefault(run.system, {}).setdefault(run.rate, {"ttft_p50": [], "ttft_p99": [], "cpu": []})
-        s = summarise(run)
-        cell = table[run.system][run.rate]
-        cell["ttft_p50"].append(s["ttft_p50_ms"])
-        cell["ttft_p99"].append(s["ttft_p99_ms"])
-        cell["cpu"].append(s["cpu_s_per_request_total"])
-    print("\nmedian over rounds: TTFT p50 / p99 (ms), CPU s per request (every process of the system)")
-    summary: dict[str, Any] = {}
-    for system, by_rate in table.items():
-        for rate, cell in sorted(by_rate.items()):
-            row = {k: statistics.median(v) for k, v in cell.items()}
-            summary.setdefault(system, {})[str(rate)] = row
-            print(f"  {system:>10} {rate:>5.2f} req/s: {row['ttft_p50']:>8.1f} / {row['ttft_p99']:>8.1f} ms, "
-                  f"{row['cpu']:.2f} CPU s")
-    print(f"tokens identical across systems: {len(by_rid) - len(mismatched)}/{len(by_rid)} requests")
+    summary = table(runs)
+    print(f"\nmedian over {args.rounds} rounds ({setup}):")
+    print(f"  {'system':>18} {'rate':>6} {'TTFT p50':>9} {'TTFT p99':>9} {'TPOT':>7} {'done':>7} "
+          f"{'KV/req':>8}  CPU s/req (by process group)")
+    for system, by_rate in summary.items():
+        for rate, row in by_rate.items():
+            groups = ", ".join(f"{g} {v}" for g, v in row["cpu_s_per_request_by_group"].items())
+            print(f"  {LABELS[system]:>18} {float(rate):>6.2f} {row['ttft_p50_ms']:>6.1f} ms "
+                  f"{row['ttft_p99_ms']:>6.1f} ms {row['tpot_ms']:>4.2f} ms {row['req_per_s']:>5.2f}/s "
+                  f"{row['kv_mb_per_request']:>5.2f} MB  {row['cpu_s_per_request']:.3f} ({groups})")
+    verdicts = targets(summary)
+    for line in verdicts:
+        print(f"  target {line}")
+    print(f"tokens identical across systems: {len(by_rid) - len(mismatched)}/{len(by_rid)} requests; "
+          f"{time.monotonic() - t_start:.0f} s")
     for p in problems:
         print(f"  PROBLEM {p}")
+    if args.plot:
+        plot(summary, args.plot, f"bench-vllm on {os.cpu_count()} cores: {setup}")
+        print(f"  plot: {args.plot}")
+    if not problems:  # (kept when something failed: the servers' logs are there)
+        shutil.rmtree(work, ignore_errors=True)
     if args.json:
-        print(json.dumps({"summary": summary, "runs": [summarise(r) for r in runs], "requests": len(by_rid),
+        print(json.dumps({"setup": setup, "workdir": work, "summary": summary, "targets": verdicts,
+                          "runs": [summarise(r) for r in runs], "requests": len(by_rid),
                           "identical": len(by_rid) - len(mismatched), "problems": problems}))
     return 1 if problems else 0
 

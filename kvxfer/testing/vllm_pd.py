@@ -219,12 +219,13 @@ class Pipeline:
                  family: str = "", extra_args: tuple[str, ...] = (), connector: str = "kvxfer",
                  decode_sidecar_args: tuple[str, ...] = (), servers: tuple[str, ...] = ("baseline", "prefill",
                                                                                     "decode"),
-                 **model: Any) -> None:
+                 max_model_len: int = 2048, **model: Any) -> None:
         """``model``: config overrides for ``write_model``; ``family``: a tiny model of
         ``FAMILIES`` instead; ``block_size`` 0: vLLM's default; ``extra_args``: for every
         vLLM server; ``connector`` "nixl": the prefill and decode engines use vLLM's own
         NixlConnector instead (side by side; needs ``nixl`` in the vLLM env)."""
         self.connector = connector
+        self.max_model_len = max_model_len
         self.decode_sidecar_args = decode_sidecar_args
         self.wanted = servers  # which vLLM servers start (a benchmark runs one system at a time)
         self.workdir = workdir
@@ -263,7 +264,7 @@ class Pipeline:
         log_path = os.path.join(self.workdir, f"{name}.log")
         args = [self.python, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model,
                 "--port", str(port), "--host", "127.0.0.1",
-                "--max-model-len", "2048", "--seed", "0", "--dtype", "float32"]
+                "--max-model-len", str(self.max_model_len), "--seed", "0", "--dtype", "float32"]
         if self.block_size:
             args += ["--block-size", str(self.block_size)]
         args += list(self.extra_args)
