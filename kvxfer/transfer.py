@@ -46,6 +46,7 @@ from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
 import numpy as np
 
 from kvxfer.errors import ErrorCode, RequestError
@@ -124,14 +125,15 @@ class _Peer:
 class _PairLists:
     """Prepared descriptor lists for one (peer, local rank, remote rank) plan.
 
-    Row ``row_base[q][region] + s`` is segment s of sub-position q in that region; a
+    ``rows[q]`` are the dlist rows sub-position q reads (one per run of a block: a plan's
+    segment in a region, or several of them merged where they touch on both sides); a
     descriptor index is ``row * num_blocks + block``.
     """
 
     local: Any
     remote: Any
-    row_base: list[list[int]]
-    seg_lens: list[list[int]]  # per q: segment lengths
+    rows: list[np.ndarray]  # per q: row ids
+    row_lens: list[list[int]]  # per q: bytes each row moves per block
 
 
 @dataclass
@@ -198,6 +200,29 @@ def desc_indices(rows: np.ndarray, num_blocks: int, block_ids: np.ndarray) -> np
     return (rows.astype(np.int64)[:, None] * num_blocks + block_ids[None, :]).ravel().astype(np.int32)
 
 
+def merge_rows(pairs: list[tuple[RemoteRegion, RemoteRegion]]) -> list[tuple[RemoteRegion, RemoteRegion]]:
+    """Merge consecutive (local row, remote row) pairs that continue each other on both
+    sides: row i ends where row i+1 starts, locally and remotely, with the same block
+    strides and devices. Then every block's two runs are one, at every block index (both
+    rows move by the same stride), so the merged row moves exactly their bytes. A
+    block-outermost layout (vLLM's BLHNC/BLNHC: one block of all layers is one run) read
+    between equal TP sizes becomes one row; a layer-outer one keeps one per region."""
+    out: list[tuple[RemoteRegion, RemoteRegion]] = []
+    for lr, rr in pairs:
+        if out:
+            pl, pr = out[-1]
+            if (pl.addr + pl.block_len == lr.addr and pr.addr + pr.block_len == rr.addr
+                    and pl.block_stride == lr.block_stride and pr.block_stride == rr.block_stride
+                    and pl.device_id == lr.device_id and pr.device_id == rr.device_id
+                    and pl.block_len + lr.block_len <= lr.block_stride
+                    and pr.block_len + rr.block_len <= rr.block_stride):
+                out[-1] = (msgspec.structs.replace(pl, block_len=pl.block_len + lr.block_len),
+                           msgspec.structs.replace(pr, block_len=pr.block_len + rr.block_len))
+                continue
+        out.append((lr, rr))
+    return out
+
+
 def _leg_indices(
     pl: _PairLists,
     pairs: list[tuple[int, int, int]],
@@ -208,21 +233,18 @@ def _leg_indices(
 ) -> tuple[np.ndarray, np.ndarray, int]:
     """Local and remote descriptor indices of one leg, and the bytes they move.
 
-    Grouped by sub-position, then row (region x segment), then block: contiguous blocks
-    stay adjacent so NIXL can merge their descriptors.
+    Grouped by sub-position, then row, then block: contiguous blocks stay adjacent.
     """
     li_parts, ri_parts, nbytes = [], [], 0
-    for q, bases in enumerate(pl.row_base):
+    for q, rows in enumerate(pl.rows):
         sel = [(li, ri) for li, ri, qq in pairs if qq == q]
         if not sel:
             continue
         lblocks = lb[[a for a, _ in sel]]
         rblocks = rb[[b for _, b in sel]]
-        nseg = len(pl.seg_lens[q])
-        rows = (np.asarray(bases, dtype=np.int64)[:, None] + np.arange(nseg)[None, :]).ravel()
         li_parts.append(desc_indices(rows, local_nb, lblocks))
         ri_parts.append(desc_indices(rows, remote_nb, rblocks))
-        nbytes += len(bases) * sum(pl.seg_lens[q]) * len(sel)
+        nbytes += sum(pl.row_lens[q]) * len(sel)
     if not li_parts:
         return np.empty(0, np.int32), np.empty(0, np.int32), 0
     return np.concatenate(li_parts), np.concatenate(ri_parts), nbytes
@@ -499,7 +521,7 @@ class TransferEngine:
             seg = next(q[0] for q in target.segments if q)
             first = sl[0] if target.state else local_blocks[pairs[0][0]]
             corrupt_at = reg.addr + first * reg.block_stride + seg.local_off
-        largest = max((max(q) for leg in legs for q in leg.pair.seg_lens if q), default=1)
+        largest = max((max(q) for leg in legs for q in leg.pair.row_lens if q), default=1)
         self._reads[req_id] = _Read(
             req_id=req_id,
             peer=peer,
@@ -528,17 +550,19 @@ class TransferEngine:
         rregs = [remote.regions[i] for i in rslice]
         lrows: list[RemoteRegion] = []
         rrows: list[RemoteRegion] = []
-        row_base: list[list[int]] = []
+        rows: list[np.ndarray] = []
+        row_lens: list[list[int]] = []
         for segs in plan.segments:
-            bases = []
-            for lreg, rreg in zip(lregs, rregs, strict=True):
-                bases.append(len(lrows))
-                for s in segs:
-                    lrows.append(RemoteRegion(addr=lreg.addr + s.local_off, block_len=s.length,
-                                              block_stride=lreg.block_stride, device_id=lreg.device_id))
-                    rrows.append(RemoteRegion(addr=rreg.addr + s.remote_off, block_len=s.length,
-                                              block_stride=rreg.block_stride, device_id=rreg.device_id))
-            row_base.append(bases)
+            runs = [(RemoteRegion(addr=lreg.addr + s.local_off, block_len=s.length,
+                                  block_stride=lreg.block_stride, device_id=lreg.device_id),
+                     RemoteRegion(addr=rreg.addr + s.remote_off, block_len=s.length,
+                                  block_stride=rreg.block_stride, device_id=rreg.device_id))
+                    for lreg, rreg in zip(lregs, rregs, strict=True) for s in segs]
+            merged = merge_rows(runs)
+            rows.append(np.arange(len(lrows), len(lrows) + len(merged), dtype=np.int64))
+            row_lens.append([lr.block_len for lr, _ in merged])
+            lrows += [lr for lr, _ in merged]
+            rrows += [rr for _, rr in merged]
         agent = self._agent
         self.dlists_prepared += 1  # read by a metrics gauge: a hostile peer must never get here
         ldl = agent.prep_xfer_dlist(
@@ -549,7 +573,7 @@ class TransferEngine:
         except Exception:
             agent.release_dlist_handle(ldl)
             raise
-        pl = _PairLists(ldl, rdl, row_base, [[s.length for s in segs] for segs in plan.segments])
+        pl = _PairLists(ldl, rdl, rows, row_lens)
         self._pairs[key] = pl
         return pl
 

@@ -359,10 +359,20 @@ class KvxferConnector(KVConnectorBase_V1, *_HMA):  # type: ignore[misc]
 
     @classmethod
     def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:
-        # No requirement: the sidecar maps any NHD/HND pair (kvxfer.topology), and
-        # forcing HND would change engines that never see heterogeneous TP. With
-        # different P/D TP sizes, running both sides HND cuts descriptors 16x (block 16).
-        return None
+        """``kv_cache_layout`` from ``kv_connector_extra_config``, or no requirement.
+
+        The sidecar maps any pair of layouts (kvxfer.topology), so by default the engine keeps
+        the layout its backends prefer. Asking for a block-outermost one (BLHNC/BLNHC) makes a
+        block of every layer one run: one descriptor per block between equal TP sizes instead
+        of one per layer and K/V. vLLM uses the connector's layout only when every attention
+        backend supports it (warning and keeping its own otherwise; the CPU backend supports
+        LBHNC only); either way the worker registers what was really allocated."""
+        cfg = getattr(vllm_config, "kv_transfer_config", None)
+        extra = getattr(cfg, "kv_connector_extra_config", None) if cfg is not None else None
+        layout = ConnectorSettings.from_extra(extra).kv_cache_layout
+        if layout:
+            log.info("kvxfer: asking vLLM for the %s KV cache layout", layout)
+        return layout or None
 
     def shutdown(self) -> None:
         if self.scheduler is not None:

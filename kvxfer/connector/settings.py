@@ -17,9 +17,14 @@
      "gpu_memory": "ipc",      # GPU engines: "ipc" (the engine allocates, the sidecar opens
                                # a CUDA IPC handle; measured) or "vmm" (the sidecar's CUDA
                                # VMM pools over the memory channel; NOT yet run on a GPU)
-     "model_identity": ""}     # overrides the model identity checked at handshake (default:
+     "model_identity": "",     # overrides the model identity checked at handshake (default:
                                # architecture, model, revision, dtype, KV cache dtype), e.g.
                                # when P and D load the same weights from different paths
+     "kv_cache_layout": ""}    # ask vLLM for this KV cache layout (get_required_kvcache_layout):
+                               # "BLHNC" / "BLNHC" (block-outermost: one block of every layer
+                               # is one run, one descriptor per block between equal TP sizes),
+                               # "LBHNC" / "LBNHC"; vLLM uses it when every attention backend
+                               # supports it and warns and keeps its own otherwise. "": none
 """
 
 from __future__ import annotations
@@ -30,6 +35,9 @@ from dataclasses import dataclass
 from typing import Any
 
 DEFAULT_SIDECAR = "ipc:///run/kvxfer/engine.sock"
+# vLLM's KVCacheLayout names kvxfer can move (a layer's block must be one run: LHBNC and
+# BHLNC put heads outside it)
+KV_CACHE_LAYOUTS = ("LBNHC", "LBHNC", "BLNHC", "BLHNC")
 
 
 @dataclass(frozen=True)
@@ -46,10 +54,14 @@ class ConnectorSettings:
     shm_dir: str = "/dev/shm"
     gpu_memory: str = "ipc"
     model_identity: str = ""
+    kv_cache_layout: str = ""
 
     def __post_init__(self) -> None:
         if self.gpu_memory not in ("ipc", "vmm"):
             raise ValueError(f"kvxfer: gpu_memory must be 'ipc' or 'vmm', not {self.gpu_memory!r}")
+        if self.kv_cache_layout and self.kv_cache_layout not in KV_CACHE_LAYOUTS:
+            raise ValueError(f"kvxfer: kv_cache_layout must be one of {', '.join(KV_CACHE_LAYOUTS)} (or "
+                             f"empty: vLLM's choice), not {self.kv_cache_layout!r}")
 
     @property
     def keepalive_period_s(self) -> float:
@@ -72,4 +84,5 @@ class ConnectorSettings:
             shm_dir=str(extra.get("shm_dir", cls.shm_dir)),
             gpu_memory=str(extra.get("gpu_memory", cls.gpu_memory)),
             model_identity=str(extra.get("model_identity", "")),
+            kv_cache_layout=str(extra.get("kv_cache_layout") or "").upper(),
         )
