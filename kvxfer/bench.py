@@ -44,13 +44,17 @@ from kvxfer.memory import CudaKV, SharedKV
 from kvxfer.protocol import KVLayout
 from kvxfer.testing.engine import SyntheticEngine, make_layout
 from kvxfer.testing.procs import SidecarFactory
-from kvxfer.transfer import create_agent, desc_indices, strided_rows
+from kvxfer.transfer import create_agent, desc_indices, merge_rows, strided_rows
 
 BLOCK_BYTES = 2 << 20  # 32 layers x K/V x 16 tokens x 8 heads x 128 x bf16
 
 
-def _layout(num_blocks: int) -> KVLayout:
-    return make_layout(layers=32, num_blocks=num_blocks, block_size=16, heads=8, head_dim=128)
+BENCH_LAYOUTS = ("LBNHC", "LBHNC", "BLNHC", "BLHNC")  # vLLM's names: BL... = block-outermost
+
+
+def _layout(num_blocks: int, kv_layout: str = "LBNHC") -> KVLayout:
+    return make_layout(layers=32, num_blocks=num_blocks, block_size=16, heads=8, head_dim=128,
+                       head_layout="HND" if "HN" in kv_layout else "NHD")
 
 
 def _raw_target(ref: bytes, mode: str, threads: int, conn: Any) -> None:
@@ -111,14 +115,18 @@ class RawNixl:
         reg = dst.register_message().regions
         from kvxfer.protocol import RemoteRegion
 
-        def rows(base: int, dev: int) -> np.ndarray:
-            return strided_rows([RemoteRegion(addr=base + r.offset, block_len=r.block_len,
-                                               block_stride=r.block_stride, device_id=dev) for r in reg],
-                                lay.num_blocks)
+        def rows(base: int, dev: int) -> list[RemoteRegion]:
+            return [RemoteRegion(addr=base + r.offset, block_len=r.block_len, block_stride=r.block_stride,
+                                 device_id=dev) for r in reg]
 
-        self.local = self.agent.prep_xfer_dlist("NIXL_INIT_AGENT", rows(local_addr, local_dev), local_type)
-        self.remote = self.agent.prep_xfer_dlist(name, rows(remote_addr, remote_dev), mem_type)
-        self.regions = np.arange(len(reg))
+        # the rows the sidecar reads (regions touching inside a block merged: same descriptors)
+        pairs = zip(rows(local_addr, local_dev), rows(remote_addr, remote_dev), strict=True)
+        merged = merge_rows(list(pairs))
+        self.local = self.agent.prep_xfer_dlist(
+            "NIXL_INIT_AGENT", strided_rows([a for a, _ in merged], lay.num_blocks), local_type)
+        self.remote = self.agent.prep_xfer_dlist(name, strided_rows([b for _, b in merged], lay.num_blocks),
+                                                 mem_type)
+        self.regions = np.arange(len(merged))
         self.nb = lay.num_blocks
 
     def read(self, src_blocks: list[int], dst_blocks: list[int]) -> float:
@@ -154,9 +162,14 @@ def _memcpy(src: SharedKV | CudaKV, dst: SharedKV | CudaKV, src_blocks: list[int
         d[:, :, di] = s[:, :, si]
         torch.cuda.synchronize(s.device)
         return time.perf_counter() - t0
+    if isinstance(src, SharedKV) and src.block_outer and isinstance(dst, SharedKV) and dst.block_outer:
+        lay = src.layout  # a block of every layer is one run: copy it as one
+        n = lay.num_regions * lay.region_block_len
+        s = src.data[:n * lay.num_blocks].reshape(lay.num_blocks, n)
+        d = dst.data[:n * lay.num_blocks].reshape(lay.num_blocks, n)
     t0 = time.perf_counter()
     for a, b in zip(src_blocks, dst_blocks, strict=True):
-        d[:, :, b] = s[:, :, a]
+        d[..., b, :] = s[..., a, :]
     return time.perf_counter() - t0
 
 
@@ -184,7 +197,7 @@ def _summary(xs: list[float]) -> dict[str, float]:
 
 
 def run_bench(quick: bool = False, mode: str = "peer", device: str = "cpu",
-              nixl_threads: int = Config.nixl_threads) -> dict[str, Any]:
+              nixl_threads: int = Config.nixl_threads, kv_layout: str = "LBNHC") -> dict[str, Any]:
     device = resolve_device(device)
     cuda = device.startswith("cuda")
     if cuda:  # as the sidecar does with --cuda: UCX must not classify IPC-imported VRAM as host
@@ -192,18 +205,25 @@ def run_bench(quick: bool = False, mode: str = "peer", device: str = "cpu",
     sizes = [1, 8, 32] if quick else [1, 8, 32, 128, 256]
     repeats = 3 if quick else 5
     nb = max(sizes) * 2 + 2
-    lay = _layout(nb)
+    if kv_layout not in BENCH_LAYOUTS:
+        raise ValueError(f"--kv-layout must be one of {', '.join(BENCH_LAYOUTS)}, not {kv_layout!r}")
+    outer = kv_layout.startswith("BL")
+    if outer and cuda:
+        raise ValueError("block-outermost layouts are benchmarked in host memory only")
+    lay = _layout(nb, kv_layout)
     out: dict[str, Any] = {"machine": _machine(device), "ucx_error_mode": mode, "nixl_threads": nixl_threads,
-                           "quick": quick,
+                           "quick": quick, "kv_layout": kv_layout,
                            "device": device, "memory": "VRAM (CUDA IPC)" if cuda else "shared host memory",
-                           "layout": "32 layers x K/V x 16 tokens x 8 heads x 128 x bf16 (2 MiB/block, "
-                                     "32 KiB descriptors), random non-contiguous blocks"}
+                           "layout": f"{kv_layout}: 32 layers x K/V x 16 tokens x 8 heads x 128 x bf16 "
+                                     "(2 MiB/block, " + ("one 2 MiB run per block" if outer
+                                                         else "32 KiB descriptors")
+                                     + "), random non-contiguous blocks"}
     base = ["--ucx-error-mode", mode, "--cuda", "on" if cuda else "off", "--nixl-threads", str(nixl_threads)]
     serve = [*base, "--verify-sample", "0"]
     with SidecarFactory() as f:
         ps, ds = f.start("bench-p", *serve), f.start("bench-d", *serve)
-        p = SyntheticEngine(lay, ps.endpoint, seed=1, device=device)
-        d = SyntheticEngine(lay, ds.endpoint, seed=2, device=device)
+        p = SyntheticEngine(lay, ps.endpoint, seed=1, device=device, block_outer=outer)
+        d = SyntheticEngine(lay, ds.endpoint, seed=2, device=device, block_outer=outer)
         raw = None
         try:
             reg = p.start()
@@ -217,13 +237,14 @@ def run_bench(quick: bool = False, mode: str = "peer", device: str = "cpu",
             rows = []
             for n in sizes:
                 pb, db = pb_all[:n], db_all[:n]
-                t = {"kvxfer": [], "raw_nixl": [], "memcpy": []}
+                t: dict[str, list[float]] = {"kvxfer": [], "raw_nixl": [], "memcpy": []}
+                descs = 0
                 for r in range(repeats):
                     p.client.hold(f"s{n}-{r}", pb, lease_s=120)
                     t0 = time.perf_counter()
                     d.client.recv(f"s{n}-{r}", db, RemoteBlocks(reg.engine_id, reg.handshake_host,
                                                               reg.handshake_port, pb))
-                    _wait(d, 1)
+                    descs = _wait(d, 1).done[0].descriptors
                     t["kvxfer"].append(time.perf_counter() - t0)
                     if r == 0:
                         _check(p, d, pb, db, "kvxfer")
@@ -233,7 +254,8 @@ def run_bench(quick: bool = False, mode: str = "peer", device: str = "cpu",
                         _check(p, d, pb, db, "raw NIXL")
                     t["memcpy"].append(_memcpy(p.kv, d.kv, pb, db))
                 nbytes = n * BLOCK_BYTES
-                row: dict[str, Any] = {"blocks": n, "bytes": nbytes, "descriptors": n * 64}
+                row: dict[str, Any] = {"blocks": n, "bytes": nbytes, "descriptors": descs,
+                                       "raw_nixl_descriptors": n * len(raw.regions)}
                 for k, v in t.items():
                     row[f"{k}_gbps"] = round(nbytes / statistics.median(v) / 1e9, 3)
                     row[f"{k}_ms"] = {a: round(b * 1e3, 3) if a != "n" else b for a, b in _summary(v).items()}
@@ -241,6 +263,8 @@ def run_bench(quick: bool = False, mode: str = "peer", device: str = "cpu",
                 row["ratio_vs_memcpy"] = round(row["kvxfer_gbps"] / row["memcpy_gbps"], 3)
                 rows.append(row)
             out["sizes"] = rows
+            out["fixed_cost_us"] = _fixed_cost(p, d, raw, reg, pb_all, db_all, 10 if quick else 40)
+            out["fixed_cost_us_p50"] = out["fixed_cost_us"]["p50"]
             out["first_transfer_ms_cold"], out["first_transfer_ms_warm"] = _first_transfer(
                 ds.control, d, p, rem, pb_all, db_all)
             out["concurrency"] = _concurrency(p, d, reg, pb_all, db_all, [1, 8] if quick else [1, 8, 32, 64])
@@ -249,6 +273,8 @@ def run_bench(quick: bool = False, mode: str = "peer", device: str = "cpu",
                 raw.close()
             p.close()
             d.close()
+        if not cuda:
+            out["layouts"] = _layouts(f, serve, 3 if quick else 5)
         out["step_overhead"] = _step_overhead(f, [0, 16] if quick else [0, 16, 256])
         out["fan_in"] = _fan_in(f, [1, 2] if quick else [1, 2, 4], serve, device)
         out["verify_cost"] = _verify_cost(f, [1, 8] if quick else [1, 8, 32], 3 if quick else 7, base,
@@ -260,6 +286,73 @@ def run_bench(quick: bool = False, mode: str = "peer", device: str = "cpu",
     out["throughput_ratio_vs_memcpy"] = statistics.median(r["ratio_vs_memcpy"] for r in huge)
     top = out["step_overhead"][-1]
     out["step_overhead_us_p50"], out["step_overhead_us_p99"] = top["p50_us"], top["p99_us"]
+    return out
+
+
+def _fixed_cost(p: SyntheticEngine, d: SyntheticEngine, raw: RawNixl, reg: Any, pb_all: list[int],
+                db_all: list[int], n: int) -> dict[str, Any]:
+    """What kvxfer adds to a warm one-block read: kvxfer's read (engine -> sidecar -> NIXL ->
+    sidecar -> engine) and raw NIXL's of the same block, alternated ``n`` times; p50 and p90
+    of kvxfer's times minus raw NIXL's median."""
+    ks, rs = [], []
+    for i in range(n):
+        name = f"fixed-{i}"
+        p.client.hold(name, pb_all[:1], lease_s=120)
+        t0 = time.perf_counter()
+        d.client.recv(name, db_all[:1], RemoteBlocks(reg.engine_id, reg.handshake_host, reg.handshake_port,
+                                                     pb_all[:1]))
+        _wait(d, 1)
+        ks.append(time.perf_counter() - t0)
+        rs.append(raw.read(pb_all[:1], db_all[:1]))
+    raw_p50 = statistics.median(rs)
+    ks.sort()
+    return {"p50": round((statistics.median(ks) - raw_p50) * 1e6, 1),
+            "p90": round((ks[int(0.9 * (len(ks) - 1))] - raw_p50) * 1e6, 1),
+            "kvxfer_p50_us": round(statistics.median(ks) * 1e6, 1),
+            "raw_nixl_p50_us": round(raw_p50 * 1e6, 1), "n": n}
+
+
+def _layouts(f: SidecarFactory, serve: list[str], repeats: int) -> list[dict[str, Any]]:
+    """Descriptors per 16 MiB request (8 blocks) and kvxfer's speed per layout, with random
+    block ids and with consecutive ones, next to memcpy of the same blocks."""
+    out = []
+    ps, ds = f.start("bench-layouts-p", *serve), f.start("bench-layouts-d", *serve)
+    for kv_layout in ("LBNHC", "BLHNC"):
+        for contiguous in (False, True):
+            lay = _layout(2 * 8 + 2, kv_layout)
+            outer = kv_layout.startswith("BL")
+            p = SyntheticEngine(lay, ps.endpoint, seed=3, block_outer=outer, contiguous=contiguous)
+            d = SyntheticEngine(lay, ds.endpoint, seed=4, block_outer=outer, contiguous=contiguous)
+            try:
+                reg = p.start()
+                d.start()
+                # (the prefill rank was registered again with another layout: the generation
+                # makes the decode sidecar handshake again, as kv_transfer_params do)
+                gen = p.client.ping().generation
+                pb, db = p.allocate(8), d.allocate(8)
+                p.fill("layouts", pb)
+                ks, ms, descs = [], [], 0
+                for r in range(repeats + 1):  # the first one warms the peer up
+                    name = f"lay-{kv_layout}-{contiguous}-{r}"
+                    p.client.hold(name, pb, lease_s=120)
+                    t0 = time.perf_counter()
+                    d.client.recv(name, db, RemoteBlocks(reg.engine_id, reg.handshake_host,
+                                                         reg.handshake_port, pb, generation=gen))
+                    descs = _wait(d, 1).done[0].descriptors
+                    if r:
+                        ks.append(time.perf_counter() - t0)
+                        ms.append(_memcpy(p.kv, d.kv, pb, db))  # type: ignore[arg-type]
+                _check(p, d, pb, db, f"kvxfer ({kv_layout})")
+                nbytes = 8 * BLOCK_BYTES
+                kg, mg = nbytes / statistics.median(ks) / 1e9, nbytes / statistics.median(ms) / 1e9
+                out.append({"kv_layout": kv_layout, "block_ids": "consecutive" if contiguous else "random",
+                            "bytes": nbytes, "descriptors_unmerged": 8 * lay.num_regions,
+                            "descriptors": descs,
+                            "kvxfer_gbps": round(kg, 3), "memcpy_gbps": round(mg, 3),
+                            "ratio_vs_memcpy": round(kg / mg, 3)})
+            finally:
+                p.close()
+                d.close()
     return out
 
 
@@ -529,6 +622,13 @@ def print_table(res: dict[str, Any]) -> None:
         f"{s['inflight']} in flight p50 {s['p50_us']} us p99 {s['p99_us']} us" for s in res["step_overhead"]))
     print(f"  first transfer (1 block): cold {res['first_transfer_ms_cold']} ms, "
           f"warm {res['first_transfer_ms_warm']} ms")
+    fc = res["fixed_cost_us"]
+    print(f"  fixed cost (warm 1-block read minus raw NIXL's, n={fc['n']}): p50 {fc['p50']} us, "
+          f"p90 {fc['p90']} us (kvxfer {fc['kvxfer_p50_us']} us, raw NIXL {fc['raw_nixl_p50_us']} us)")
+    for x in res.get("layouts", []):
+        print(f"  layout {x['kv_layout']}, {x['block_ids']} block ids, 16 MiB: {x['descriptors']} "
+              f"descriptors ({x['descriptors_unmerged']} unmerged), kvxfer {x['kvxfer_gbps']} GB/s, memcpy "
+              f"{x['memcpy_gbps']} GB/s ({x['ratio_vs_memcpy']})")
     print("  concurrency (16 MiB each): " + ", ".join(
         f"{c['concurrent']}: {c['gbps']} GB/s" for c in res["concurrency"]))
     print("  decode engines pulling from one prefill: " + ", ".join(f"{c['decode_engines']}: {c['gbps']} GB/s"
@@ -571,7 +671,7 @@ def plot(res: dict[str, Any], path: str) -> None:
 
 def main(args: Any) -> int:
     res = run_bench(quick=args.quick, mode=args.ucx_error_mode, device=args.device,
-                    nixl_threads=args.nixl_threads)
+                    nixl_threads=args.nixl_threads, kv_layout=args.kv_layout)
     print_table(res)
     if args.plot:
         plot(res, args.plot)

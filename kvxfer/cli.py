@@ -40,6 +40,9 @@ def _demo_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-
                         f"through the connector's code: {', '.join(KINDS)} (default: kvxfer's dense layout)")
     p.add_argument("--decode-kv-layout", choices=KINDS, default="", metavar="KIND",
                    help="the decode side's layout, when it differs from --kv-layout")
+    p.add_argument("--contiguous-blocks", action="store_true",
+                   help="give requests runs of consecutive block ids on both sides (a fresh vLLM "
+                        "allocator does; default: random ids, as in a busy engine)")
     p.add_argument("--ucx-error-mode", choices=["peer", "none"], default=d.ucx_error_mode)
     p.add_argument("--timeout", type=float, default=d.timeout_s, help="seconds")
     p.add_argument("--json", action="store_true", help="last line: one JSON object")
@@ -65,6 +68,7 @@ def _run_demo(args: argparse.Namespace) -> int:
         head_layout=args.head_layout,
         kv_layout=args.kv_layout,
         decode_kv_layout=args.decode_kv_layout,
+        contiguous_blocks=args.contiguous_blocks,
         ucx_error_mode=args.ucx_error_mode,
         timeout_s=args.timeout,
     )
@@ -81,7 +85,8 @@ def _run_demo(args: argparse.Namespace) -> int:
         f"kvxfer demo: {opts.requests} requests x {opts.blocks_per_request} blocks "
         f"({mib:.1f} MiB each; {opts.layers} layers x {kv} x {opts.head_dim} {opts.dtype}, "
         f"blocks of {opts.block_size_of('prefill')} -> {opts.block_size_of('decode')} tokens, "
-        f"{where}), prefill TP {opts.prefill_tp} -> decode TP {opts.decode_tp}, "
+        f"{where}{', consecutive block ids' if opts.contiguous_blocks else ''}), "
+        f"prefill TP {opts.prefill_tp} -> decode TP {opts.decode_tp}, "
         f"NIXL UCX ({opts.ucx_error_mode} mode) over host memory; {opts.window} in flight, "
         f"pools {(opts.pool_bytes('prefill') + opts.pool_bytes('decode')) / (1 << 30):.2f} GiB",
         flush=True,
@@ -122,6 +127,9 @@ def main(argv: list[str] | None = None) -> int:
     b = sub.add_parser("bench", help="kvxfer vs raw NIXL vs memcpy, step overhead, first transfer")
     b.add_argument("--quick", action="store_true", help="small sizes, under a minute (CI smoke)")
     b.add_argument("--json", action="store_true", help="last line: one JSON object")
+    b.add_argument("--kv-layout", choices=["LBNHC", "LBHNC", "BLNHC", "BLHNC"], default="LBNHC",
+                   help="the KV cache layout of the main comparison (vLLM's names; BL...: block-outermost, "
+                        "a block of every layer one run)")
     b.add_argument("--plot", metavar="PNG", help="write a plot (needs matplotlib)")
     b.add_argument("--ucx-error-mode", choices=["peer", "none"], default="peer")
     b.add_argument("--nixl-threads", type=int, default=Config.nixl_threads,

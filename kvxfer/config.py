@@ -109,6 +109,10 @@ class Config:
     chunk_mib: int = _doc("Largest NIXL request posted at once, MiB; large receives are split "
                           "and interleaved so small ones are not stuck behind them.", default=64)
     max_inflight_chunks: int = _doc("Chunks in flight at once across all receives.", default=8)
+    merge_runs: bool = _doc("Move consecutive blocks that map to consecutive remote blocks as one "
+                            "NIXL descriptor per run (an un-prepared transfer, used when it saves "
+                            "at least 32 descriptors); --no-merge-runs reads every block with "
+                            "its own prepared descriptor.", default=True)
     idle_poll_ms: float = _doc("NIXL progress poll period when idle (bounds notification "
                                "latency).", default=2.0)
     active_poll_ms: float = _doc("NIXL progress poll period while blocks are held for peers "

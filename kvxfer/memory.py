@@ -49,15 +49,20 @@ def region_block_len(layout: KVLayout) -> int:
     return layout.region_block_len
 
 
-def _dense_registration(layout: KVLayout, memory: MemoryRef) -> RegisterKV:
-    """One memory holding ``[layers, kv_parts, num_blocks, block_len]`` densely, then
-    ``[state_regions, num_blocks, state_bytes]``."""
+def _dense_registration(layout: KVLayout, memory: MemoryRef, block_outer: bool = False) -> RegisterKV:
+    """One memory holding ``[layers, kv_parts, num_blocks, block_len]`` densely (or, with
+    ``block_outer``, ``[num_blocks, layers, kv_parts, block_len]``: vLLM's block-outermost
+    layouts, a block of every layer one run), then ``[state_regions, num_blocks, state_bytes]``."""
     block_len = region_block_len(layout)
     span = layout.num_blocks * block_len
-    regions = [
-        KVRegion(memory=0, offset=i * span, block_len=block_len, block_stride=block_len)
-        for i in range(layout.num_regions)
-    ]
+    if block_outer:
+        regions = [KVRegion(memory=0, offset=i * block_len, block_len=block_len,
+                            block_stride=layout.num_regions * block_len) for i in range(layout.num_regions)]
+    else:
+        regions = [
+            KVRegion(memory=0, offset=i * span, block_len=block_len, block_stride=block_len)
+            for i in range(layout.num_regions)
+        ]
     base = layout.num_regions * span
     regions += [
         KVRegion(memory=0, offset=base + i * layout.num_blocks * layout.state_bytes,
@@ -78,7 +83,9 @@ class SharedKV:
     """A paged KV cache in one shared-memory file, laid out like vLLM's per-layer caches.
 
     Shape ``[num_layers, kv_parts, num_blocks, block_size, local_kv_heads, head_dim]``;
-    region (layer, part) is contiguous, block b of it at ``b * block_len``.
+    region (layer, part) is contiguous, block b of it at ``b * block_len``. With
+    ``block_outer`` the blocks are outermost (``[num_blocks, num_layers, kv_parts, ...]``, as
+    vLLM's BLHNC/BLNHC): one block of every layer is one run.
     """
 
     layout: KVLayout
@@ -89,10 +96,11 @@ class SharedKV:
     data: np.ndarray = field(repr=False)  # uint8 view of the whole file
     pool: Pool | None = None
     _pools: PoolClient | None = field(default=None, repr=False)
+    block_outer: bool = False
 
     @classmethod
     def create(cls, layout: KVLayout, pools: PoolClient | None = None, directory: str = "/dev/shm",
-               prefix: str = "kvxfer") -> SharedKV:
+               prefix: str = "kvxfer", block_outer: bool = False) -> SharedKV:
         """In a pool from ``pools`` (the sidecar's memory channel); without one, in a named
         file under ``directory`` (legacy: a killed engine leaves it behind)."""
         nbytes = dense_bytes(layout)
@@ -101,7 +109,7 @@ class SharedKV:
             mm = pool.map()
             data = np.frombuffer(mm, dtype=np.uint8)
             data[::_PAGE] = 0  # pre-touch every page
-            return cls(layout, "", nbytes, mm, -1, data, pool, pools)
+            return cls(layout, "", nbytes, mm, -1, data, pool, pools, block_outer)
         path = os.path.join(directory, f"{prefix}-{os.getpid()}-{secrets.token_hex(6)}")
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
@@ -113,12 +121,16 @@ class SharedKV:
             raise
         data = np.frombuffer(mm, dtype=np.uint8)
         data[::_PAGE] = 0  # pre-touch every page
-        return cls(layout, path, nbytes, mm, fd, data)
+        return cls(layout, path, nbytes, mm, fd, data, block_outer=block_outer)
 
     def blocks(self) -> np.ndarray:
-        """uint8 view ``[num_layers, kv_parts, num_blocks, block_len]``."""
+        """uint8 view ``[num_layers, kv_parts, num_blocks, block_len]`` (strided when
+        ``block_outer``)."""
         lay = self.layout
         n = lay.num_regions * lay.num_blocks * lay.region_block_len
+        if self.block_outer:
+            return self.data[:n].reshape(lay.num_blocks, lay.num_layers, lay.kv_parts,
+                                         lay.region_block_len).transpose(1, 2, 0, 3)
         return self.data[:n].reshape(lay.num_layers, lay.kv_parts, lay.num_blocks, lay.region_block_len)
 
     def state_blocks(self) -> np.ndarray:
@@ -129,8 +141,9 @@ class SharedKV:
 
     def register_message(self) -> RegisterKV:
         if self.pool is not None:
-            return _dense_registration(self.layout, PoolMemory(pool=self.pool.id, size=self.nbytes))
-        return _dense_registration(self.layout, ShmMemory(path=self.path, size=self.nbytes))
+            return _dense_registration(self.layout, PoolMemory(pool=self.pool.id, size=self.nbytes),
+                                       self.block_outer)
+        return _dense_registration(self.layout, ShmMemory(path=self.path, size=self.nbytes), self.block_outer)
 
     def close(self) -> None:
         del self.data

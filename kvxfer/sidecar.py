@@ -129,6 +129,7 @@ class Sidecar:
             num_threads=config.nixl_threads,
             chunk_bytes=config.chunk_mib << 20,
             max_inflight_chunks=config.max_inflight_chunks,
+            merge_runs=config.merge_runs,
             idle_poll_s=config.idle_poll_ms / 1000.0,
             active_poll_s=config.active_poll_ms / 1000.0,
             settle_timeout_s=config.settle_timeout_s,

@@ -9,7 +9,7 @@ import sys
 
 FIELDS = ("throughput_ratio_vs_raw_nixl", "throughput_ratio_vs_memcpy", "step_overhead_us_p50",
           "step_overhead_us_p99", "first_transfer_ms_cold", "first_transfer_ms_warm", "sizes",
-          "verify_cost")
+          "verify_cost", "fixed_cost_us_p50", "fixed_cost_us")
 
 
 def test_bench_quick_reports_every_field() -> None:
@@ -26,6 +26,15 @@ def test_bench_quick_reports_every_field() -> None:
         assert r["memcpy_gbps"] > 0
     assert [s["inflight"] for s in res["step_overhead"]] == [0, 16]
     assert res["descriptor_prep_ms"][0]["descriptors"] == 10_000 * 64
+    # random block ids in the layer-outer layout: one descriptor per (layer, K/V, block)
+    assert [r["descriptors"] for r in res["sizes"]] == [64, 8 * 64, 32 * 64]
+    assert res["fixed_cost_us"]["kvxfer_p50_us"] > 0
+    assert res["fixed_cost_us"]["raw_nixl_p50_us"] > 0
+    assert res["fixed_cost_us_p50"] == res["fixed_cost_us"]["p50"]
+    if res["device"] == "cpu":  # descriptors per 16 MiB request, per layout and block ids
+        per = {(x["kv_layout"], x["block_ids"]): x["descriptors"] for x in res["layouts"]}
+        assert per == {("LBNHC", "random"): 512, ("LBNHC", "consecutive"): 64,
+                       ("BLHNC", "random"): 8, ("BLHNC", "consecutive"): 8}
     assert [v["blocks"] for v in res["verify_cost"]] == [1, 8]
     assert all(v["on_ms"] > 0 and v["off_ms"] > 0 for v in res["verify_cost"])
     assert "raw NIXL" in out.stdout  # the human table

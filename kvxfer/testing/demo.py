@@ -51,6 +51,7 @@ class DemoOptions:
     # allocates it and registered through the connector's code; "": kvxfer's dense layout.
     kv_layout: str = ""
     decode_kv_layout: str = ""  # "": the same as kv_layout
+    contiguous_blocks: bool = False  # requests get runs of consecutive block ids (else random ones)
     lease_s: float = 60.0
     timeout_s: float = 300.0
     ucx_error_mode: str = "peer"
@@ -129,7 +130,8 @@ class DemoOptions:
 
 def _engines(opts: DemoOptions, side: str, endpoints: str, seed: int) -> list[SyntheticEngine]:
     tp = opts.prefill_tp if side == "prefill" else opts.decode_tp
-    return [SyntheticEngine(opts.layout(side, r), endpoints, seed=seed, kv_layout=opts.kv_layout_of(side))
+    return [SyntheticEngine(opts.layout(side, r), endpoints, seed=seed, kv_layout=opts.kv_layout_of(side),
+                            contiguous=opts.contiguous_blocks)
             for r in range(tp)]
 
 

@@ -84,7 +84,7 @@ class SyntheticEngine:
 
     def __init__(self, layout: KVLayout, endpoint: str, *, seed: int = 0, device: str = "cpu",
                  kv_layout: str = "", engine_id: str = "", dp_rank: int = 0,
-                 gpu_memory: str = "ipc") -> None:
+                 gpu_memory: str = "ipc", contiguous: bool = False, block_outer: bool = False) -> None:
         self.layout = layout
         self.engine_id = engine_id  # "": the sidecar's; else this rank's engine (a DP rank's "<id>_dp<k>")
         self.dp_rank = dp_rank
@@ -107,12 +107,14 @@ class SyntheticEngine:
             self.layout = self._registration.layout
         self.kv: SharedKV | CudaKV | None = (
             None if self.tensors is not None
-            else SharedKV.create(layout, self.pools) if device == "cpu"
+            else SharedKV.create(layout, self.pools, block_outer=block_outer) if device == "cpu"
             else CudaKV.create(layout, device, self.pools)
         )
         self.client = SidecarClient(endpoint)
         self._free = list(range(1, layout.num_blocks))
-        random.Random(seed).shuffle(self._free)  # non-contiguous block ids, as in a busy engine
+        self.contiguous = contiguous  # hand out runs of consecutive ids (a fresh engine's allocator)
+        if not contiguous:
+            random.Random(seed).shuffle(self._free)  # non-contiguous block ids, as in a busy engine
         self.registered: Registered | None = None
         self.groups: list[KVGroup] | None = None  # vLLM's KV cache groups, as a connector tells them
 
@@ -139,6 +141,8 @@ class SyntheticEngine:
 
     def free(self, blocks: Sequence[int]) -> None:
         self._free.extend(blocks)
+        if self.contiguous:
+            self._free.sort()
 
     def _index(self, blocks: Sequence[int]) -> Any:
         idx = np.asarray(blocks, dtype=np.int64)
