@@ -41,7 +41,7 @@ import numpy as np
 from kvxfer.client import Drained, RemoteBlocks
 from kvxfer.config import Config
 from kvxfer.memory import CudaKV, SharedKV
-from kvxfer.protocol import KVLayout
+from kvxfer.protocol import Done, KVLayout
 from kvxfer.testing.engine import SyntheticEngine, make_layout
 from kvxfer.testing.procs import SidecarFactory
 from kvxfer.transfer import create_agent, desc_indices, merge_rows, strided_rows
@@ -192,6 +192,18 @@ def _wait(eng: SyntheticEngine, n: int, timeout: float = 120) -> Drained:
     return acc
 
 
+def _timed_read(p: SyntheticEngine, d: SyntheticEngine, reg: Any, name: str, pb: list[int], db: list[int],
+                generation: str = "") -> tuple[float, Done]:
+    """Hold ``pb`` on the prefill engine, then time the decode engine's read of them into
+    ``db`` (Recv sent -> Done received): seconds, and the Done."""
+    p.client.hold(name, pb, lease_s=120)
+    t0 = time.perf_counter()
+    d.client.recv(name, db, RemoteBlocks(reg.engine_id, reg.handshake_host, reg.handshake_port, pb,
+                                         generation=generation))
+    done = _wait(d, 1).done[0]
+    return time.perf_counter() - t0, done
+
+
 def _summary(xs: list[float]) -> dict[str, float]:
     return {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "n": len(xs)}
 
@@ -240,12 +252,9 @@ def run_bench(quick: bool = False, mode: str = "peer", device: str = "cpu",
                 t: dict[str, list[float]] = {"kvxfer": [], "raw_nixl": [], "memcpy": []}
                 descs = 0
                 for r in range(repeats):
-                    p.client.hold(f"s{n}-{r}", pb, lease_s=120)
-                    t0 = time.perf_counter()
-                    d.client.recv(f"s{n}-{r}", db, RemoteBlocks(reg.engine_id, reg.handshake_host,
-                                                              reg.handshake_port, pb))
-                    descs = _wait(d, 1).done[0].descriptors
-                    t["kvxfer"].append(time.perf_counter() - t0)
+                    took, done = _timed_read(p, d, reg, f"s{n}-{r}", pb, db)
+                    descs = done.descriptors
+                    t["kvxfer"].append(took)
                     if r == 0:
                         _check(p, d, pb, db, "kvxfer")
                         d.wipe(db)
@@ -296,13 +305,7 @@ def _fixed_cost(p: SyntheticEngine, d: SyntheticEngine, raw: RawNixl, reg: Any, 
     of kvxfer's times minus raw NIXL's median."""
     ks, rs = [], []
     for i in range(n):
-        name = f"fixed-{i}"
-        p.client.hold(name, pb_all[:1], lease_s=120)
-        t0 = time.perf_counter()
-        d.client.recv(name, db_all[:1], RemoteBlocks(reg.engine_id, reg.handshake_host, reg.handshake_port,
-                                                     pb_all[:1]))
-        _wait(d, 1)
-        ks.append(time.perf_counter() - t0)
+        ks.append(_timed_read(p, d, reg, f"fixed-{i}", pb_all[:1], db_all[:1])[0])
         rs.append(raw.read(pb_all[:1], db_all[:1]))
     raw_p50 = statistics.median(rs)
     ks.sort()
@@ -333,14 +336,10 @@ def _layouts(f: SidecarFactory, serve: list[str], repeats: int) -> list[dict[str
                 p.fill("layouts", pb)
                 ks, ms, descs = [], [], 0
                 for r in range(repeats + 1):  # the first one warms the peer up
-                    name = f"lay-{kv_layout}-{contiguous}-{r}"
-                    p.client.hold(name, pb, lease_s=120)
-                    t0 = time.perf_counter()
-                    d.client.recv(name, db, RemoteBlocks(reg.engine_id, reg.handshake_host,
-                                                         reg.handshake_port, pb, generation=gen))
-                    descs = _wait(d, 1).done[0].descriptors
+                    took, done = _timed_read(p, d, reg, f"lay-{kv_layout}-{contiguous}-{r}", pb, db, gen)
+                    descs = done.descriptors
                     if r:
-                        ks.append(time.perf_counter() - t0)
+                        ks.append(took)
                         ms.append(_memcpy(p.kv, d.kv, pb, db))  # type: ignore[arg-type]
                 _check(p, d, pb, db, f"kvxfer ({kv_layout})")
                 nbytes = 8 * BLOCK_BYTES
@@ -526,13 +525,7 @@ def _verify_cost(f: SidecarFactory, sizes: list[int], repeats: int, base: list[s
             t: dict[str, list[float]] = {"on": [], "off": []}
             for r in range(repeats):
                 for name, (d, dbs) in decs.items():
-                    req = f"ver{n}-{r}-{name}"
-                    p.client.hold(req, pbs[:n], lease_s=120)
-                    t0 = time.perf_counter()
-                    d.client.recv(req, dbs[:n], RemoteBlocks(reg.engine_id, reg.handshake_host,
-                                                             reg.handshake_port, pbs[:n]))
-                    _wait(d, 1)
-                    t[name].append(time.perf_counter() - t0)
+                    t[name].append(_timed_read(p, d, reg, f"ver{n}-{r}-{name}", pbs[:n], dbs[:n])[0])
             on, off = statistics.median(t["on"]) * 1e3, statistics.median(t["off"]) * 1e3
             out.append({"blocks": n, "bytes": n * BLOCK_BYTES, "off_ms": round(off, 3), "on_ms": round(on, 3),
                         "cost_ms": round(on - off, 3), "cost_pct": round(100 * (on - off) / off, 1)})

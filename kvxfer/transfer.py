@@ -134,12 +134,11 @@ class _PairLists:
     local: Any
     remote: Any
     rows: list[np.ndarray]  # per q: row ids
-    row_lens: list[list[int]]  # per q: bytes each row moves per block
-    # by row id, for merging consecutive blocks (``merge_runs``): [addr, block_len, stride, device]
-    local_rows: np.ndarray = field(default_factory=lambda: np.empty((0, 4), np.int64))
-    remote_rows: np.ndarray = field(default_factory=lambda: np.empty((0, 4), np.int64))
-    local_mem: str = "DRAM"
-    remote_mem: str = "DRAM"
+    # by row id: [addr, block_len (bytes the row moves per block), stride, device]
+    local_rows: np.ndarray
+    remote_rows: np.ndarray
+    local_mem: str
+    remote_mem: str
 
 
 @dataclass
@@ -206,6 +205,12 @@ def strided_rows(regions: list[RemoteRegion], num_blocks: int) -> np.ndarray:
     for i, r in enumerate(regions):
         rows[i] = (r.addr, r.block_len, r.device_id, r.block_stride, num_blocks)
     return rows
+
+
+def _geometry(rows: list[RemoteRegion]) -> np.ndarray:
+    """``[addr, block_len, stride, device]`` per row."""
+    return np.array([(r.addr, r.block_len, r.block_stride, r.device_id) for r in rows],
+                    dtype=np.int64).reshape(-1, 4)
 
 
 def desc_indices(rows: np.ndarray, num_blocks: int, block_ids: np.ndarray) -> np.ndarray:
@@ -289,7 +294,7 @@ def _leg_indices(
         rblocks = rb[[b for _, b in sel]]
         li_parts.append(desc_indices(rows, local_nb, lblocks))
         ri_parts.append(desc_indices(rows, remote_nb, rblocks))
-        nbytes += sum(pl.row_lens[q]) * len(sel)
+        nbytes += int(pl.local_rows[rows, 1].sum()) * len(sel)
     if not li_parts:
         return np.empty(0, np.int32), np.empty(0, np.int32), 0
     return np.concatenate(li_parts), np.concatenate(ri_parts), nbytes
@@ -561,8 +566,7 @@ class TransferEngine:
                 runs = merge_runs(pl.local_rows, pl.remote_rows, local.layout.num_blocks, remote_nb, li, ri)
                 if len(li) - len(runs[0]) >= MERGE_MIN_SAVED:
                     leg.runs = runs
-            largest = int(leg.runs[0][:, 1].max()) if leg.runs is not None else max(
-                max(q) for q in pl.row_lens if q)
+            largest = int((leg.runs[0] if leg.runs is not None else pl.local_rows)[:, 1].max())
             leg.chunk = max(1, self.options.chunk_bytes // largest)
             legs.append(leg)
             nbytes += n
@@ -602,7 +606,6 @@ class TransferEngine:
         lrows: list[RemoteRegion] = []
         rrows: list[RemoteRegion] = []
         rows: list[np.ndarray] = []
-        row_lens: list[list[int]] = []
         for segs in plan.segments:
             runs = [(RemoteRegion(addr=lreg.addr + s.local_off, block_len=s.length,
                                   block_stride=lreg.block_stride, device_id=lreg.device_id),
@@ -613,7 +616,6 @@ class TransferEngine:
             # registrations side by side in memory: a merged row must stay inside one)
             merged = merge_rows(runs) if min(local.layout.num_blocks, remote.layout.num_blocks) > 1 else runs
             rows.append(np.arange(len(lrows), len(lrows) + len(merged), dtype=np.int64))
-            row_lens.append([lr.block_len for lr, _ in merged])
             lrows += [lr for lr, _ in merged]
             rrows += [rr for _, rr in merged]
         agent = self._agent
@@ -626,11 +628,7 @@ class TransferEngine:
         except Exception:
             agent.release_dlist_handle(ldl)
             raise
-        def geometry(regs: list[RemoteRegion]) -> np.ndarray:
-            return np.array([(r.addr, r.block_len, r.block_stride, r.device_id) for r in regs],
-                            dtype=np.int64).reshape(-1, 4)
-
-        pl = _PairLists(ldl, rdl, rows, row_lens, geometry(lrows), geometry(rrows), local.info.mem_type,
+        pl = _PairLists(ldl, rdl, rows, _geometry(lrows), _geometry(rrows), local.info.mem_type,
                         remote.mem_type)
         self._pairs[key] = pl
         return pl

@@ -35,11 +35,8 @@ PAGE = 1 * BS * 2 * 64 * 4  # 1 KV head x 32 tokens x (K|V) x head_dim 64 x fp32
 @pytest.fixture(scope="module")
 def pipeline(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pipeline]:
     pl = Pipeline(str(tmp_path_factory.mktemp("hybrid-pd")), python=PY, block_size=BS, family="gemma3")
-    try:
-        pl.start()
+    with pl:
         yield pl
-    finally:
-        pl.close()
 
 
 

@@ -36,11 +36,8 @@ BS = 128  # the attention block size vLLM picks for this model on the CPU backen
 def pipeline(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pipeline]:
     pl = Pipeline(str(tmp_path_factory.mktemp("state-pd")), python=PY, family="granite",
                   extra_args=("--no-enable-prefix-caching",), decode_sidecar_args=("--verify-sample", "1"))
-    try:
-        pl.start()
+    with pl:
         yield pl
-    finally:
-        pl.close()
 
 
 

@@ -42,11 +42,8 @@ def pipeline(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFa
     shape = dict(SHAPES[request.param])
     block_size = shape.pop("block_size", 0)
     pl = Pipeline(str(tmp_path_factory.mktemp("vllm-pd")), python=PY, block_size=block_size, **shape)
-    try:
-        pl.start()
+    with pl:
         yield pl
-    finally:
-        pl.close()
     # Cleanup: no process and no shared-memory file left behind.
     assert all(s.proc.poll() is not None for s in pl.servers.values())
     assert all(sc.proc.poll() is not None for sc in pl.sidecars.procs)

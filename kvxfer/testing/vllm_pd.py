@@ -259,6 +259,18 @@ class Pipeline:
     p_sidecar: SidecarProc | None = None
     d_sidecar: SidecarProc | None = None
 
+    def __enter__(self) -> Pipeline:
+        """``start``; what started is stopped if it fails (``close`` on leaving)."""
+        try:
+            self.start()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
     def _server(self, name: str, sidecar: SidecarProc | None) -> None:
         port = free_port()
         log_path = os.path.join(self.workdir, f"{name}.log")
