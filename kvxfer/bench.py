@@ -36,6 +36,7 @@ import statistics
 import time
 from typing import Any
 
+import msgspec
 import numpy as np
 
 from kvxfer.client import Drained, RemoteBlocks
@@ -193,15 +194,29 @@ def _wait(eng: SyntheticEngine, n: int, timeout: float = 120) -> Drained:
 
 
 def _timed_read(p: SyntheticEngine, d: SyntheticEngine, reg: Any, name: str, pb: list[int], db: list[int],
-                generation: str = "") -> tuple[float, Done]:
+                generation: str = "", trace: bool = False) -> tuple[float, Done]:
     """Hold ``pb`` on the prefill engine, then time the decode engine's read of them into
-    ``db`` (Recv sent -> Done received): seconds, and the Done."""
+    ``db`` (Recv sent -> Done received): seconds, and the Done. ``trace``: the Done's trace
+    starts with ("engine", Recv sent) and ends with ("engine_done", Done received)."""
     p.client.hold(name, pb, lease_s=120)
-    t0 = time.perf_counter()
+    t0 = time.monotonic_ns()
     d.client.recv(name, db, RemoteBlocks(reg.engine_id, reg.handshake_host, reg.handshake_port, pb,
-                                         generation=generation))
+                                         generation=generation), trace=trace)
     done = _wait(d, 1).done[0]
-    return time.perf_counter() - t0, done
+    t1 = time.monotonic_ns()
+    if trace:
+        done = msgspec.structs.replace(done, trace=[("engine", t0), *(done.trace or ()), ("engine_done", t1)])
+    return (t1 - t0) / 1e9, done
+
+
+def hop_times(traces: list[list[tuple[str, int]]]) -> dict[str, float]:
+    """Median microseconds from each hop to the next (named by where it ends), over traces
+    of the same shape, in the order of the first one."""
+    per: dict[str, list[float]] = {}
+    for tr in traces:
+        for (_a, t0), (b, t1) in zip(tr, tr[1:], strict=False):
+            per.setdefault(b, []).append((t1 - t0) / 1e3)
+    return {hop: round(statistics.median(v), 1) for hop, v in per.items()}
 
 
 def _summary(xs: list[float]) -> dict[str, float]:
@@ -303,16 +318,18 @@ def _fixed_cost(p: SyntheticEngine, d: SyntheticEngine, raw: RawNixl, reg: Any, 
     """What kvxfer adds to a warm one-block read: kvxfer's read (engine -> sidecar -> NIXL ->
     sidecar -> engine) and raw NIXL's of the same block, alternated ``n`` times; p50 and p90
     of kvxfer's times minus raw NIXL's median."""
-    ks, rs = [], []
+    ks, rs, traces = [], [], []
     for i in range(n):
-        ks.append(_timed_read(p, d, reg, f"fixed-{i}", pb_all[:1], db_all[:1])[0])
+        took, done = _timed_read(p, d, reg, f"fixed-{i}", pb_all[:1], db_all[:1], trace=True)
+        ks.append(took)
+        traces.append(done.trace or [])
         rs.append(raw.read(pb_all[:1], db_all[:1]))
     raw_p50 = statistics.median(rs)
     ks.sort()
     return {"p50": round((statistics.median(ks) - raw_p50) * 1e6, 1),
             "p90": round((ks[int(0.9 * (len(ks) - 1))] - raw_p50) * 1e6, 1),
             "kvxfer_p50_us": round(statistics.median(ks) * 1e6, 1),
-            "raw_nixl_p50_us": round(raw_p50 * 1e6, 1), "n": n}
+            "raw_nixl_p50_us": round(raw_p50 * 1e6, 1), "n": n, "hops_us": hop_times(traces)}
 
 
 def _layouts(f: SidecarFactory, serve: list[str], repeats: int) -> list[dict[str, Any]]:
@@ -618,6 +635,8 @@ def print_table(res: dict[str, Any]) -> None:
     fc = res["fixed_cost_us"]
     print(f"  fixed cost (warm 1-block read minus raw NIXL's, n={fc['n']}): p50 {fc['p50']} us, "
           f"p90 {fc['p90']} us (kvxfer {fc['kvxfer_p50_us']} us, raw NIXL {fc['raw_nixl_p50_us']} us)")
+    if fc.get("hops_us"):
+        print("    per hop, p50 us: " + ", ".join(f"{k} {v}" for k, v in fc["hops_us"].items()))
     for x in res.get("layouts", []):
         print(f"  layout {x['kv_layout']}, {x['block_ids']} block ids, 16 MiB: {x['descriptors']} "
               f"descriptors ({x['descriptors_unmerged']} unmerged), kvxfer {x['kvxfer_gbps']} GB/s, memcpy "

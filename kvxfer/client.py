@@ -178,8 +178,10 @@ class SidecarClient:
         engine_id: str = "",
         pp_rank: int = 0,
         state: tuple[Iterable[int], Iterable[int]] = ((), ()),
+        trace: bool = False,
     ) -> None:
-        """``state``: (local, remote) blocks of state groups (Mamba/GDN), paired one to one."""
+        """``state``: (local, remote) blocks of state groups (Mamba/GDN), paired one to one.
+        ``trace``: the ``Done`` carries the sidecar's per-hop times (``Done.trace``)."""
         self._send(
             Recv(
                 req_id=req_id,
@@ -200,6 +202,7 @@ class SidecarClient:
                 remote_token=remote.token,
                 state_block_ids=list(state[0]) or None,
                 remote_state_block_ids=list(state[1]) or None,
+                trace=trace,
             )
         )
 

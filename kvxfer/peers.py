@@ -127,6 +127,10 @@ class PeerLink:
         self.closed = False
 
     async def call(self, req: LeaseRenew, timeout_s: float, secret: bytes = b"") -> LeaseState:
+        return await self.answer(self.send(req, secret), timeout_s)
+
+    def send(self, req: LeaseRenew, secret: bytes = b"") -> tuple[int, asyncio.Future[LeaseState]]:
+        """Send now (not at the caller's next await); ``answer`` waits for the reply."""
         self._seq += 1
         seq = self._seq
         req = msgspec.structs.replace(req, seq=seq)
@@ -134,11 +138,20 @@ class PeerLink:
             req = sign_request(secret, req)
         fut: asyncio.Future[LeaseState] = asyncio.get_running_loop().create_future()
         self._waiting[seq] = fut
+
+        def sent(f: asyncio.Future[Any]) -> None:  # (pyzmq sends at once and reports in a future)
+            e = None if f.cancelled() else f.exception()
+            if e is not None and not fut.done():
+                why = "peer listener not taking messages" if isinstance(e, zmq.Again) else f"peer link: {e}"
+                fut.set_exception(RequestError(ErrorCode.HANDSHAKE_FAILED, why))
+
+        self.sock.send(encode(req), flags=zmq.NOBLOCK).add_done_callback(sent)
+        return seq, fut
+
+    async def answer(self, sent: tuple[int, asyncio.Future[LeaseState]], timeout_s: float) -> LeaseState:
+        seq, fut = sent
         try:
-            await self.sock.send(encode(req), flags=zmq.NOBLOCK)
             return await asyncio.wait_for(fut, timeout_s)
-        except zmq.Again:
-            raise RequestError(ErrorCode.HANDSHAKE_FAILED, "peer listener not taking messages") from None
         except TimeoutError:
             raise RequestError(ErrorCode.HANDSHAKE_FAILED, f"no lease answer in {timeout_s}s") from None
         finally:
@@ -170,6 +183,9 @@ class PeerLink:
         if not self.closed:
             self.closed = True
             self.sock.close(0)
+
+
+RenewalSent = tuple[PeerLink, tuple[int, "asyncio.Future[LeaseState]"]]  # Peers.send_renewal
 
 
 class Peers:
@@ -252,6 +268,14 @@ class Peers:
                      generation, peer.generation)
             peer.stale = True
             peer = await self.get_peer(host, port)
+        return peer
+
+    def cached_peer(self, host: str, port: int, generation: str = "") -> Peer | None:
+        """The peer at host:port if it is handshaked, not stale and (when ``generation`` is
+        given) of that generation: what ``current_peer`` returns without a handshake."""
+        peer = self.peers.get(f"{host}:{port}")
+        if peer is None or peer.stale or (generation and peer.generation and peer.generation != generation):
+            return None
         return peer
 
     async def get_peer(self, host: str, port: int) -> Peer:
@@ -388,6 +412,18 @@ class Peers:
             self._spawn(link.run())
         return await link.call(req, timeout_s, self.secret)
 
+    def send_renewal(self, host: str, port: int, req: LeaseRenew) -> RenewalSent | None:
+        """Send a lease renewal now over the endpoint's open link (None: no link open yet);
+        ``renewal_answer`` waits for its reply."""
+        link = self._links.get(f"{host}:{port}")
+        if link is None or link.closed:
+            return None
+        return link, link.send(req, self.secret)
+
+    async def renewal_answer(self, sent: RenewalSent, timeout_s: float) -> LeaseState:
+        link, pending = sent
+        return await link.answer(pending, timeout_s)
+
     def close_links(self) -> None:
         for link in self._links.values():
             link.close()
@@ -427,11 +463,45 @@ class Peers:
 
         while True:
             frames = await hs_sock.recv_multipart(copy=False)
-            # Each request is answered on its own (at most LISTENER_CONCURRENCY at once): a
-            # lease renewal, the claim of a read in progress, never queues behind a handshake
-            # or a digest waiting on the NIXL thread.
+            body = frames[-1].bytes
+            # A lease renewal (the claim of a read in progress: the read's Done waits for it)
+            # is answered here and now; every other request on its own (at most
+            # LISTENER_CONCURRENCY at once), so none queues behind a handshake or a digest
+            # waiting on the NIXL thread.
+            renewal = self._answer_renewal(body, frames[-1])
+            if renewal is not None:
+                with contextlib.suppress(zmq.ZMQError):
+                    hs_sock.send_multipart([frames[0].bytes, encode(renewal)], flags=zmq.NOBLOCK)
+                continue
             await slots.acquire()
-            self._spawn(answer(frames[0].bytes, frames[-1].bytes, peer_address(frames[-1])))
+            self._spawn(answer(frames[0].bytes, body, peer_address(frames[-1])))
+
+    def _answer_renewal(self, body: bytes, frame: zmq.Frame) -> LeaseState | Refused | None:
+        """The answer to a ``LeaseRenew`` (None: the body is something else)."""
+        try:
+            msg = handshake_request_decoder.decode(body)
+        except DECODE_ERRORS:
+            return None  # (answered, and counted, as a bad hello)
+        if not isinstance(msg, LeaseRenew):
+            return None
+        why = self._unsigned(msg)
+        if why:
+            addr, sender = peer_address(frame), msg.agent_name or "?"
+            log.warning("handshake refused (from %s, %s): %s", addr or "?", sender, why)
+            self.observer.handshake_refused(f"{addr} {sender}".strip(), ErrorCode.UNAUTHORIZED)
+            return Refused(version=PROTOCOL_VERSION, code=ErrorCode.UNAUTHORIZED, reason=why)
+        return self.holds.renew(msg)
+
+    def _unsigned(self, msg: DigestRequest | LeaseRenew) -> str:
+        """Why a signed request is refused here ("": it is not)."""
+        if not self.secret:
+            return ""
+        if not check_request(self.secret, msg):
+            return f"{type(msg).__name__} without a valid signature"
+        if not self.is_authenticated(msg.agent_name):
+            return (f"{type(msg).__name__} from an agent that did not complete an authenticated "
+                    "handshake here")
+        return ""
 
     async def _answer_hello(
         self, body: bytes, addr: str = ""
@@ -450,12 +520,8 @@ class Peers:
             self.observer.bad_message("handshake")
             return refuse(ErrorCode.MALFORMED, f"bad hello: {e}")
         sender = f"{hello.agent_name or '?'}"
-        if isinstance(hello, DigestRequest | LeaseRenew) and self.secret:
-            if not check_request(self.secret, hello):
-                return refuse(ErrorCode.UNAUTHORIZED, f"{type(hello).__name__} without a valid signature")
-            if not self.is_authenticated(hello.agent_name):
-                return refuse(ErrorCode.UNAUTHORIZED, f"{type(hello).__name__} from an agent that did not "
-                              "complete an authenticated handshake here")
+        if isinstance(hello, DigestRequest | LeaseRenew) and (why := self._unsigned(hello)):
+            return refuse(ErrorCode.UNAUTHORIZED, why)
         if isinstance(hello, DigestRequest):
             try:
                 return await self._answer_digest(hello), []

@@ -305,9 +305,12 @@ class Recv(_Msg, tag="recv"):
     remote_token: Token = ""  # the prefill lease's capability (kv_transfer_params remote_lease_token)
     # Blocks of state groups (Mamba/GDN), paired one to one and moved in the layout's state
     # regions only (``block_ids`` move in the attention regions).
-    # (None, not []: msgspec omits a trailing None, so receives without state encode as before)
+    # (None, not []: nothing to encode when there is no state; a decoder of an older version
+    # ignores trailing fields it does not know, so appended fields never break it)
     state_block_ids: BlockIds | None = None
     remote_state_block_ids: BlockIds | None = None
+    # Ask for the per-hop trace of this receive (``Done.trace``; kvxfer bench's fixed cost)
+    trace: bool = False
 
     @property
     def state_pairs(self) -> tuple[list[int], list[int]]:
@@ -354,6 +357,9 @@ class Done(_Msg, tag="done"):
     nbytes: NonNeg
     seconds: float
     descriptors: NonNeg = 0  # NIXL descriptors read (before NIXL merges contiguous ones)
+    # Only when the Recv asked for it: (hop, time.monotonic_ns() in the sidecar) in the order
+    # they happened (CLOCK_MONOTONIC: comparable with the engine's clock on the same host)
+    trace: list[tuple[str, int]] | None = None
 
 
 class Failed(_Msg, tag="failed"):

@@ -14,6 +14,7 @@ Dependencies are passed in: the registry (local ranks), the peers (dialer), the 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -27,7 +28,7 @@ from kvxfer.errors import ErrorCode, RequestError
 from kvxfer.holds import check_blocks
 from kvxfer.integrity import digest_items
 from kvxfer.observe import Event, Observer
-from kvxfer.peers import Peer, Peers
+from kvxfer.peers import Peer, Peers, RenewalSent
 from kvxfer.protocol import (
     DigestRank,
     DigestRequest,
@@ -60,6 +61,11 @@ class _RecvState:
     local: RankKey | None = None  # the registered rank whose memory receives
     remote_engine: str = ""  # the prefill engine it reads, once the plan named it
     claim: asyncio.Future[str] | None = None  # the prefill's "still held": "" yes, else why not
+    trace: list[tuple[str, int]] | None = None  # (hop, monotonic ns) when the Recv asked for it
+
+    def mark(self, hop: str) -> None:
+        if self.trace is not None:
+            self.trace.append((hop, time.monotonic_ns()))
 
     @property
     def peer(self) -> str:
@@ -102,7 +108,14 @@ class Receiver:
         state = self.recvs.get(event.req_id)
         if state is None:
             return
-        peer = self.peers.by_agent(event.peer)
+        if state.trace is not None:
+            state.trace += event.trace
+            state.mark("loop")
+        self._read_finished(state, event, self.peers.by_agent(event.peer))
+
+    def _read_finished(self, state: _RecvState, event: ReadFinished, peer: Peer | None) -> None:
+        if self.recvs.get(event.req_id) is not state:
+            return  # cancelled meanwhile: already reported
         try:
             self.read_finished(state, event, peer)
         except Exception as e:  # a bug must fail this receive, never leave it waiting forever
@@ -122,7 +135,7 @@ class Receiver:
         log.warning("request %s failed: [%s] %s", req_id, err.code, err.reason)
         self._send(ident, Failed(req_id=req_id, block_ids=block_ids, code=err.code, reason=err.reason))
 
-    def on_recv(self, ident: bytes, msg: Recv, draining: bool = False) -> None:
+    def on_recv(self, ident: bytes, msg: Recv, draining: bool = False, received_ns: int = 0) -> None:
         engine = self.registry.engine_of(msg.engine_id)
         key = recv_key(msg.req_id, msg.tp_rank, engine, msg.pp_rank)
         if key in self.recvs:
@@ -160,14 +173,36 @@ class Receiver:
         if msg.expires_unix:  # never read past the moment the engine gives up on the load
             left = max(0.001, msg.expires_unix - time.time())
             msg = msgspec.structs.replace(msg, deadline_s=min(msg.deadline_s or left, left))
-        self.recvs[key] = _RecvState(
+        self.recvs[key] = state = _RecvState(
             owner=ident, msg=msg, nbytes=nbytes, started=now,
             deadline=now + (msg.deadline_s or self.config.transfer_timeout_s), local=local.key,
         )
+        if msg.trace:
+            state.trace = [("sidecar", received_ns or time.monotonic_ns())]
+            state.mark("accepted")
         self._on_change()
+        # The hot path: a peer already handshaked (and of the generation the request names)
+        # is planned and posted now, in this call, with no task and no await in between.
+        peer = self.peers.cached_peer(msg.remote_host, msg.remote_port, msg.remote_generation)
+        if peer is not None:
+            try:
+                self._check_generation(msg, peer)
+                plans, pairing = self._plan(msg, peer, state)
+                self._start_read(key, state, peer, plans, pairing,
+                                 msg.deadline_s or self.config.transfer_timeout_s)
+                return
+            except RequestError as e:
+                if e.code != ErrorCode.NOT_REGISTERED:  # (missing ranks: handshake again below)
+                    self._finish_recv_error(key, e)
+                    return
+            except Exception as e:
+                log.exception("receive %s failed", msg.req_id)
+                self._finish_recv_error(key, RequestError(ErrorCode.TRANSFER_ERROR, repr(e)))
+                return
         self._spawn(self._run_recv(key, msg))
 
     async def _run_recv(self, key: str, msg: Recv) -> None:
+        """A receive whose peer must be handshaked first (or again)."""
         start = time.monotonic()
         deadline_s = msg.deadline_s or self.config.transfer_timeout_s
         state = self.recvs[key]
@@ -178,6 +213,7 @@ class Receiver:
             )
             if self.recvs.get(key) is not state:
                 return  # cancelled or failed while the handshake ran
+            state.mark("handshaked")
             self._check_generation(msg, peer)
             try:
                 plans, pairing = self._plan(msg, peer, state)
@@ -191,41 +227,7 @@ class Receiver:
                     return  # cancelled (and reported) while it handshaked again: never read
                 self._check_generation(msg, peer)
                 plans, pairing = self._plan(msg, peer, state)
-            state.peer_agent = peer.agent_name
-            if not msg.block_ids and not msg.state_block_ids:
-                # Nothing to read (full prefix hit / abort): just release the prefill side.
-                self.recvs.pop(key, None)
-                self._on_change()
-                self._send(state.owner, Done(req_id=msg.req_id, nbytes=0, seconds=0.0))
-                await self._notify_peer(peer.agent_name, self._notice(state, ok=True))
-                return
-            remaining = deadline_s - (time.monotonic() - start)
-            if remaining <= 0:
-                raise RequestError(ErrorCode.DEADLINE, "deadline passed during handshake")
-            state.state = "reading"
-            # The claim: the prefill confirms it still holds the blocks and extends the lease
-            # over the whole read, in parallel with it; Done waits for the answer, and a lease
-            # that was already over fails the load (the blocks may hold another request's KV).
-            state.claim = asyncio.ensure_future(self._claim(msg, state, remaining))
-            # The prefill side must not let its lease run out under a read in progress: the
-            # NIXL thread tells it once the first chunk is posted (it must not delay the read).
-            started = ReadNotice(req_id=msg.remote_req_id or msg.req_id, tp_rank=msg.tp_rank, ok=True,
-                                 reading_s=remaining, engine_id=state.remote_engine, pp_rank=msg.pp_rank,
-                                 token=msg.remote_token)
-            await self._nixl(
-                self.transfer.t_read,
-                key,
-                peer.agent_name,
-                state.local,
-                list(msg.block_ids),
-                list(msg.remote_block_ids),
-                plans,
-                pairing,
-                remaining,
-                encode(started),
-                state.remote_engine,
-                msg.state_pairs,
-            )
+            self._start_read(key, state, peer, plans, pairing, deadline_s - (time.monotonic() - start))
         except TimeoutError:
             self._finish_recv_error(
                 key, RequestError(ErrorCode.HANDSHAKE_FAILED, f"no handshake within {deadline_s}s")
@@ -235,6 +237,61 @@ class Receiver:
         except Exception as e:
             log.exception("receive %s failed", msg.req_id)
             self._finish_recv_error(key, RequestError(ErrorCode.TRANSFER_ERROR, repr(e)))
+
+    def _start_read(self, key: str, state: _RecvState, peer: Peer, plans: list[RankPlan],
+                    pairing: BlockPairing, remaining: float) -> None:
+        """Planned: claim the lease and hand the read to the NIXL thread (no await: the
+        NIXL thread answers with a ReadFinished event, or the submission's exception)."""
+        msg = state.msg
+        state.peer_agent = peer.agent_name
+        state.mark("planned")
+        if not msg.block_ids and not msg.state_block_ids:
+            # Nothing to read (full prefix hit / abort): just release the prefill side.
+            self.recvs.pop(key, None)
+            self._on_change()
+            self._send(state.owner, Done(req_id=msg.req_id, nbytes=0, seconds=0.0))
+            self._spawn(self._notify_peer(peer.agent_name, self._notice(state, ok=True)))
+            return
+        if remaining <= 0:
+            self._finish_recv_error(key, RequestError(ErrorCode.DEADLINE, "deadline passed during handshake"))
+            return
+        state.state = "reading"
+        # The claim: the prefill confirms it still holds the blocks and extends the lease
+        # over the whole read, in parallel with it; Done waits for the answer, and a lease
+        # that was already over fails the load (the blocks may hold another request's KV).
+        renew = self._renewal(msg, state, remaining)
+        sent = self.peers.send_renewal(msg.remote_host, msg.remote_port, renew)  # now, before the read
+        if sent is not None:
+            state.mark("claim_sent")
+        state.claim = asyncio.ensure_future(self._claim(msg, state, remaining, renew, sent))
+        # The prefill side must not let its lease run out under a read in progress: the
+        # NIXL thread tells it once the first chunk is posted (it must not delay the read).
+        started = ReadNotice(req_id=msg.remote_req_id or msg.req_id, tp_rank=msg.tp_rank, ok=True,
+                             reading_s=remaining, engine_id=state.remote_engine, pp_rank=msg.pp_rank,
+                             token=msg.remote_token)
+        fut = self.transfer.call(
+            self.transfer.t_read, key, peer.agent_name, state.local, list(msg.block_ids),
+            list(msg.remote_block_ids), plans, pairing, remaining, encode(started), state.remote_engine,
+            msg.state_pairs, state.trace is not None,
+        )
+        loop = asyncio.get_running_loop()
+
+        def submitted(f: Any) -> None:  # (on the NIXL thread) only a refused submission reports
+            if f.cancelled() or f.exception() is None:
+                return
+            err = f.exception()
+            with contextlib.suppress(RuntimeError):  # the loop closed at shutdown
+                loop.call_soon_threadsafe(self._read_refused, key, state, err)
+
+        fut.add_done_callback(submitted)
+
+    def _read_refused(self, key: str, state: _RecvState, err: BaseException) -> None:
+        if self.recvs.get(key) is not state:
+            return
+        if not isinstance(err, RequestError):
+            log.error("receive %s failed", state.msg.req_id, exc_info=err)
+            err = RequestError(ErrorCode.TRANSFER_ERROR, repr(err))
+        self._finish_recv_error(key, err)
 
     def _check_generation(self, msg: Recv, peer: Peer) -> None:
         if msg.remote_generation and peer.generation and peer.generation != msg.remote_generation:
@@ -310,9 +367,10 @@ class Receiver:
         if event.ok and claim is not None:
             if not claim.done():
                 state.state = "verifying"  # still in flight: drain waits for it, cancel fails it
-                self._spawn(self._after_claim(state, event, peer))
+                claim.add_done_callback(lambda _claim: self._read_finished(state, event, peer))
                 return
-            why = claim.result() if not claim.exception() else f"claim failed: {claim.exception()!r}"
+            why = ("claim cancelled" if claim.cancelled() else claim.result() if not claim.exception()
+                   else f"claim failed: {claim.exception()!r}")
             if why:
                 self._finish(state, event, peer, RequestError(ErrorCode.EXPIRED, why, state.msg.req_id))
                 return
@@ -322,19 +380,18 @@ class Receiver:
             return
         self._finish(state, event, peer)
 
-    async def _after_claim(self, state: _RecvState, event: ReadFinished, peer: Peer | None) -> None:
-        assert state.claim is not None
-        await asyncio.wait([state.claim])
-        if self.recvs.get(event.req_id) is state:  # not cancelled meanwhile
-            self.read_finished(state, event, peer)
+    def _renewal(self, msg: Recv, state: _RecvState, reading_s: float) -> LeaseRenew:
+        """The claim's renewal: the lease extended over the read and its verification."""
+        return LeaseRenew(seq=0, engine_id=state.remote_engine, req_ids=[msg.remote_req_id or msg.req_id],
+                          extend_s=reading_s + self.config.handshake_timeout_s + 1.0,
+                          agent_name=self.agent_name, tokens=[msg.remote_token])
 
-    async def _claim(self, msg: Recv, state: _RecvState, reading_s: float) -> str:
+    async def _claim(self, msg: Recv, state: _RecvState, reading_s: float, renew: LeaseRenew,
+                     sent: RenewalSent | None = None) -> str:
         """Ask the prefill whether it still holds the blocks, extending the lease over the read
-        and its verification. "" when held; else why the read must not be trusted."""
+        and its verification ("" when held; else why the read must not be trusted). ``sent``:
+        the first ask, already on its way."""
         timeout = self.config.handshake_timeout_s
-        renew = LeaseRenew(seq=0, engine_id=state.remote_engine, req_ids=[msg.remote_req_id or msg.req_id],
-                           extend_s=reading_s + timeout + 1.0, agent_name=self.agent_name,
-                           tokens=[msg.remote_token])
         # An answer may take as long as the read it vouches for (a loaded prefill sidecar
         # answers late, not wrongly), and no less than a handshake; a Hold still on its way
         # is waited for one handshake timeout.
@@ -343,8 +400,13 @@ class Receiver:
         pause = 0.002
         while True:
             try:
-                got = await self.peers.call_peer(msg.remote_host, msg.remote_port, renew,
-                                           max(0.05, end - time.monotonic()))
+                if sent is not None:
+                    got = await self.peers.renewal_answer(sent, max(0.05, end - time.monotonic()))
+                    sent = None
+                else:
+                    state.mark("claim_sent")
+                    got = await self.peers.call_peer(msg.remote_host, msg.remote_port, renew,
+                                                     max(0.05, end - time.monotonic()))
             except RequestError as e:
                 return f"the prefill did not confirm it still holds the blocks: {e.reason}"
             except Exception as e:  # never leave a read waiting on a claim that raised
@@ -352,6 +414,7 @@ class Receiver:
                 return f"the prefill did not confirm it still holds the blocks: {e!r}"
             answer = got.held[0] if got.held else "unknown"
             if answer == "held":
+                state.mark("claimed")
                 return ""
             if answer == "gone":
                 break
@@ -401,8 +464,11 @@ class Receiver:
         notice = self._notice(state, ok)
         if ok:
             # the engine first: metrics and events can wait a few microseconds
+            state.mark("reply")
             self._send(state.owner, Done(req_id=msg.req_id, nbytes=event.nbytes, seconds=event.seconds,
-                                         descriptors=event.descriptors))
+                                         descriptors=event.descriptors,
+                                         trace=None if state.trace is None
+                                         else sorted(state.trace, key=lambda h: h[1])))
             self.observer.transfer_done(msg.req_id, state.peer, msg.tp_rank, event.nbytes,
                                         event.seconds, event.descriptors)
             if peer is not None:

@@ -165,6 +165,7 @@ class Sidecar:
         self.on_hup: Any = None  # SIGHUP handler (run_server: reload the log level)
         self.on_engines: Any = None  # async callback(bool): an engine rank registered (health "engine")
         self._engine_serving: bool | None = None
+        self._received_ns = 0  # when the engine message being handled arrived
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -378,6 +379,7 @@ class Sidecar:
         assert self.engine_sock is not None
         while True:
             frames = await self.engine_sock.recv_multipart()
+            self._received_ns = time.monotonic_ns()  # (the trace's "sidecar" hop)
             ident, body = frames[0], frames[-1]
             if len(frames) != 2:
                 self.observer.bad_message("engine")
@@ -411,7 +413,7 @@ class Sidecar:
             case Hold():
                 self.holds.hold(ident, msg, self.draining)
             case Recv():
-                self.receiver.on_recv(ident, msg, self.draining)
+                self.receiver.on_recv(ident, msg, self.draining, self._received_ns)
             case Release():
                 self.holds.release_request(msg)
             case RegisterKV():

@@ -86,6 +86,7 @@ class ReadFinished:
     code: str = ""
     reason: str = ""
     descriptors: int = 0
+    trace: tuple[tuple[str, int], ...] = ()  # the NIXL thread's hops (traced reads only)
 
 
 @dataclass(frozen=True)
@@ -182,6 +183,7 @@ class _Read:
     stuck_reported: bool = False
     started_notice: bytes = b""  # sent to the peer once the first chunk is posted
     corrupt_at: int = 0  # test-only: a host address this read flips once it lands
+    trace: list[tuple[str, int]] | None = None  # (hop, monotonic ns) when the receive is traced
 
     @property
     def all_posted(self) -> bool:
@@ -533,6 +535,7 @@ class TransferEngine:
         started_notice: bytes = b"",
         remote_engine: str = "",
         state_blocks: tuple[list[int], list[int]] = ([], []),
+        trace: bool = False,
     ) -> None:
         """Queue a READ (one leg per remote rank); a ReadFinished event reports the end.
 
@@ -540,6 +543,7 @@ class TransferEngine:
         this thread: a round trip through the event loop would compete with the copy for
         the GIL and the CPU.
         """
+        marks = [("nixl_thread", time.monotonic_ns())] if trace else None
         local = self._local[local_rank]
         pairs = pairing.pairs(len(local_blocks), len(remote_blocks))
         lb = np.asarray(local_blocks, dtype=np.int64)
@@ -587,7 +591,10 @@ class TransferEngine:
             deadline=time.monotonic() + deadline_s,
             started_notice=started_notice,
             corrupt_at=corrupt_at,
+            trace=marks,
         )
+        if marks is not None:
+            marks.append(("planned_descs", time.monotonic_ns()))
         self._post_queue.append(req_id)
 
     def _pair_lists(self, peer: str, local: _LocalRank, plan: RankPlan, remote_engine: str) -> _PairLists:
@@ -794,6 +801,8 @@ class TransferEngine:
             if state == "ERR":
                 self._fail(rd, ErrorCode.TRANSFER_ERROR, "post returned ERR")
                 continue
+            if rd.trace is not None and len(rd.trace) == 2:  # the first chunk
+                rd.trace.append(("posted", time.monotonic_ns()))
             if rd.started_notice:
                 notice, rd.started_notice = rd.started_notice, b""
                 try:
@@ -832,9 +841,10 @@ class TransferEngine:
             del self._reads[rd.req_id]
             self.reads_ok += 1
             self.bytes_read += rd.nbytes
+            trace = () if rd.trace is None else (*rd.trace, ("landed", time.monotonic_ns()))
             self._on_event(
                 ReadFinished(rd.req_id, rd.peer, True, rd.nbytes, now - rd.started,
-                             descriptors=rd.descriptors)
+                             descriptors=rd.descriptors, trace=trace)
             )
             return True
         if now > rd.deadline:

@@ -31,6 +31,12 @@ def test_bench_quick_reports_every_field() -> None:
     assert res["fixed_cost_us"]["kvxfer_p50_us"] > 0
     assert res["fixed_cost_us"]["raw_nixl_p50_us"] > 0
     assert res["fixed_cost_us_p50"] == res["fixed_cost_us"]["p50"]
+    # the per-hop trace of the fixed cost: every hop of the hot path, from the engine's send
+    # of Recv to its receipt of Done (each the median time since the hop before it)
+    hops = res["fixed_cost_us"]["hops_us"]
+    assert {"sidecar", "accepted", "planned", "claim_sent", "nixl_thread", "posted", "landed", "loop",
+            "claimed", "reply", "engine_done"} <= set(hops), hops
+    assert all(v >= 0 for v in hops.values()), hops
     if res["device"] == "cpu":  # descriptors per 16 MiB request, per layout and block ids
         per = {(x["kv_layout"], x["block_ids"]): x["descriptors"] for x in res["layouts"]}
         assert per == {("LBNHC", "random"): 512, ("LBNHC", "consecutive"): 64,

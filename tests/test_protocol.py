@@ -32,8 +32,8 @@ MESSAGES: dict[str, tuple[object, str]] = {
         p.Recv(req_id="r1", block_ids=[4, 5], remote_engine_id="P", remote_host="10.0.0.1",
                remote_port=5700, remote_block_ids=[1, 2]),
         (
-            "dc0013a472656376a27231920405a150a831302e302e302e31cd16449201020100a0cb0000000000"
-            "000000c2cb0000000000000000a0a000a0c0c0"
+            "dc0014a472656376a27231920405a150a831302e302e302e31cd16449201020100a0cb0000000000"
+            "000000c2cb0000000000000000a0a000a0c0c0c2"
         ),
     ),
     "ping": (p.Ping(seq=7), "92a470696e6707"),
@@ -42,7 +42,7 @@ MESSAGES: dict[str, tuple[object, str]] = {
                      handshake_host="h", handshake_port=5700),
         "99aa7265676973746572656400a144a161cd1000a168cd16440000",
     ),
-    "done": (p.Done(req_id="r1", nbytes=1024, seconds=0.5), "95a4646f6e65a27231cd0400cb3fe000000000000000"),
+    "done": (p.Done(req_id="r1", nbytes=1024, seconds=0.5), "96a4646f6e65a27231cd0400cb3fe000000000000000c0"),
     "failed": (p.Failed(req_id="r1", block_ids=[4, 5], code="deadline", reason="late"), "95a66661696c6564a27231920405a8646561646c696e65a46c617465"),
     "released": (p.Released(req_id="r1", reason="read", reads=1), "94a872656c6561736564a27231a47265616401"),
     "error": (p.Error(code="malformed", message="bad", req_id="r1"), "94a56572726f72a96d616c666f726d6564a3626164a27231"),

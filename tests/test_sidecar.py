@@ -67,6 +67,48 @@ def test_blocks_move_and_release_only_after_read(pd: PD) -> None:
     pd.d.free(db)
 
 
+HOT_PATH = ["sidecar", "accepted", "planned", "claim_sent", "nixl_thread", "planned_descs", "posted",
+            "landed", "loop", "claimed", "reply"]
+
+
+def test_a_traced_receive_reports_every_hop_in_order(pd: PD) -> None:
+    """``Recv(trace=True)``: the Done carries each hop's time, in order, between the moment
+    the engine sent the Recv and the moment it got the Done; untraced receives carry none.
+    The first read handshakes (a task awaits the peer); the next ones take the hot path,
+    planned and posted in the call that took the Recv."""
+    pb, db = pd.p.allocate(2), pd.d.allocate(2)
+    pd.p.fill("tr", pb)
+    for i in range(4):
+        pd.d.wipe(db)
+        pd.p.client.hold(f"tr-{i}", pb)
+        t0 = time.monotonic_ns()
+        pd.d.client.recv(f"tr-{i}", db, remote(pd, pb), trace=i < 3)
+        got = wait_for(pd.d.client, lambda a: bool(a.done or a.failed))
+        t1 = time.monotonic_ns()
+        assert not got.failed, got.failed
+        assert pd.d.verify("tr", db)
+        wait_for(pd.p.client, lambda a: bool(a.released))
+        done = got.done[0]
+        if i == 3:
+            assert done.trace is None
+            continue
+        assert done.trace is not None
+        hops = [h for h, _ in done.trace]
+        times = [t for _, t in done.trace]
+        assert times == sorted(times), done.trace
+        assert t0 <= times[0], done.trace
+        assert times[-1] <= t1, done.trace
+        # the claim's answer and the landing race each other (and the first claim, which
+        # opens the link to the peer, goes out from a task); every other hop is in order
+        expect = HOT_PATH[:2] + ["handshaked"] + HOT_PATH[2:] if i == 0 else HOT_PATH
+        racy = {"claimed", "landed"} | ({"claim_sent"} if i == 0 else set())
+        assert [h for h in hops if h not in racy] == [h for h in expect if h not in racy], hops
+        assert hops.index("landed") > hops.index("posted")
+        assert hops.index("claimed") > hops.index("claim_sent")
+    pd.p.free(pb)
+    pd.d.free(db)
+
+
 def test_lease_expires_without_read(pd: PD) -> None:
     pb = pd.p.allocate(2)
     t0 = time.monotonic()
