@@ -210,8 +210,9 @@ def _timed_read(p: SyntheticEngine, d: SyntheticEngine, reg: Any, name: str, pb:
 
 
 def hop_times(traces: list[list[tuple[str, int]]]) -> dict[str, float]:
-    """Median microseconds from each hop to the next (named by where it ends), over traces
-    of the same shape, in the order of the first one."""
+    """Median microseconds from the hop before to each hop (keyed by the hop it ends at),
+    over every trace that has it; keys in the order they first appear (hops that race, such
+    as the claim's answer and the landing, may come in either order)."""
     per: dict[str, list[float]] = {}
     for tr in traces:
         for (_a, t0), (b, t1) in zip(tr, tr[1:], strict=False):

@@ -191,14 +191,10 @@ class Receiver:
                 self._start_read(key, state, peer, plans, pairing,
                                  msg.deadline_s or self.config.transfer_timeout_s)
                 return
-            except RequestError as e:
-                if e.code != ErrorCode.NOT_REGISTERED:  # (missing ranks: handshake again below)
-                    self._finish_recv_error(key, e)
-                    return
             except Exception as e:
-                log.exception("receive %s failed", msg.req_id)
-                self._finish_recv_error(key, RequestError(ErrorCode.TRANSFER_ERROR, repr(e)))
-                return
+                if not isinstance(e, RequestError) or e.code != ErrorCode.NOT_REGISTERED:
+                    self._fail_recv(key, e)
+                    return  # (missing ranks: handshake again below)
         self._spawn(self._run_recv(key, msg))
 
     async def _run_recv(self, key: str, msg: Recv) -> None:
@@ -232,11 +228,16 @@ class Receiver:
             self._finish_recv_error(
                 key, RequestError(ErrorCode.HANDSHAKE_FAILED, f"no handshake within {deadline_s}s")
             )
-        except RequestError as e:
-            self._finish_recv_error(key, e)
         except Exception as e:
-            log.exception("receive %s failed", msg.req_id)
-            self._finish_recv_error(key, RequestError(ErrorCode.TRANSFER_ERROR, repr(e)))
+            self._fail_recv(key, e)
+
+    def _fail_recv(self, key: str, err: BaseException) -> None:
+        """Fail a receive that could not start: its RequestError, or a bug as TRANSFER_ERROR."""
+        if not isinstance(err, RequestError):
+            state = self.recvs.get(key)
+            log.error("receive %s failed", state.msg.req_id if state else key, exc_info=err)
+            err = RequestError(ErrorCode.TRANSFER_ERROR, repr(err))
+        self._finish_recv_error(key, err)
 
     def _start_read(self, key: str, state: _RecvState, peer: Peer, plans: list[RankPlan],
                     pairing: BlockPairing, remaining: float) -> None:
@@ -286,12 +287,8 @@ class Receiver:
         fut.add_done_callback(submitted)
 
     def _read_refused(self, key: str, state: _RecvState, err: BaseException) -> None:
-        if self.recvs.get(key) is not state:
-            return
-        if not isinstance(err, RequestError):
-            log.error("receive %s failed", state.msg.req_id, exc_info=err)
-            err = RequestError(ErrorCode.TRANSFER_ERROR, repr(err))
-        self._finish_recv_error(key, err)
+        if self.recvs.get(key) is state:
+            self._fail_recv(key, err)
 
     def _check_generation(self, msg: Recv, peer: Peer) -> None:
         if msg.remote_generation and peer.generation and peer.generation != msg.remote_generation:

@@ -566,7 +566,9 @@ class TransferEngine:
             if not len(li):
                 continue
             leg = _Leg(pl, li, ri)
-            if self.options.merge_runs and len(li) > MERGE_MIN_SAVED:
+            # (runs never leave their row: a leg of one block has nothing to merge)
+            blocks = len(sl) if plan.state else len(pairs)
+            if self.options.merge_runs and blocks > 1 and len(li) > MERGE_MIN_SAVED:
                 runs = merge_runs(pl.local_rows, pl.remote_rows, local.layout.num_blocks, remote_nb, li, ri)
                 if len(li) - len(runs[0]) >= MERGE_MIN_SAVED:
                     leg.runs = runs
