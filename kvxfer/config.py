@@ -113,6 +113,12 @@ class Config:
                             "NIXL descriptor per run (an un-prepared transfer, used when it saves "
                             "at least 32 descriptors); --no-merge-runs reads every block with "
                             "its own prepared descriptor.", default=True)
+    inline_read_kib: int = _doc("Receives of up to this many KiB are planned and posted by the "
+                                "sidecar's event loop itself, with no hand-off to the NIXL thread "
+                                "and back (on one host the copy runs inside the post, holding the "
+                                "loop: ~0.3 ms per 2 MiB here); larger ones, and every one while "
+                                "the NIXL thread is in NIXL, go through the NIXL thread. 0: all "
+                                "do. Not used with --cuda on.", default=4096)
     idle_poll_ms: float = _doc("NIXL progress poll period when idle (bounds notification "
                                "latency).", default=2.0)
     active_poll_ms: float = _doc("NIXL progress poll period while blocks are held for peers "
@@ -174,6 +180,8 @@ class Config:
             raise ConfigError("chunk_mib and max_inflight_chunks must be > 0")
         if self.nixl_threads < 0:
             raise ConfigError("nixl_threads must be >= 0")
+        if self.inline_read_kib < 0:
+            raise ConfigError("inline_read_kib must be >= 0 (0: every read goes through the NIXL thread)")
         if self.handshake_encryption not in ("auto", "none"):
             raise ConfigError(f"handshake_encryption must be auto or none, not {self.handshake_encryption!r}")
         if self.max_lease_s < self.lease_s:

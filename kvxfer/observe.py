@@ -121,6 +121,9 @@ class Observer:
         self.g_dlists = Gauge("kvxfer_descriptor_lists_prepared", "NIXL descriptor-list pairs this "
                               "sidecar prepared (prep_xfer_dlist), ever: one per (peer, rank pair, "
                               "region span), reused by every later read.", registry=r)
+        self.g_inline = Gauge("kvxfer_reads_posted_by_loop", "Reads this sidecar's event loop planned "
+                              "and posted itself, with no hand-off to the NIXL thread "
+                              "(--inline-read-kib), ever.", registry=r)
         self.g_ranks = Gauge("kvxfer_registered_ranks", "Engine ranks (engine, DP, PP, TP) registered "
                              "with live engines.", registry=r)
         self.g_orphans = Gauge("kvxfer_orphaned_ranks", "Ranks whose engine died, kept only while "

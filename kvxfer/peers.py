@@ -490,7 +490,10 @@ class Peers:
             log.warning("handshake refused (from %s, %s): %s", addr or "?", sender, why)
             self.observer.handshake_refused(f"{addr} {sender}".strip(), ErrorCode.UNAUTHORIZED)
             return Refused(version=PROTOCOL_VERSION, code=ErrorCode.UNAUTHORIZED, reason=why)
-        return self.holds.renew(msg)
+        state = self.holds.renew(msg)
+        if "held" in state.held:
+            self.transfer.expect_reads()  # (a claim: the read follows; see expect_reads)
+        return state
 
     def _unsigned(self, msg: DigestRequest | LeaseRenew) -> str:
         """Why a signed request is refused here ("": it is not)."""

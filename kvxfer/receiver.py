@@ -241,8 +241,8 @@ class Receiver:
 
     def _start_read(self, key: str, state: _RecvState, peer: Peer, plans: list[RankPlan],
                     pairing: BlockPairing, remaining: float) -> None:
-        """Planned: claim the lease and hand the read to the NIXL thread (no await: the
-        NIXL thread answers with a ReadFinished event, or the submission's exception)."""
+        """Planned: claim the lease and start the read (no await: a ReadFinished event
+        answers, or the exception of a refused submission)."""
         msg = state.msg
         state.peer_agent = peer.agent_name
         state.mark("planned")
@@ -270,11 +270,19 @@ class Receiver:
         started = ReadNotice(req_id=msg.remote_req_id or msg.req_id, tp_rank=msg.tp_rank, ok=True,
                              reading_s=remaining, engine_id=state.remote_engine, pp_rank=msg.pp_rank,
                              token=msg.remote_token)
-        fut = self.transfer.call(
-            self.transfer.t_read, key, peer.agent_name, state.local, list(msg.block_ids),
-            list(msg.remote_block_ids), plans, pairing, remaining, encode(started), state.remote_engine,
-            msg.state_pairs, state.trace is not None,
-        )
+        args = (key, peer.agent_name, state.local, list(msg.block_ids), list(msg.remote_block_ids), plans,
+                pairing, remaining, encode(started), state.remote_engine, msg.state_pairs,
+                state.trace is not None)
+        # A small read is posted (and on one host copied) right here, with no hand-off to
+        # the NIXL thread and back; a large one, or one while the NIXL thread is busy in
+        # NIXL, is handed over.
+        try:
+            if self.transfer.read_now(*args):
+                return
+        except Exception as e:
+            self._fail_recv(key, e)
+            return
+        fut = self.transfer.call(self.transfer.t_read, *args)
         loop = asyncio.get_running_loop()
 
         def submitted(f: Any) -> None:  # (on the NIXL thread) only a refused submission reports

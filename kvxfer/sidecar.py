@@ -25,6 +25,7 @@ import os
 import secrets
 import signal
 import sys
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -124,6 +125,7 @@ class Sidecar:
         self._tasks: set[asyncio.Task[Any]] = set()
         self._stop = asyncio.Event()
         self.loop: asyncio.AbstractEventLoop | None = None
+        self._loop_thread = 0  # threading.get_ident() of the loop's thread, once it runs
         opts = TransferOptions(
             ucx_error_mode=config.ucx_error_mode,
             num_threads=config.nixl_threads,
@@ -134,12 +136,16 @@ class Sidecar:
             active_poll_s=config.active_poll_ms / 1000.0,
             settle_timeout_s=config.settle_timeout_s,
             cuda=config.cuda_enabled,
+            # (posting from the loop's thread is verified on host memory only: with CUDA the
+            # NIXL thread stays the only one that drives NIXL)
+            inline_bytes=0 if config.cuda_enabled else config.inline_read_kib << 10,
         )
         self.transfer = TransferEngine(self.agent_name, opts, self._from_nixl_thread)
         self.registry = RankRegistry(self.engine_id, self._nixl, self.transfer.t_register,
                                      self.transfer.t_unregister)
         self.observer = Observer()
         self.observer.g_dlists.set_function(lambda: self.transfer.dlists_prepared)
+        self.observer.g_inline.set_function(lambda: self.transfer.reads_inline)
         self.observer.g_ranks.set_function(lambda: sum(not e.orphaned for e in self.registry.entries()))
         self.observer.g_orphans.set_function(lambda: len(self.registry.orphans()))
         self.observer.g_pools.set_function(lambda: self.pools.stats()[0] if self.pools else 0)
@@ -171,6 +177,7 @@ class Sidecar:
 
     async def serve(self) -> None:
         self.loop = asyncio.get_running_loop()
+        self._loop_thread = threading.get_ident()
         # Every listener binds before NIXL starts: one that cannot says which and where, and
         # the process exits 2 (ListenError) with nothing to tear down.
         if self.config.metrics_port:
@@ -509,7 +516,11 @@ class Sidecar:
             self._idle.set()
 
     def _from_nixl_thread(self, event: ReadFinished | NoticeReceived | ReadStuck) -> None:
+        """From the NIXL thread, or from the loop itself for a read it posted (read_now)."""
         assert self.loop is not None
+        if threading.get_ident() == self._loop_thread:
+            self.loop.call_soon(self._on_nixl_event, event)  # (not re-entered: after this call)
+            return
         with contextlib.suppress(RuntimeError):  # loop already closed at shutdown
             self.loop.call_soon_threadsafe(self._on_nixl_event, event)
 

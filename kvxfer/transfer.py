@@ -74,6 +74,8 @@ class TransferOptions:
     idle_poll_s: float = 2e-3  # poll period when nothing is in flight (notification latency)
     cuda: bool = False  # VRAM over CUDA IPC expected: UCX memtype cache off
     settle_timeout_s: float = 20.0  # a failed read's in-flight chunks must stop by then
+    expect_read_s: float = 2e-3  # after a claim, poll at busy_poll_s this long (expect_reads)
+    inline_bytes: int = 4 << 20  # reads up to this size are posted by the caller itself (read_now)
 
 
 @dataclass(frozen=True)
@@ -115,6 +117,11 @@ class _LocalRank:
     mappings: list[Mapping]
     reg_descs: list[Any]
     info: RankInfo  # absolute region addresses, as peers see them
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one block in all its regions (an upper bound on what a block moves)."""
+        return sum(r.block_len for r in self.info.regions)
 
 
 @dataclass
@@ -302,8 +309,8 @@ def _leg_indices(
     return np.concatenate(li_parts), np.concatenate(ri_parts), nbytes
 
 
-def import_nixl() -> tuple[Any, Any]:
-    """The NIXL Python API from whichever single-variant wheel is installed.
+def import_nixl() -> Any:
+    """The NIXL Python API module from whichever single-variant wheel is installed.
 
     ``nixl_cu12`` / ``nixl_cu13`` import without torch; the ``nixl`` meta package drags
     torch in (2-3 s), so it is the last resort.
@@ -315,16 +322,19 @@ def import_nixl() -> tuple[Any, Any]:
             mod = importlib.import_module(module)
         except ImportError:
             continue
-        return mod.nixl_agent, mod.nixl_agent_config
+        return mod
     raise ImportError("no NIXL Python package found: pip install nixl-cu12 (or nixl-cu13)")
 
 
 def create_agent(name: str, ucx_error_mode: str, num_threads: int) -> Any:
     """A NIXL agent with the UCX backend as the sidecar runs it: NIXL's progress thread off
-    (it spins a full core), ``num_threads`` UCX worker threads."""
-    nixl_agent, nixl_agent_config = import_nixl()
-    conf = nixl_agent_config(enable_prog_thread=False, backends=[], num_threads=num_threads)
-    agent = nixl_agent(name, conf)
+    (it spins a full core), ``num_threads`` UCX worker threads, strict synchronization (the
+    agent serializes calls into its backends, and UCX workers are created SERIALIZED: any
+    thread may drive them, one at a time; TransferEngine.read_now relies on it)."""
+    nixl = import_nixl()
+    conf = nixl.nixl_agent_config(enable_prog_thread=False, backends=[], num_threads=num_threads,
+                                  sync_mode=nixl.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT)
+    agent = nixl.nixl_agent(name, conf)
     params = {"ucx_error_handling_mode": ucx_error_mode}
     if num_threads > 0:
         params["num_threads"] = str(num_threads)
@@ -342,6 +352,9 @@ class TransferEngine:
         self.options = options
         self._on_event = on_event
         self._cmds: queue.SimpleQueue[_Command | None] = queue.SimpleQueue()
+        # held by whichever thread is inside NIXL or the state below: the NIXL thread while
+        # it runs commands and polls, the loop while it posts a small read itself (read_now)
+        self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._main, name="kvxfer-nixl", daemon=True)
         self._ready: concurrent.futures.Future[None] = concurrent.futures.Future()
         self._agent: Any = None
@@ -361,7 +374,9 @@ class TransferEngine:
         self.settled_late = 0  # failed reads reported only after in-flight chunks stopped
         self.pools: PoolServer | None = None  # the sidecar's memory channel (PoolMemory refs)
         self.dlists_prepared = 0  # descriptor list pairs prepared (prep_xfer_dlist), ever
+        self.reads_inline = 0  # reads planned and posted by the caller itself (read_now), ever
         self.serving = False  # set by the loop while blocks are held for peers to read
+        self._hot_until = 0.0  # poll at busy_poll_s until then (expect_reads)
         # Test-only corruption hook (proves --verify-sample catches a wrong byte end to end):
         # the next N successful reads into host memory get one byte flipped after they land.
         self._corrupt_reads = int(os.environ.get("KVXFER_TEST_CORRUPT_READS", "0") or 0)
@@ -378,11 +393,69 @@ class TransferEngine:
         self._cmds.put((fn, args, fut))
         return fut
 
+    def read_now(self, req_id: str, peer: str, local_rank: Hashable, local_blocks: list[int],
+                 remote_blocks: list[int], plans: list[RankPlan], pairing: BlockPairing, deadline_s: float,
+                 started_notice: bytes = b"", remote_engine: str = "",
+                 state_blocks: tuple[list[int], list[int]] = ([], []), trace: bool = False) -> bool:
+        """Run a small read (``t_read``'s arguments) on the calling thread: plan it, post it
+        and check it, with no hand-off to the NIXL thread and back. On one host a CMA
+        ``transfer()`` copies inside the call, so a small read has landed when this returns
+        (its ReadFinished is already on its way); one still in flight is polled by the NIXL
+        thread as usual, which this wakes.
+
+        Returns False, having done nothing, when the NIXL thread is inside NIXL right now
+        (posting, polling), when the read is larger than ``inline_bytes`` (the caller's
+        thread would be held for the copy) or when the chunk cap is reached: then submit
+        it with ``call(t_read, ...)``. Raises what ``t_read`` raises.
+
+        NIXL is driven from two threads but never at once: every NIXL call is made under
+        ``_lock``. The agent is created with NIXL's strict synchronization, so its UCX
+        workers run in UCX's SERIALIZED thread mode (any thread, one at a time).
+        """
+        if self.options.inline_bytes <= 0 or not self._thread.is_alive():
+            return False
+        if not self._lock.acquire(blocking=False):
+            return False
+        try:
+            local = self._local.get(local_rank)
+            blocks = len(local_blocks) + len(state_blocks[0])
+            if (local is None or blocks * local.block_bytes > self.options.inline_bytes
+                    or self._inflight_chunks >= self.options.max_inflight_chunks):
+                return False
+            self.t_read(req_id, peer, local_rank, local_blocks, remote_blocks, plans, pairing, deadline_s,
+                        started_notice, remote_engine, state_blocks, trace)
+            self.reads_inline += 1
+            rd = self._reads[req_id]
+            while not rd.all_posted and self._inflight_chunks < self.options.max_inflight_chunks:
+                self._post_next(rd)
+            if req_id in self._reads:
+                self._check(rd, time.monotonic())
+            pending = req_id in self._reads
+        finally:
+            self._lock.release()
+        if pending:
+            self._wake()
+        return True
+
+    def expect_reads(self) -> None:
+        """A peer claimed held blocks: its READ is about to start, and in UCX peer mode a READ
+        may complete only once its target (this agent) makes progress (measured here: every
+        other READ after a NIXL notification waits for it). Poll at the busy period for
+        ``expect_read_s``, starting now (in UCX's "none" mode READs need no target progress)."""
+        if self.options.expect_read_s <= 0 or self.options.ucx_error_mode != "peer":
+            return
+        self._hot_until = time.monotonic() + self.options.expect_read_s
+        self._wake()
+
+    def _wake(self) -> None:
+        """Make the NIXL thread look now, not at the end of its poll period."""
+        self.call(lambda: None)
+
     def set_serving(self, serving: bool) -> None:
         """Blocks are (or no longer are) held for peers to read: poll at the active period."""
         if serving and not self.serving:
             self.serving = True
-            self.call(lambda: None)  # wake the thread now, not at the end of an idle period
+            self._wake()
         else:
             self.serving = serving
 
@@ -697,6 +770,7 @@ class TransferEngine:
             "settling": sum(1 for r in self._reads.values() if r.failure is not None),
             "settled_late": self.settled_late,
             "dlists_prepared": self.dlists_prepared,
+            "reads_inline": self.reads_inline,
         }
 
     # ------------------------------------------------------------------ thread internals
@@ -724,33 +798,38 @@ class TransferEngine:
                 item = ()
             if item is None:
                 break
-            while item:
-                fn, args, fut = item
-                if fut.set_running_or_notify_cancel():
+            with self._lock:
+                ran = bool(item)
+                while item:
+                    fn, args, fut = item
+                    if fut.set_running_or_notify_cancel():
+                        try:
+                            fut.set_result(fn(*args))
+                        except BaseException as e:
+                            fut.set_exception(e)
                     try:
-                        fut.set_result(fn(*args))
-                    except BaseException as e:
-                        fut.set_exception(e)
+                        item = self._cmds.get_nowait()
+                    except queue.Empty:
+                        item = ()
+                    if item is None:
+                        self._shutdown()
+                        return
                 try:
-                    item = self._cmds.get_nowait()
-                except queue.Empty:
-                    item = ()
-                if item is None:
-                    self._shutdown()
-                    return
-            try:
-                progressed = self._pump()
-            except Exception:
-                log.exception("NIXL progress failed")
-                progressed = False
-            if self._reads:
+                    progressed = self._pump() or ran  # (a read posted by read_now: poll it soon)
+                except Exception:
+                    log.exception("NIXL progress failed")
+                    progressed = False
+            if time.monotonic() < self._hot_until:
+                delay = self.options.busy_poll_s
+            elif self._reads:
                 delay = (self.options.busy_poll_s if progressed
                          else min(delay * 2, self.options.active_poll_s))
             elif self.serving:
                 delay = self.options.active_poll_s
             else:
                 delay = self.options.idle_poll_s
-        self._shutdown()
+        with self._lock:
+            self._shutdown()
 
     def _pump(self) -> bool:
         progressed = self._post_chunks()
@@ -768,52 +847,56 @@ class TransferEngine:
 
     def _post_chunks(self) -> bool:
         posted = False
-        agent = self._agent
         while self._post_queue and self._inflight_chunks < self.options.max_inflight_chunks:
             req_id = self._post_queue.popleft()
             rd = self._reads.get(req_id)
             if rd is None or rd.all_posted:
                 continue
-            leg = rd.legs[rd.leg]
-            lo = leg.next_desc
-            hi = min(lo + leg.chunk, leg.count)
-            try:
-                if leg.runs is None:
-                    handle = agent.make_prepped_xfer(
-                        "READ", leg.pair.local, leg.local_idx[lo:hi], leg.pair.remote, leg.remote_idx[lo:hi]
-                    )
-                else:
-                    handle = agent.initialize_xfer(
-                        "READ", agent.get_xfer_descs(leg.runs[0][lo:hi], leg.pair.local_mem),
-                        agent.get_xfer_descs(leg.runs[1][lo:hi], leg.pair.remote_mem), rd.peer)
-            except Exception as e:
-                self._fail(rd, _error_code(e), f"prepare: {e}")
-                continue
-            leg.next_desc = hi
-            if hi >= leg.count:
-                rd.leg += 1
-            rd.handles.append(handle)
-            self._inflight_chunks += 1
             posted = True
-            try:
-                state = agent.transfer(handle)
-            except Exception as e:
-                self._fail(rd, _error_code(e), f"post: {e}")
-                continue
-            if state == "ERR":
-                self._fail(rd, ErrorCode.TRANSFER_ERROR, "post returned ERR")
-                continue
-            if rd.trace is not None and len(rd.trace) == 2:  # the first chunk
-                rd.trace.append(("posted", time.monotonic_ns()))
-            if rd.started_notice:
-                notice, rd.started_notice = rd.started_notice, b""
-                try:
-                    agent.send_notif(rd.peer, notice)
-                except Exception as e:  # the read itself reports a dead peer
-                    log.warning("read-started notice for %s to %s not sent: %s", req_id, rd.peer, e)
+            self._post_next(rd)
             if not rd.all_posted:
                 self._post_queue.append(req_id)
         return posted
+
+    def _post_next(self, rd: _Read) -> None:
+        """Post the read's next chunk (a failure fails the read: nothing more is posted)."""
+        agent = self._agent
+        leg = rd.legs[rd.leg]
+        lo = leg.next_desc
+        hi = min(lo + leg.chunk, leg.count)
+        try:
+            if leg.runs is None:
+                handle = agent.make_prepped_xfer(
+                    "READ", leg.pair.local, leg.local_idx[lo:hi], leg.pair.remote, leg.remote_idx[lo:hi]
+                )
+            else:
+                handle = agent.initialize_xfer(
+                    "READ", agent.get_xfer_descs(leg.runs[0][lo:hi], leg.pair.local_mem),
+                    agent.get_xfer_descs(leg.runs[1][lo:hi], leg.pair.remote_mem), rd.peer)
+        except Exception as e:
+            self._fail(rd, _error_code(e), f"prepare: {e}")
+            return
+        leg.next_desc = hi
+        if hi >= leg.count:
+            rd.leg += 1
+        rd.handles.append(handle)
+        self._inflight_chunks += 1
+        try:
+            state = agent.transfer(handle)
+        except Exception as e:
+            self._fail(rd, _error_code(e), f"post: {e}")
+            return
+        if state == "ERR":
+            self._fail(rd, ErrorCode.TRANSFER_ERROR, "post returned ERR")
+            return
+        if rd.trace is not None and len(rd.trace) == 2:  # the first chunk
+            rd.trace.append(("posted", time.monotonic_ns()))
+        if rd.started_notice:
+            notice, rd.started_notice = rd.started_notice, b""
+            try:
+                agent.send_notif(rd.peer, notice)
+            except Exception as e:  # the read itself reports a dead peer
+                log.warning("read-started notice for %s to %s not sent: %s", rd.req_id, rd.peer, e)
 
     def _check(self, rd: _Read, now: float) -> bool:
         if rd.failure is not None:
