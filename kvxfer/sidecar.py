@@ -1,8 +1,10 @@
 """The sidecar daemon: the asyncio front end over the NIXL thread.
 
 It owns three things and nothing else: the engine socket (ZMQ ROUTER on ``ipc://``,
-0600), the peer handshake listener (ZMQ ROUTER on TCP), and the timers (leases). Every
-NIXL call goes through ``TransferEngine.call``; this loop never blocks on NIXL.
+0600), the peer handshake listener (ZMQ ROUTER on TCP), and the timers (leases). NIXL
+calls go through ``TransferEngine.call``, except a small read, which this loop posts
+itself (``TransferEngine.read_now``: bounded by ``--inline-read-kib``, never while the NIXL
+thread is in NIXL); it never waits for the NIXL thread.
 
 Request flow (pull model): the prefill engine ``Hold``s blocks under a lease; the decode
 engine sends ``Recv`` naming the prefill sidecar's handshake endpoint; this side

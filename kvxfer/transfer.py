@@ -1,10 +1,15 @@
 """NIXL, owned by one dedicated thread: agent, registrations, peers, in-flight reads.
 
-NIXL is not guaranteed thread-safe and a CMA ``transfer()`` copies synchronously inside
-the call (~150 ms per GiB), so the asyncio loop never calls NIXL: it submits closures
-with ``TransferEngine.call`` (a concurrent Future comes back) and receives events
-(``ReadFinished``, ``NoticeReceived``) through the callback it passed in, which this
-thread schedules onto the loop with ``call_soon_threadsafe``.
+A CMA ``transfer()`` copies synchronously inside the call (~150 ms per GiB), so the
+asyncio loop submits closures with ``TransferEngine.call`` (a concurrent Future comes back)
+and receives events (``ReadFinished``, ``NoticeReceived``) through the callback it passed
+in, which this thread schedules onto the loop with ``call_soon_threadsafe``. The one
+exception is the hot path: a read of at most ``inline_bytes`` is planned and posted by the
+loop itself (``read_now``), which saves the hand-off and the poll that sees it land. NIXL
+calls from the two threads never overlap: each holds ``_lock`` while in NIXL (the loop
+only tries it, and hands the read over when the NIXL thread has it), and the agent runs
+NIXL's strict synchronization, under which its UCX workers are SERIALIZED (any thread,
+one at a time).
 
 Reads are split into chunks of at most ``chunk_bytes`` and posted round-robin across
 requests with a cap on chunks in flight, so a 2 GiB request cannot delay a 2 MiB one by
