@@ -337,8 +337,10 @@ def create_agent(name: str, ucx_error_mode: str, num_threads: int) -> Any:
     agent serializes calls into its backends, and UCX workers are created SERIALIZED: any
     thread may drive them, one at a time; TransferEngine.read_now relies on it)."""
     nixl = import_nixl()
-    conf = nixl.nixl_agent_config(enable_prog_thread=False, backends=[], num_threads=num_threads,
-                                  sync_mode=nixl.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT)
+    # (a NIXL without sync modes: with no progress thread its UCX workers are SERIALIZED too)
+    sync = getattr(nixl, "nixl_thread_sync_t", None)
+    extra = {"sync_mode": sync.NIXL_THREAD_SYNC_STRICT} if sync is not None else {}
+    conf = nixl.nixl_agent_config(enable_prog_thread=False, backends=[], num_threads=num_threads, **extra)
     agent = nixl.nixl_agent(name, conf)
     params = {"ucx_error_handling_mode": ucx_error_mode}
     if num_threads > 0:
@@ -409,7 +411,7 @@ class TransferEngine:
         thread as usual, which this wakes.
 
         Returns False, having done nothing, when the NIXL thread is inside NIXL right now
-        (posting, polling), when the read is larger than ``inline_bytes`` (the caller's
+        (posting, polling) or has commands queued, when the read is larger than ``inline_bytes`` (the caller's
         thread would be held for the copy) or when the chunk cap is reached: then submit
         it with ``call(t_read, ...)``. Raises what ``t_read`` raises.
 
@@ -419,7 +421,10 @@ class TransferEngine:
         """
         if self.options.inline_bytes <= 0 or not self._thread.is_alive():
             return False
-        if not self._lock.acquire(blocking=False):
+        # Commands still queued (a registration, a peer's removal or reload) were submitted
+        # first and must run first: this read then goes behind them. (Only the loop queues
+        # commands, and the loop is here: none can arrive between this check and the post.)
+        if not self._cmds.empty() or not self._lock.acquire(blocking=False):
             return False
         try:
             local = self._local.get(local_rank)
