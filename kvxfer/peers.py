@@ -490,10 +490,15 @@ class Peers:
             log.warning("handshake refused (from %s, %s): %s", addr or "?", sender, why)
             self.observer.handshake_refused(f"{addr} {sender}".strip(), ErrorCode.UNAUTHORIZED)
             return Refused(version=PROTOCOL_VERSION, code=ErrorCode.UNAUTHORIZED, reason=why)
-        state = self.holds.renew(msg)
+        state = self._renew(msg)
         if "held" in state.held:
             self.transfer.expect_reads()  # (a claim: the read follows; see expect_reads)
         return state
+
+    def _renew(self, msg: LeaseRenew) -> LeaseState:
+        """Extend the leases; the answer names this sidecar's generation, so that a reader
+        whose request named none still learns that its plan came from stale descriptions."""
+        return msgspec.structs.replace(self.holds.renew(msg), generation=self.generation)
 
     def _unsigned(self, msg: DigestRequest | LeaseRenew) -> str:
         """Why a signed request is refused here ("": it is not)."""
@@ -531,7 +536,7 @@ class Peers:
             except RequestError as e:
                 return refuse(e.code, f"digest of {hello.req_id!r}: {e.reason}")
         if isinstance(hello, LeaseRenew):
-            return self.holds.renew(hello), []
+            return self._renew(hello), []
         sender = f"{hello.agent_name!r} of engine {hello.engine_id!r}"
         if self.secret:
             if not hello.mac:  # step one: prove you hold the secret, answering this challenge

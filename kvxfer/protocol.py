@@ -513,6 +513,9 @@ class LeaseState(_Msg, tag="leases"):
     # per LeaseRenew.req_ids: "held" (and now extended), "gone" (its lease ended: released or
     # expired) or "unknown" (never held here, or not yet: its Hold may still be on its way)
     held: list[Literal["held", "gone", "unknown"]]
+    # the answering sidecar's registration generation now (Welcome.generation): a read planned
+    # from a handshake of another generation used stale memory descriptions
+    generation: str = ""
 
 
 HandshakeReply = Welcome | Refused | DigestReply | LeaseState | Challenge

@@ -60,7 +60,7 @@ class _RecvState:
     peer_agent: str = ""
     local: RankKey | None = None  # the registered rank whose memory receives
     remote_engine: str = ""  # the prefill engine it reads, once the plan named it
-    claim: asyncio.Future[str] | None = None  # the prefill's "still held": "" yes, else why not
+    claim: asyncio.Future[RequestError | None] | None = None  # the prefill's "still held": None, or why not
     trace: list[tuple[str, int]] | None = None  # (hop, monotonic ns) when the Recv asked for it
 
     def mark(self, hop: str) -> None:
@@ -192,10 +192,19 @@ class Receiver:
                                  msg.deadline_s or self.config.transfer_timeout_s)
                 return
             except Exception as e:
-                if not isinstance(e, RequestError) or e.code != ErrorCode.NOT_REGISTERED:
+                if not self._may_be_stale(e, msg):
                     self._fail_recv(key, e)
-                    return  # (missing ranks: handshake again below)
+                    return  # (missing ranks, or a stale description: handshake again below)
         self._spawn(self._run_recv(key, msg))
+
+    @staticmethod
+    def _may_be_stale(err: BaseException, msg: Recv) -> bool:
+        """A plan failed in a way a fresh handshake may cure: ranks missing from it, or (for a
+        request that names no generation, which would have caught it) a layout that no longer
+        matches because the prefill engine re-registered since."""
+        return isinstance(err, RequestError) and (
+            err.code == ErrorCode.NOT_REGISTERED
+            or (err.code == ErrorCode.INCOMPATIBLE and not msg.remote_generation))
 
     async def _run_recv(self, key: str, msg: Recv) -> None:
         """A receive whose peer must be handshaked first (or again)."""
@@ -214,13 +223,16 @@ class Receiver:
             try:
                 plans, pairing = self._plan(msg, peer, state)
             except RequestError as e:
-                if e.code != ErrorCode.NOT_REGISTERED:
+                if not self._may_be_stale(e, msg):
                     raise
-                peer.stale = True  # handshaked while some ranks were missing: ask again once
+                before = peer.generation
+                peer.stale = True  # ranks missing, or a stale description: ask again once
                 peer = await asyncio.wait_for(self.peers.get_peer(msg.remote_host, msg.remote_port),
                                               timeout=deadline_s)
                 if self.recvs.get(key) is not state:
                     return  # cancelled (and reported) while it handshaked again: never read
+                if e.code == ErrorCode.INCOMPATIBLE and peer.generation == before:
+                    raise  # nothing was stale: the layouts really differ
                 self._check_generation(msg, peer)
                 plans, pairing = self._plan(msg, peer, state)
             self._start_read(key, state, peer, plans, pairing, deadline_s - (time.monotonic() - start))
@@ -264,7 +276,7 @@ class Receiver:
         sent = self.peers.send_renewal(msg.remote_host, msg.remote_port, renew)  # now, before the read
         if sent is not None:
             state.mark("claim_sent")
-        state.claim = asyncio.ensure_future(self._claim(msg, state, remaining, renew, sent))
+        state.claim = asyncio.ensure_future(self._claim(msg, state, remaining, renew, sent, peer))
         # The prefill side must not let its lease run out under a read in progress: the
         # NIXL thread tells it once the first chunk is posted (it must not delay the read).
         started = ReadNotice(req_id=msg.remote_req_id or msg.req_id, tp_rank=msg.tp_rank, ok=True,
@@ -374,10 +386,11 @@ class Receiver:
                 state.state = "verifying"  # still in flight: drain waits for it, cancel fails it
                 claim.add_done_callback(lambda _claim: self._read_finished(state, event, peer))
                 return
-            why = ("claim cancelled" if claim.cancelled() else claim.result() if not claim.exception()
-                   else f"claim failed: {claim.exception()!r}")
-            if why:
-                self._finish(state, event, peer, RequestError(ErrorCode.EXPIRED, why, state.msg.req_id))
+            err = (RequestError(ErrorCode.EXPIRED, "claim cancelled") if claim.cancelled()
+                   else claim.result() if not claim.exception()
+                   else RequestError(ErrorCode.EXPIRED, f"claim failed: {claim.exception()!r}"))
+            if err is not None:
+                self._finish(state, event, peer, RequestError(err.code, err.reason, state.msg.req_id))
                 return
         if event.ok and peer is not None and self._sample(peer):
             state.state = "verifying"
@@ -392,10 +405,10 @@ class Receiver:
                           agent_name=self.agent_name, tokens=[msg.remote_token])
 
     async def _claim(self, msg: Recv, state: _RecvState, reading_s: float, renew: LeaseRenew,
-                     sent: RenewalSent | None = None) -> str:
+                     sent: RenewalSent | None = None, peer: Peer | None = None) -> RequestError | None:
         """Ask the prefill whether it still holds the blocks, extending the lease over the read
-        and its verification ("" when held; else why the read must not be trusted). ``sent``:
-        the first ask, already on its way."""
+        and its verification (None when held; else why the read must not be trusted). ``sent``:
+        the first ask, already on its way; ``peer``: what the read was planned from."""
         timeout = self.config.handshake_timeout_s
         # An answer may take as long as the read it vouches for (a loaded prefill sidecar
         # answers late, not wrongly), and no less than a handshake; a Hold still on its way
@@ -413,25 +426,36 @@ class Receiver:
                     got = await self.peers.call_peer(msg.remote_host, msg.remote_port, renew,
                                                      max(0.05, end - time.monotonic()))
             except RequestError as e:
-                return f"the prefill did not confirm it still holds the blocks: {e.reason}"
+                return RequestError(ErrorCode.EXPIRED, f"the prefill did not confirm it still holds the "
+                                    f"blocks: {e.reason}")
             except Exception as e:  # never leave a read waiting on a claim that raised
                 log.exception("claim of %s failed", msg.req_id)
-                return f"the prefill did not confirm it still holds the blocks: {e!r}"
+                return RequestError(ErrorCode.EXPIRED, f"the prefill did not confirm it still holds the "
+                                    f"blocks: {e!r}")
             answer = got.held[0] if got.held else "unknown"
             if answer == "held":
                 state.mark("claimed")
-                return ""
+                if peer is not None and got.generation and peer.generation not in ("", got.generation):
+                    # (a request that named no generation was planned from a cached handshake;
+                    # or the prefill re-registered during the read)
+                    peer.stale = True  # the next receive handshakes again
+                    return RequestError(ErrorCode.INCOMPATIBLE, f"the prefill sidecar re-registered since "
+                                        f"it was handshaked (generation {peer.generation}, now "
+                                        f"{got.generation}): this read followed its old memory "
+                                        "description; not used")
+                return None
             if answer == "gone":
                 break
             # Not held *yet*: its Hold may still be on the way to the prefill sidecar (the
             # engine keeps the blocks meanwhile). Ask again, briefly.
             if time.monotonic() + pause > min(end, unknown_end):
-                return "the prefill sidecar does not hold this request (its Hold never arrived)"
+                return RequestError(ErrorCode.EXPIRED, "the prefill sidecar does not hold this request "
+                                    "(its Hold never arrived)")
             await asyncio.sleep(pause)
             pause = min(pause * 2, 0.1)
         self.observer.emit(Event("lease_expired_before_read", request_id=msg.req_id, peer=state.peer))
-        return ("the prefill's lease on these blocks was over before the read: they may already hold "
-                "another request's KV; not used")
+        return RequestError(ErrorCode.EXPIRED, "the prefill's lease on these blocks was over before the "
+                            "read: they may already hold another request's KV; not used")
 
     async def keepalive(self, ident: bytes, msg: KeepAlive) -> None:
         """Renew the prefill leases of requests still waiting here (handshaking first: the

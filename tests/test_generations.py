@@ -10,6 +10,8 @@ from __future__ import annotations
 import os
 import signal
 
+import pytest
+
 from kvxfer.client import RemoteBlocks
 from kvxfer.testing.engine import SyntheticEngine, make_layout
 from kvxfer.testing.procs import SidecarFactory, free_port
@@ -113,3 +115,90 @@ def test_a_handshake_that_saw_only_some_ranks_is_retried(factory: SidecarFactory
         p0.close()
         p1.close()
         d.close()
+
+
+
+@pytest.mark.parametrize("change", ["fewer_blocks", "other_heads"])
+def test_a_receive_without_generation_never_reads_a_re_registered_engine_by_its_old_layout(
+        factory: SidecarFactory, change: str) -> None:
+    """kv_transfer_params built by hand may lack ``remote_generation``. The prefill engine
+    re-registers with another layout (new memory, likely mapped where the old one was, so the
+    cached addresses still point into live memory):
+    - fewer blocks: the cached description still plans, at the old region offsets; the
+      claim's answer names the prefill's generation, so that read fails instead of
+      delivering bytes from the wrong offsets, and the next one handshakes again;
+    - other heads (the decode engine too): the cached description no longer plans; the
+      receive handshakes again before failing, and reads."""
+    ps = factory.start(f"gen4-{change}-p", "--handshake-timeout-s", "2")
+    ds = factory.start(f"gen4-{change}-d", "--handshake-timeout-s", "2")
+    p, d = SyntheticEngine(LAYOUT, ps.endpoint, seed=1), SyntheticEngine(LAYOUT, ds.endpoint, seed=2)
+    p2 = None
+    try:
+        p.start()
+        d.start()
+        _, db, got = pull(p, d, "old-layout", 3)
+        assert got.done
+        assert d.verify("old-layout", db)
+        p.close()
+        if change == "fewer_blocks":
+            fewer = make_layout(layers=2, num_blocks=24, heads=4, head_dim=32)
+            p2 = SyntheticEngine(fewer, ps.endpoint, seed=7)
+            p2.start()
+        else:
+            new = make_layout(layers=2, num_blocks=64, heads=2, head_dim=32)
+            p2 = SyntheticEngine(new, ps.endpoint, seed=7)
+            p2.start()
+            d.close()
+            d = SyntheticEngine(new, ds.endpoint, seed=8)
+            d.start()
+        results = []
+        for i in range(2):
+            _, db, got = pull(p2, d, f"new-layout-{i}", 3)
+            results.append("ok" if got.done and d.verify(f"new-layout-{i}", db) else
+                           "wrong bytes" if got.done else got.failed[0].code)
+            if got.failed:
+                p2.client.release(f"new-layout-{i}")
+        # fewer blocks: the stale read fails (its cached addresses point at nothing, or
+        # the claim's answer names the new generation), never with wrong bytes
+        assert results[0] != "wrong bytes"
+        assert results[0] in (("peer_disconnected", "transfer_error", "incompatible")
+                              if change == "fewer_blocks" else ("ok",)), results
+        assert results[1] == "ok", results
+    finally:
+        d.close()
+        if p2 is not None:
+            p2.close()
+
+
+def test_the_claim_fails_a_read_planned_from_an_older_generation(factory: SidecarFactory) -> None:
+    """The claim's answer names the prefill sidecar's generation. Another engine on it
+    registers again after the decode handshaked (a replaced registration is a new
+    generation): a receive that names no generation was planned from the older description,
+    so it fails ('incompatible', whatever it read), and the next one handshakes again and
+    reads."""
+    ps = factory.start("gen5-p", "--handshake-timeout-s", "2")
+    ds = factory.start("gen5-d", "--handshake-timeout-s", "2")
+    p, d = SyntheticEngine(LAYOUT, ps.endpoint, seed=1), SyntheticEngine(LAYOUT, ds.endpoint, seed=2)
+    other = SyntheticEngine(LAYOUT, ps.endpoint, seed=3, engine_id="another-engine")
+    try:
+        p.start()
+        other.start()
+        d.start()
+        _, db, got = pull(p, d, "before", 2)
+        assert got.done
+        assert d.verify("before", db)
+        before = p.client.ping().generation
+        other.start()
+        assert p.client.ping().generation != before
+        _, _db, got = pull(p, d, "planned-from-old", 2)
+        assert got.failed, "a read planned from an older generation was delivered"
+        assert got.failed[0].code == "incompatible"
+        assert "re-registered" in got.failed[0].reason
+        p.client.release("planned-from-old")
+        _, db, got = pull(p, d, "after", 2)
+        assert got.done, got.failed
+        assert d.verify("after", db)
+    finally:
+        p.close()
+        d.close()
+        other.close()

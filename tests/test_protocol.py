@@ -67,7 +67,7 @@ MESSAGES: dict[str, tuple[object, str]] = {
     "keepalive": (p.KeepAlive(remote_engine_id="P", remote_host="h", remote_port=5700, remote_req_ids=["r1"], req_ids=["d1"]), "97a96b656570616c697665a150a168cd164491a2723191a2643190"),
     "renew": (p.LeaseRenew(seq=3, engine_id="P", req_ids=["r1"], extend_s=2.5, agent_name="a"), "98a572656e657703a15091a27231cb4004000000000000a161a090"),
     "challenge": (p.Challenge(version=4, nonce="n1", agent_name="b"), "94a96368616c6c656e676504a26e31a162"),
-    "leases": (p.LeaseState(seq=3, held=["held", "gone"]), "93a66c65617365730392a468656c64a4676f6e65"),
+    "leases": (p.LeaseState(seq=3, held=["held", "gone"]), "94a66c65617365730392a468656c64a4676f6e65a0"),
     "read": (p.ReadNotice(req_id="r1", tp_rank=0, ok=True, readers=2), "99a472656164a2723100c302cb0000000000000000a000a0"),
 }
 
