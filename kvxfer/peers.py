@@ -44,6 +44,7 @@ from kvxfer.protocol import (
     Challenge,
     DigestReply,
     DigestRequest,
+    HandshakeRequest,
     Hello,
     LeaseRenew,
     LeaseState,
@@ -451,9 +452,9 @@ class Peers:
         """Answer every request on the handshake listener."""
         slots = asyncio.Semaphore(LISTENER_CONCURRENCY)
 
-        async def answer(ident: bytes, body: bytes, addr: str) -> None:
+        async def answer(ident: bytes, request: HandshakeRequest | Exception, addr: str) -> None:
             try:
-                reply, extra = await self._answer_hello(body, addr)
+                reply, extra = await self._answer_hello(request, addr)
                 with contextlib.suppress(zmq.ZMQError):
                     await hs_sock.send_multipart([ident, encode(reply), *extra])
             except Exception:
@@ -463,27 +464,25 @@ class Peers:
 
         while True:
             frames = await hs_sock.recv_multipart(copy=False)
-            body = frames[-1].bytes
+            request: HandshakeRequest | Exception
+            try:
+                request = handshake_request_decoder.decode(frames[-1].bytes)
+            except DECODE_ERRORS as e:
+                request = e  # (answered, and counted, as a bad hello)
             # A lease renewal (the claim of a read in progress: the read's Done waits for it)
             # is answered here and now; every other request on its own (at most
             # LISTENER_CONCURRENCY at once), so none queues behind a handshake or a digest
             # waiting on the NIXL thread.
-            renewal = self._answer_renewal(body, frames[-1])
-            if renewal is not None:
+            if isinstance(request, LeaseRenew):
+                renewal = self._answer_renewal(request, frames[-1])
                 with contextlib.suppress(zmq.ZMQError):
                     hs_sock.send_multipart([frames[0].bytes, encode(renewal)], flags=zmq.NOBLOCK)
                 continue
             await slots.acquire()
-            self._spawn(answer(frames[0].bytes, body, peer_address(frames[-1])))
+            self._spawn(answer(frames[0].bytes, request, peer_address(frames[-1])))
 
-    def _answer_renewal(self, body: bytes, frame: zmq.Frame) -> LeaseState | Refused | None:
-        """The answer to a ``LeaseRenew`` (None: the body is something else)."""
-        try:
-            msg = handshake_request_decoder.decode(body)
-        except DECODE_ERRORS:
-            return None  # (answered, and counted, as a bad hello)
-        if not isinstance(msg, LeaseRenew):
-            return None
+    def _answer_renewal(self, msg: LeaseRenew, frame: zmq.Frame) -> LeaseState | Refused:
+        """The answer to a ``LeaseRenew``, given in the listener's loop."""
         why = self._unsigned(msg)
         if why:
             addr, sender = peer_address(frame), msg.agent_name or "?"
@@ -512,8 +511,10 @@ class Peers:
         return ""
 
     async def _answer_hello(
-        self, body: bytes, addr: str = ""
+        self, request: HandshakeRequest | Exception, addr: str = ""
     ) -> tuple[Welcome | Refused | DigestReply | LeaseState | Challenge, list[bytes]]:
+        """The answer to a handshake request, decoded once by the listener (an exception: it
+        did not decode)."""
         sender = ""
 
         def refuse(code: ErrorCode, reason: str) -> tuple[Refused, list[bytes]]:
@@ -522,11 +523,10 @@ class Peers:
             self.observer.handshake_refused(f"{addr} {sender}".strip(), code)
             return Refused(version=PROTOCOL_VERSION, code=code, reason=reason), []
 
-        try:
-            hello = handshake_request_decoder.decode(body)
-        except DECODE_ERRORS as e:
+        if isinstance(request, Exception):
             self.observer.bad_message("handshake")
-            return refuse(ErrorCode.MALFORMED, f"bad hello: {e}")
+            return refuse(ErrorCode.MALFORMED, f"bad hello: {request}")
+        hello = request
         sender = f"{hello.agent_name or '?'}"
         if isinstance(hello, DigestRequest | LeaseRenew) and (why := self._unsigned(hello)):
             return refuse(ErrorCode.UNAUTHORIZED, why)
