@@ -225,14 +225,13 @@ class Receiver:
             except RequestError as e:
                 if not self._may_be_stale(e, msg):
                     raise
-                before = peer.generation
+                if e.code == ErrorCode.INCOMPATIBLE and not await self._generation_moved(msg, peer):
+                    raise e from None  # nothing is stale: the request does not fit this peer
                 peer.stale = True  # ranks missing, or a stale description: ask again once
                 peer = await asyncio.wait_for(self.peers.get_peer(msg.remote_host, msg.remote_port),
                                               timeout=deadline_s)
                 if self.recvs.get(key) is not state:
                     return  # cancelled (and reported) while it handshaked again: never read
-                if e.code == ErrorCode.INCOMPATIBLE and peer.generation == before:
-                    raise  # nothing was stale: the layouts really differ
                 self._check_generation(msg, peer)
                 plans, pairing = self._plan(msg, peer, state)
             self._start_read(key, state, peer, plans, pairing, deadline_s - (time.monotonic() - start))
@@ -242,6 +241,20 @@ class Receiver:
             )
         except Exception as e:
             self._fail_recv(key, e)
+
+    async def _generation_moved(self, msg: Recv, peer: Peer) -> bool:
+        """Whether the prefill sidecar's generation is no longer the cached peer's: a renewal
+        of no lease answers with it (one round trip on the kept-open link, no handshake, so a
+        request that simply does not fit costs no handshake)."""
+        try:
+            probe = LeaseRenew(seq=0, engine_id=peer.resolve_engine(msg.remote_engine_id), req_ids=[],
+                               agent_name=self.agent_name)
+            got = await self.peers.call_peer(msg.remote_host, msg.remote_port, probe,
+                                             self.config.handshake_timeout_s)
+        except Exception as e:
+            log.info("generation of %s:%d not asked: %s", msg.remote_host, msg.remote_port, e)
+            return False
+        return bool(got.generation) and got.generation != peer.generation
 
     def _fail_recv(self, key: str, err: BaseException) -> None:
         """Fail a receive that could not start: its RequestError, or a bug as TRANSFER_ERROR."""
@@ -435,9 +448,12 @@ class Receiver:
             answer = got.held[0] if got.held else "unknown"
             if answer == "held":
                 state.mark("claimed")
-                if peer is not None and got.generation and peer.generation not in ("", got.generation):
-                    # (a request that named no generation was planned from a cached handshake;
-                    # or the prefill re-registered during the read)
+                if (not msg.remote_generation and peer is not None and got.generation
+                        and peer.generation not in ("", got.generation)):
+                    # A request that names no generation was planned from a cached handshake
+                    # older than the prefill's registrations. (One that names it was checked
+                    # against the handshake it was planned from.) The generation is the whole
+                    # sidecar's: another engine's re-registration fails this read too.
                     peer.stale = True  # the next receive handshakes again
                     return RequestError(ErrorCode.INCOMPATIBLE, f"the prefill sidecar re-registered since "
                                         f"it was handshaked (generation {peer.generation}, now "
@@ -476,6 +492,8 @@ class Receiver:
             log.info("keep-alive of %d leases at %s:%d not delivered: %s", len(msg.req_ids), msg.remote_host,
                      msg.remote_port, e)
             return
+        if got.generation and peer.generation not in ("", got.generation):
+            peer.stale = True  # its registrations changed: the read that follows handshakes first
         for local, held in zip(msg.req_ids, got.held, strict=False):
             if held == "gone":
                 self._send(ident, Error(code=ErrorCode.EXPIRED, req_id=local,

@@ -190,6 +190,11 @@ def test_the_claim_fails_a_read_planned_from_an_older_generation(factory: Sideca
         before = p.client.ping().generation
         other.start()
         assert p.client.ping().generation != before
+        # named the generation its blocks were held under: planned from that very handshake
+        # (this engine's memory did not change), so it reads
+        _, db, got = pull(p, d, "named-old", 2, generation=before)
+        assert got.done, got.failed
+        assert d.verify("named-old", db)
         _, _db, got = pull(p, d, "planned-from-old", 2)
         assert got.failed, "a read planned from an older generation was delivered"
         assert got.failed[0].code == "incompatible"
