@@ -94,6 +94,11 @@ class Peer:
     generation: str = ""  # its registrations when it answered (Welcome.generation)
     stale: bool = False  # handshake again before the next read (a read failed, ranks missing)
 
+    def outdated_by(self, generation: str) -> bool:
+        """Both generations known and different: this description came from another
+        generation of the peer's registrations than ``generation``."""
+        return bool(generation) and bool(self.generation) and self.generation != generation
+
     def engines(self) -> list[str]:
         return sorted({k[0] for k in self.ranks})
 
@@ -264,7 +269,7 @@ class Peers:
         generation the cached one does not have (the prefill sidecar restarted on the same
         endpoint, or its engine re-registered: its cached memory descriptions are stale)."""
         peer = await self.get_peer(host, port)
-        if generation and peer.generation and peer.generation != generation:
+        if peer.outdated_by(generation):
             log.info("peer %s:%d is now generation %s (cached %s): handshaking again", host, port,
                      generation, peer.generation)
             peer.stale = True
@@ -275,7 +280,7 @@ class Peers:
         """The peer at host:port if it is handshaked, not stale and (when ``generation`` is
         given) of that generation: what ``current_peer`` returns without a handshake."""
         peer = self.peers.get(f"{host}:{port}")
-        if peer is None or peer.stale or (generation and peer.generation and peer.generation != generation):
+        if peer is None or peer.stale or peer.outdated_by(generation):
             return None
         return peer
 

@@ -291,7 +291,7 @@ class Receiver:
             state.mark("claim_sent")
         state.claim = asyncio.ensure_future(self._claim(msg, state, remaining, renew, sent, peer))
         # The prefill side must not let its lease run out under a read in progress: the
-        # NIXL thread tells it once the first chunk is posted (it must not delay the read).
+        # thread that posts the first chunk tells it right after (it must not delay the read).
         started = ReadNotice(req_id=msg.remote_req_id or msg.req_id, tp_rank=msg.tp_rank, ok=True,
                              reading_s=remaining, engine_id=state.remote_engine, pp_rank=msg.pp_rank,
                              token=msg.remote_token)
@@ -324,7 +324,7 @@ class Receiver:
             self._fail_recv(key, err)
 
     def _check_generation(self, msg: Recv, peer: Peer) -> None:
-        if msg.remote_generation and peer.generation and peer.generation != msg.remote_generation:
+        if peer.outdated_by(msg.remote_generation):
             raise RequestError(ErrorCode.INCOMPATIBLE, f"the prefill sidecar re-registered since "
                                f"these blocks were held (generation {msg.remote_generation}, now "
                                f"{peer.generation}); not reading stale memory")
@@ -448,8 +448,7 @@ class Receiver:
             answer = got.held[0] if got.held else "unknown"
             if answer == "held":
                 state.mark("claimed")
-                if (not msg.remote_generation and peer is not None and got.generation
-                        and peer.generation not in ("", got.generation)):
+                if not msg.remote_generation and peer is not None and peer.outdated_by(got.generation):
                     # A request that names no generation was planned from a cached handshake
                     # older than the prefill's registrations. (One that names it was checked
                     # against the handshake it was planned from.) The generation is the whole
@@ -492,7 +491,7 @@ class Receiver:
             log.info("keep-alive of %d leases at %s:%d not delivered: %s", len(msg.req_ids), msg.remote_host,
                      msg.remote_port, e)
             return
-        if got.generation and peer.generation not in ("", got.generation):
+        if peer.outdated_by(got.generation):
             peer.stale = True  # its registrations changed: the read that follows handshakes first
         for local, held in zip(msg.req_ids, got.held, strict=False):
             if held == "gone":
