@@ -60,8 +60,11 @@ def test_small_reads_are_posted_by_the_loop_large_ones_by_the_nixl_thread() -> N
                 _read(p, d, {f"large-{i}": large})
             assert _posted_by_loop(ds) == before + 1
             # both paths at once: large reads keep the NIXL thread inside NIXL while small
-            # ones arrive (those find it busy and are handed over, or post themselves)
-            blocks = [(p.allocate(n), d.allocate(n)) for n in (12, 1, 2, 12, 1, 3, 1, 2)]
+            # ones arrive (those find it busy, or commands queued ahead of them, and are
+            # handed over, or post themselves). Each round opens with a small read, which
+            # finds nothing queued: a large one first would send every read after it in the
+            # burst to the NIXL thread (read_now goes behind queued commands).
+            blocks = [(p.allocate(n), d.allocate(n)) for n in (1, 12, 2, 12, 1, 3, 1, 2)]
             for r in range(3):
                 _read(p, d, {f"mix-{r}-{i}": pair for i, pair in enumerate(blocks)})
             assert _posted_by_loop(ds) > before + 1
