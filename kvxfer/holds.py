@@ -26,6 +26,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from kvxfer.abandoned import Abandoned
 from kvxfer.auth import same_token
 from kvxfer.config import Config
 from kvxfer.errors import ErrorCode, RequestError
@@ -55,7 +56,8 @@ def check_blocks(req_id: str, block_ids: list[int], num_blocks: int, side: str) 
 class Holds:
     def __init__(self, config: Config, registry: RankRegistry, observer: Observer,
                  send: Callable[[bytes, Any], None], on_change: Callable[[], None],
-                 authenticated: Callable[[str], bool] = lambda agent: True) -> None:
+                 authenticated: Callable[[str], bool] = lambda agent: True,
+                 abandoned: Abandoned | None = None) -> None:
         self.config = config
         self.registry = registry
         self.observer = observer
@@ -63,6 +65,7 @@ class Holds:
         self._on_change = on_change
         self._authenticated = authenticated
         self.table = LeaseTable()
+        self.abandoned = abandoned if abandoned is not None else Abandoned()  # (kvxfer.abandoned)
         self._wakeup = asyncio.Event()
 
     def __len__(self) -> int:
@@ -83,6 +86,9 @@ class Holds:
         if msg.expires_unix and time.time() > msg.expires_unix:
             raise RequestError(ErrorCode.EXPIRED, "hold arrived after the engine freed its blocks "
                                f"({time.time() - msg.expires_unix:.1f}s late)", msg.req_id)
+        if (engine, msg.req_id) in self.abandoned:
+            raise RequestError(ErrorCode.EXPIRED, "the engine freed these blocks when this sidecar "
+                               "restarted; not held", msg.req_id)
         now = time.monotonic()
         duration = msg.lease_s or self.config.lease_s
         self.table.add(Lease(req_id=msg.req_id, owner=ident, block_ids=list(msg.block_ids),

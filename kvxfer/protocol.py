@@ -242,6 +242,12 @@ class RegisterKV(_Msg, tag="register"):
     engine_id: EngineId = ""
     dp_rank: NonNeg = 0
     groups: Annotated[list[KVGroup], Meta(max_length=64)] | None = None  # vLLM's KV cache groups
+    # A re-registration after this sidecar restarted: the requests the engine gave up on (loads
+    # reported failed, which vLLM recomputes; held blocks freed). Their Recv / Hold may still be
+    # on its way here from the scheduler's socket: for ``abandoned_s`` (0: the sidecar's
+    # transfer timeout + 60 s) they are refused, never read nor held (kvxfer.abandoned).
+    abandoned: Annotated[list[ReqId], Meta(max_length=65536)] | None = None
+    abandoned_s: Annotated[float, Meta(ge=0)] = 0.0
 
 
 class Unregister(_Msg, tag="unregister"):

@@ -23,6 +23,7 @@ from typing import Any
 
 import msgspec
 
+from kvxfer.abandoned import Abandoned
 from kvxfer.config import Config
 from kvxfer.errors import ErrorCode, RequestError
 from kvxfer.holds import check_blocks
@@ -87,7 +88,8 @@ def recv_key(req_id: str, tp_rank: int, engine: str = "", pp_rank: int = 0) -> s
 class Receiver:
     def __init__(self, *, config: Config, registry: RankRegistry, peers: Peers, transfer: TransferEngine,
                  nixl: Callable[..., Awaitable[Any]], observer: Observer, send: Callable[[bytes, Any], None],
-                 spawn: Callable[[Any], None], on_change: Callable[[], None], agent_name: str) -> None:
+                 spawn: Callable[[Any], None], on_change: Callable[[], None], agent_name: str,
+                 abandoned: Abandoned | None = None) -> None:
         self.config = config
         self.registry = registry
         self.peers = peers
@@ -100,6 +102,7 @@ class Receiver:
         self.agent_name = agent_name
         self.recvs: dict[str, _RecvState] = {}
         self._receives_done = 0  # successful reads so far (1 in verify_sample is checked)
+        self.abandoned = abandoned if abandoned is not None else Abandoned()  # (kvxfer.abandoned)
 
     def __len__(self) -> int:
         return len(self.recvs)
@@ -162,6 +165,9 @@ class Receiver:
             if msg.expires_unix and time.time() > msg.expires_unix:
                 raise RequestError(ErrorCode.EXPIRED, "receive arrived after the engine gave up on it "
                                    f"({time.time() - msg.expires_unix:.1f}s late); not read")
+            if (engine, msg.req_id) in self.abandoned:
+                raise RequestError(ErrorCode.EXPIRED, "the engine gave this load up when this sidecar "
+                                   "restarted (its blocks are being recomputed); not read")
         except RequestError as e:
             self._fail(ident, msg.req_id, _local_blocks(msg), e)
             return

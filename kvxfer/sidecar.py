@@ -37,6 +37,7 @@ import zmq
 import zmq.asyncio
 
 from kvxfer import __version__
+from kvxfer.abandoned import Abandoned
 from kvxfer.config import Config
 from kvxfer.control.access import load_policy
 from kvxfer.errors import ConfigError, ErrorCode, ListenError, RequestError
@@ -154,8 +155,10 @@ class Sidecar:
         self.observer.g_pool_bytes.set_function(lambda: self.pools.stats()[1] if self.pools else 0)
         self.systemd = Notifier()
         self.control_policy = load_policy(config)
+        self.abandoned = Abandoned()  # what engines gave up on when this sidecar (re)started
         self.holds = Holds(config, self.registry, self.observer, self._send, self._gauges,
-                           authenticated=lambda agent: self.peers.is_authenticated(agent))
+                           authenticated=lambda agent: self.peers.is_authenticated(agent),
+                           abandoned=self.abandoned)
         self.peers = Peers(config=config, dial_ctx=self.dial_ctx, engine_id=self.engine_id,
                            agent_name=self.agent_name, registry=self.registry, transfer=self.transfer,
                            nixl=self._nixl, observer=self.observer, holds=self.holds, secret=self.secret,
@@ -163,7 +166,8 @@ class Sidecar:
         self.receiver = Receiver(config=config, registry=self.registry, peers=self.peers,
                                  transfer=self.transfer, nixl=self._nixl, observer=self.observer,
                                  send=self._send, spawn=self._spawn,
-                                 on_change=self._gauges, agent_name=self.agent_name)
+                                 on_change=self._gauges, agent_name=self.agent_name,
+                                 abandoned=self.abandoned)
         self.draining = False
         self.ready = False
         self._idle = asyncio.Event()  # nothing in flight, nothing held
@@ -466,6 +470,12 @@ class Sidecar:
                 check_layout(msg.layout)
             except Incompatible as e:
                 raise RequestError(ErrorCode.INVALID_LAYOUT, str(e)) from None
+            if msg.abandoned:  # before the rank is registered: none of them can be read or held
+                engine = self.registry.engine_of(msg.engine_id)
+                for_s = msg.abandoned_s or self.config.transfer_timeout_s + 60.0
+                self.abandoned.add(engine, list(msg.abandoned), for_s)
+                log.info("%s: %d requests its engine gave up on (loads failed, holds freed) are refused "
+                         "for %.0fs if they arrive", engine, len(msg.abandoned), for_s)
             entry, _replaced = await self.registry.register(msg, ident)
         except Exception as e:
             if not isinstance(e, RequestError):

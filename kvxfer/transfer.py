@@ -80,7 +80,7 @@ class TransferOptions:
     cuda: bool = False  # VRAM over CUDA IPC expected: UCX memtype cache off
     settle_timeout_s: float = 20.0  # a failed read's in-flight chunks must stop by then
     expect_read_s: float = 2e-3  # after a claim, poll at busy_poll_s this long (expect_reads)
-    inline_bytes: int = 0  # reads up to this size are posted by the caller itself (read_now); 0: none
+    inline_bytes: int = 4 << 20  # reads up to this size are posted by the caller itself (read_now)
 
 
 @dataclass(frozen=True)
@@ -870,6 +870,11 @@ class TransferEngine:
 
     def _post_next(self, rd: _Read) -> None:
         """Post the read's next chunk (a failure fails the read: nothing more is posted)."""
+        if time.monotonic() > rd.deadline:
+            # e.g. this process was stopped (SIGSTOP, a frozen cgroup) past the deadline: the
+            # engine may have given up on these blocks already, so no chunk is posted late
+            self._fail(rd, ErrorCode.DEADLINE, f"not posted by its deadline ({rd.leg} legs posted)")
+            return
         agent = self._agent
         leg = rd.legs[rd.leg]
         lo = leg.next_desc

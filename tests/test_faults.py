@@ -207,6 +207,52 @@ def test_engine_death_drops_its_registration(sidecars: SidecarFactory) -> None:
     assert not [f for f in os.listdir("/dev/shm") if f.startswith(f"kvxfer-{proc.pid}-")]  # cleaned up
 
 
+def test_a_read_stopped_past_its_deadline_posts_nothing_more(sidecars: SidecarFactory) -> None:
+    """A decode sidecar stopped (SIGSTOP, a frozen cgroup) in the middle of a read, past its
+    deadline: the engine may have given up on those blocks by then, so after it resumes the
+    chunk it was copying may finish, but no further chunk is posted; the read fails."""
+    import numpy as np
+
+    ds = sidecars.start("stop-d", "--chunk-mib", "2", "--handshake-timeout-s", "2")  # 8 chunks in flight
+    ps = sidecars.start("stop-p")
+    d, p = SyntheticEngine(BIG, ds.endpoint, seed=2), SyntheticEngine(BIG, ps.endpoint, seed=1)
+    d.start()
+    p.start()
+    try:
+        assert d.kv is not None
+        chunk = 2 << 20
+        for attempt in range(3):  # the stop must land while the read runs
+            pb, db = p.allocate(256), d.allocate(256)  # 512 MiB in 2 MiB chunks
+            p.fill(f"stopped-{attempt}", pb)
+            want = p.kv.blocks()[:, :, np.asarray(pb), :] if p.kv is not None else None
+            assert want is not None
+            p.client.hold(f"stopped-{attempt}", pb)
+            d.client.recv("warm", [], remote_of(p, []))  # handshake first
+            wait_for(d.client, lambda a: bool(a.done))
+            d.client.recv(f"stopped-{attempt}", db, remote_of(p, pb), deadline_s=1.0)
+            time.sleep(0.03)
+            os.kill(ds.proc.pid, signal.SIGSTOP)
+            try:
+                landed = int((d.kv.blocks()[:, :, np.asarray(db), :] == want).sum())
+                time.sleep(1.5)  # past the deadline while stopped
+            finally:
+                os.kill(ds.proc.pid, signal.SIGCONT)
+            got = wait_for(d.client, lambda a: bool(a.done or a.failed), timeout=30)
+            after = int((d.kv.blocks()[:, :, np.asarray(db), :] == want).sum())
+            d.free(db)
+            p.free(pb)
+            if got.failed:
+                assert got.failed[0].code == ErrorCode.DEADLINE, got.failed
+                # at most the rest of the chunk that was being copied when it stopped
+                late = (after - landed) / chunk
+                assert late <= 1, f"{late:.2f} chunks landed after the deadline"
+                return
+        raise AssertionError("the read always finished before the stop")
+    finally:
+        d.close()
+        p.close()
+
+
 def test_connector_worker_survives_a_sidecar_restart(sidecars: SidecarFactory) -> None:
     import torch
 
@@ -243,6 +289,78 @@ def test_connector_worker_survives_a_sidecar_restart(sidecars: SidecarFactory) -
             time.sleep(0.05)
     finally:
         ws.shutdown()
+
+
+def test_what_an_engine_gave_up_at_a_sidecar_restart_is_never_read_or_held(sidecars: SidecarFactory) -> None:
+    """The scheduler sends Recv and Hold on its own socket; its worker notices a sidecar
+    restart on another, fails the loads (vLLM recomputes into their blocks), frees the held
+    blocks and registers again. If such a Recv or Hold reaches the new sidecar after that
+    registration, it must be refused: a read would overwrite the recomputed KV (real vLLM
+    decoded wrong tokens from exactly this), a hold would let a decode read reused blocks."""
+    import torch
+
+    from kvxfer.client import SidecarClient
+    from kvxfer.connector.settings import ConnectorSettings
+    from kvxfer.connector.worker import CacheShape, WorkerSide
+
+    shape = CacheShape(8, 16, 8, 8, 64, False)
+    args = ("--handshake-timeout-s", "2")
+    ps, ds = sidecars.start("abandon-p", *args), sidecars.start("abandon-d", *args)
+    wp = WorkerSide(ConnectorSettings(sidecar=ps.endpoint, heartbeat_s=0.1), 0, 1, "cpu")
+    wd = WorkerSide(ConnectorSettings(sidecar=ds.endpoint, heartbeat_s=0.1), 0, 1, "cpu")
+    clients: list[SidecarClient] = []
+    try:
+        kv: dict[str, torch.Tensor] = {}
+        for name, w in (("p", wp), ("d", wd)):
+            ctx = w.mem_pool_context()
+            assert ctx is not None
+            with ctx:  # [K/V, blocks, block_size, heads, head_dim], in the sidecar's pool
+                kv[name] = torch.zeros(2, 8, 16, 8, 64, dtype=torch.float16)
+            w.register_kv_caches({"l0": kv[name]}, shape)
+        kv["p"].copy_(torch.randn(kv["p"].shape, generator=torch.Generator().manual_seed(7)))
+        far = time.monotonic() + 600
+        # Each scheduler posted work (its Hold / Recv still on the way) and then both sidecars died.
+        wp.bind({}, {"h1": far})
+        wd.bind({"r1": ([1, 2], far)}, {})
+        for sc in (ps, ds):
+            os.kill(sc.proc.pid, signal.SIGKILL)
+            sc.proc.wait()
+        ps, ds = sidecars.start("abandon-p", *args), sidecars.start("abandon-d", *args)  # same sockets
+        first = (wp.registered, wd.registered)
+        freed: set[str] = set()
+        failed: set[str] = set()
+        deadline = time.monotonic() + 60
+        while wp.registered is first[0] or wd.registered is first[1] or {"h1", "r1"} - freed - failed:
+            assert time.monotonic() < deadline, "the restarts were not noticed"
+            freed |= wp.get_transfer_results().finished_sending
+            failed |= wd.get_transfer_results().failed_recving
+            time.sleep(0.05)
+        assert kv["d"][:, 1:3].abs().sum() == 0
+        # Now what was on the schedulers' sockets arrives, and a hold and a load posted after.
+        prefill, decode = SidecarClient(ps.endpoint), SidecarClient(ds.endpoint)
+        clients += [prefill, decode]
+        prefill.hold("h1", [1, 2], lease_s=60, expires_unix=time.time() + 60)
+        prefill.hold("h2", [3, 4], lease_s=60, expires_unix=time.time() + 60)
+        prefill.hold("r1", [6, 7], lease_s=60, expires_unix=time.time() + 60)  # still there for r1
+        refused = wait_for(prefill, lambda a: bool(a.errors), timeout=5).errors
+        assert [(e.req_id, e.code) for e in refused] == [("h1", ErrorCode.EXPIRED)], refused
+        reg = wp.registered
+        assert reg is not None
+        for req, local, remote in (("r1", [1, 2], [6, 7]), ("h2", [5, 6], [3, 4])):
+            where = RemoteBlocks(reg.engine_id, reg.handshake_host, reg.handshake_port, remote)
+            decode.recv(req, local, where, expires_unix=time.time() + 60)
+        got = wait_for(decode, lambda a: len(a.done) + len(a.failed) >= 2)
+        assert [f.req_id for f in got.failed] == ["r1"], got
+        assert [d.req_id for d in got.done] == ["h2"], got
+        assert got.failed[0].code == ErrorCode.EXPIRED
+        assert "restarted" in got.failed[0].reason
+        assert kv["d"][:, 1:3].abs().sum() == 0, "an abandoned load was read into recomputed blocks"
+        assert torch.equal(kv["d"][:, 5:7], kv["p"][:, 3:5])  # the new sidecars move what they should
+    finally:
+        for c in clients:
+            c.close()
+        wd.shutdown()
+        wp.shutdown()
 
 
 def test_re_registration_never_blocks_an_engine_step(tmp_path: os.PathLike[str]) -> None:

@@ -20,9 +20,9 @@ MESSAGES: dict[str, tuple[object, str]] = {
             regions=[p.KVRegion(memory=0, offset=0, block_len=64, block_stride=64)],
         ),
         (
-            "98a87265676973746572dc0016a66c61796f7574020a100808cc80a862666c6f6174313602c2a34e"
+            "9aa87265676973746572dc0016a66c61796f7574020a100808cc80a862666c6f6174313602c2a34e"
             "48440001a0a0000100000000a09193a373686daa2f6465762f73686d2f78cd10009195a672656769"
-            "6f6e0000404000a000c0"
+            "6f6e0000404000a000c0c0cb0000000000000000"
         ),
     ),
     "unregister": (p.Unregister(tp_rank=1), "94aa756e726567697374657201a000"),

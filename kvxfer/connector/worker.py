@@ -47,6 +47,7 @@ from kvxfer.protocol import Done, Failed, KVGroup, MemoryRef, Registered, Releas
 log = logging.getLogger(__name__)
 
 EARLY_MAX = 4096  # events kept for requests not bound yet (async scheduling)
+ABANDONED_MAX = 16384  # request ids a re-registration names (RegisterKV.abandoned)
 
 
 @dataclass
@@ -111,6 +112,7 @@ class WorkerSide:
         self._next_heartbeat = 0.0
         self._last_pong = time.monotonic()
         self._failed_now: dict[str, list[int]] = {}
+        self._abandoned: dict[str, float] = {}  # req id -> deadline: failed / freed at a sidecar restart
         self._reported_failed: set[str] = set()  # metadata can be bound twice in one step
         self._registering = False  # a registration with a restarted sidecar is on its way
         # "kind:req id" -> (event, arrival): Done/Failed/Released that came before their bind()
@@ -256,6 +258,16 @@ class WorkerSide:
         """A new sidecar answers on our socket: everything the old one held is gone."""
         log.warning("sidecar %s restarted: failing %d loads, freeing %d holds, re-registering",
                     self.settings.sidecar, len(self._recvs), len(self._holds))
+        # The Recv of a load failed here, or the Hold of blocks freed here, may still reach
+        # the new sidecar (the scheduler sent it on its own socket, with no order against our
+        # registration): read, it would overwrite blocks vLLM is recomputing; held, a decode
+        # would read blocks that are another request's by then. The registration names them
+        # (and those of an earlier restart still within their deadline), so the sidecar
+        # refuses them until their last deadline has passed (kvxfer.abandoned).
+        now = time.monotonic()
+        self._abandoned = {r: d for r, d in self._abandoned.items() if d > now}
+        self._abandoned.update({r: d for r, (_, d) in self._recvs.items()})
+        self._abandoned.update(self._holds)
         for req_id, (blocks, _) in list(self._recvs.items()):
             self._fail(out, req_id, blocks)
         self._recvs.clear()
@@ -272,11 +284,24 @@ class WorkerSide:
                 # the restarted sidecar gets our pools back (same ids) before the registration
                 # that names them; local and quick (one packet per pool)
                 self.pools.readopt()
-            self.client.register_nowait(self._registration)
+            self.client.register_nowait(self._reregistration(now))
             self._registering = True
             self._instance = new_instance  # do not treat the same restart twice
         except KvxferError as e:
             log.error("re-registration with the restarted sidecar not sent: %s", e)
+
+    def _reregistration(self, now: float) -> Any:
+        """Our registration, naming what we gave up on while it was away (RegisterKV.abandoned)."""
+        if not self._abandoned:
+            return self._registration
+        ids = list(self._abandoned)
+        if len(ids) > ABANDONED_MAX:
+            log.warning("%d requests given up on at a sidecar restart; naming the newest %d", len(ids),
+                        ABANDONED_MAX)
+            ids = ids[-ABANDONED_MAX:]
+        last = max(self._abandoned[r] for r in ids)
+        return msgspec.structs.replace(self._registration, abandoned=ids,
+                                       abandoned_s=max(0.0, last - now) + 5.0)
 
     def _fail(self, out: TransferResults, req_id: str, blocks: list[int]) -> None:
         out.finished_recving.add(req_id)
