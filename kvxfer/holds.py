@@ -139,6 +139,7 @@ class Holds:
         except DECODE_ERRORS:
             self.observer.stray_notice(agent, "", "malformed")
             return
+        self.expire_due()  # (as in renew)
         known = self.table.resolve(notice.engine_id, notice.req_id) is not None
         lease = self.lease_for(agent, notice.engine_id, notice.req_id, notice.token, "read_notice")
         if lease is None:
@@ -161,6 +162,9 @@ class Holds:
         """A peer still means to read these requests: extend their leases (by ``extend_s``,
         or each lease's own duration); say which are held, gone, or unknown here."""
         held: list[Any] = []
+        # A lease whose time ran out ends first, even when the timer (run) has not run yet:
+        # this process was stopped past it, and its engine may have freed the blocks by now.
+        self.expire_due()
         for i, rid in enumerate(req.req_ids):
             token = req.tokens[i] if i < len(req.tokens) else ""
             known = self.table.resolve(req.engine_id, rid) is not None
@@ -206,7 +210,11 @@ class Holds:
             self._wakeup.clear()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wakeup.wait(), timeout)
-            for lease in self.table.expire(time.monotonic()):
-                log.warning("lease on request %s expired after %.1fs with %d/%d reads", lease.req_id,
-                            time.monotonic() - lease.created, lease.reads_seen, lease.reads_expected)
-                self.release(lease, "expired")
+            self.expire_due()
+
+    def expire_due(self) -> None:
+        """End every lease whose time ran out."""
+        for lease in self.table.expire(time.monotonic()):
+            log.warning("lease on request %s expired after %.1fs with %d/%d reads", lease.req_id,
+                        time.monotonic() - lease.created, lease.reads_seen, lease.reads_expected)
+            self.release(lease, "expired")

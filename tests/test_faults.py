@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from kvxfer.client import RemoteBlocks
 from kvxfer.errors import ErrorCode
 from kvxfer.testing.engine import SyntheticEngine, make_layout
-from kvxfer.testing.procs import SidecarFactory
+from kvxfer.testing.procs import SidecarFactory, free_port
 from tests.test_sidecar import wait_for
 
 BIG = make_layout(layers=32, num_blocks=260, heads=8, head_dim=128)  # 2 MiB per block
@@ -248,6 +248,39 @@ def test_a_read_stopped_past_its_deadline_posts_nothing_more(sidecars: SidecarFa
                 assert late <= 1, f"{late:.2f} chunks landed after the deadline"
                 return
         raise AssertionError("the read always finished before the stop")
+    finally:
+        d.close()
+        p.close()
+
+
+def test_a_lease_over_while_its_sidecar_was_stopped_is_never_renewed(sidecars: SidecarFactory) -> None:
+    """A prefill sidecar stopped past a lease's end: its engine may free those blocks (a
+    silent sidecar's holds are freed at their deadline), so a claim that is answered after it
+    resumes must find the lease over, not extend it (even before its expiry timer has run)."""
+    ds = sidecars.start("lstop-d", "--handshake-timeout-s", "5")
+    ps = sidecars.start("lstop-p", metrics_port=free_port())
+    d, p = SyntheticEngine(BIG, ds.endpoint, seed=2), SyntheticEngine(BIG, ps.endpoint, seed=1)
+    d.start()
+    p.start()
+    try:
+        d.client.recv("warm", [], remote_of(p, []))  # handshake first
+        wait_for(d.client, lambda a: bool(a.done))
+        pb, db = p.allocate(2), d.allocate(2)
+        p.fill("late", pb)
+        p.client.hold("late", pb, lease_s=1.0)
+        end = time.monotonic() + 10
+        while ps.scrape().get("kvxfer_held_leases", 0) < 1:  # the hold is in before the stop
+            assert time.monotonic() < end, "the hold never arrived"
+            time.sleep(0.01)
+        os.kill(ps.proc.pid, signal.SIGSTOP)
+        try:
+            d.client.recv("late", db, remote_of(p, pb), deadline_s=20)  # its claim waits in the socket
+            time.sleep(2.0)  # the lease ran out meanwhile
+        finally:
+            os.kill(ps.proc.pid, signal.SIGCONT)
+        got = wait_for(d.client, lambda a: bool(a.done or a.failed), timeout=15)
+        assert not got.done, "a lease that ran out while its sidecar was stopped was renewed and read"
+        assert got.failed[0].code == ErrorCode.EXPIRED, got.failed
     finally:
         d.close()
         p.close()
