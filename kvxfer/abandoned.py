@@ -32,6 +32,3 @@ class Abandoned:
 
     def __contains__(self, key: tuple[str, str]) -> bool:
         return bool(self._until) and self._until.get(key, 0.0) > time.monotonic()
-
-    def __len__(self) -> int:
-        return len(self._until)

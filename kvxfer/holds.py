@@ -109,7 +109,11 @@ class Holds:
     def lease_for(self, agent: str, engine: str, req_id: str, token: str, message: str) -> Lease | None:
         """The lease a peer's message means, if that peer may touch it: None when there is
         none, or when the sender is not authenticated or presents the wrong token (refused:
-        counted and logged with the sender; to the sender it looks like no lease at all)."""
+        counted and logged with the sender; to the sender it looks like no lease at all).
+
+        A lease whose time ran out ends first, even when the timer (``run``) has not run yet:
+        this process was stopped past it, and its engine may have freed the blocks by now."""
+        self.expire_due()
         key = self.table.resolve(engine, req_id)
         lease = self.table.get(key) if key is not None else None
         if lease is None:
@@ -139,11 +143,9 @@ class Holds:
         except DECODE_ERRORS:
             self.observer.stray_notice(agent, "", "malformed")
             return
-        self.expire_due()  # (as in renew)
-        known = self.table.resolve(notice.engine_id, notice.req_id) is not None
         lease = self.lease_for(agent, notice.engine_id, notice.req_id, notice.token, "read_notice")
         if lease is None:
-            if not known:
+            if self.table.resolve(notice.engine_id, notice.req_id) is None:  # (not refused: none)
                 self.observer.stray_notice(agent, notice.req_id,
                                            "expired_lease" if notice.reading_s > 0 else "unknown")
             return
@@ -162,14 +164,11 @@ class Holds:
         """A peer still means to read these requests: extend their leases (by ``extend_s``,
         or each lease's own duration); say which are held, gone, or unknown here."""
         held: list[Any] = []
-        # A lease whose time ran out ends first, even when the timer (run) has not run yet:
-        # this process was stopped past it, and its engine may have freed the blocks by now.
-        self.expire_due()
         for i, rid in enumerate(req.req_ids):
             token = req.tokens[i] if i < len(req.tokens) else ""
-            known = self.table.resolve(req.engine_id, rid) is not None
             lease = self.lease_for(req.agent_name, req.engine_id, rid, token, "lease_renew")
             if lease is None:
+                known = self.table.resolve(req.engine_id, rid) is not None  # (refused, not ended)
                 gone = not known and self.table.ended(req.engine_id, rid)
                 if gone:
                     self.observer.stray_notice(req.agent_name, rid, "expired_lease")

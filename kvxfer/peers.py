@@ -589,7 +589,6 @@ class Peers:
     async def _answer_digest(self, req: DigestRequest) -> DigestReply:
         """The digest of bytes a peer read from blocks we still hold for it. Only blocks of a
         held lease can be digested, so a request costs no more than the read it checks."""
-        self.holds.expire_due()  # (as in Holds.renew)
         lease = self.holds.lease_for(req.agent_name, req.engine_id, req.req_id, req.token, "digest")
         if lease is None:
             raise RequestError(ErrorCode.UNKNOWN_REQUEST, "no blocks held for this request (lease over?)")
