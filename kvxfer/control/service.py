@@ -27,7 +27,7 @@ from kvxfer.errors import ErrorCode, RequestError
 if TYPE_CHECKING:
     from kvxfer.observe import Event
     from kvxfer.peers import Peer
-    from kvxfer.sidecar import Sidecar
+    from kvxfer.sidecar.app import Sidecar
     from kvxfer.status import Snapshot
 
 ENGINE = "engine"  # health service: SERVING while an engine rank is registered and not draining
