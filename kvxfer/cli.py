@@ -166,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
         ucx, nixl = NATIVE_LOG_LEVELS[config.log_level.upper()]
         os.environ.setdefault("UCX_LOG_LEVEL", ucx)
         os.environ.setdefault("NIXL_LOG_LEVEL", nixl)
-        from kvxfer.sidecar import run_server
+        from kvxfer.serve import run_server
 
         return run_server(config, reload=lambda: load_config(flags))
     return _run_demo(args)

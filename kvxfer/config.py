@@ -19,9 +19,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvxfer.control.access import MODES as MUTATING_MODES
-from kvxfer.control.access import is_unix, split_targets
 from kvxfer.errors import ConfigError
+from kvxfer.targets import MUTATING_MODES, is_unix, split_targets
 
 ENV_PREFIX = "KVXFER_"
 

@@ -20,9 +20,10 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvxfer.client import RemoteBlocks
-from kvxfer.control.access import AccessPolicy, is_local_peer
+from kvxfer.control.access import AccessPolicy
 from kvxfer.control.v1 import control_pb2 as pb
 from kvxfer.control.v1 import control_pb2_grpc as pb_grpc
+from kvxfer.targets import is_local_peer
 from kvxfer.testing.engine import SyntheticEngine, make_layout
 from kvxfer.testing.procs import SidecarFactory, SidecarProc, free_port
 from tests.test_sidecar import wait_for

@@ -25,56 +25,18 @@ even from a local caller, so a misconfigured client finds out at once.
 from __future__ import annotations
 
 import hmac
-import ipaddress
 import os
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from kvxfer.config import Config
 from kvxfer.errors import ConfigError
-
-if TYPE_CHECKING:
-    from kvxfer.config import Config
+from kvxfer.targets import MUTATING_MODES, is_local_peer
 
 MUTATING = frozenset({"ConnectPeer", "DisconnectPeer", "CancelTransfer", "Drain", "Resume"})
-MODES = ("local", "authenticated", "any", "none")
+MODES = MUTATING_MODES
 TOKEN_ENV = "KVXFER_CONTROL_TOKEN"
-
-
-def split_targets(spec: str) -> list[str]:
-    return [t.strip() for t in spec.split(",") if t.strip()]
-
-
-def is_unix(target: str) -> bool:
-    return target.startswith("unix:")
-
-
-def _is_loopback(host_port: str) -> bool:
-    """True for "127.0.0.1:5", "[::1]:5", "[::ffff:127.0.0.1]:5", "localhost:5"."""
-    host = host_port.rsplit(":", 1)[0].strip("[]")
-    if host == "localhost":
-        return True
-    try:
-        addr = ipaddress.ip_address(host)
-    except ValueError:
-        return False
-    if isinstance(addr, ipaddress.IPv6Address) and addr.ipv4_mapped is not None:
-        addr = addr.ipv4_mapped
-    return addr.is_loopback
-
-
-def is_local_peer(peer: str) -> bool:
-    """True for gRPC peer strings of unix sockets and loopback TCP ("ipv4:127.0.0.1:5",
-    "ipv6:[::1]:5", "ipv6:[::ffff:127.0.0.1]:5", "unix:/run/x.sock", "unix:")."""
-    if peer.startswith("unix"):
-        return True
-    kind, _, rest = peer.partition(":")
-    return kind in ("ipv4", "ipv6") and _is_loopback(rest)
-
-
-def is_local_target(target: str) -> bool:
-    """True for listener targets only this host can reach: unix sockets and loopback TCP."""
-    return is_unix(target) or _is_loopback(target)
 
 
 def _read(path: str, what: str) -> bytes:

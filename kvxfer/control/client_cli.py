@@ -16,9 +16,10 @@ from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.json_format import MessageToDict
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from kvxfer.control.access import TOKEN_ENV, is_unix, split_targets
+from kvxfer.control.access import TOKEN_ENV
 from kvxfer.control.v1 import control_pb2 as pb
 from kvxfer.control.v1 import control_pb2_grpc as pb_grpc
+from kvxfer.targets import is_unix, split_targets
 
 DEFAULT_TARGET = "127.0.0.1:5701"
 

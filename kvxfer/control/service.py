@@ -11,6 +11,7 @@ sidecar can move KV now). Who may call what:
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from typing import TYPE_CHECKING, Any
 
@@ -19,15 +20,17 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
-from kvxfer.control.access import AccessPolicy, is_local_target, is_unix, split_targets
+from kvxfer.control.access import AccessPolicy
 from kvxfer.control.v1 import control_pb2 as pb
 from kvxfer.control.v1 import control_pb2_grpc as pb_grpc
 from kvxfer.errors import ErrorCode, RequestError
+from kvxfer.targets import is_local_target, is_unix, split_targets
 
 if TYPE_CHECKING:
     from kvxfer.observe import Event
     from kvxfer.peers import Peer
     from kvxfer.sidecar.app import Sidecar
+    from kvxfer.sidecar.lifecycle import LifecycleView
     from kvxfer.status import Snapshot
 
 ENGINE = "engine"  # health service: SERVING while an engine rank is registered and not draining
@@ -236,27 +239,24 @@ async def start_control_server(
     for s in servers:
         await s.start()
     serving, not_serving = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
-    for h in healths:
-        for name in ("", "liveness", "readiness", SERVICE):
-            await h.set(name, serving if sidecar.ready else not_serving)
 
-    async def on_drain() -> None:
+    async def show(view: LifecycleView) -> None:
         for h in healths:
             for name in ("", "readiness", SERVICE):
-                await h.set(name, not_serving)
+                await h.set(name, serving if view.ready else not_serving)
+            await h.set(ENGINE, serving if view.serving_engines else not_serving)
 
-    async def on_resume() -> None:
-        for h in healths:
-            for name in ("", "readiness", SERVICE):
-                await h.set(name, serving if sidecar.ready else not_serving)
-
-    async def on_engines(registered: bool) -> None:
-        for h in healths:
-            await h.set(ENGINE, serving if registered and not sidecar.draining else not_serving)
-
+    await show(sidecar.lifecycle.view)
     for h in healths:
-        await h.set(ENGINE, not_serving)
-    sidecar.on_drain = on_drain
-    sidecar.on_resume = on_resume
-    sidecar.on_engines = on_engines
+        await h.set("liveness", serving)
+    # every later change (a drain, a resume, a lost engine socket, an engine registered or
+    # gone) is shown in the order it happened (tasks start in the order they were created)
+    pending: set[asyncio.Task[None]] = set()
+
+    def changed(_before: LifecycleView, after: LifecycleView) -> None:
+        task = asyncio.get_running_loop().create_task(show(after))
+        pending.add(task)
+        task.add_done_callback(pending.discard)
+
+    sidecar.lifecycle.subscribe(changed)
     return servers

@@ -8,6 +8,6 @@
 4. the app (``app.Sidecar``): builds the parts in order, owns the lifecycle.
 """
 
-from kvxfer.sidecar.app import Sidecar, run_server
+from kvxfer.sidecar.app import Sidecar
 
-__all__ = ["Sidecar", "run_server"]
+__all__ = ["Sidecar"]

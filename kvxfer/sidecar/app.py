@@ -21,7 +21,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import copy
-import json
 import logging
 import os
 import secrets
@@ -39,9 +38,9 @@ import zmq.asyncio
 from kvxfer import __version__
 from kvxfer.abandoned import Abandoned
 from kvxfer.config import Config
-from kvxfer.control.access import load_policy
 from kvxfer.errors import ConfigError, ErrorCode, ListenError, RequestError
 from kvxfer.holds import Holds
+from kvxfer.logs import JsonFormatter
 from kvxfer.memory import check_shm_files, validate_registration
 from kvxfer.observe import Event, Observer, start_metrics_server
 from kvxfer.peers import Peer, Peers
@@ -66,6 +65,7 @@ from kvxfer.protocol import (
 )
 from kvxfer.receiver import Receiver
 from kvxfer.registry import RankEntry, RankRegistry
+from kvxfer.sidecar.lifecycle import Lifecycle, LifecycleView
 from kvxfer.status import LeaseView, Snapshot, TransferView, copies
 from kvxfer.systemd import Notifier
 from kvxfer.topology import (
@@ -74,7 +74,7 @@ from kvxfer.topology import (
 )
 from kvxfer.transfer import NoticeReceived, ReadFinished, ReadStuck, TransferEngine, TransferOptions
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("kvxfer.sidecar")  # (the name operators filter on)
 EXIT_STUCK = 3  # a failed read's chunks could not be stopped: restart to fence them off
 
 _ENGINE_TAGS = {"register", "unregister", "hold", "release", "recv", "ping", "keepalive"}
@@ -154,7 +154,8 @@ class Sidecar:
         self.observer.g_pools.set_function(lambda: self.pools.stats()[0] if self.pools else 0)
         self.observer.g_pool_bytes.set_function(lambda: self.pools.stats()[1] if self.pools else 0)
         self.systemd = Notifier()
-        self.control_policy = load_policy(config)
+        self.lifecycle = Lifecycle()
+        self.lifecycle.subscribe(self._lifecycle_changed)
         self.abandoned = Abandoned()  # what engines gave up on when this sidecar (re)started
         self.holds = Holds(config, self.registry, self.observer, self._send, self._gauges,
                            authenticated=lambda agent: self.peers.is_authenticated(agent),
@@ -168,24 +169,19 @@ class Sidecar:
                                  send=self._send, spawn=self._spawn,
                                  on_change=self._gauges, agent_name=self.agent_name,
                                  abandoned=self.abandoned)
-        self.draining = False
-        self.ready = False
-        self._idle = asyncio.Event()  # nothing in flight, nothing held
+        self._idle = asyncio.Event()  # nothing in flight, nothing held (lifecycle: not busy)
+        self._idle.set()
         self.exit_code = 0
-        self.on_drain: Any = None  # async callback (the control server flips readiness)
-        self.on_resume: Any = None  # async callback (readiness back on)
-        self.on_hup: Any = None  # SIGHUP handler (run_server: reload the log level)
-        self.on_engines: Any = None  # async callback(bool): an engine rank registered (health "engine")
-        self._engine_serving: bool | None = None
+        self._loops: list[asyncio.Future[Any]] = []
         self._received_ns = 0  # when the engine message being handled arrived
 
     # ------------------------------------------------------------------ lifecycle
 
-    async def serve(self) -> None:
+    async def open(self) -> None:
+        """Bind every listener, then start NIXL. One that cannot bind says which and where
+        (ListenError: the process exits 2) with everything already closed again."""
         self.loop = asyncio.get_running_loop()
         self._loop_thread = threading.get_ident()
-        # Every listener binds before NIXL starts: one that cannot says which and where, and
-        # the process exits 2 (ListenError) with nothing to tear down.
         if self.config.metrics_port:
             # first: /metrics answers before any engine or peer can reach the sidecar, so
             # whatever they cause is already counted and scrapeable (kvxfer_ready says 0 until then)
@@ -201,8 +197,7 @@ class Sidecar:
             self._close()
             raise
         await asyncio.wrap_future(self.transfer.start())
-        self.ready = True
-        self.observer.g_ready.set(1)
+        self.lifecycle.started()
         self.observer.g_insecure.set(int(self.insecure))
         if self.insecure:
             log.warning("INSECURE: the handshake listener on %s:%d takes anyone: no shared secret "
@@ -211,23 +206,16 @@ class Sidecar:
             log.warning("the handshake channel on %s:%d is not encrypted (handshake_encryption=none): "
                         "NIXL metadata crosses the network in clear", self.config.handshake_host,
                         self.handshake_port)
-        control: list[Any] = []
-        if self.config.control_target or self.config.health_target:
-            from kvxfer.control.service import start_control_server
 
-            try:
-                control = await start_control_server(self, self.config.control_target, self.control_policy,
-                                                     self.config.health_target)
-            except Exception as e:  # grpc says RuntimeError("Failed to bind ...")
-                await asyncio.to_thread(self.transfer.stop)
-                self._close()
-                raise ListenError(f"control listener {self.config.control_target or ''} "
-                                  f"{self.config.health_target or ''}: {e}".replace("  ", " ")) from None
+    async def run(self, on_hup: Callable[[], None] | None = None) -> None:
+        """Serve until stopped (SIGINT, or SIGTERM and a drain); then every loop and task of
+        this sidecar is cancelled. ``close`` releases the rest."""
+        assert self.loop is not None, "open() first"
         with contextlib.suppress(NotImplementedError, RuntimeError):
             self.loop.add_signal_handler(signal.SIGINT, self._stop.set)  # operator: stop now
             self.loop.add_signal_handler(signal.SIGTERM, self._graceful_stop)  # orchestrator
-            if self.on_hup is not None:
-                self.loop.add_signal_handler(signal.SIGHUP, self.on_hup)  # re-read the log level
+            if on_hup is not None:
+                self.loop.add_signal_handler(signal.SIGHUP, on_hup)  # re-read the log level
         ready = (
             f"kvxfer {__version__} ready: engine_id={self.engine_id} "
             f"engine_socket={self.config.engine_socket} "
@@ -239,27 +227,36 @@ class Sidecar:
             record = logging.LogRecord(log.name, logging.INFO, __file__, 0, ready, None, None)
             ready = JsonFormatter().format(record)
         print(ready, file=sys.stderr, flush=True)
-        loops = [
+        self._loops = [
             asyncio.ensure_future(self._engine_loop()),
             asyncio.ensure_future(self.peers.serve(self.hs_sock)),
             asyncio.ensure_future(self.holds.run()),
             asyncio.ensure_future(self._engine_watch_loop()),
         ]
         if self.systemd.enabled:
-            loops.append(asyncio.ensure_future(self._systemd_loop()))
-        for task in loops:
+            self._loops.append(asyncio.ensure_future(self._systemd_loop()))
+        for task in self._loops:
             task.add_done_callback(self._loop_died)
         self.systemd.ready(self._status_line())
         try:
             await self._stop.wait()
         finally:
             self.systemd.stopping("stopping")
-            for t in loops + list(self._tasks):
+            for t in self._loops + list(self._tasks):
                 t.cancel()
-            await asyncio.gather(*loops, *self._tasks, return_exceptions=True)
-            await asyncio.gather(*(c.stop(0.5) for c in control))
-            await asyncio.to_thread(self.transfer.stop)
-            self._close()
+            await asyncio.gather(*self._loops, *self._tasks, return_exceptions=True)
+
+    async def close(self) -> None:
+        """Stop the NIXL thread and close every socket and file this sidecar opened."""
+        await asyncio.to_thread(self.transfer.stop)
+        self._close()
+
+    def _lifecycle_changed(self, before: LifecycleView, after: LifecycleView) -> None:
+        self.observer.g_ready.set(int(after.ready))
+        if after.busy:
+            self._idle.clear()
+        else:
+            self._idle.set()
 
     def request_stop(self) -> None:
         self._stop.set()
@@ -424,9 +421,9 @@ class Sidecar:
             case Ping(seq=seq):
                 self._send(ident, self._pong(seq))
             case Hold():
-                self.holds.hold(ident, msg, self.draining)
+                self.holds.hold(ident, msg, self.lifecycle.draining)
             case Recv():
-                self.receiver.on_recv(ident, msg, self.draining, self._received_ns)
+                self.receiver.on_recv(ident, msg, self.lifecycle.draining, self._received_ns)
             case Release():
                 self.holds.release_request(msg)
             case RegisterKV():
@@ -517,15 +514,8 @@ class Sidecar:
         o.g_leases.set(len(self.holds))
         o.g_peers.set(len(self.peers.peers))
         self.transfer.set_serving(bool(len(self.holds)))
-        engines = any(not e.orphaned for e in self.registry.entries()) and not self.draining
-        if engines != self._engine_serving and self.on_engines is not None:
-            self._engine_serving = engines
-            with contextlib.suppress(RuntimeError):  # (no running loop: at teardown)
-                asyncio.get_running_loop().create_task(self.on_engines(engines))
-        if recvs or len(self.holds):
-            self._idle.clear()
-        else:
-            self._idle.set()
+        self.lifecycle.engines_registered(any(not e.orphaned for e in self.registry.entries()))
+        self.lifecycle.work(bool(recvs) or bool(len(self.holds)))
 
     def _from_nixl_thread(self, event: ReadFinished | NoticeReceived | ReadStuck) -> None:
         """From the NIXL thread, or from the loop itself for a read it posted (read_now)."""
@@ -556,7 +546,7 @@ class Sidecar:
 
     def _status_line(self) -> str:
         t = self.observer.totals
-        state = "draining" if self.draining else "serving"
+        state = "draining" if self.lifecycle.draining else "serving"
         return (f"{state}: {len(self.registry)} ranks, {len(self.peers.peers)} peers, "
                 f"{len(self.holds)} held, "
                 f"{len(self.receiver)} in flight, {t.transfers_ok} transfers, {t.transfers_failed} failed")
@@ -599,20 +589,17 @@ class Sidecar:
         """The engine socket file must still be the one this process bound: if it was
         removed or replaced, engines cannot reach this sidecar, so it is not ready."""
         path = ipc_path(self.config.engine_socket)
-        if not path or not self._sock_ino or not self.ready:
+        if not path or not self._sock_ino or not self.lifecycle.view.listening:
             return
         try:
             ino = os.stat(path).st_ino
         except FileNotFoundError:
             ino = 0
         if ino != self._sock_ino:
-            self.ready = False
-            self.observer.g_ready.set(0)
+            self.lifecycle.socket_lost()  # readiness off, on gRPC health too
             log.error("engine socket %s was %s: engines cannot reach this sidecar; readiness off "
                       "(restart it to listen again)", path, "removed" if not ino else "replaced")
             self.observer.emit(Event("engine_socket_lost", reason=path))
-            if self.on_drain is not None:
-                await self.on_drain()  # readiness NOT_SERVING on gRPC health too
 
     async def _engine_gone(self, entry: RankEntry, reason: str) -> None:
         await self.receiver.fail_rank(entry.key, reason)
@@ -650,7 +637,7 @@ class Sidecar:
             handshake_endpoint=f"{cfg.resolved_advertise_host}:{self.handshake_port}",
             agent_name=self.agent_name,
             protocol_version=PROTOCOL_VERSION, ucx_error_mode=cfg.ucx_error_mode, uptime_s=now - self.started,
-            ready=self.ready and not self.draining, draining=self.draining, insecure=self.insecure,
+            ready=self.lifecycle.ready, draining=self.lifecycle.draining, insecure=self.insecure,
             authenticated=bool(self.secret), encrypted=self.peers.curve is not None,
             ranks=copies(self.registry.entries()), peers=copies(self.peers.values()), leases=leases,
             transfers=transfers, totals=copy.copy(self.observer.totals),
@@ -682,12 +669,8 @@ class Sidecar:
     async def drain(self, timeout_s: float) -> tuple[bool, int, int, float]:
         """Refuse new holds/receives; wait for in-flight work; fail/release what is left."""
         start = time.monotonic()
-        if not self.draining:
-            self.draining = True
-            self.observer.g_ready.set(0)
+        if self.lifecycle.drain():
             self.observer.emit(Event("drain_started"))
-            if self.on_drain is not None:
-                await self.on_drain()
         self._gauges()
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self._idle.wait(), timeout_s)
@@ -701,13 +684,9 @@ class Sidecar:
 
     async def resume(self) -> bool:
         """Undo a drain: new holds and receives are taken again. False: not draining."""
-        if not self.draining:
+        if not self.lifecycle.resume():
             return False
-        self.draining = False
-        self.observer.g_ready.set(1 if self.ready else 0)
         self.observer.emit(Event("resumed"))
-        if self.on_resume is not None:
-            await self.on_resume()
         self._gauges()
         return True
 
@@ -723,61 +702,3 @@ def hard_exit(code: int) -> None:
     os._exit(code)
 
 
-class JsonFormatter(logging.Formatter):
-    """One JSON object per line: time (ISO 8601, UTC), level, logger, message (and exc)."""
-
-    def format(self, record: logging.LogRecord) -> str:
-        out = {"time": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created))
-                       + f".{int(record.msecs):03d}Z",
-               "level": record.levelname, "logger": record.name, "message": record.getMessage(),
-               "pid": record.process}
-        if record.exc_info:
-            out["exc"] = self.formatException(record.exc_info)
-        return json.dumps(out)
-
-
-def setup_logging(config: Config) -> None:
-    handler = logging.StreamHandler()
-    handler.setFormatter(JsonFormatter() if config.log_format == "json"
-                         else logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-    root = logging.getLogger()
-    for h in list(root.handlers):
-        root.removeHandler(h)
-    root.addHandler(handler)
-    root.setLevel(config.log_level.upper())
-
-
-def run_server(config: Config, reload: Callable[[], Config] | None = None) -> int:
-    """Run the daemon until SIGINT, or SIGTERM and a drain; returns the exit status.
-    ``reload``: the configuration read again (SIGHUP applies its log level)."""
-    import faulthandler
-
-    import uvloop
-
-    faulthandler.enable(all_threads=True)  # a crash in NIXL/UCX leaves every stack in the log
-    faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1` dumps every stack
-
-    setup_logging(config)
-
-    def on_hup() -> None:
-        try:
-            new = reload() if reload is not None else config
-        except ConfigError as e:
-            log.error("SIGHUP: configuration not reloaded: %s", e)
-            return
-        logging.getLogger().setLevel(new.log_level.upper())
-        log.warning("SIGHUP: log level now %s", new.log_level.upper())
-
-
-    try:
-        sidecar = Sidecar(config)
-    except ConfigError as e:  # e.g. an unreadable secret file: refuse to start rather than run open
-        log.critical("%s", e)
-        return 2
-    sidecar.on_hup = on_hup
-    try:
-        uvloop.run(sidecar.serve())
-    except (ListenError, OSError) as e:  # a listener could not bind: which, where, why
-        log.critical("cannot start: %s", e)
-        return 2
-    return sidecar.exit_code

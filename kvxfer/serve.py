@@ -1,0 +1,80 @@
+"""``kvxfer serve``: the daemon with its control plane, as one process.
+
+The top of the sidecar's layers: it builds the ``Sidecar`` (the app), opens it, starts the
+gRPC control and health servers over it (they read its snapshots, call its operations and
+follow its lifecycle; the app never imports them), runs it until it stops, and closes
+everything in the reverse order.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from collections.abc import Callable
+from typing import Any
+
+from kvxfer.config import Config
+from kvxfer.control.access import AccessPolicy, load_policy
+from kvxfer.errors import ConfigError, ListenError
+from kvxfer.logs import setup_logging
+from kvxfer.sidecar.app import Sidecar
+
+log = logging.getLogger("kvxfer.sidecar")
+
+
+async def serve(sidecar: Sidecar, policy: AccessPolicy, on_hup: Callable[[], None] | None = None) -> None:
+    """Open the sidecar, start its control plane, serve until stopped, close."""
+    config = sidecar.config
+    await sidecar.open()
+    control: list[Any] = []
+    if config.control_target or config.health_target:
+        from kvxfer.control.service import start_control_server
+
+        try:
+            control = await start_control_server(sidecar, config.control_target, policy,
+                                                 config.health_target)
+        except Exception as e:  # grpc says RuntimeError("Failed to bind ...")
+            await sidecar.close()
+            raise ListenError(f"control listener {config.control_target or ''} "
+                              f"{config.health_target or ''}: {e}".replace("  ", " ")) from None
+    try:
+        await sidecar.run(on_hup)
+    finally:
+        await asyncio.gather(*(c.stop(0.5) for c in control))
+        await sidecar.close()
+
+
+def run_server(config: Config, reload: Callable[[], Config] | None = None) -> int:
+    """Run the daemon until SIGINT, or SIGTERM and a drain; returns the exit status.
+    ``reload``: the configuration read again (SIGHUP applies its log level)."""
+    import faulthandler
+
+    import uvloop
+
+    faulthandler.enable(all_threads=True)  # a crash in NIXL/UCX leaves every stack in the log
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1` dumps every stack
+
+    setup_logging(config)
+
+    def on_hup() -> None:
+        try:
+            new = reload() if reload is not None else config
+        except ConfigError as e:
+            log.error("SIGHUP: configuration not reloaded: %s", e)
+            return
+        logging.getLogger().setLevel(new.log_level.upper())
+        log.warning("SIGHUP: log level now %s", new.log_level.upper())
+
+    try:
+        sidecar = Sidecar(config)
+        policy = load_policy(config)
+    except ConfigError as e:  # e.g. an unreadable secret file: refuse to start rather than run open
+        log.critical("%s", e)
+        return 2
+    try:
+        uvloop.run(serve(sidecar, policy, on_hup))
+    except (ListenError, OSError) as e:  # a listener could not bind: which, where, why
+        log.critical("cannot start: %s", e)
+        return 2
+    return sidecar.exit_code
