@@ -43,9 +43,10 @@ from kvxfer.client import Drained, RemoteBlocks
 from kvxfer.config import Config
 from kvxfer.memory import CudaKV, SharedKV
 from kvxfer.protocol import Done, KVLayout
+from kvxfer.sidecar.nixl_agent import create_agent
+from kvxfer.sidecar.plan import desc_indices, merge_rows, strided_rows
 from kvxfer.testing.engine import SyntheticEngine, make_layout
 from kvxfer.testing.procs import SidecarFactory
-from kvxfer.transfer import create_agent, desc_indices, merge_rows, strided_rows
 
 BLOCK_BYTES = 2 << 20  # 32 layers x K/V x 16 tokens x 8 heads x 128 x bf16
 

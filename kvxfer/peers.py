@@ -58,7 +58,7 @@ from kvxfer.protocol import (
 )
 
 if TYPE_CHECKING:
-    from collections.abc import Awaitable, Callable
+    from collections.abc import Callable
 
     import zmq.asyncio
 
@@ -66,7 +66,7 @@ if TYPE_CHECKING:
     from kvxfer.holds import Holds
     from kvxfer.observe import Observer
     from kvxfer.registry import RankRegistry
-    from kvxfer.transfer import TransferEngine
+    from kvxfer.sidecar.nixl_port import NixlPort
 
 log = logging.getLogger(__name__)
 
@@ -199,16 +199,15 @@ class Peers:
     (answers Hello, digest requests and lease renewals). ``peers`` by handshake endpoint."""
 
     def __init__(self, *, config: Config, dial_ctx: zmq.asyncio.Context, engine_id: str, agent_name: str,
-                 registry: RankRegistry, transfer: TransferEngine, nixl: Callable[..., Awaitable[Any]],
-                 observer: Observer, holds: Holds, secret: bytes, generation: Callable[[], str],
+                 registry: RankRegistry, nixl: NixlPort, observer: Observer, holds: Holds, secret: bytes,
+                 generation: Callable[[], str],
                  spawn: Callable[[Any], None]) -> None:
         self.config = config
         self.dial_ctx = dial_ctx  # handshake dialing never shares the engine socket's I/O thread
         self.engine_id = engine_id
         self.agent_name = agent_name
         self.registry = registry
-        self.transfer = transfer
-        self._nixl = nixl
+        self.nixl = nixl
         self.observer = observer
         self.holds = holds
         self.secret = secret  # empty: no handshake authentication
@@ -363,7 +362,7 @@ class Peers:
                 pass  # the same registrations: keep NIXL's state (reads in flight go on)
             else:
                 reload = cached is not None and cached.agent_name == reply.agent_name
-                await self._nixl(self.transfer.t_add_peer, reply.agent_name, frames[1], infos, reload)
+                await self.nixl.add_peer(reply.agent_name, frames[1], infos, reload)
         except RequestError as e:
             self.observer.handshake(key, False, time.monotonic() - start, e.reason)
             raise
@@ -448,7 +447,7 @@ class Peers:
                     link.close()
         log.warning("dropped peer %s: %s", agent, reason)
         with contextlib.suppress(Exception):
-            await self._nixl(self.transfer.t_remove_peer, agent, reason)
+            await self.nixl.remove_peer(agent, reason)
         return dropped
 
     # ---------------------------------------------------------------- listener
@@ -496,7 +495,7 @@ class Peers:
             return Refused(version=PROTOCOL_VERSION, code=ErrorCode.UNAUTHORIZED, reason=why)
         state = self._renew(msg)
         if "held" in state.held:
-            self.transfer.expect_reads()  # (a claim: the read follows; see expect_reads)
+            self.nixl.expect_reads()  # (a claim: the read follows; see expect_reads)
         return state
 
     def _renew(self, msg: LeaseRenew) -> LeaseState:
@@ -568,7 +567,7 @@ class Peers:
                 f"compatibility hash {hello.compat_hash} != {ours} (model layout differs: "
                 f"{layout.model_signature()})",
             )
-        metadata: bytes = await self._nixl(self.transfer.t_metadata)
+        metadata = await self.nixl.metadata()
         welcome = Welcome(
             version=PROTOCOL_VERSION,
             compat_hash=ours,
@@ -616,8 +615,7 @@ class Peers:
                 raise RequestError(ErrorCode.MALFORMED, "digest request larger than the held blocks")
             if any(off + n > block_len for item in r.items for off, n in item.runs):
                 raise RequestError(ErrorCode.MALFORMED, f"a digest run ends beyond a {block_len}-byte block")
-            digests.append(await self._nixl(self.transfer.t_digest, entry.key, r.items, r.region0,
-                                            r.num_regions))
+            digests.append(await self.nixl.digest(entry.key, r.items, r.region0, r.num_regions))
         return DigestReply(req_id=req.req_id, digests=digests)
 
     async def request_digest(self, host: str, port: int, req: DigestRequest, timeout_s: float) -> list[str]:

@@ -14,10 +14,9 @@ Dependencies are passed in: the registry (local ranks), the peers (dialer), the 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,8 +43,10 @@ from kvxfer.protocol import (
     encode,
 )
 from kvxfer.registry import RankKey, RankRegistry
+from kvxfer.sidecar.nixl_port import NixlPort
+from kvxfer.sidecar.nixl_types import ReadFinished, ReadRefused
+from kvxfer.sidecar.plan import ReadSpec
 from kvxfer.topology import BlockPairing, Incompatible, RankPlan, block_pairing, plan_stages, plan_state
-from kvxfer.transfer import ReadFinished, TransferEngine
 
 log = logging.getLogger(__name__)
 
@@ -86,15 +87,14 @@ def recv_key(req_id: str, tp_rank: int, engine: str = "", pp_rank: int = 0) -> s
 
 
 class Receiver:
-    def __init__(self, *, config: Config, registry: RankRegistry, peers: Peers, transfer: TransferEngine,
-                 nixl: Callable[..., Awaitable[Any]], observer: Observer, send: Callable[[bytes, Any], None],
+    def __init__(self, *, config: Config, registry: RankRegistry, peers: Peers, nixl: NixlPort,
+                 observer: Observer, send: Callable[[bytes, Any], None],
                  spawn: Callable[[Any], None], on_change: Callable[[], None], agent_name: str,
                  abandoned: Abandoned | None = None) -> None:
         self.config = config
         self.registry = registry
         self.peers = peers
-        self.transfer = transfer
-        self._nixl = nixl
+        self.nixl = nixl
         self.observer = observer
         self._send = send
         self._spawn = spawn
@@ -107,7 +107,13 @@ class Receiver:
     def __len__(self) -> int:
         return len(self.recvs)
 
-    def on_nixl_event(self, event: ReadFinished) -> None:
+    def on_read_refused(self, event: ReadRefused) -> None:
+        """The NIXL thread could not start a read it was handed (nothing was posted)."""
+        state = self.recvs.get(event.req_id)
+        if state is not None:
+            self._fail_recv(event.req_id, event.error)
+
+    def on_read_finished(self, event: ReadFinished) -> None:
         state = self.recvs.get(event.req_id)
         if state is None:
             return
@@ -130,7 +136,7 @@ class Receiver:
         for rkey, st in list(self.recvs.items()):
             if st.local == key:
                 if st.state == "reading":
-                    await self._nixl(self.transfer.t_cancel, rkey, ErrorCode.NOT_REGISTERED, reason)
+                    await self.nixl.cancel(rkey, ErrorCode.NOT_REGISTERED, reason)
                 else:
                     self._finish_recv_error(rkey, RequestError(ErrorCode.NOT_REGISTERED, reason))
 
@@ -301,33 +307,17 @@ class Receiver:
         started = ReadNotice(req_id=msg.remote_req_id or msg.req_id, tp_rank=msg.tp_rank, ok=True,
                              reading_s=remaining, engine_id=state.remote_engine, pp_rank=msg.pp_rank,
                              token=msg.remote_token)
-        args = (key, peer.agent_name, state.local, list(msg.block_ids), list(msg.remote_block_ids), plans,
-                pairing, remaining, encode(started), state.remote_engine, msg.state_pairs,
-                state.trace is not None)
-        # A small read is posted (and on one host copied) right here, with no hand-off to
-        # the NIXL thread and back; a large one, or one while the NIXL thread is busy in
-        # NIXL, is handed over.
+        spec = ReadSpec(req_id=key, peer=peer.agent_name, local_rank=state.local,
+                        local_blocks=list(msg.block_ids), remote_blocks=list(msg.remote_block_ids),
+                        plans=plans, pairing=pairing, deadline_s=remaining, started_notice=encode(started),
+                        remote_engine=state.remote_engine, state_blocks=msg.state_pairs,
+                        trace=state.trace is not None)
+        # A small read is posted (and on one host copied) in this call, with no hand-off to
+        # the NIXL thread and back (the port's choice); its end comes as a ReadFinished.
         try:
-            if self.transfer.read_now(*args):
-                return
+            self.nixl.read(spec)
         except Exception as e:
             self._fail_recv(key, e)
-            return
-        fut = self.transfer.call(self.transfer.t_read, *args)
-        loop = asyncio.get_running_loop()
-
-        def submitted(f: Any) -> None:  # (on the NIXL thread) only a refused submission reports
-            if f.cancelled() or f.exception() is None:
-                return
-            err = f.exception()
-            with contextlib.suppress(RuntimeError):  # the loop closed at shutdown
-                loop.call_soon_threadsafe(self._read_refused, key, state, err)
-
-        fut.add_done_callback(submitted)
-
-    def _read_refused(self, key: str, state: _RecvState, err: BaseException) -> None:
-        if self.recvs.get(key) is state:
-            self._fail_recv(key, err)
 
     def _check_generation(self, msg: Recv, peer: Peer) -> None:
         if peer.outdated_by(msg.remote_generation):
@@ -570,8 +560,8 @@ class Receiver:
             timeout = self.config.handshake_timeout_s
             remote, local = await asyncio.gather(
                 self.peers.request_digest(msg.remote_host, msg.remote_port, req, timeout),
-                asyncio.gather(*(self._nixl(self.transfer.t_digest, state.local, items[r][0],
-                                            items[r][2].local_region0, items[r][2].num_regions)
+                asyncio.gather(*(self.nixl.digest(state.local, items[r][0], items[r][2].local_region0,
+                                                  items[r][2].num_regions)
                                  for r in ranks)),
             )
         except Exception as e:
@@ -598,7 +588,7 @@ class Receiver:
 
     async def _notify_peer(self, agent: str, notice: ReadNotice) -> None:
         try:
-            await self._nixl(self.transfer.t_send_notice, agent, encode(notice))
+            await self.nixl.notify(agent, encode(notice))
         except Exception as e:
             log.warning("read notice for %s to %s not sent: %s", notice.req_id, agent, e)
 
@@ -610,7 +600,7 @@ class Receiver:
             state = self.recvs.get(key)
             if state is None:
                 continue
-            if state.state == "reading" and await self._nixl(self.transfer.t_cancel, key, code, reason):
+            if state.state == "reading" and await self.nixl.cancel(key, code, reason):
                 continue  # the NIXL thread reports the failure through the usual path
             self._finish_recv_error(key, RequestError(code, reason, req_id))
         return len(keys)

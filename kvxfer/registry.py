@@ -20,9 +20,8 @@ import contextlib
 import logging
 import os
 import time
-from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import NamedTuple, Protocol
 
 import msgspec
 
@@ -78,16 +77,20 @@ def process_start_time(pid: int) -> str | None:
         return ""
 
 
-class RankRegistry:
-    """Registered ranks; ``nixl`` runs a ``TransferEngine`` command on its thread."""
+class MemoryPort(Protocol):
+    """Where a rank's memory is registered (the NIXL port)."""
 
-    def __init__(self, default_engine: str, nixl: Callable[..., Awaitable[Any]],
-                 t_register: Callable[[RankKey, RegisterKV], RankInfo],
-                 t_unregister: Callable[[RankKey], bool]) -> None:
+    async def register(self, key: RankKey, msg: RegisterKV) -> RankInfo: ...
+
+    async def unregister(self, key: RankKey) -> bool: ...
+
+
+class RankRegistry:
+    """Registered ranks; their memory is registered with NIXL through ``memory``."""
+
+    def __init__(self, default_engine: str, memory: MemoryPort) -> None:
         self.default_engine = default_engine
-        self._nixl = nixl
-        self._t_register = t_register
-        self._t_unregister = t_unregister
+        self._memory = memory
         self._entries: dict[RankKey, RankEntry] = {}
         self.changes = 0  # bumped when a registration is replaced or removed (the generation)
 
@@ -180,7 +183,7 @@ class RankRegistry:
         if old is not None and old.key != key:
             await self._drop(old)
         try:
-            info: RankInfo = await self._nixl(self._t_register, key, msg)
+            info = await self._memory.register(key, msg)
         except BaseException:
             if self._entries.pop(key, None) is not None:
                 self.changes += 1
@@ -212,7 +215,7 @@ class RankRegistry:
     async def _drop(self, entry: RankEntry) -> None:
         self._entries.pop(entry.key, None)
         self.changes += 1
-        await self._nixl(self._t_unregister, entry.key)
+        await self._memory.unregister(entry.key)
 
     def dead(self) -> list[RankEntry]:
         """Ranks whose registering process exited (a recycled pid does not count as alive),

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvxfer.protocol import RemoteRegion
-from kvxfer.transfer import merge_rows, merge_runs
+from kvxfer.sidecar.plan import merge_rows, merge_runs
 
 
 def _byte_map(pairs: list[tuple[int, int, int]]) -> dict[int, int]:

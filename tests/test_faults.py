@@ -633,7 +633,7 @@ def test_read_stuck_exits_without_teardown(monkeypatch: pytest.MonkeyPatch) -> N
     """The handler leaves through os._exit(3) at once, never through the graceful stop."""
     from kvxfer.config import Config
     from kvxfer.sidecar import app as sc_mod
-    from kvxfer.transfer import ReadStuck
+    from kvxfer.sidecar.nixl_types import ReadStuck
 
     calls: list[int] = []
 
@@ -648,9 +648,11 @@ def test_read_stuck_exits_without_teardown(monkeypatch: pytest.MonkeyPatch) -> N
     sidecar = sc_mod.Sidecar(Config(engine_socket="ipc:///tmp/kvx-stuck-unit.sock"))
     try:
         with pytest.raises(Exited):
-            sidecar._on_nixl_event(ReadStuck("r", "peer", 21.0))
+            sidecar._read_stuck(ReadStuck("r", "peer", 21.0))
         assert calls == [3]
         assert not sidecar._stop.is_set()  # no graceful stop was started
     finally:
         sidecar.ctx.term()
         sidecar.dial_ctx.term()
+        if sidecar.pools is not None:
+            sidecar.pools.close()

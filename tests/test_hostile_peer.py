@@ -49,9 +49,9 @@ from kvxfer.protocol import (
     handshake_reply_decoder,
     handshake_request_decoder,
 )
+from kvxfer.sidecar.nixl_agent import create_agent
 from kvxfer.testing.engine import SyntheticEngine, make_layout
 from kvxfer.testing.procs import SidecarFactory, SidecarProc, free_port
-from kvxfer.transfer import create_agent
 
 LAYOUT = make_layout(layers=2, num_blocks=32, heads=2, head_dim=32)
 SECRET = b"a secret every sidecar here shares"

@@ -12,9 +12,9 @@ from kvxfer.config import Config, load_config
 from kvxfer.errors import ConfigError, ErrorCode, RequestError
 from kvxfer.leases import Lease, LeaseTable
 from kvxfer.memory import SharedKV, region_block_len, validate_registration
+from kvxfer.sidecar.plan import desc_indices
 from kvxfer.testing.engine import make_layout
 from kvxfer.testing.pattern import request_pattern
-from kvxfer.transfer import desc_indices
 
 
 def lease(req: str, expires: float, reads: int = 1, engine: str = "e") -> Lease:

@@ -66,13 +66,14 @@ from kvxfer.protocol import (
 from kvxfer.receiver import Receiver
 from kvxfer.registry import RankEntry, RankRegistry
 from kvxfer.sidecar.lifecycle import Lifecycle, LifecycleView
+from kvxfer.sidecar.nixl_port import NixlPort
+from kvxfer.sidecar.nixl_types import NoticeReceived, ReadFinished, ReadRefused, ReadStuck, TransferOptions
 from kvxfer.status import LeaseView, Snapshot, TransferView, copies
 from kvxfer.systemd import Notifier
 from kvxfer.topology import (
     Incompatible,
     check_layout,
 )
-from kvxfer.transfer import NoticeReceived, ReadFinished, ReadStuck, TransferEngine, TransferOptions
 
 log = logging.getLogger("kvxfer.sidecar")  # (the name operators filter on)
 EXIT_STUCK = 3  # a failed read's chunks could not be stopped: restart to fence them off
@@ -120,7 +121,9 @@ class Sidecar:
         self.ctx = zmq.asyncio.Context()
         self.dial_ctx = zmq.asyncio.Context()
         self.engine_sock: zmq.asyncio.Socket | None = None
-        self.pools: PoolServer | None = None  # the memory channel (ipc:// engine sockets)
+        # the memory channel (ipc:// engine sockets), listening once the engine socket is ours
+        self.pools = (PoolServer(mem_socket_path(config.engine_socket), config.max_pool_bytes)
+                      if ipc_path(config.engine_socket) else None)
         self.hs_sock: zmq.asyncio.Socket | None = None
         self._lock_fd = -1  # <engine socket>.lock, flocked while this process owns the socket
         self._sock_ino = 0  # the inode of the socket file this process bound (0: none)
@@ -143,9 +146,8 @@ class Sidecar:
             # NIXL thread stays the only one that drives NIXL)
             inline_bytes=0 if config.cuda_enabled else config.inline_read_kib << 10,
         )
-        self.transfer = TransferEngine(self.agent_name, opts, self._from_nixl_thread)
-        self.registry = RankRegistry(self.engine_id, self._nixl, self.transfer.t_register,
-                                     self.transfer.t_unregister)
+        self.transfer = NixlPort(self.agent_name, opts, self.pools)
+        self.registry = RankRegistry(self.engine_id, self.transfer)
         self.observer = Observer()
         self.observer.g_dlists.set_function(lambda: self.transfer.dlists_prepared)
         self.observer.g_inline.set_function(lambda: self.transfer.reads_inline)
@@ -161,14 +163,18 @@ class Sidecar:
                            authenticated=lambda agent: self.peers.is_authenticated(agent),
                            abandoned=self.abandoned)
         self.peers = Peers(config=config, dial_ctx=self.dial_ctx, engine_id=self.engine_id,
-                           agent_name=self.agent_name, registry=self.registry, transfer=self.transfer,
-                           nixl=self._nixl, observer=self.observer, holds=self.holds, secret=self.secret,
+                           agent_name=self.agent_name, registry=self.registry, nixl=self.transfer,
+                           observer=self.observer, holds=self.holds, secret=self.secret,
                            generation=lambda: self.generation, spawn=self._spawn)
         self.receiver = Receiver(config=config, registry=self.registry, peers=self.peers,
-                                 transfer=self.transfer, nixl=self._nixl, observer=self.observer,
+                                 nixl=self.transfer, observer=self.observer,
                                  send=self._send, spawn=self._spawn,
                                  on_change=self._gauges, agent_name=self.agent_name,
                                  abandoned=self.abandoned)
+        self.transfer.on(NoticeReceived, lambda ev: self.holds.on_notice(ev.agent, ev.payload))
+        self.transfer.on(ReadFinished, self.receiver.on_read_finished)
+        self.transfer.on(ReadRefused, self.receiver.on_read_refused)
+        self.transfer.on(ReadStuck, self._read_stuck)
         self._idle = asyncio.Event()  # nothing in flight, nothing held (lifecycle: not busy)
         self._idle.set()
         self.exit_code = 0
@@ -196,7 +202,7 @@ class Sidecar:
         except BaseException:
             self._close()
             raise
-        await asyncio.wrap_future(self.transfer.start())
+        await self.transfer.start()
         self.lifecycle.started()
         self.observer.g_insecure.set(int(self.insecure))
         if self.insecure:
@@ -324,13 +330,12 @@ class Sidecar:
             os.chmod(path, 0o600)
             self._sock_ino = os.stat(path).st_ino
             # the memory channel beside it: the engine's KV pools, handed over by fd
-            self.pools = PoolServer(mem_socket_path(self.config.engine_socket), self.config.max_pool_bytes)
+            assert self.pools is not None
             loop = self.loop
             assert loop is not None
             self.pools.on_closed = lambda ids, pid: loop.call_soon_threadsafe(
                 self._spawn, self._pools_closed(set(ids), pid))
             self.pools.start()
-            self.transfer.pools = self.pools
         else:
             try:
                 self.engine_sock.bind(self.config.engine_socket)
@@ -372,9 +377,6 @@ class Sidecar:
         task = asyncio.ensure_future(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
-
-    async def _nixl(self, fn: Any, *args: Any) -> Any:
-        return await asyncio.wrap_future(self.transfer.call(fn, *args))
 
     # ------------------------------------------------------------------ engine socket
 
@@ -517,32 +519,17 @@ class Sidecar:
         self.lifecycle.engines_registered(any(not e.orphaned for e in self.registry.entries()))
         self.lifecycle.work(bool(recvs) or bool(len(self.holds)))
 
-    def _from_nixl_thread(self, event: ReadFinished | NoticeReceived | ReadStuck) -> None:
-        """From the NIXL thread, or from the loop itself for a read it posted (read_now)."""
-        assert self.loop is not None
-        if threading.get_ident() == self._loop_thread:
-            self.loop.call_soon(self._on_nixl_event, event)  # (not re-entered: after this call)
-            return
-        with contextlib.suppress(RuntimeError):  # loop already closed at shutdown
-            self.loop.call_soon_threadsafe(self._on_nixl_event, event)
-
-    def _on_nixl_event(self, event: ReadFinished | NoticeReceived | ReadStuck) -> None:
-        if isinstance(event, NoticeReceived):
-            self.holds.on_notice(event.agent, event.payload)
-            return
-        if isinstance(event, ReadStuck):
-            # NIXL cannot stop this read's chunks, and reporting it failed would let the
-            # engine reuse blocks they may still write: exit, so the endpoints die with us
-            # (the supervisor restarts the sidecar; connectors see it and fail their loads).
-            # No graceful teardown: it waits on the NIXL thread, the frozen peer's endpoints and
-            # open handshake sockets, and every second of it is a second a late write can land.
-            log.critical("read %s from %s still has chunks in flight %.1fs after it failed; exiting "
-                         "so that no late write can land in reused blocks", event.req_id, event.peer,
-                         event.seconds)
-            self.exit_code = EXIT_STUCK
-            hard_exit(EXIT_STUCK)
-            return
-        self.receiver.on_nixl_event(event)
+    def _read_stuck(self, event: ReadStuck) -> None:
+        # NIXL cannot stop this read's chunks, and reporting it failed would let the
+        # engine reuse blocks they may still write: exit, so the endpoints die with us
+        # (the supervisor restarts the sidecar; connectors see it and fail their loads).
+        # No graceful teardown: it waits on the NIXL thread, the frozen peer's endpoints and
+        # open handshake sockets, and every second of it is a second a late write can land.
+        log.critical("read %s from %s still has chunks in flight %.1fs after it failed; exiting "
+                     "so that no late write can land in reused blocks", event.req_id, event.peer,
+                     event.seconds)
+        self.exit_code = EXIT_STUCK
+        hard_exit(EXIT_STUCK)
 
     def _status_line(self) -> str:
         t = self.observer.totals

@@ -1,0 +1,370 @@
+"""The one door to NIXL: a dedicated thread that owns the agent, and a typed API the event
+loop calls.
+
+A CMA ``transfer()`` copies synchronously inside the call (~150 ms per GiB), so NIXL runs
+on its own thread: the loop awaits ``register``, ``add_peer``, ``digest`` … (each a command
+queued to that thread), and receives what happens there (``ReadFinished``,
+``NoticeReceived``, ``ReadStuck``) through handlers it subscribed with ``on``, always on the
+loop. The one exception is the hot path: a read of at most ``inline_bytes`` is planned and
+posted by the loop itself, inside ``read`` (it saves the hand-off and the poll that sees it
+land). NIXL calls from the two threads never overlap: each holds ``_lock`` while in NIXL
+(the loop only tries it, and queues the read when the NIXL thread has it), and the agent
+runs NIXL's strict synchronization, under which its UCX workers are SERIALIZED (any
+thread, one at a time). Which of the two paths a read takes is this module's choice alone.
+
+Progress (transfer states, notifications) is polled, never busy-spun: from
+``busy_poll_s`` backing off to ``active_poll_s`` while reads are in flight, every
+``active_poll_s`` while peers may read from us (``set_serving``: blocks are held), every
+``idle_poll_s`` otherwise. In UCX peer mode a READ completes only once its *target* makes
+progress, so the target's period adds to every read (measured on 2 cores: a 2 MiB read
+took 1.2 ms longer with the target polling every 2 ms than every 0.5 ms; polling every
+0.2 ms took enough CPU from the reader's copy to slow 64 MiB reads). NIXL's own progress
+thread is off (it spins a full core per agent).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import logging
+import os
+import queue
+import threading
+import time
+from collections.abc import Callable, Hashable
+from typing import Any, TypeVar
+
+from kvxfer.errors import ErrorCode
+from kvxfer.pool import PoolServer
+from kvxfer.protocol import DigestItem, RankInfo, RegisterKV
+from kvxfer.sidecar.nixl_agent import create_agent
+from kvxfer.sidecar.nixl_memory import Cleanup, Registrations
+from kvxfer.sidecar.nixl_reads import Read, Reads
+from kvxfer.sidecar.nixl_types import Event, NoticeReceived, ReadRefused, TransferOptions
+from kvxfer.sidecar.plan import ReadSpec
+
+log = logging.getLogger("kvxfer.transfer")
+
+T = TypeVar("T")
+_Command = tuple[Callable[[], Any], concurrent.futures.Future[Any]]
+
+
+class NixlPort:
+    def __init__(self, agent_name: str, options: TransferOptions, pools: PoolServer | None = None) -> None:
+        self.agent_name = agent_name
+        self.options = options
+        self._pools = pools
+        self._cmds: queue.SimpleQueue[_Command | None] = queue.SimpleQueue()
+        # held by whichever thread is inside NIXL or the state below: the NIXL thread while
+        # it runs commands and polls, the loop while it posts a small read itself
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._main, name="kvxfer-nixl", daemon=True)
+        self._ready: concurrent.futures.Future[None] = concurrent.futures.Future()
+        self._agent: Any = None
+        self._regs: Registrations | None = None
+        self._reads: Reads | None = None
+        self._handlers: dict[type, Callable[[Any], None]] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._loop_thread = 0
+        self.backends: list[str] = []
+        self.reads_inline = 0  # reads planned and posted by the loop itself, ever
+        self.serving = False  # blocks are held for peers to read (poll at the active period)
+        self._hot_until = 0.0  # poll at busy_poll_s until then (expect_reads)
+        # Test-only corruption hook (proves --verify-sample catches a wrong byte end to end):
+        # the next N successful reads into host memory get one byte flipped after they land.
+        self._corrupt_reads = int(os.environ.get("KVXFER_TEST_CORRUPT_READS", "0") or 0)
+
+    # ------------------------------------------------------------------ life
+
+    def on(self, kind: type[T], handler: Callable[[T], None]) -> None:
+        """Call ``handler(event)`` on the loop for every event of this kind."""
+        self._handlers[kind] = handler
+
+    async def start(self) -> None:
+        """Start the NIXL thread and create the agent (~0.5 s with UCX)."""
+        self._loop = asyncio.get_running_loop()
+        self._loop_thread = threading.get_ident()
+        self._thread.start()
+        await asyncio.wrap_future(self._ready)
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """Fail what is in flight, unregister everything and end the thread (blocking)."""
+        if self._thread.is_alive():
+            self._cmds.put(None)
+            self._thread.join(timeout)
+
+    @property
+    def dlists_prepared(self) -> int:
+        return self._regs.dlists_prepared if self._regs is not None else 0
+
+    # ------------------------------------------------------------------ commands
+
+    async def register(self, key: Hashable, msg: RegisterKV) -> RankInfo:
+        """Map a rank's memory and register it (replacing the key's registration)."""
+        return await self._run(lambda: self._register(key, msg))
+
+    async def unregister(self, key: Hashable) -> bool:
+        """Its reads fail; its memory is released once they settled."""
+        return await self._run(lambda: self._unregister(key))
+
+    async def add_peer(self, name: str, metadata: bytes, ranks: list[RankInfo], reload: bool = False) -> str:
+        """Load a peer's agent metadata. Agent names carry a per-process nonce, so a restarted
+        peer arrives under a new name; the same name again means the same process
+        re-handshaked: its entry is replaced (``reload``: its registrations changed)."""
+        return await self._run(lambda: self._add_peer(name, metadata, ranks, reload))
+
+    async def remove_peer(self, name: str, reason: str) -> bool:
+        return await self._run(lambda: self._remove_peer(name, reason, ErrorCode.PEER_DISCONNECTED))
+
+    async def metadata(self) -> bytes:
+        return await self._run(lambda: bytes(self._agent.get_agent_metadata()))
+
+    async def cancel(self, req_id: str, code: str, reason: str) -> bool:
+        """Fail a read in flight (it reports through ``ReadFinished`` once settled)."""
+        return await self._run(lambda: self._reads_().cancel(req_id, code, reason))
+
+    async def notify(self, agent: str, payload: bytes) -> None:
+        await self._run(lambda: self._agent.send_notif(agent, payload))
+
+    async def digest(self, key: Hashable, items: list[DigestItem], region0: int = 0,
+                     num_regions: int = 0) -> str:
+        return await self._run(lambda: self._regs_().digest(key, items, region0, num_regions))
+
+    def read(self, spec: ReadSpec) -> None:
+        """Start a read; a ``ReadFinished`` reports its end. A small read is planned, posted
+        and (on one host, where CMA copies inside the call) finished right here; any other
+        goes to the NIXL thread. A read that cannot start raises here (inline) or is reported
+        as a failed ``ReadFinished`` with the reason."""
+        if self._read_inline(spec):
+            return
+        fut = self._submit(lambda: self._start_read(spec))
+
+        def refused(f: concurrent.futures.Future[Any]) -> None:  # (on the NIXL thread)
+            err = None if f.cancelled() else f.exception()
+            if err is not None:
+                self._emit(ReadRefused(spec.req_id, err))
+
+        fut.add_done_callback(refused)
+
+    # ------------------------------------------------------------------ poll policy
+
+    def expect_reads(self) -> None:
+        """A peer claimed held blocks: its READ is about to start, and in UCX peer mode a READ
+        may complete only once its target (this agent) makes progress (measured here: every
+        other READ after a NIXL notification waits for it). Poll at the busy period for
+        ``expect_read_s``, starting now (in UCX's "none" mode READs need no target progress)."""
+        if self.options.expect_read_s <= 0 or self.options.ucx_error_mode != "peer":
+            return
+        self._hot_until = time.monotonic() + self.options.expect_read_s
+        self._wake()
+
+    def set_serving(self, serving: bool) -> None:
+        """Blocks are (or no longer are) held for peers to read: poll at the active period."""
+        if serving and not self.serving:
+            self.serving = True
+            self._wake()
+        else:
+            self.serving = serving
+
+    def stats(self) -> dict[str, int]:
+        """A rough look from any thread (counters, no lock)."""
+        out = {"peers": 0, "local_ranks": 0, "dlists_prepared": self.dlists_prepared,
+               "reads_inline": self.reads_inline}
+        if self._regs is not None and self._reads is not None:
+            out.update(peers=len(self._regs.peers), local_ranks=len(self._regs.local), **self._reads.stats())
+        return out
+
+    # ------------------------------------------------------------------ loop <-> thread
+
+    async def _run(self, fn: Callable[[], T]) -> T:
+        return await asyncio.wrap_future(self._submit(fn))
+
+    def _submit(self, fn: Callable[[], Any]) -> concurrent.futures.Future[Any]:
+        fut: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        self._cmds.put((fn, fut))
+        return fut
+
+    def _wake(self) -> None:
+        """Make the NIXL thread look now, not at the end of its poll period."""
+        self._submit(lambda: None)
+
+    def _emit(self, event: Event) -> None:
+        """Deliver an event to its handler on the loop (from the NIXL thread, or from the
+        loop itself for a read it posted: then after the current call, never inside it)."""
+        handler = self._handlers.get(type(event))
+        if handler is None or self._loop is None:
+            return
+        if threading.get_ident() == self._loop_thread:
+            self._loop.call_soon(handler, event)
+            return
+        with contextlib.suppress(RuntimeError):  # loop already closed at shutdown
+            self._loop.call_soon_threadsafe(handler, event)
+
+    def _regs_(self) -> Registrations:
+        assert self._regs is not None, "NIXL not started"
+        return self._regs
+
+    def _reads_(self) -> Reads:
+        assert self._reads is not None, "NIXL not started"
+        return self._reads
+
+    def _read_inline(self, spec: ReadSpec) -> bool:
+        """Post a small read on the calling thread, with no hand-off to the NIXL thread and
+        back; False (nothing done) when the NIXL thread is inside NIXL right now or has
+        commands queued, when the read is larger than ``inline_bytes`` (the loop would be
+        held for the copy) or when the chunk cap is reached."""
+        if self.options.inline_bytes <= 0 or not self._thread.is_alive():
+            return False
+        # Commands still queued (a registration, a peer's removal or reload) were submitted
+        # first and must run first: this read then goes behind them. (Only the loop queues
+        # commands, and the loop is here: none can arrive between this check and the post.)
+        if not self._cmds.empty() or not self._lock.acquire(blocking=False):
+            return False
+        try:
+            regs, reads = self._regs_(), self._reads_()
+            local = regs.local.get(spec.local_rank)
+            if local is None or spec.num_blocks * local.block_bytes > self.options.inline_bytes or reads.full:
+                return False
+            self._start_read(spec)
+            self.reads_inline += 1
+            pending = reads.post_now(spec.req_id)
+        finally:
+            self._lock.release()
+        if pending:
+            self._wake()
+        return True
+
+    # ------------------------------------------------------------------ thread side
+
+    def _register(self, key: Hashable, msg: RegisterKV) -> RankInfo:
+        if key in self._regs_().local:
+            self._unregister(key)
+        return self._regs_().register(key, msg)
+
+    def _unregister(self, key: Hashable) -> bool:
+        regs = self._regs_()
+        if key not in regs.local:
+            return False
+        settling = self._reads_().fail_where(lambda r: r.local_rank == key, ErrorCode.NOT_REGISTERED,
+                                             "local memory unregistered during the read")
+        regs.unregister(key, settling)
+        return True
+
+    def _add_peer(self, name: str, metadata: bytes, ranks: list[RankInfo], reload: bool) -> str:
+        if name in self._regs_().peers:
+            # Not "disconnected": the loop would drop the peer it is handshaking right now.
+            self._remove_peer(name, "peer metadata replaced", ErrorCode.TRANSFER_ERROR)
+        return self._regs_().add_peer(name, metadata, ranks, reload)
+
+    def _remove_peer(self, name: str, reason: str, code: str) -> bool:
+        settling = self._reads_().fail_where(lambda r: r.peer == name, code, reason)
+        return self._regs_().remove_peer(name, settling)
+
+    def _start_read(self, spec: ReadSpec) -> None:
+        """Plan a read and queue it for posting (``started_notice`` goes to the peer right
+        after the first chunk is posted, from the posting thread: a round trip through the
+        loop would compete with the copy for the GIL and the CPU)."""
+        marks = [("nixl_thread", time.monotonic_ns())] if spec.trace else None
+        legs, nbytes = self._regs_().legs(spec, self.options.chunk_bytes, self.options.merge_runs)
+        rd = Read(req_id=spec.req_id, peer=spec.peer, local_rank=spec.local_rank, legs=legs, nbytes=nbytes,
+                  deadline=time.monotonic() + spec.deadline_s, started_notice=spec.started_notice,
+                  corrupt_at=self._corrupt_target(spec), trace=marks)
+        if marks is not None:
+            marks.append(("planned_descs", time.monotonic_ns()))
+        self._reads_().add(rd)
+
+    def _corrupt_target(self, spec: ReadSpec) -> int:
+        """Test hook: the host address of the first byte this read writes (0: none)."""
+        local = self._regs_().local[spec.local_rank]
+        sl = spec.state_blocks[0]
+        target = next((p for p in spec.plans if (sl if p.state else spec.local_blocks)), None)
+        if self._corrupt_reads <= 0 or target is None or local.info.mem_type != "DRAM":
+            return 0
+        self._corrupt_reads -= 1
+        reg = local.info.regions[target.local_region0]
+        seg = next(q[0] for q in target.segments if q)
+        pairs = spec.pairing.pairs(len(spec.local_blocks), len(spec.remote_blocks))
+        first = sl[0] if target.state else spec.local_blocks[pairs[0][0]]
+        return reg.addr + first * reg.block_stride + seg.local_off
+
+    def _create_agent(self) -> None:
+        if self.options.cuda:
+            # UCX's memtype cache only knows allocations it saw being made; IPC-imported
+            # VRAM is classified as host and registration fails. Must be set before UCX init.
+            os.environ.setdefault("UCX_MEMTYPE_CACHE", "n")
+        self._agent = create_agent(self.agent_name, self.options.ucx_error_mode, self.options.num_threads)
+        cleanup = Cleanup()
+        self._regs = Registrations(self._agent, self._pools, cleanup)
+        self._reads = Reads(self._agent, self.options, self._emit, cleanup)
+        self.backends = ["UCX"]
+
+    def _main(self) -> None:
+        try:
+            self._create_agent()
+        except BaseException as e:
+            self._ready.set_exception(e)
+            return
+        self._ready.set_result(None)
+        delay = self.options.idle_poll_s
+        while True:
+            try:
+                item = self._cmds.get(timeout=delay) if delay > 0 else self._cmds.get_nowait()
+            except queue.Empty:
+                item = ()
+            if item is None:
+                break
+            with self._lock:
+                ran = bool(item)
+                while item:
+                    fn, fut = item
+                    if fut.set_running_or_notify_cancel():
+                        try:
+                            fut.set_result(fn())
+                        except BaseException as e:
+                            fut.set_exception(e)
+                    try:
+                        item = self._cmds.get_nowait()
+                    except queue.Empty:
+                        item = ()
+                    if item is None:
+                        self._shutdown()
+                        return
+                try:
+                    progressed = self._pump() or ran  # (a read posted inline: poll it soon)
+                except Exception:
+                    log.exception("NIXL progress failed")
+                    progressed = False
+            delay = self._next_delay(delay, progressed)
+        with self._lock:
+            self._shutdown()
+
+    def _next_delay(self, delay: float, progressed: bool) -> float:
+        o = self.options
+        if time.monotonic() < self._hot_until:
+            return o.busy_poll_s
+        if len(self._reads_()):
+            return o.busy_poll_s if progressed else min(delay * 2, o.active_poll_s)
+        return o.active_poll_s if self.serving else o.idle_poll_s
+
+    def _pump(self) -> bool:
+        progressed = self._reads_().pump()
+        for agent_name, msgs in self._agent.get_new_notifs().items():
+            for payload in msgs:
+                progressed = True
+                self._emit(NoticeReceived(str(agent_name), bytes(payload)))
+        return progressed
+
+    def _shutdown(self) -> None:
+        regs, reads = self._regs_(), self._reads_()
+        reads.fail_where(lambda r: True, ErrorCode.DRAINING, "sidecar shutting down")
+        for name in list(regs.peers):
+            self._remove_peer(name, "sidecar shutting down", ErrorCode.PEER_DISCONNECTED)
+        for key in list(regs.local):
+            self._unregister(key)
+        # Keep progressing briefly so notifications already sent leave the process.
+        end = time.monotonic() + 0.05
+        while time.monotonic() < end:
+            self._agent.get_new_notifs()
+            time.sleep(0.002)
+

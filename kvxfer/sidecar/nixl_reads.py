@@ -1,0 +1,283 @@
+"""Reads in flight on the NIXL agent: the chunk scheduler and the settle state machine.
+Used on the NIXL port's thread only (or by the loop under the port's lock).
+
+Reads are split into chunks of at most ``chunk_bytes`` and posted round-robin across
+requests with a cap on chunks in flight, so a 2 GiB request cannot delay a 2 MiB one by
+seconds.
+
+A failed read is reported only once nothing can still write into its blocks. Releasing a
+handle whose GETs are in flight does not stop the data: UCX cancels the requests, but
+responses the peer already queued still land (measured over TCP: after a 2 s link cut, the
+rest of a 120 MiB read arrived in blocks the engine had already reused). So at a deadline,
+a cancel or a chunk's error the read stops posting and *settles*: its in-flight chunks are
+polled until each is DONE or ERR, then released, then the failure goes out. A read that
+does not settle within ``settle_timeout_s`` is reported as ``ReadStuck``: the sidecar then
+exits, because only the death of the process that owns the endpoints guarantees that no
+late write lands (the connector sees the restart and fails the loads).
+
+Handle lifetimes are guarded: a handle is forgotten the moment it is released
+(``transfer()`` on a released handle segfaults), and a handle that refuses release is
+parked and retried, never reused.
+"""
+
+from __future__ import annotations
+
+import collections
+import ctypes
+import logging
+import time
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvxfer.errors import ErrorCode
+from kvxfer.sidecar.nixl_agent import error_code
+from kvxfer.sidecar.nixl_memory import Cleanup, Leg
+from kvxfer.sidecar.nixl_types import Event, ReadFinished, ReadStuck, TransferOptions
+
+log = logging.getLogger("kvxfer.transfer")
+
+
+@dataclass
+class Read:
+    req_id: str
+    peer: str
+    local_rank: Hashable  # the registry's RankKey
+    legs: list[Leg]
+    nbytes: int
+    deadline: float
+    started: float = field(default_factory=time.monotonic)
+    leg: int = 0  # the leg being posted
+    handles: list[Any] = field(default_factory=list)
+    failure: tuple[str, str] | None = None  # (code, reason) once failed; then it settles
+    failed_at: float = 0.0
+    stuck_reported: bool = False
+    started_notice: bytes = b""  # sent to the peer once the first chunk is posted
+    corrupt_at: int = 0  # test-only: a host address this read flips once it lands
+    trace: list[tuple[str, int]] | None = None  # (hop, monotonic ns) when the receive is traced
+
+    @property
+    def all_posted(self) -> bool:
+        return self.leg >= len(self.legs)
+
+    @property
+    def descriptors(self) -> int:
+        return sum(leg.plan.count for leg in self.legs)
+
+
+class Reads:
+    def __init__(self, agent: Any, options: TransferOptions, emit: Callable[[Event], None],
+                 cleanup: Cleanup) -> None:
+        self._agent = agent
+        self._options = options
+        self._emit = emit
+        self._cleanup = cleanup
+        self._reads: dict[str, Read] = {}
+        self._post_queue: collections.deque[str] = collections.deque()
+        self.inflight_chunks = 0
+        self._zombies: list[Any] = []
+        # counters, read from other threads (ints: assignment is atomic enough for stats)
+        self.bytes_read = 0
+        self.reads_ok = 0
+        self.reads_failed = 0
+        self.settled_late = 0  # failed reads reported only after in-flight chunks stopped
+
+    def __len__(self) -> int:
+        return len(self._reads)
+
+    def __contains__(self, req_id: str) -> bool:
+        return req_id in self._reads
+
+    @property
+    def full(self) -> bool:
+        return self.inflight_chunks >= self._options.max_inflight_chunks
+
+    def add(self, rd: Read) -> None:
+        self._reads[rd.req_id] = rd
+        self._post_queue.append(rd.req_id)
+
+    def post_now(self, req_id: str) -> bool:
+        """Post every chunk of this read the cap allows, then check it; whether it is still in
+        flight (the poll loop then finishes it)."""
+        rd = self._reads[req_id]
+        while not rd.all_posted and not self.full:
+            self._post_next(rd)
+        if req_id in self._reads:
+            self._check(rd, time.monotonic())
+        return req_id in self._reads
+
+    def pump(self) -> bool:
+        """Post what the cap allows, check every read; whether anything moved."""
+        progressed = self._post_chunks()
+        now = time.monotonic()
+        for rd in list(self._reads.values()):
+            progressed |= self._check(rd, now)
+        if self._zombies:
+            parked, self._zombies = self._zombies, []
+            for handle in parked:
+                self._release(handle)
+        return progressed
+
+    def cancel(self, req_id: str, code: str, reason: str) -> bool:
+        rd = self._reads.get(req_id)
+        if rd is None:
+            return False
+        self._fail(rd, code, reason)
+        return True
+
+    def fail_where(self, match: Callable[[Read], bool], code: str, reason: str) -> set[str]:
+        """Fail every read ``match`` picks; the ids of those still settling."""
+        for rd in [r for r in self._reads.values() if match(r)]:
+            self._fail(rd, code, reason)
+        return {r.req_id for r in self._reads.values() if match(r)}
+
+    def stats(self) -> dict[str, int]:
+        return {"reads_in_flight": len(self._reads), "chunks_in_flight": self.inflight_chunks,
+                "settling": sum(1 for r in self._reads.values() if r.failure is not None),
+                "settled_late": self.settled_late}
+
+    # ------------------------------------------------------------------ posting
+
+    def _post_chunks(self) -> bool:
+        posted = False
+        while self._post_queue and not self.full:
+            req_id = self._post_queue.popleft()
+            rd = self._reads.get(req_id)
+            if rd is None or rd.all_posted:
+                continue
+            posted = True
+            self._post_next(rd)
+            if not rd.all_posted:
+                self._post_queue.append(req_id)
+        return posted
+
+    def _post_next(self, rd: Read) -> None:
+        """Post the read's next chunk (a failure fails the read: nothing more is posted)."""
+        if time.monotonic() > rd.deadline:
+            # e.g. this process was stopped (SIGSTOP, a frozen cgroup) past the deadline: the
+            # engine may have given up on these blocks already, so no chunk is posted late
+            self._fail(rd, ErrorCode.DEADLINE, f"not posted by its deadline ({rd.leg} legs posted)")
+            return
+        agent = self._agent
+        leg = rd.legs[rd.leg]
+        plan = leg.plan
+        lo = leg.next_desc
+        hi = min(lo + plan.chunk, plan.count)
+        try:
+            if plan.runs is None:
+                handle = agent.make_prepped_xfer("READ", leg.pair.local, plan.local_idx[lo:hi],
+                                                 leg.pair.remote, plan.remote_idx[lo:hi])
+            else:
+                handle = agent.initialize_xfer(
+                    "READ", agent.get_xfer_descs(plan.runs[0][lo:hi], leg.pair.local_mem),
+                    agent.get_xfer_descs(plan.runs[1][lo:hi], leg.pair.remote_mem), rd.peer)
+        except Exception as e:
+            self._fail(rd, error_code(e), f"prepare: {e}")
+            return
+        leg.next_desc = hi
+        if hi >= plan.count:
+            rd.leg += 1
+        rd.handles.append(handle)
+        self.inflight_chunks += 1
+        try:
+            state = agent.transfer(handle)
+        except Exception as e:
+            self._fail(rd, error_code(e), f"post: {e}")
+            return
+        if state == "ERR":
+            self._fail(rd, ErrorCode.TRANSFER_ERROR, "post returned ERR")
+            return
+        if rd.trace is not None and len(rd.trace) == 2:  # the first chunk
+            rd.trace.append(("posted", time.monotonic_ns()))
+        if rd.started_notice:
+            notice, rd.started_notice = rd.started_notice, b""
+            try:
+                agent.send_notif(rd.peer, notice)
+            except Exception as e:  # the read itself reports a dead peer
+                log.warning("read-started notice for %s to %s not sent: %s", rd.req_id, rd.peer, e)
+
+    # ------------------------------------------------------------------ completion
+
+    def _check(self, rd: Read, now: float) -> bool:
+        if rd.failure is not None:
+            return self._settle(rd, now)
+        progressed = False
+        for handle in list(rd.handles):
+            try:
+                state = self._agent.check_xfer_state(handle)
+            except Exception as e:
+                self._fail(rd, error_code(e), str(e))
+                return True
+            if state == "DONE":
+                rd.handles.remove(handle)
+                self.inflight_chunks -= 1
+                self._release(handle)
+                progressed = True
+            elif state == "ERR":
+                self._fail(rd, ErrorCode.TRANSFER_ERROR, "transfer state ERR")
+                return True
+        if rd.all_posted and not rd.handles:
+            self._landed(rd, now)
+            return True
+        if now > rd.deadline:
+            self._fail(rd, ErrorCode.DEADLINE, f"not finished after {now - rd.started:.3f}s")
+            return True
+        return progressed
+
+    def _landed(self, rd: Read, now: float) -> None:
+        if rd.corrupt_at:
+            ctypes.c_uint8.from_address(rd.corrupt_at).value ^= 0xFF
+            log.warning("test hook: flipped one byte of read %s after it landed", rd.req_id)
+        del self._reads[rd.req_id]
+        self.reads_ok += 1
+        self.bytes_read += rd.nbytes
+        trace = () if rd.trace is None else (*rd.trace, ("landed", time.monotonic_ns()))
+        self._emit(ReadFinished(rd.req_id, rd.peer, True, rd.nbytes, now - rd.started,
+                                descriptors=rd.descriptors, trace=trace))
+
+    def _fail(self, rd: Read, code: str, reason: str) -> None:
+        """Stop posting; report the failure once no chunk of the read can write any more."""
+        if rd.req_id not in self._reads or rd.failure is not None:
+            return
+        rd.failure = (code, reason)
+        rd.failed_at = time.monotonic()
+        rd.leg = len(rd.legs)  # nothing more is posted
+        self._settle(rd, rd.failed_at)
+
+    def _settle(self, rd: Read, now: float) -> bool:
+        progressed = False
+        for handle in list(rd.handles):
+            if self._state(handle) in ("DONE", "ERR"):  # terminal: nothing more lands
+                rd.handles.remove(handle)
+                self.inflight_chunks -= 1
+                self._release(handle)
+                progressed = True
+        if rd.handles:
+            if now - rd.failed_at > self._options.settle_timeout_s and not rd.stuck_reported:
+                rd.stuck_reported = True
+                self._emit(ReadStuck(rd.req_id, rd.peer, now - rd.failed_at))
+            return progressed
+        del self._reads[rd.req_id]
+        self.reads_failed += 1
+        assert rd.failure is not None  # only failed reads settle
+        code, reason = rd.failure
+        waited = now - rd.failed_at
+        if waited > 0.05:
+            reason = f"{reason} (its in-flight chunks stopped {waited:.2f}s later)"
+            self.settled_late += 1
+        self._emit(ReadFinished(rd.req_id, rd.peer, False, 0, now - rd.started, code, reason))
+        self._cleanup.settled(rd.req_id)
+        return True
+
+    def _state(self, handle: Any) -> str:
+        try:
+            return str(self._agent.check_xfer_state(handle))
+        except Exception:
+            return "ERR"
+
+    def _release(self, handle: Any) -> None:
+        try:
+            self._agent.release_xfer_handle(handle)
+        except Exception as e:  # still active in the backend: park it, never touch it again
+            log.debug("xfer handle release deferred: %s", e)
+            self._zombies.append(handle)

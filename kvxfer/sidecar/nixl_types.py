@@ -1,0 +1,61 @@
+"""What the NIXL port is configured with and what it reports: plain data, no NIXL."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class TransferOptions:
+    ucx_error_mode: str = "peer"  # "peer" surfaces remote failures on RDMA; "none" is faster on CMA
+    num_threads: int = 0  # UCX backend worker threads (0: copy inside transfer())
+    chunk_bytes: int = 64 << 20  # largest single NIXL request posted at once
+    max_inflight_chunks: int = 8
+    merge_runs: bool = True  # consecutive blocks as one descriptor per run (plan.merge_runs)
+    busy_poll_s: float = 50e-6  # first back-off step while reads are in flight
+    active_poll_s: float = 5e-4  # longest step while reads are in flight or peers may read
+    idle_poll_s: float = 2e-3  # poll period when nothing is in flight (notification latency)
+    cuda: bool = False  # VRAM over CUDA IPC expected: UCX memtype cache off
+    settle_timeout_s: float = 20.0  # a failed read's in-flight chunks must stop by then
+    expect_read_s: float = 2e-3  # after a claim, poll at busy_poll_s this long (expect_reads)
+    inline_bytes: int = 4 << 20  # reads up to this size are posted by the caller itself (read_now)
+
+
+@dataclass(frozen=True)
+class ReadFinished:
+    req_id: str
+    peer: str
+    ok: bool
+    nbytes: int
+    seconds: float
+    code: str = ""
+    reason: str = ""
+    descriptors: int = 0
+    trace: tuple[tuple[str, int], ...] = ()  # the NIXL thread's hops (traced reads only)
+
+
+@dataclass(frozen=True)
+class ReadStuck:
+    """A failed read whose chunks still run after settle_timeout_s: no way to stop them."""
+
+    req_id: str
+    peer: str
+    seconds: float
+
+
+@dataclass(frozen=True)
+class NoticeReceived:
+    agent: str
+    payload: bytes
+
+
+@dataclass(frozen=True)
+class ReadRefused:
+    """A read handed to the NIXL thread that could not start there (its plan or its lists
+    failed): nothing was posted."""
+
+    req_id: str
+    error: BaseException
+
+
+Event = ReadFinished | NoticeReceived | ReadStuck | ReadRefused
