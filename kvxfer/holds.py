@@ -42,15 +42,9 @@ from kvxfer.protocol import (
     read_notice_decoder,
 )
 from kvxfer.registry import RankRegistry
+from kvxfer.sidecar.admission import admit_hold
 
 log = logging.getLogger(__name__)
-
-
-def check_blocks(req_id: str, block_ids: list[int], num_blocks: int, side: str) -> None:
-    bad = [b for b in block_ids if b >= num_blocks]
-    if bad:
-        raise RequestError(ErrorCode.BLOCK_OUT_OF_RANGE,
-                           f"{side} block ids {bad[:8]} outside [0, {num_blocks})", req_id)
 
 
 class Holds:
@@ -75,20 +69,11 @@ class Holds:
 
     def hold(self, ident: bytes, msg: Hold, draining: bool) -> None:
         """Raises RequestError (the engine gets an ``Error``)."""
-        if draining:
-            raise RequestError(ErrorCode.DRAINING, "sidecar is draining; no new holds", msg.req_id)
         engine = self.registry.engine_of(msg.engine_id)
         ranks = self.registry.of_engine(engine)
-        if not ranks:
-            raise RequestError(ErrorCode.NOT_REGISTERED, f"engine {engine!r} has no KV cache registered "
-                               f"(registered: {self.registry.engines()})", msg.req_id)
-        check_blocks(msg.req_id, msg.block_ids, min(r.layout.num_blocks for r in ranks), "held")
-        if msg.expires_unix and time.time() > msg.expires_unix:
-            raise RequestError(ErrorCode.EXPIRED, "hold arrived after the engine freed its blocks "
-                               f"({time.time() - msg.expires_unix:.1f}s late)", msg.req_id)
-        if (engine, msg.req_id) in self.abandoned:
-            raise RequestError(ErrorCode.EXPIRED, "the engine freed these blocks when this sidecar "
-                               "restarted; not held", msg.req_id)
+        admit_hold(msg, engine, min(r.layout.num_blocks for r in ranks) if ranks else None,
+                   draining=draining, abandoned=(engine, msg.req_id) in self.abandoned, now_unix=time.time(),
+                   registered=self.registry.engines())
         now = time.monotonic()
         duration = msg.lease_s or self.config.lease_s
         self.table.add(Lease(req_id=msg.req_id, owner=ident, block_ids=list(msg.block_ids),

@@ -56,6 +56,7 @@ from kvxfer.protocol import (
     handshake_reply_decoder,
     handshake_request_decoder,
 )
+from kvxfer.sidecar.admission import admit_digest
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -591,30 +592,21 @@ class Peers:
         lease = self.holds.lease_for(req.agent_name, req.engine_id, req.req_id, req.token, "digest")
         if lease is None:
             raise RequestError(ErrorCode.UNKNOWN_REQUEST, "no blocks held for this request (lease over?)")
-        held = set(lease.block_ids)
-        engine_ranks = self.registry.of_engine(lease.engine)
-        if (len({(r.pp_rank, r.rank, r.region0) for r in req.ranks}) != len(req.ranks)
-                or len(req.ranks) > 2 * len(engine_ranks)):  # (KV and state regions of a rank)
-            raise RequestError(ErrorCode.MALFORMED, "each registered rank's regions at most once")
+
+        def block_len(pp: int, tp: int, region0: int) -> int | None:
+            entry = self.registry.find(lease.engine, pp, tp)
+            if entry is None:
+                return None
+            regions = entry.info.regions
+            return regions[region0].block_len if region0 < len(regions) else 0
+
+        admit_digest(req, set(lease.block_ids), len(self.registry.of_engine(lease.engine)), block_len)
         digests = []
         for r in req.ranks:
-            if any(b not in held for item in r.items for b in item.blocks):
-                raise RequestError(ErrorCode.BLOCK_OUT_OF_RANGE, "digest of blocks the request does not hold")
-            if any(len(run) != 2 or run[1] <= 0 for item in r.items for run in item.runs):
-                raise RequestError(ErrorCode.MALFORMED, "a digest run is [offset, length > 0]")
-            # Bounded work: no more than a read of the held blocks could ask for (each block
-            # once per block-size sub-position, each item's runs within one block).
             entry = self.registry.find(lease.engine, r.pp_rank, r.rank)
-            if entry is None:
-                raise RequestError(ErrorCode.NOT_REGISTERED, f"rank pp{r.pp_rank}/tp{r.rank} of engine "
-                                   f"{lease.engine!r} is not registered")
-            regions = entry.info.regions
-            block_len = regions[r.region0].block_len if r.region0 < len(regions) else 0
-            if (sum(len(item.blocks) for item in r.items) > 16 * len(held)
-                    or any(sum(n for _, n in item.runs) > block_len for item in r.items)):
-                raise RequestError(ErrorCode.MALFORMED, "digest request larger than the held blocks")
-            if any(off + n > block_len for item in r.items for off, n in item.runs):
-                raise RequestError(ErrorCode.MALFORMED, f"a digest run ends beyond a {block_len}-byte block")
+            if entry is None:  # (unregistered while an earlier rank was digested)
+                raise RequestError(ErrorCode.NOT_REGISTERED,
+                                   f"rank pp{r.pp_rank}/tp{r.rank} is not registered")
             digests.append(await self.nixl.digest(entry.key, r.items, r.region0, r.num_regions))
         return DigestReply(req_id=req.req_id, digests=digests)
 

@@ -25,7 +25,6 @@ import msgspec
 from kvxfer.abandoned import Abandoned
 from kvxfer.config import Config
 from kvxfer.errors import ErrorCode, RequestError
-from kvxfer.holds import check_blocks
 from kvxfer.integrity import digest_items
 from kvxfer.observe import Event, Observer
 from kvxfer.peers import Peer, Peers, RenewalSent
@@ -43,6 +42,7 @@ from kvxfer.protocol import (
     encode,
 )
 from kvxfer.registry import RankKey, RankRegistry
+from kvxfer.sidecar.admission import admit_recv, check_blocks, recv_bytes, recv_deadline_s
 from kvxfer.sidecar.nixl_port import NixlPort
 from kvxfer.sidecar.nixl_types import ReadFinished, ReadRefused
 from kvxfer.sidecar.plan import ReadSpec
@@ -152,42 +152,23 @@ class Receiver:
         local = self.registry.find(engine, msg.pp_rank, msg.tp_rank)
         if msg.reply_to_rank and local is not None:
             ident = local.owner
+        wall = time.time()
         try:
-            if draining:
-                raise RequestError(ErrorCode.DRAINING, "sidecar is draining; no new receives")
-            if local is None:
-                raise RequestError(ErrorCode.NOT_REGISTERED,
-                                   f"rank pp{msg.pp_rank}/tp{msg.tp_rank} of engine {engine!r} not "
-                                   f"registered (registered: {self.registry.describe()})")
-            check_blocks(msg.req_id, msg.block_ids, local.layout.num_blocks, "local")
-            s_local, s_remote = msg.state_pairs
-            check_blocks(msg.req_id, s_local, local.layout.num_blocks, "local")
-            if len(s_local) != len(s_remote):
-                raise RequestError(ErrorCode.MALFORMED, f"{len(s_local)} local state blocks "
-                                   f"for {len(s_remote)} remote ones", msg.req_id)
-            if s_local and not local.layout.state_regions:
-                raise RequestError(ErrorCode.INVALID_LAYOUT, "state blocks to receive, but this rank "
-                                   "registered no state layers", msg.req_id)
-            if msg.expires_unix and time.time() > msg.expires_unix:
-                raise RequestError(ErrorCode.EXPIRED, "receive arrived after the engine gave up on it "
-                                   f"({time.time() - msg.expires_unix:.1f}s late); not read")
-            if (engine, msg.req_id) in self.abandoned:
-                raise RequestError(ErrorCode.EXPIRED, "the engine gave this load up when this sidecar "
-                                   "restarted (its blocks are being recomputed); not read")
+            admit_recv(msg, engine, local.layout if local is not None else None, draining=draining,
+                       abandoned=(engine, msg.req_id) in self.abandoned, now_unix=wall,
+                       registered=self.registry.describe())
         except RequestError as e:
             self._fail(ident, msg.req_id, _local_blocks(msg), e)
             return
+        assert local is not None
         now = time.monotonic()
         lay = local.layout
-        block_bytes = sum(r.block_len for r in local.info.regions[:lay.num_regions])
-        nbytes = (block_bytes * len(msg.block_ids)
-                  + lay.state_regions * lay.state_bytes * len(msg.state_pairs[0]))
-        if msg.expires_unix:  # never read past the moment the engine gives up on the load
-            left = max(0.001, msg.expires_unix - time.time())
-            msg = msgspec.structs.replace(msg, deadline_s=min(msg.deadline_s or left, left))
+        nbytes = recv_bytes(lay, sum(r.block_len for r in local.info.regions[:lay.num_regions]), msg)
+        # (never read past the moment the engine gives up on the load)
+        deadline_s = recv_deadline_s(msg, wall, self.config.transfer_timeout_s)
+        msg = msgspec.structs.replace(msg, deadline_s=deadline_s)
         self.recvs[key] = state = _RecvState(
-            owner=ident, msg=msg, nbytes=nbytes, started=now,
-            deadline=now + (msg.deadline_s or self.config.transfer_timeout_s), local=local.key,
+            owner=ident, msg=msg, nbytes=nbytes, started=now, deadline=now + msg.deadline_s, local=local.key,
         )
         if msg.trace:
             state.trace = [("sidecar", received_ns or time.monotonic_ns())]
