@@ -28,7 +28,7 @@ LAYERS: list[tuple[str, list[str]]] = [
     ("pure logic: no asyncio, sockets, NIXL or threads", [
         "kvxfer.topology", "kvxfer.leases", "kvxfer.abandoned", "kvxfer.integrity", "kvxfer.auth",
         "kvxfer.sidecar.lifecycle", "kvxfer.sidecar.plan", "kvxfer.sidecar.admission",
-        "kvxfer.sidecar.validate",
+        "kvxfer.sidecar.validate", "kvxfer.sidecar.receive", "kvxfer.sidecar.nixl_types",
     ]),
     ("ports and memory: the NIXL thread, registrations, pools, metrics", [
         "kvxfer.transfer", "kvxfer.sidecar.nixl*", "kvxfer.registry", "kvxfer.vmm", "kvxfer.pool",
@@ -38,6 +38,7 @@ LAYERS: list[tuple[str, list[str]]] = [
     ("I/O shells: peers, holds, receiver, views", [
         "kvxfer.peers", "kvxfer.holds", "kvxfer.receiver", "kvxfer.status", "kvxfer.sidecar.peer*",
         "kvxfer.sidecar.holds", "kvxfer.sidecar.receiver", "kvxfer.sidecar.engine_server",
+        "kvxfer.sidecar.verify", "kvxfer.sidecar.keepalive",
     ]),
     ("engine side: the client and the vLLM connector", ["kvxfer.client", "kvxfer.connector*"]),
     ("app: the daemon, built in order", ["kvxfer.sidecar", "kvxfer.sidecar.app"]),

@@ -63,11 +63,12 @@ from kvxfer.protocol import (
     encode,
     engine_request_decoder,
 )
-from kvxfer.receiver import Receiver
 from kvxfer.registry import RankEntry, RankRegistry
+from kvxfer.sidecar.keepalive import LeaseKeeper
 from kvxfer.sidecar.lifecycle import Lifecycle, LifecycleView
 from kvxfer.sidecar.nixl_port import NixlPort
 from kvxfer.sidecar.nixl_types import NoticeReceived, ReadFinished, ReadRefused, ReadStuck, TransferOptions
+from kvxfer.sidecar.receiver import Receiver
 from kvxfer.status import LeaseView, Snapshot, TransferView, copies
 from kvxfer.systemd import Notifier
 from kvxfer.topology import (
@@ -171,6 +172,7 @@ class Sidecar:
                                  send=self._send, spawn=self._spawn,
                                  on_change=self._gauges, agent_name=self.agent_name,
                                  abandoned=self.abandoned)
+        self.keeper = LeaseKeeper(config, self.peers, self._send, self.agent_name)
         self.transfer.on(NoticeReceived, lambda ev: self.holds.on_notice(ev.agent, ev.payload))
         self.transfer.on(ReadFinished, self.receiver.on_read_finished)
         self.transfer.on(ReadRefused, self.receiver.on_read_refused)
@@ -431,7 +433,7 @@ class Sidecar:
             case RegisterKV():
                 self._spawn(self._on_register(ident, msg))
             case KeepAlive():
-                self._spawn(self.receiver.keepalive(ident, msg))
+                self._spawn(self.keeper.keepalive(ident, msg))
             case Unregister(tp_rank=rank):
                 entry = self.registry.find(msg.engine_id, msg.pp_rank, rank)
                 if entry is None or entry.owner != ident:

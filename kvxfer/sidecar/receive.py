@@ -1,0 +1,247 @@
+"""One receive (a request's blocks for one local rank), as a state machine with no I/O.
+
+Phases: ``handshake`` (the peer is being handshaked, or the read planned) -> ``reading``
+(the read is posted, its lease *claim* runs beside it) -> ``verifying`` (it landed; the
+claim's answer or a sampled digest is awaited) -> ended. Every receive ends exactly once,
+in one of the ``Exit``s, and its ``Outcome`` says everything the shell must do about it:
+what the engine is told, whether the prefill gets a read notice (and with which verdict) or
+its peer is dropped, whether the peer is to be handshaked again.
+
+The rules that keep blocks safe live here:
+- a read that landed is reported only once the prefill confirmed its lease held the blocks
+  (the claim); a lease that was over, or a claim that failed, fails the load;
+- a read that failed is reported only after the NIXL port settled it (its event);
+- a cancelled receive whose read is posted is failed by the port (``cancel`` says so), never
+  here, so no late chunk lands after its ``Failed``.
+
+``plan_read`` and ``claim_verdict`` are the pure halves of planning a read and judging a
+claim's answer. The shell (``kvxfer.sidecar.receiver``) does the I/O and feeds the results back.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from kvxfer.errors import ErrorCode, RequestError
+from kvxfer.protocol import KVLayout, RankInfo, Recv
+from kvxfer.sidecar.admission import check_blocks
+from kvxfer.sidecar.nixl_types import ReadFinished
+from kvxfer.topology import BlockPairing, Incompatible, RankPlan, block_pairing, plan_stages, plan_state
+
+
+class Phase(enum.StrEnum):
+    HANDSHAKE = "handshake"
+    READING = "reading"
+    VERIFYING = "verifying"
+    ENDED = "ended"
+
+
+class Exit(enum.StrEnum):
+    EMPTY = "empty"  # nothing to read (a full prefix hit, an abort): Done, the prefill released
+    DONE = "done"  # read, claimed (and verified when sampled)
+    NOT_STARTED = "not_started"  # handshake, plan or deadline failed before anything was posted
+    READ_FAILED = "read_failed"  # the port reported the read failed (settled), cancels included
+    CLAIM_REFUSED = "claim_refused"  # it landed, but the prefill did not confirm its lease
+    INTEGRITY = "integrity"  # it landed, but the sampled digests differ
+    CANCELLED = "cancelled"  # cancelled before a read was posted, or while verifying
+
+
+class Step(enum.Enum):
+    WAIT = "wait"  # nothing to do until the next event
+    CHECK = "check"  # landed and claimed: verify a sample (``verifying``), or end (``succeed``)
+    END = "end"  # ended: ``outcome`` says what to do
+
+
+@dataclass(frozen=True)
+class Outcome:
+    exit: Exit
+    error: RequestError | None = None  # None: Done
+    read: ReadFinished | None = None  # what landed (sizes and times for Done)
+    notice: bool | None = None  # a ReadNotice to the prefill with this verdict (None: none)
+    drop_peer: bool = False  # the peer disconnected: forget it instead of notifying
+    peer_failed: bool = False  # count a failure and handshake again before the next read
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+
+_PENDING = object()
+
+
+class Receive:
+    """The state of one receive; every method is a transition (see the module docstring)."""
+
+    def __init__(self, req_id: str) -> None:
+        self.req_id = req_id
+        self.phase = Phase.HANDSHAKE
+        self.outcome: Outcome | None = None
+        self._read: ReadFinished | None = None
+        self._claim: object = None  # None: no claim; _PENDING; then the refusal or True
+
+    # ------------------------------------------------------------------ before the read
+
+    def start(self, nothing_to_read: bool, remaining_s: float) -> Step:
+        """Planned: post the read (``reading``, a claim pending), or end at once."""
+        assert self.phase is Phase.HANDSHAKE, self.phase
+        if nothing_to_read:
+            return self._end(Outcome(Exit.EMPTY, notice=True))
+        if remaining_s <= 0:
+            return self.not_started(RequestError(ErrorCode.DEADLINE, "deadline passed during handshake"))
+        self.phase = Phase.READING
+        self._claim = _PENDING
+        return Step.WAIT
+
+    def not_started(self, err: RequestError) -> Step:
+        """The handshake, the plan or the post failed: nothing was posted."""
+        if self.phase is Phase.ENDED:
+            return Step.WAIT
+        return self._end(Outcome(Exit.NOT_STARTED, error=err))
+
+    # ------------------------------------------------------------------ events
+
+    def landed(self, event: ReadFinished) -> Step:
+        """The port's report: landed, or failed and settled."""
+        if self.phase is Phase.ENDED:
+            return Step.WAIT
+        if not event.ok:
+            err = RequestError(event.code, event.reason, self.req_id)
+            disconnected = event.code == ErrorCode.PEER_DISCONNECTED
+            return self._end(Outcome(Exit.READ_FAILED, error=err, read=event,
+                                     notice=None if disconnected else False, drop_peer=disconnected,
+                                     peer_failed=True))
+        self._read = event
+        return self._after_read()
+
+    def claimed(self, refusal: RequestError | None) -> Step:
+        """The claim's answer: None, the prefill held the blocks; else why the read must not
+        be trusted."""
+        if self.phase is Phase.ENDED or self._claim is not _PENDING:
+            return Step.WAIT
+        self._claim = True if refusal is None else RequestError(refusal.code, refusal.reason, self.req_id)
+        return self._after_read() if self._read is not None else Step.WAIT
+
+    def verifying(self) -> None:
+        """A sample of this read is being digested on both sides."""
+        assert self._read is not None, "not landed"
+        assert self._claim is True, "not claimed"
+        self.phase = Phase.VERIFYING
+
+    def succeed(self) -> Step:
+        """Landed, claimed, and verified or not sampled (or unverifiable: not a verdict)."""
+        assert self._read is not None, "not landed"
+        assert self._claim is True, "not claimed"
+        return self._end(Outcome(Exit.DONE, read=self._read, notice=True))
+
+    def verified(self, mismatch: RequestError | None) -> Step:
+        """The digests' verdict (None: they match, or could not be taken)."""
+        if self.phase is Phase.ENDED:
+            return Step.WAIT
+        if mismatch is None:
+            return self.succeed()
+        return self._end(Outcome(Exit.INTEGRITY, error=mismatch, read=self._read, notice=False,
+                                 peer_failed=True))
+
+    @property
+    def read_in_flight(self) -> bool:
+        """Posted and not landed: a cancel must go to the port, whose failure comes back
+        through ``landed`` once the read settled (no chunk can land after that)."""
+        return self.phase is Phase.READING and self._read is None
+
+    def cancelled(self, err: RequestError) -> Step:
+        """Cancelled with no read in flight (before the post, or once it landed)."""
+        if self.phase is Phase.ENDED:
+            return Step.WAIT
+        return self._end(Outcome(Exit.CANCELLED, error=err))
+
+    # ------------------------------------------------------------------ internals
+
+    def _after_read(self) -> Step:
+        if self._claim is _PENDING:
+            self.phase = Phase.VERIFYING  # (the claim's answer is awaited: drain waits, cancel fails it)
+            return Step.WAIT
+        if isinstance(self._claim, RequestError):
+            return self._end(Outcome(Exit.CLAIM_REFUSED, error=self._claim, read=self._read, notice=False,
+                                     peer_failed=True))
+        return Step.CHECK
+
+    def _end(self, outcome: Outcome) -> Step:
+        self.phase = Phase.ENDED
+        self.outcome = outcome
+        return Step.END
+
+
+# ---------------------------------------------------------------------- planning
+
+
+def plan_read(msg: Recv, local: KVLayout, ranks: dict[tuple[int, int], RankInfo],
+              engine: str) -> tuple[list[RankPlan], BlockPairing]:
+    """Which remote ranks of ``engine`` (its registered ``ranks`` by (pp, tp)) a receive
+    reads, with which plans, and how its blocks pair up (``kvxfer.topology``); RequestError
+    when they do not fit (NOT_REGISTERED: ranks are missing, a fresh handshake may cure it)."""
+    remote = next(iter(ranks.values())).layout
+    if msg.remote_tp_size != remote.tp_size:
+        raise RequestError(ErrorCode.INCOMPATIBLE,
+                           f"request says remote tp_size {msg.remote_tp_size}, peer has {remote.tp_size}")
+    stages: dict[int, KVLayout] = {}
+    for (pp, _tp), info in sorted(ranks.items()):
+        stages.setdefault(pp, info.layout)
+    try:
+        plans = plan_stages(local, stages) + plan_state(local, remote)
+        pairing = block_pairing(local, remote)
+        if msg.block_ids:
+            pairing.pairs(len(msg.block_ids), len(msg.remote_block_ids))
+    except Incompatible as e:
+        if len(stages) < remote.pp_size:
+            raise RequestError(ErrorCode.NOT_REGISTERED, f"peer has {len(stages)} of {remote.pp_size} "
+                               f"pipeline stages of engine {engine!r} registered: {e}") from None
+        raise RequestError(ErrorCode.INCOMPATIBLE, str(e)) from None
+    for plan in plans:
+        info = ranks.get((plan.remote_pp, plan.remote_rank))
+        if info is None:
+            raise RequestError(ErrorCode.NOT_REGISTERED,
+                               f"peer has {len(ranks)} of {remote.tp_size * remote.pp_size} ranks of engine "
+                               f"{engine!r} registered; pp{plan.remote_pp}/tp{plan.remote_rank} is missing")
+        check_blocks(msg.req_id, msg.state_pairs[1] if plan.state else msg.remote_block_ids,
+                     info.layout.num_blocks, "remote")
+    return plans, pairing
+
+
+# ---------------------------------------------------------------------- the claim
+
+
+@dataclass(frozen=True)
+class ClaimVerdict:
+    refusal: RequestError | None = None  # final: None held, else why not
+    retry_in_s: float = 0.0  # > 0: not final, ask again after this long
+    expired: bool = False  # the lease was over before the read (counted as an event)
+    stale_peer: bool = False  # the prefill re-registered since it was handshaked
+
+
+def claim_verdict(answer: str, *, moved: tuple[str, str] | None, remaining_s: float,
+                  pause_s: float) -> ClaimVerdict:
+    """Judge one answer to a claim: ``held``, ``gone`` or ``unknown`` (the prefill sidecar
+    has no lease for it: its Hold may still be on the way, so ask again after ``pause_s``
+    while ``remaining_s`` allows). ``moved``: (the generation the read was planned from, the
+    prefill sidecar's now) when the request named none and they differ."""
+    if answer == "held":
+        if moved is not None:
+            # A request that names no generation was planned from a cached handshake older
+            # than the prefill's registrations (one that names it was checked against the
+            # handshake it was planned from). The generation is the whole sidecar's: another
+            # engine's re-registration fails this read too.
+            return ClaimVerdict(RequestError(
+                ErrorCode.INCOMPATIBLE, "the prefill sidecar re-registered since it was handshaked "
+                f"(generation {moved[0]}, now {moved[1]}): this read followed its old memory description; "
+                "not used"),
+                stale_peer=True)
+        return ClaimVerdict()
+    if answer == "gone":
+        return ClaimVerdict(RequestError(
+            ErrorCode.EXPIRED, "the prefill's lease on these blocks was over before the read: they may "
+            "already hold another request's KV; not used"), expired=True)
+    if pause_s > remaining_s:
+        return ClaimVerdict(RequestError(ErrorCode.EXPIRED, "the prefill sidecar does not hold this request "
+                                         "(its Hold never arrived)"))
+    return ClaimVerdict(retry_in_s=pause_s)

@@ -1,0 +1,438 @@
+"""The decode side of a sidecar: receives, driven through their state machine
+(``kvxfer.sidecar.receive``).
+
+A ``Recv`` becomes one receive per (request, local rank): admitted (``admission``), the peer
+handshaked (once per peer, shared), the read planned (``receive.plan_read``) and handed to
+the NIXL port with its lease *claim* sent beside it, an optional integrity check
+(``--verify-sample``), then exactly one ``Done`` or ``Failed`` to the engine and a
+``ReadNotice`` to the prefill.
+
+Direction: this shell calls the peer client and the NIXL port; neither calls back into it
+except through the events it subscribed to (``on_read_finished``, ``on_read_refused``).
+Every change of a receive goes through its ``Receive`` machine, and every end through
+``_end``, which does what the machine's ``Outcome`` says.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+
+from kvxfer.abandoned import Abandoned
+from kvxfer.config import Config
+from kvxfer.errors import ErrorCode, RequestError
+from kvxfer.observe import Event, Observer
+from kvxfer.peers import Peer, Peers, RenewalSent
+from kvxfer.protocol import Done, Failed, LeaseRenew, ReadNotice, Recv, encode
+from kvxfer.registry import RankKey, RankRegistry
+from kvxfer.sidecar.admission import admit_recv, recv_bytes, recv_deadline_s
+from kvxfer.sidecar.nixl_port import NixlPort
+from kvxfer.sidecar.nixl_types import ReadFinished, ReadRefused
+from kvxfer.sidecar.plan import ReadSpec
+from kvxfer.sidecar.receive import Outcome, Receive, Step, claim_verdict, plan_read
+from kvxfer.sidecar.verify import Verifier
+from kvxfer.topology import BlockPairing, RankPlan
+
+log = logging.getLogger("kvxfer.receiver")
+
+
+@dataclass
+class RecvState:
+    owner: bytes  # where Done / Failed go
+    msg: Recv
+    nbytes: int  # bytes this rank will receive
+    started: float
+    deadline: float
+    local: RankKey  # the registered rank whose memory receives
+    machine: Receive
+    peer_agent: str = ""
+    remote_engine: str = ""  # the prefill engine it reads, once the plan named it
+    planned_from: str = ""  # the peer generation the plan came from
+    trace: list[tuple[str, int]] | None = None  # (hop, monotonic ns) when the Recv asked for it
+    claim_task: asyncio.Future[None] | None = field(default=None, repr=False)
+
+    def mark(self, hop: str) -> None:
+        if self.trace is not None:
+            self.trace.append((hop, time.monotonic_ns()))
+
+    @property
+    def peer(self) -> str:
+        return f"{self.msg.remote_host}:{self.msg.remote_port}"
+
+    @property
+    def state(self) -> str:
+        return self.machine.phase.value
+
+
+def local_blocks(msg: Recv) -> list[int]:
+    """Every local block a receive writes (its contents are invalid when it fails)."""
+    return list(msg.block_ids) + msg.state_pairs[0]
+
+
+def recv_key(req_id: str, tp_rank: int, engine: str = "", pp_rank: int = 0) -> str:
+    """One receive per (request, local rank): each rank reads its own memory."""
+    return f"{engine}/{pp_rank}/{tp_rank}:{req_id}"
+
+
+def may_be_stale(err: BaseException, msg: Recv) -> bool:
+    """A plan failed in a way a fresh handshake may cure: ranks missing from it, or (for a
+    request that names no generation, which would have caught it) a layout that no longer
+    matches because the prefill engine re-registered since."""
+    return isinstance(err, RequestError) and (
+        err.code == ErrorCode.NOT_REGISTERED
+        or (err.code == ErrorCode.INCOMPATIBLE and not msg.remote_generation))
+
+
+class Receiver:
+    def __init__(self, *, config: Config, registry: RankRegistry, peers: Peers, nixl: NixlPort,
+                 observer: Observer, send: Callable[[bytes, Any], None], spawn: Callable[[Any], None],
+                 on_change: Callable[[], None], agent_name: str, abandoned: Abandoned | None = None) -> None:
+        self.config = config
+        self.registry = registry
+        self.peers = peers
+        self.nixl = nixl
+        self.observer = observer
+        self._send = send
+        self._spawn = spawn
+        self._on_change = on_change
+        self.agent_name = agent_name
+        self.recvs: dict[str, RecvState] = {}
+        self.verifier = Verifier(config, registry, peers, nixl, observer)
+        self.abandoned = abandoned if abandoned is not None else Abandoned()  # (kvxfer.abandoned)
+
+    def __len__(self) -> int:
+        return len(self.recvs)
+
+    # ------------------------------------------------------------------ engine requests
+
+    def on_recv(self, ident: bytes, msg: Recv, draining: bool = False, received_ns: int = 0) -> None:
+        engine = self.registry.engine_of(msg.engine_id)
+        key = recv_key(msg.req_id, msg.tp_rank, engine, msg.pp_rank)
+        if key in self.recvs:
+            raise RequestError(ErrorCode.DUPLICATE_REQUEST, "receive already in flight", msg.req_id)
+        local = self.registry.find(engine, msg.pp_rank, msg.tp_rank)
+        if msg.reply_to_rank and local is not None:
+            ident = local.owner
+        wall = time.time()
+        try:
+            admit_recv(msg, engine, local.layout if local is not None else None, draining=draining,
+                       abandoned=(engine, msg.req_id) in self.abandoned, now_unix=wall,
+                       registered=self.registry.describe())
+        except RequestError as e:
+            self._report_failed(ident, msg, e)
+            return
+        assert local is not None
+        now = time.monotonic()
+        lay = local.layout
+        nbytes = recv_bytes(lay, sum(r.block_len for r in local.info.regions[:lay.num_regions]), msg)
+        # (never read past the moment the engine gives up on the load)
+        deadline_s = recv_deadline_s(msg, wall, self.config.transfer_timeout_s)
+        msg = msgspec.structs.replace(msg, deadline_s=deadline_s)
+        self.recvs[key] = state = RecvState(owner=ident, msg=msg, nbytes=nbytes, started=now,
+                                            deadline=now + msg.deadline_s, local=local.key,
+                                            machine=Receive(msg.req_id))
+        if msg.trace:
+            state.trace = [("sidecar", received_ns or time.monotonic_ns())]
+            state.mark("accepted")
+        self._on_change()
+        # The hot path: a peer already handshaked (and of the generation the request names)
+        # is planned and posted now, in this call, with no task and no await in between.
+        peer = self.peers.cached_peer(msg.remote_host, msg.remote_port, msg.remote_generation)
+        if peer is not None:
+            try:
+                self._check_generation(msg, peer)
+                plans, pairing = self._plan(state, peer)
+            except Exception as e:
+                if not may_be_stale(e, msg):
+                    self._not_started(key, e)
+                    return  # (missing ranks, or a stale description: handshake again below)
+            else:
+                self._start_read(key, state, peer, plans, pairing, msg.deadline_s)
+                return
+        self._spawn(self._handshake_then_read(key, state))
+
+    async def cancel(self, req_id: str, code: ErrorCode = ErrorCode.CANCELLED,
+                     reason: str = "cancelled by operator") -> int:
+        """Fail every rank's receive of a request now (all with ""); returns how many."""
+        keys = [k for k, st in self.recvs.items() if st.msg.req_id == req_id or not req_id]
+        for key in keys:
+            await self._cancel(key, RequestError(code, reason, req_id))
+        return len(keys)
+
+    async def fail_rank(self, key: RankKey, reason: str) -> None:
+        """A local rank is gone (its engine died): fail its receives."""
+        for rkey in [k for k, st in self.recvs.items() if st.local == key]:
+            await self._cancel(rkey, RequestError(ErrorCode.NOT_REGISTERED, reason))
+
+    async def _cancel(self, key: str, err: RequestError) -> None:
+        state = self.recvs.get(key)
+        if state is None:
+            return
+        if state.machine.read_in_flight and await self.nixl.cancel(key, err.code, err.reason):
+            return  # the port reports the read failed once it settled (on_read_finished)
+        if self.recvs.get(key) is state:
+            self._step(key, state, state.machine.cancelled(err))
+
+    # ------------------------------------------------------------------ handshake and plan
+
+    async def _handshake_then_read(self, key: str, state: RecvState) -> None:
+        """A receive whose peer must be handshaked first (or again)."""
+        msg = state.msg
+        start = time.monotonic()
+        try:
+            peer = await asyncio.wait_for(
+                self.peers.current_peer(msg.remote_host, msg.remote_port, msg.remote_generation),
+                timeout=msg.deadline_s)
+            if self.recvs.get(key) is not state:
+                return  # cancelled or failed while the handshake ran
+            state.mark("handshaked")
+            self._check_generation(msg, peer)
+            try:
+                plans, pairing = self._plan(state, peer)
+            except RequestError as e:
+                if not may_be_stale(e, msg):
+                    raise
+                if e.code == ErrorCode.INCOMPATIBLE and not await self._generation_moved(msg, peer):
+                    raise e from None  # nothing is stale: the request does not fit this peer
+                peer.stale = True  # ranks missing, or a stale description: ask again once
+                peer = await asyncio.wait_for(self.peers.get_peer(msg.remote_host, msg.remote_port),
+                                              timeout=msg.deadline_s)
+                if self.recvs.get(key) is not state:
+                    return  # cancelled (and reported) while it handshaked again: never read
+                self._check_generation(msg, peer)
+                plans, pairing = self._plan(state, peer)
+            self._start_read(key, state, peer, plans, pairing, msg.deadline_s - (time.monotonic() - start))
+        except TimeoutError:
+            self._not_started(key, RequestError(ErrorCode.HANDSHAKE_FAILED, f"no handshake within "
+                                                f"{msg.deadline_s}s"))
+        except Exception as e:
+            self._not_started(key, e)
+
+    async def _generation_moved(self, msg: Recv, peer: Peer) -> bool:
+        """Whether the prefill sidecar's generation is no longer the cached peer's: a renewal
+        of no lease answers with it (one round trip on the kept-open link, no handshake, so a
+        request that simply does not fit costs no handshake)."""
+        try:
+            probe = LeaseRenew(seq=0, engine_id=peer.resolve_engine(msg.remote_engine_id), req_ids=[],
+                               agent_name=self.agent_name)
+            got = await self.peers.call_peer(msg.remote_host, msg.remote_port, probe,
+                                             self.config.handshake_timeout_s)
+        except Exception as e:
+            log.info("generation of %s:%d not asked: %s", msg.remote_host, msg.remote_port, e)
+            return False
+        return bool(got.generation) and got.generation != peer.generation
+
+    @staticmethod
+    def _check_generation(msg: Recv, peer: Peer) -> None:
+        if peer.outdated_by(msg.remote_generation):
+            raise RequestError(ErrorCode.INCOMPATIBLE, f"the prefill sidecar re-registered since "
+                               f"these blocks were held (generation {msg.remote_generation}, now "
+                               f"{peer.generation}); not reading stale memory")
+
+    def _plan(self, state: RecvState, peer: Peer) -> tuple[list[RankPlan], BlockPairing]:
+        """Which remote ranks to read and how blocks pair up; names the remote engine."""
+        engine = peer.resolve_engine(state.msg.remote_engine_id)
+        state.remote_engine = engine
+        state.planned_from = peer.generation
+        entry = self.registry.get(state.local)
+        if entry is None:
+            raise RequestError(ErrorCode.NOT_REGISTERED, f"local rank {state.local} was unregistered")
+        return plan_read(state.msg, entry.layout, peer.engine_ranks(engine), engine)
+
+    # ------------------------------------------------------------------ the read and its claim
+
+    def _start_read(self, key: str, state: RecvState, peer: Peer, plans: list[RankPlan],
+                    pairing: BlockPairing, remaining: float) -> None:
+        """Planned: claim the lease and start the read (no await: a ReadFinished event
+        answers, or a ReadRefused)."""
+        msg = state.msg
+        state.peer_agent = peer.agent_name
+        state.mark("planned")
+        step = state.machine.start(not msg.block_ids and not msg.state_block_ids, remaining)
+        if step is Step.END:
+            self._step(key, state, step)
+            return
+        # The claim: the prefill confirms it still holds the blocks and extends the lease
+        # over the whole read, in parallel with it; Done waits for the answer, and a lease
+        # that was already over fails the load (the blocks may hold another request's KV).
+        renew = LeaseRenew(seq=0, engine_id=state.remote_engine, req_ids=[msg.remote_req_id or msg.req_id],
+                           extend_s=remaining + self.config.handshake_timeout_s + 1.0,
+                           agent_name=self.agent_name, tokens=[msg.remote_token])
+        sent = self.peers.send_renewal(msg.remote_host, msg.remote_port, renew)  # now, before the read
+        if sent is not None:
+            state.mark("claim_sent")
+        state.claim_task = asyncio.ensure_future(self._claim(key, state, remaining, renew, sent, peer))
+        # The prefill side must not let its lease run out under a read in progress: the
+        # thread that posts the first chunk tells it right after (it must not delay the read).
+        started = ReadNotice(req_id=msg.remote_req_id or msg.req_id, tp_rank=msg.tp_rank, ok=True,
+                             reading_s=remaining, engine_id=state.remote_engine, pp_rank=msg.pp_rank,
+                             token=msg.remote_token)
+        spec = ReadSpec(req_id=key, peer=peer.agent_name, local_rank=state.local,
+                        local_blocks=list(msg.block_ids), remote_blocks=list(msg.remote_block_ids),
+                        plans=plans, pairing=pairing, deadline_s=remaining, started_notice=encode(started),
+                        remote_engine=state.remote_engine, state_blocks=msg.state_pairs,
+                        trace=state.trace is not None)
+        try:
+            self.nixl.read(spec)  # (a small one lands in this call: the port's choice)
+        except Exception as e:
+            self._not_started(key, e)
+
+    async def _claim(self, key: str, state: RecvState, reading_s: float, renew: LeaseRenew,
+                     sent: RenewalSent | None, peer: Peer) -> None:
+        """Ask the prefill whether it still holds the blocks (``sent``: the first ask, already
+        on its way) until an answer is final (``receive.claim_verdict``); hand it to the
+        machine. An answer may take as long as the read it vouches for (a loaded prefill
+        sidecar answers late, not wrongly), and no less than a handshake; a Hold still on its
+        way is waited for one handshake timeout."""
+        msg = state.msg
+        timeout = self.config.handshake_timeout_s
+        now = time.monotonic()
+        end, unknown_end = now + max(timeout, reading_s), now + timeout
+        pause = 0.002
+        while True:
+            try:
+                if sent is not None:
+                    got = await self.peers.renewal_answer(sent, max(0.05, end - time.monotonic()))
+                    sent = None
+                else:
+                    state.mark("claim_sent")
+                    got = await self.peers.call_peer(msg.remote_host, msg.remote_port, renew,
+                                                     max(0.05, end - time.monotonic()))
+            except Exception as e:  # never leave a read waiting on a claim that raised
+                if not isinstance(e, RequestError):
+                    log.exception("claim of %s failed", msg.req_id)
+                why = e.reason if isinstance(e, RequestError) else repr(e)
+                self._claimed(key, state, RequestError(ErrorCode.EXPIRED, "the prefill did not confirm "
+                                                       f"it still holds the blocks: {why}"))
+                return
+            moved = (None if msg.remote_generation or not peer.outdated_by(got.generation)
+                     else (peer.generation, got.generation))
+            verdict = claim_verdict(got.held[0] if got.held else "unknown", moved=moved,
+                                    remaining_s=min(end, unknown_end) - time.monotonic(), pause_s=pause)
+            if verdict.retry_in_s:
+                await asyncio.sleep(verdict.retry_in_s)
+                pause = min(pause * 2, 0.1)
+                continue
+            if verdict.stale_peer:
+                peer.stale = True  # the next receive handshakes again
+            if verdict.expired:
+                self.observer.emit(Event("lease_expired_before_read", request_id=msg.req_id, peer=state.peer))
+            if verdict.refusal is None:
+                state.mark("claimed")
+            self._claimed(key, state, verdict.refusal)
+            return
+
+    def _claimed(self, key: str, state: RecvState, refusal: RequestError | None) -> None:
+        if self.recvs.get(key) is state:
+            self._step(key, state, state.machine.claimed(refusal))
+
+    # ------------------------------------------------------------------ NIXL events
+
+    def on_read_refused(self, event: ReadRefused) -> None:
+        """The NIXL thread could not start a read it was handed (nothing was posted)."""
+        if event.req_id in self.recvs:
+            self._not_started(event.req_id, event.error)
+
+    def on_read_finished(self, event: ReadFinished) -> None:
+        state = self.recvs.get(event.req_id)
+        if state is None:
+            return  # cancelled meanwhile: already reported
+        if state.trace is not None:
+            state.trace += event.trace
+            state.mark("loop")
+        self._step(event.req_id, state, state.machine.landed(event))
+
+    # ------------------------------------------------------------------ steps and ends
+
+    def _step(self, key: str, state: RecvState, step: Step) -> None:
+        """Do what the machine's last transition asks."""
+        try:
+            if step is Step.CHECK:
+                peer = self.peers.by_agent(state.peer_agent)
+                if peer is not None and self.verifier.sample(peer):
+                    state.machine.verifying()
+                    self._spawn(self._verify(key, state, peer))
+                    return
+                step = state.machine.succeed()
+            if step is Step.END:
+                assert state.machine.outcome is not None
+                self._end(key, state, state.machine.outcome)
+        except Exception as e:  # a bug must fail this receive, never leave it waiting forever
+            log.exception("finishing receive %s", state.msg.req_id)
+            if self.recvs.get(key) is state:
+                self.recvs.pop(key)
+                self._report_failed(state.owner, state.msg, RequestError(ErrorCode.INTERNAL, repr(e),
+                                                                         state.msg.req_id))
+                self._on_change()
+
+    async def _verify(self, key: str, state: RecvState, peer: Peer) -> None:
+        mismatch = await self.verifier.verify(state.msg, state.local, state.remote_engine,
+                                              lambda: self._plan(state, peer), peer)
+        if self.recvs.get(key) is state:
+            self._step(key, state, state.machine.verified(mismatch))
+
+    def _not_started(self, key: str, err: BaseException) -> None:
+        """A receive that could not start: its RequestError, or a bug as TRANSFER_ERROR."""
+        state = self.recvs.get(key)
+        if state is None:
+            return
+        if not isinstance(err, RequestError):
+            log.error("receive %s failed", state.msg.req_id, exc_info=err)
+            err = RequestError(ErrorCode.TRANSFER_ERROR, repr(err))
+        self._step(key, state, state.machine.not_started(err))
+
+    def _end(self, key: str, state: RecvState, out: Outcome) -> None:
+        """The one way a receive ends: the engine first, then counters, then the prefill."""
+        del self.recvs[key]
+        msg = state.msg
+        peer = self.peers.by_agent(state.peer_agent) if state.peer_agent else None
+        if out.ok:
+            read = out.read
+            state.mark("reply")
+            self._send(state.owner, Done(
+                req_id=msg.req_id, nbytes=read.nbytes if read else 0, seconds=read.seconds if read else 0.0,
+                descriptors=read.descriptors if read else 0,
+                trace=None if state.trace is None else sorted(state.trace, key=lambda h: h[1])))
+            if read is not None:
+                self.observer.transfer_done(msg.req_id, state.peer, msg.tp_rank, read.nbytes, read.seconds,
+                                            read.descriptors)
+                if peer is not None:
+                    peer.reads += 1
+                    peer.bytes += read.nbytes
+        else:
+            assert out.error is not None
+            err = RequestError(out.error.code, out.error.reason, msg.req_id)
+            self.observer.transfer_failed(msg.req_id, state.peer, msg.tp_rank, err.code, err.reason)
+            if out.peer_failed and peer is not None:
+                peer.failures += 1
+                peer.stale = True  # any failed read: handshake again before the next one
+            self._report_failed(state.owner, msg, err)
+        self._on_change()
+        if out.drop_peer:
+            self._spawn(self.peers.drop_peer(state.peer_agent, out.error.reason if out.error else ""))
+        elif out.notice is not None:
+            self._spawn(self._notify_peer(state, out.notice))
+
+    def _report_failed(self, ident: bytes, msg: Recv, err: RequestError) -> None:
+        log.warning("request %s failed: [%s] %s", msg.req_id, err.code, err.reason)
+        self._send(ident, Failed(req_id=msg.req_id, block_ids=local_blocks(msg), code=err.code,
+                                 reason=err.reason))
+
+    async def _notify_peer(self, state: RecvState, ok: bool) -> None:
+        """The read notice for the prefill: every (pp, tp) rank of this engine reads once."""
+        msg = state.msg
+        entry = self.registry.get(state.local)
+        readers = entry.layout.tp_size * entry.layout.pp_size if entry is not None else 0
+        notice = ReadNotice(req_id=msg.remote_req_id or msg.req_id, tp_rank=msg.tp_rank, ok=ok,
+                            readers=readers, engine_id=state.remote_engine, pp_rank=msg.pp_rank,
+                            token=msg.remote_token)
+        try:
+            await self.nixl.notify(state.peer_agent, encode(notice))
+        except Exception as e:
+            log.warning("read notice for %s to %s not sent: %s", notice.req_id, state.peer_agent, e)
