@@ -631,8 +631,8 @@ def test_a_read_that_cannot_settle_exits_3_at_once() -> None:
 
 def test_read_stuck_exits_without_teardown(monkeypatch: pytest.MonkeyPatch) -> None:
     """The handler leaves through os._exit(3) at once, never through the graceful stop."""
-    from kvxfer.sidecar import app as sc_mod
     from kvxfer.config import Config
+    from kvxfer.sidecar import app as sc_mod
     from kvxfer.transfer import ReadStuck
 
     calls: list[int] = []

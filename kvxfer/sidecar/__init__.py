@@ -8,6 +8,22 @@
 4. the app (``app.Sidecar``): builds the parts in order, owns the lifecycle.
 """
 
-from kvxfer.sidecar.app import Sidecar, run_server
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from kvxfer.sidecar.app import Sidecar, run_server
 
 __all__ = ["Sidecar", "run_server"]
+
+
+def __getattr__(name: str) -> Any:
+    # The app (layer 4) is imported on first use, not with the package: a module of an
+    # earlier layer (``kvxfer.sidecar.mapping``, imported by ``kvxfer.transfer``, which the
+    # app imports) must be importable without importing the app first.
+    if name in __all__:
+        from kvxfer.sidecar import app
+
+        return getattr(app, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
