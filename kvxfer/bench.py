@@ -67,8 +67,8 @@ def _raw_target(ref: bytes, mode: str, threads: int, conn: Any) -> None:
     from kvxfer.protocol import MemoryRef
 
     if isinstance(ref, str):  # a pool: the parent's memfd, opened through /proc
+        from kvxfer.memchannel import map_fd
         from kvxfer.memory import host_mapping
-        from kvxfer.pool import map_fd
 
         fd = os.open(ref, os.O_RDWR)
         try:

@@ -26,7 +26,8 @@ from typing import Any
 import numpy as np
 
 from kvxfer.errors import ErrorCode, RequestError
-from kvxfer.pool import Pool, PoolClient, PoolServer, map_fd
+from kvxfer.memchannel import map_fd
+from kvxfer.pool import Pool, PoolClient
 from kvxfer.protocol import (
     DTYPE_SIZES,
     CudaIpcMemory,
@@ -39,6 +40,7 @@ from kvxfer.protocol import (
     ShmMemory,
     compat_hash,
 )
+from kvxfer.sidecar.pool_server import PoolServer
 from kvxfer.topology import Incompatible, check_layout
 
 _PAGE = mmap.PAGESIZE
