@@ -56,8 +56,8 @@ import numpy as np
 
 from kvxfer.errors import ErrorCode, RequestError
 from kvxfer.integrity import digest, region_view
-from kvxfer.memory import Mapping, map_memory
 from kvxfer.protocol import DigestItem, KVLayout, RankInfo, RegisterKV, RemoteRegion
+from kvxfer.sidecar.mapping import Mapping, map_memory
 from kvxfer.sidecar.pool_server import PoolServer
 from kvxfer.topology import BlockPairing, RankPlan
 

@@ -43,7 +43,6 @@ from kvxfer.control.access import load_policy
 from kvxfer.errors import ConfigError, ErrorCode, ListenError, RequestError
 from kvxfer.holds import Holds
 from kvxfer.memchannel import mem_socket_path
-from kvxfer.memory import check_shm_files, validate_registration
 from kvxfer.observe import Event, Observer, start_metrics_server
 from kvxfer.peers import Peer, Peers
 from kvxfer.protocol import (
@@ -66,7 +65,9 @@ from kvxfer.protocol import (
 )
 from kvxfer.receiver import Receiver
 from kvxfer.registry import RankEntry, RankRegistry
+from kvxfer.sidecar.mapping import check_shm_files
 from kvxfer.sidecar.pool_server import PoolServer, unlink_if_same
+from kvxfer.sidecar.validate import validate_registration
 from kvxfer.status import LeaseView, Snapshot, TransferView, copies
 from kvxfer.systemd import Notifier
 from kvxfer.topology import (
