@@ -142,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     if hasattr(args, "func"):
         return int(args.func(args))
     if args.command == "bench":
-        from kvxfer.bench import main as bench_main
+        from kvxfer.testing.bench import main as bench_main
 
         return bench_main(args)
     if args.command == "serve":

@@ -1,16 +1,15 @@
-"""Sharing an engine's KV-cache memory with its sidecar.
+"""Sharing an engine's KV-cache memory with its sidecar: the engine side.
 
-Engine side: ``SharedKV.create`` lays a paged KV cache out in a pool the sidecar owns
-(a sealed memfd handed over the memory channel, ``kvxfer.pool``; nothing in /dev/shm),
-pre-touched so the first transfer does not pay page faults (25-30x slower on never-touched
-pages), and describes it as a ``RegisterKV`` message. Without a pool client it falls back
-to the legacy engine-owned named file (a 0600 file created with O_EXCL under /dev/shm),
-which outlives a killed engine. ``cuda_ipc_memory`` exports a CUDA tensor's storage.
+``SharedKV.create`` lays a paged KV cache out in a pool the sidecar owns (a sealed memfd
+handed over the memory channel, ``kvxfer.pool``; nothing in /dev/shm), pre-touched so the
+first transfer does not pay page faults (25-30x slower on never-touched pages), and
+describes it as a ``RegisterKV`` message. Without a pool client it falls back to the legacy
+engine-owned named file (a 0600 file created with O_EXCL under /dev/shm), which outlives a
+killed engine. ``cuda_ipc_memory`` exports a CUDA tensor's storage.
 
-Sidecar side: ``map_memory`` opens what a ``MemoryRef`` names and returns a ``Mapping``
-(base address, size, NIXL memory type, device id) that stays valid until ``close()``.
-
-This module never talks to NIXL; torch is imported only on the CUDA path.
+The sidecar side (opening what a registration names) is ``kvxfer.sidecar.mapping``; this
+module never imports it nor anything else of ``kvxfer.sidecar``. It never talks to NIXL;
+torch is imported only on the CUDA path.
 """
 
 from __future__ import annotations
@@ -19,27 +18,21 @@ import contextlib
 import mmap
 import os
 import secrets
-import stat
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-from kvxfer.errors import ErrorCode, RequestError
-from kvxfer.pool import Pool, PoolClient, PoolServer, map_fd
+from kvxfer.pool import Pool, PoolClient
 from kvxfer.protocol import (
-    DTYPE_SIZES,
     CudaIpcMemory,
     KVLayout,
     KVRegion,
     MemoryRef,
     PoolMemory,
-    RankInfo,
     RegisterKV,
     ShmMemory,
-    compat_hash,
 )
-from kvxfer.topology import Incompatible, check_layout
 
 _PAGE = mmap.PAGESIZE
 
@@ -255,271 +248,3 @@ def cuda_ipc_memory(tensor: Any) -> CudaIpcMemory:
         event_sync_required=bool(ev_sync),
         device_uuid=uuid,
     )
-
-
-@dataclass
-class Mapping:
-    """Memory of one engine registration as the sidecar sees it."""
-
-    addr: int
-    size: int
-    mem_type: str  # "DRAM" | "VRAM"
-    device_id: int
-    _keep: list[Any] = field(default_factory=list, repr=False)
-    _view: Any = field(default=None, repr=False)  # as_tensor(), cached
-
-    def as_tensor(self) -> Any:
-        """The whole mapping as uint8, for digests: a numpy array over host memory, a torch
-        tensor over VRAM. Built once, dropped with the mapping."""
-        if self._view is None:
-            self._view = self._make_view()
-        return self._view
-
-    def _make_view(self) -> Any:
-        if self.mem_type == "VRAM":
-            import torch
-
-            storage = self._keep[0]
-            if hasattr(storage, "tensor"):  # a VMM pool's mapping (kvxfer.vmm.VmmMapping)
-                return storage.tensor()
-            return torch.empty(0, dtype=torch.uint8, device=f"cuda:{self.device_id}").set_(
-                storage, 0, (self.size,), (1,))
-        import ctypes
-
-        return np.ctypeslib.as_array((ctypes.c_uint8 * self.size).from_address(self.addr))
-
-    def close(self) -> None:
-        self._view = None
-        keep, self._keep = self._keep, []
-        for obj in reversed(keep):
-            close = getattr(obj, "close", None)
-            if close is not None:
-                with contextlib.suppress(BufferError):
-                    close()
-
-
-def _map_shm(ref: ShmMemory) -> Mapping:
-    try:
-        fd = os.open(ref.path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except OSError as e:
-        raise RequestError(ErrorCode.MEMORY_MAP_FAILED, f"cannot open {ref.path!r}: {e}") from e
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise RequestError(ErrorCode.INVALID_MEMORY, f"{ref.path!r} is not a regular file")
-        actual = st.st_size
-        if actual < ref.size:
-            raise RequestError(
-                ErrorCode.MEMORY_MAP_FAILED,
-                f"{ref.path!r} is {actual} bytes, registration claims {ref.size}",
-            )
-        # MAP_POPULATE: fill the page tables now. Otherwise the first read into (or from)
-        # each page faults inside the copy: measured, 64 x 16 MiB receives into blocks
-        # this sidecar had not touched yet took 0.67 s, the same ones again 0.30-0.36 s.
-        flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
-        mm = mmap.mmap(fd, ref.size, flags, mmap.PROT_READ | mmap.PROT_WRITE)
-    finally:
-        os.close(fd)
-    return host_mapping(mm)
-
-
-def host_mapping(mm: mmap.mmap) -> Mapping:
-    """A ``Mapping`` of host memory mapped as ``mm`` (kept alive by the Mapping)."""
-    arr = np.frombuffer(mm, dtype=np.uint8)
-    addr = int(arr.ctypes.data)
-    del arr
-    # ctypes keeps no export; the mmap object itself is what must stay alive.
-    return Mapping(addr=addr, size=len(mm), mem_type="DRAM", device_id=0, _keep=[mm])
-
-
-def _map_cuda(ref: CudaIpcMemory) -> Mapping:
-    try:
-        import torch
-
-        torch.cuda._lazy_init()
-        storage = torch.UntypedStorage._new_shared_cuda(
-            ref.device_index,
-            ref.handle,
-            ref.size,
-            ref.offset,
-            ref.ref_counter_handle,
-            ref.ref_counter_offset,
-            ref.event_handle or None,
-            ref.event_sync_required,
-        )
-    except Exception as e:  # torch raises RuntimeError subclasses without a common root
-        raise RequestError(ErrorCode.MEMORY_MAP_FAILED, f"cannot open CUDA IPC handle: {e}") from e
-    return Mapping(
-        addr=int(storage.data_ptr()),
-        size=ref.size,
-        mem_type="VRAM",
-        device_id=ref.device_index,
-        _keep=[storage],
-    )
-
-
-def _map_pool(ref: PoolMemory, pools: PoolServer | None) -> Mapping:
-    if pools is None:
-        raise RequestError(ErrorCode.INVALID_MEMORY, "this sidecar has no memory channel")
-    fd, size, device = pools.dup(ref.pool)
-    try:
-        if ref.size > size:
-            raise RequestError(ErrorCode.INVALID_MEMORY, f"pool {ref.pool[:8]} has {size} bytes, the "
-                               f"registration claims {ref.size}")
-        if device >= 0:  # a CUDA VMM allocation: NIXL registers it as VRAM of this process
-            gpu = pools.gpu().import_fd(fd, ref.size, device)
-            return Mapping(addr=gpu.va, size=ref.size, mem_type="VRAM", device_id=device, _keep=[gpu])
-        # MAP_POPULATE, as for files: the first read into each page must not fault in the copy
-        mm = map_fd(fd, ref.size)
-    except OSError as e:
-        raise RequestError(ErrorCode.MEMORY_MAP_FAILED, f"cannot map pool {ref.pool[:8]}: {e}") from e
-    finally:
-        os.close(fd)  # the mapping keeps the memory
-    return host_mapping(mm)
-
-
-def map_memory(ref: MemoryRef, pools: PoolServer | None = None) -> Mapping:
-    if isinstance(ref, ShmMemory):
-        return _map_shm(ref)
-    if isinstance(ref, PoolMemory):
-        return _map_pool(ref, pools)
-    return _map_cuda(ref)
-
-
-def validate_registration(msg: RegisterKV) -> None:
-    """Check a registration's regions against its layout and memory sizes, before mapping."""
-    lay = msg.layout
-    if lay.dtype not in DTYPE_SIZES:
-        raise RequestError(ErrorCode.INVALID_LAYOUT, f"unknown dtype {lay.dtype!r}")
-    if lay.tp_rank >= lay.tp_size:
-        raise RequestError(ErrorCode.INVALID_LAYOUT, f"tp_rank {lay.tp_rank} >= tp_size {lay.tp_size}")
-    if lay.local_kv_heads > lay.num_kv_heads:
-        raise RequestError(ErrorCode.INVALID_LAYOUT, "local_kv_heads > num_kv_heads")
-    if len(msg.regions) != lay.total_regions:
-        raise RequestError(
-            ErrorCode.INVALID_LAYOUT,
-            f"{len(msg.regions)} regions for {lay.num_layers} layers x {lay.kv_parts} parts"
-            + (f" + {lay.state_regions} state regions" if lay.state_regions else ""),
-        )
-    if bool(lay.state_regions) != bool(lay.state_bytes):
-        raise RequestError(ErrorCode.INVALID_LAYOUT, "state_regions and state_bytes go together")
-    if not lay.num_layers and not lay.state_regions:
-        raise RequestError(ErrorCode.INVALID_LAYOUT, "a registration with neither KV nor state layers")
-    if not msg.memory:
-        raise RequestError(ErrorCode.INVALID_LAYOUT, "no memory in registration")
-    for i, r in enumerate(msg.regions):
-        want = lay.region_len(i)
-        if r.block_len != want:
-            what = (f"{lay.block_size} tokens x {lay.local_kv_heads} heads x {lay.head_dim} x "
-                    f"{lay.itemsize} B, kv_parts={lay.kv_parts}, mla={lay.mla}, fused={lay.fused!r}"
-                    if i < lay.num_regions else f"state of {lay.state_bytes} B")
-            raise RequestError(
-                ErrorCode.INVALID_LAYOUT,
-                f"region {i}: a block is {r.block_len} bytes in memory, but the layout ({what}) "
-                f"describes {want}",
-            )
-        if r.memory >= len(msg.memory):
-            raise RequestError(ErrorCode.INVALID_LAYOUT, f"region {i} names memory {r.memory}")
-        if r.block_len > r.block_stride:
-            raise RequestError(ErrorCode.INVALID_LAYOUT, f"region {i}: block_len > block_stride")
-        end = r.offset + (lay.num_blocks - 1) * r.block_stride + r.block_len
-        if end > msg.memory[r.memory].size:
-            raise RequestError(
-                ErrorCode.INVALID_LAYOUT,
-                f"region {i} ends at byte {end}, memory {r.memory} has {msg.memory[r.memory].size}",
-            )
-
-
-SHM_PREFIX = "kvxfer-"  # every KV file an engine shares with its sidecar is named so
-
-
-def process_uid(pid: int) -> int | None:
-    """The real uid of a process this sidecar can see (None: no pid, or not visible here)."""
-    if pid <= 0:
-        return None
-    try:
-        with open(f"/proc/{pid}/status") as fh:
-            for line in fh:
-                if line.startswith("Uid:"):
-                    return int(line.split()[1])
-    except (OSError, ValueError, IndexError):
-        return None
-    return None
-
-
-def check_shm_files(msg: RegisterKV, shm_dirs: list[str]) -> None:
-    """A registration may name only files the sidecar can prove belong to the engine: an
-    absolute path with no symlink anywhere in it, inside one of ``shm_dirs`` (or a directory
-    below one), named ``kvxfer-*``, a regular file owned by the engine's uid (the sidecar's
-    own when the engine's pid is not visible from here). The sidecar maps these read-write
-    and may unlink them when their engine dies, so anything else is refused."""
-    owner = process_uid(msg.pid)
-    want_uid = os.geteuid() if owner is None else owner
-    roots = [os.path.realpath(d) for d in shm_dirs if d]
-    for ref in msg.memory:
-        if not isinstance(ref, ShmMemory):
-            continue
-        path = ref.path
-
-        def refuse(why: str, path: str = path) -> RequestError:
-            return RequestError(ErrorCode.INVALID_MEMORY, f"shared memory {path!r} refused: {why}")
-
-        if not os.path.isabs(path) or os.path.normpath(path) != path:
-            raise refuse("not an absolute, normalised path")
-        if os.path.realpath(path) != path:
-            raise refuse("a symlink in its path")
-        if not any(os.path.dirname(path) == r or os.path.dirname(path).startswith(r + os.sep)
-                   for r in roots):
-            raise refuse(f"outside the shared-memory directories {roots} (shm_dirs)")
-        if not os.path.basename(path).startswith(SHM_PREFIX):
-            raise refuse(f"not a kvxfer file (its name must start with {SHM_PREFIX!r})")
-        try:
-            st = os.lstat(path)
-        except OSError as e:
-            raise refuse(str(e)) from None
-        if not stat.S_ISREG(st.st_mode):
-            raise refuse("not a regular file")
-        if st.st_uid != want_uid:
-            raise refuse(f"owned by uid {st.st_uid}, the engine runs as uid {want_uid}")
-
-
-def validate_rank_info(info: RankInfo, compat: str) -> None:
-    """Check a peer's advertised rank before its metadata is loaded or any descriptor is
-    built from it, the way a local registration is checked: a layout that hashes to the
-    compatibility hash agreed at the handshake and is self-consistent (ranks within sizes,
-    heads as the TP split gives them, layers within the model), and regions that are blocks
-    of exactly that geometry, not overlapping, within the address space. A peer holding the
-    secret can still lie about *where* its blocks are; it then hands us its own bytes."""
-    lay = info.layout
-    who = f"peer rank pp{lay.pp_rank}/tp{lay.tp_rank}"
-    if lay.dtype not in DTYPE_SIZES:
-        raise RequestError(ErrorCode.INCOMPATIBLE, f"{who}: unknown dtype {lay.dtype!r}")
-    if lay.tp_rank >= lay.tp_size:
-        raise RequestError(ErrorCode.INCOMPATIBLE, f"{who}: tp_rank >= tp_size {lay.tp_size}")
-    if lay.local_kv_heads > lay.num_kv_heads:
-        raise RequestError(ErrorCode.INCOMPATIBLE, f"{who}: {lay.local_kv_heads} local KV heads of "
-                           f"{lay.num_kv_heads}")
-    if compat_hash(lay) != compat:
-        raise RequestError(ErrorCode.INCOMPATIBLE, f"{who}: its layout ({lay.model_signature()}) does "
-                           f"not hash to the handshake's compatibility hash {compat}")
-    try:
-        check_layout(lay)
-    except Incompatible as e:
-        raise RequestError(ErrorCode.INCOMPATIBLE, f"{who}: {e}") from None
-    if len(info.regions) != lay.total_regions:
-        raise RequestError(ErrorCode.INCOMPATIBLE, f"{who}: {len(info.regions)} regions "
-                           f"for {lay.num_layers} layers x {lay.kv_parts} parts + {lay.state_regions} state")
-    if bool(lay.state_regions) != bool(lay.state_bytes):
-        raise RequestError(ErrorCode.INCOMPATIBLE, f"{who}: state_regions and state_bytes go together")
-    for i, r in enumerate(info.regions):
-        if r.block_len != lay.region_len(i):
-            raise RequestError(ErrorCode.INCOMPATIBLE, f"{who}: region {i} has {r.block_len}-byte "
-                               f"blocks, its layout describes {lay.region_len(i)}")
-        if r.block_stride < r.block_len:
-            raise RequestError(ErrorCode.INCOMPATIBLE, f"{who}: region {i}'s blocks overlap "
-                               f"(stride {r.block_stride} < {r.block_len} bytes)")
-        if r.addr + (lay.num_blocks - 1) * r.block_stride + r.block_len > ADDRESS_LIMIT:
-            raise RequestError(ErrorCode.INCOMPATIBLE, f"{who}: region {i} ends beyond the address space")
-
-
-ADDRESS_LIMIT = 1 << 64

@@ -37,7 +37,6 @@ from kvxfer.auth import (
     sign_welcome,
 )
 from kvxfer.errors import ErrorCode, RequestError
-from kvxfer.memory import validate_rank_info
 from kvxfer.protocol import (
     DECODE_ERRORS,
     PROTOCOL_VERSION,
@@ -57,6 +56,7 @@ from kvxfer.protocol import (
     handshake_request_decoder,
 )
 from kvxfer.sidecar.admission import admit_digest
+from kvxfer.sidecar.validate import validate_rank_info
 
 if TYPE_CHECKING:
     from collections.abc import Callable

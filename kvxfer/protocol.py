@@ -195,7 +195,7 @@ class CudaIpcMemory(_Msg, tag="cuda_ipc"):
 
 
 class PoolMemory(_Msg, tag="pool"):
-    """A pool the sidecar created (or got back) on the memory channel (``kvxfer.pool``):
+    """A pool the sidecar created (or got back) on the memory channel (``kvxfer.memchannel``):
     a sealed memfd both map; nothing named in /dev/shm."""
 
     pool: Annotated[str, Meta(min_length=1, max_length=64)]

@@ -1,6 +1,6 @@
 """GPU KV pools the sidecar owns: CUDA virtual memory management (VMM) through ``cuda.bindings``.
 
-The GPU half of the memory channel (``kvxfer.pool``). The sidecar creates the physical
+The GPU half of the memory channel (``kvxfer.memchannel``). The sidecar creates the physical
 memory (``cuMemCreate``: pinned device memory, exportable as a POSIX fd, plus a fabric
 handle where the driver allows one, ``gpuDirectRDMACapable`` where the device supports
 GPUDirect RDMA on VMM memory, size rounded up to the allocation granularity), exports it as

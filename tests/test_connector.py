@@ -176,7 +176,7 @@ def test_malformed_params_compute_locally_with_a_clear_error(
 def test_importing_kvxfer_does_not_import_vllm() -> None:
     import subprocess
 
-    code = ("import sys, kvxfer, kvxfer.client, kvxfer.sidecar, kvxfer.connector, "
+    code = ("import sys, kvxfer, kvxfer.client, kvxfer.sidecar, kvxfer.sidecar.app, kvxfer.connector, "
             "kvxfer.connector.scheduler, kvxfer.connector.worker; "
             "sys.exit(1 if 'vllm' in sys.modules else 0)")
     assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0

@@ -435,7 +435,8 @@ def test_re_registration_never_blocks_an_engine_step(tmp_path: os.PathLike[str])
 
     thread = threading.Thread(target=fake_sidecar, daemon=True)
     thread.start()
-    from kvxfer.pool import PoolServer, mem_socket_path
+    from kvxfer.memchannel import mem_socket_path
+    from kvxfer.sidecar.pool_server import PoolServer
 
     pools = PoolServer(mem_socket_path(endpoint))  # its memory channel: the real one
     pools.start()

@@ -18,8 +18,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvxfer.errors import RequestError
-from kvxfer.memory import validate_registration
 from kvxfer.protocol import DTYPE_SIZES, RegisterKV
+from kvxfer.sidecar.validate import validate_registration
 from kvxfer.testing.demo import DemoOptions, run_demo
 from kvxfer.testing.tensor_kv import TensorKV
 from kvxfer.testing.vllm_layouts import KINDS, Geometry

@@ -30,17 +30,17 @@ import pytest
 
 from kvxfer.client import RemoteBlocks, SidecarClient
 from kvxfer.errors import ErrorCode, KvxferError
-from kvxfer.memory import SharedKV
-from kvxfer.pool import (
+from kvxfer.memchannel import (
     PoolAdopt,
-    PoolClient,
-    PoolServer,
     _enc,
     _replies,
     check_memfd,
     memfd,
     shmem_bytes,
 )
+from kvxfer.memory import SharedKV
+from kvxfer.pool import PoolClient
+from kvxfer.sidecar.pool_server import PoolServer
 from kvxfer.testing.engine import SyntheticEngine, make_layout
 from kvxfer.testing.procs import SidecarFactory, SidecarProc, free_port
 

@@ -29,7 +29,7 @@ from kvxfer.config import Config
 from kvxfer.errors import ErrorCode, RequestError
 from kvxfer.holds import Holds
 from kvxfer.leases import Lease, LeaseTable
-from kvxfer.memory import SharedKV, check_shm_files
+from kvxfer.memory import SharedKV
 from kvxfer.observe import Observer
 from kvxfer.protocol import (
     PROTOCOL_VERSION,
@@ -43,6 +43,7 @@ from kvxfer.protocol import (
     encode,
     handshake_reply_decoder,
 )
+from kvxfer.sidecar.mapping import check_shm_files
 from kvxfer.testing.engine import SyntheticEngine, make_layout
 from kvxfer.testing.procs import SidecarFactory, SidecarProc, free_port
 

@@ -11,8 +11,9 @@ import pytest
 from kvxfer.config import Config, load_config
 from kvxfer.errors import ConfigError, ErrorCode, RequestError
 from kvxfer.leases import Lease, LeaseTable
-from kvxfer.memory import SharedKV, region_block_len, validate_registration
+from kvxfer.memory import SharedKV, region_block_len
 from kvxfer.sidecar.plan import desc_indices
+from kvxfer.sidecar.validate import validate_registration
 from kvxfer.testing.engine import make_layout
 from kvxfer.testing.pattern import request_pattern
 

@@ -18,9 +18,11 @@ import pytest
 
 from kvxfer import vmm
 from kvxfer.errors import ErrorCode, KvxferError, RequestError
-from kvxfer.memory import map_memory
-from kvxfer.pool import PoolClient, PoolServer, memfd
+from kvxfer.memchannel import memfd
+from kvxfer.pool import PoolClient
 from kvxfer.protocol import PoolMemory
+from kvxfer.sidecar.mapping import map_memory
+from kvxfer.sidecar.pool_server import PoolServer
 from kvxfer.vmm import Vmm, VmmUnavailable, align_up
 from tests.fake_cuda import CUdevice_attribute as Attr
 from tests.fake_cuda import FakeDriver

@@ -8,6 +8,3 @@
 4. the app (``app.Sidecar``): builds the parts in order, owns the lifecycle.
 """
 
-from kvxfer.sidecar.app import Sidecar
-
-__all__ = ["Sidecar"]

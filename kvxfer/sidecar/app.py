@@ -41,10 +41,9 @@ from kvxfer.config import Config
 from kvxfer.errors import ConfigError, ErrorCode, ListenError, RequestError
 from kvxfer.holds import Holds
 from kvxfer.logs import JsonFormatter
-from kvxfer.memory import check_shm_files, validate_registration
+from kvxfer.memchannel import mem_socket_path
 from kvxfer.observe import Event, Observer, start_metrics_server
 from kvxfer.peers import Peer, Peers
-from kvxfer.pool import PoolServer, mem_socket_path, unlink_if_same
 from kvxfer.protocol import (
     DECODE_ERRORS,
     PROTOCOL_VERSION,
@@ -66,9 +65,12 @@ from kvxfer.protocol import (
 from kvxfer.registry import RankEntry, RankRegistry
 from kvxfer.sidecar.keepalive import LeaseKeeper
 from kvxfer.sidecar.lifecycle import Lifecycle, LifecycleView
+from kvxfer.sidecar.mapping import check_shm_files
 from kvxfer.sidecar.nixl_port import NixlPort
 from kvxfer.sidecar.nixl_types import NoticeReceived, ReadFinished, ReadRefused, ReadStuck, TransferOptions
+from kvxfer.sidecar.pool_server import PoolServer, unlink_if_same
 from kvxfer.sidecar.receiver import Receiver
+from kvxfer.sidecar.validate import validate_registration
 from kvxfer.status import LeaseView, Snapshot, TransferView, copies
 from kvxfer.systemd import Notifier
 from kvxfer.topology import (

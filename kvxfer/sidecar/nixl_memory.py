@@ -18,10 +18,10 @@ import numpy as np
 
 from kvxfer.errors import ErrorCode, RequestError
 from kvxfer.integrity import digest, region_view
-from kvxfer.memory import Mapping, map_memory
-from kvxfer.pool import PoolServer
 from kvxfer.protocol import DigestItem, RankInfo, RegisterKV, RemoteRegion
+from kvxfer.sidecar.mapping import Mapping, map_memory
 from kvxfer.sidecar.plan import LegPlan, PairRows, ReadSpec, pair_rows, plan_leg, state_pairs, strided_rows
+from kvxfer.sidecar.pool_server import PoolServer
 from kvxfer.topology import RankPlan
 
 log = logging.getLogger("kvxfer.transfer")

@@ -36,13 +36,13 @@ from collections.abc import Callable, Hashable
 from typing import Any, TypeVar
 
 from kvxfer.errors import ErrorCode
-from kvxfer.pool import PoolServer
 from kvxfer.protocol import DigestItem, RankInfo, RegisterKV
 from kvxfer.sidecar.nixl_agent import create_agent
 from kvxfer.sidecar.nixl_memory import Cleanup, Registrations
 from kvxfer.sidecar.nixl_reads import Read, Reads
 from kvxfer.sidecar.nixl_types import Event, NoticeReceived, ReadRefused, TransferOptions
 from kvxfer.sidecar.plan import ReadSpec
+from kvxfer.sidecar.pool_server import PoolServer
 
 log = logging.getLogger("kvxfer.transfer")
 

@@ -24,8 +24,8 @@ from typing import Any
 
 from kvxfer.auth import new_token
 from kvxfer.client import RemoteBlocks
+from kvxfer.memchannel import available_memory, gib
 from kvxfer.memory import region_block_len
-from kvxfer.pool import available_memory, gib
 from kvxfer.protocol import KVLayout
 from kvxfer.testing.engine import SyntheticEngine, make_layout
 from kvxfer.testing.procs import SidecarFactory, SidecarProc, free_port

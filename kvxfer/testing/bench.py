@@ -64,12 +64,12 @@ def _raw_target(ref: bytes, mode: str, threads: int, conn: Any) -> None:
     handle the sidecar gets), register it, make progress until told to stop."""
     import msgspec
 
-    from kvxfer.memory import map_memory
     from kvxfer.protocol import MemoryRef
+    from kvxfer.sidecar.mapping import map_memory
 
     if isinstance(ref, str):  # a pool: the parent's memfd, opened through /proc
-        from kvxfer.memory import host_mapping
-        from kvxfer.pool import map_fd
+        from kvxfer.memchannel import map_fd
+        from kvxfer.sidecar.mapping import host_mapping
 
         fd = os.open(ref, os.O_RDWR)
         try:

@@ -1,0 +1,337 @@
+"""The sidecar end of the memory channel (``kvxfer.memchannel``): ``PoolServer`` creates
+the engine's pools (memfds, or CUDA VMM allocations), takes them back from an engine after a
+restart, and closes them when the engine's connection ends.
+
+It runs on its own thread with blocking sockets; the table it keeps is read by the NIXL
+thread under a lock (``dup``). An I/O shell of the sidecar: the engine side never imports it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import secrets
+import select
+import socket
+import struct
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import msgspec
+
+from kvxfer.errors import ErrorCode, RequestError
+from kvxfer.memchannel import (
+    _PACKET,
+    PoolAdopt,
+    PoolCreate,
+    PoolGranted,
+    PoolRefused,
+    _enc,
+    _PoolMsg,
+    _requests,
+    available_memory,
+    check_memfd,
+    gib,
+    memfd,
+)
+from kvxfer.vmm import align_up
+
+if TYPE_CHECKING:
+    from kvxfer.vmm import Vmm
+
+log = logging.getLogger("kvxfer.pool")  # the name its log lines carried before the split
+
+
+@dataclass
+class _Held:
+    id: str
+    fd: int
+    size: int
+    conn: int  # the connection's fileno: its pools close with it
+    pid: int
+    label: str
+    device: int = -1
+
+
+class PoolServer:
+    """The sidecar end of the memory channel (its own thread)."""
+
+    def __init__(self, path: str, max_bytes: int = 0, vmm: Vmm | None = None) -> None:
+        self.path = path
+        self.max_bytes = max_bytes  # 0: no limit but the machine's memory
+        self._pools: dict[str, _Held] = {}
+        self._lock = threading.Lock()
+        self._listener: socket.socket | None = None
+        self._conns: dict[int, tuple[socket.socket, int, int]] = {}  # fileno -> (sock, pid, uid)
+        self._wake_r, self._wake_w = os.pipe()
+        self._thread: threading.Thread | None = None
+        self.vmm: Vmm | None = vmm  # GPU pools (kvxfer.vmm.shared() on first use)
+        self.created = 0
+        self.adopted = 0
+        # called (on this server's thread) with the pool ids of a connection that closed, and
+        # its pid: the engine exited or was killed. The only death notice that works when
+        # the engine runs in another PID namespace (a Kubernetes pod's other container).
+        self.on_closed: Callable[[list[str], int], None] | None = None
+        self._shut = False
+        self._ino = 0
+
+    # --------------------------------------------------------------- queries (any thread)
+
+    def dup(self, pool: str) -> tuple[int, int, int]:
+        """(a duplicate of the pool's fd, its size, its device: -1 for host memory);
+        RequestError when unknown. The caller closes the duplicate (its mapping keeps the
+        memory)."""
+        with self._lock:
+            held = self._pools.get(pool)
+            if held is None:
+                raise RequestError(ErrorCode.INVALID_MEMORY, f"no pool {pool!r} here (its engine must "
+                                   "create or hand it back over the memory channel first)")
+            return os.dup(held.fd), held.size, held.device
+
+    def holds(self, pool: str) -> bool:
+        """Is ``pool`` held (its engine's channel open, or handed back on a new one)?"""
+        with self._lock:
+            return pool in self._pools
+
+    def stats(self) -> tuple[int, int]:
+        """(pools, bytes) held."""
+        with self._lock:
+            return len(self._pools), sum(h.size for h in self._pools.values())
+
+    # --------------------------------------------------------------- lifecycle
+
+    def start(self) -> None:
+        directory = os.path.dirname(self.path) or "."
+        os.makedirs(directory, mode=0o700, exist_ok=True)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.path)
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        old = os.umask(0o177)
+        try:
+            s.bind(self.path)
+        finally:
+            os.umask(old)
+        os.chmod(self.path, 0o600)
+        s.listen(64)
+        self._listener = s
+        self._ino = os.stat(self.path).st_ino
+        self._thread = threading.Thread(target=self._run, name="kvxfer-pools", daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        if self._shut:
+            return
+        self._shut = True
+        os.write(self._wake_w, b"x")
+        if self._thread is not None:
+            self._thread.join(5)
+        with self._lock:
+            for held in self._pools.values():
+                with contextlib.suppress(OSError):
+                    os.close(held.fd)
+            self._pools.clear()
+        for sock, _, _ in self._conns.values():
+            sock.close()
+        self._conns.clear()
+        if self._listener is not None:
+            self._listener.close()
+            unlink_if_same(self.path, self._ino)
+        for fd in (self._wake_r, self._wake_w):
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+    # --------------------------------------------------------------- the thread
+
+    def _run(self) -> None:
+        assert self._listener is not None
+        while True:
+            fds = [self._wake_r, self._listener.fileno(), *self._conns]
+            try:
+                ready, _, _ = select.select(fds, [], [])
+            except (OSError, ValueError):
+                return
+            for fd in ready:
+                if fd == self._wake_r:
+                    return
+                try:
+                    if fd == self._listener.fileno():
+                        self._accept()
+                    else:
+                        self._serve(fd)
+                except Exception:  # never let one request end the channel
+                    log.exception("memory channel request failed")
+
+    def _accept(self) -> None:
+        assert self._listener is not None
+        try:
+            conn, _ = self._listener.accept()
+        except OSError:
+            return
+        pid, uid, _ = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
+                                                          struct.calcsize("3i")))
+        if uid not in (os.geteuid(), 0):
+            log.warning("memory channel: refused a connection from uid %d (pid %d)", uid, pid)
+            conn.close()
+            return
+        conn.setblocking(True)
+        conn.settimeout(5.0)
+        self._conns[conn.fileno()] = (conn, pid, uid)
+
+    def _serve(self, fileno: int) -> None:
+        conn, pid, _ = self._conns[fileno]
+        try:
+            data, fds, _, _ = socket.recv_fds(conn, _PACKET, 4)
+        except OSError:
+            data, fds = b"", []
+        if not data:
+            self._closed(fileno)
+            return
+        try:
+            msg = _requests.decode(data)
+        except (msgspec.DecodeError, msgspec.ValidationError, ValueError) as e:
+            for fd in fds:
+                os.close(fd)
+            self._reply(conn, PoolRefused(code=ErrorCode.MALFORMED, message=f"bad pool request: {e}"))
+            return
+        try:
+            if isinstance(msg, PoolCreate):
+                self._grant(conn, fileno, pid, msg)
+            elif isinstance(msg, PoolAdopt):
+                taken, fds = fds, []  # _adopt owns (keeps or closes) them
+                self._adopt(conn, fileno, pid, msg, taken)
+            else:
+                self._free(fileno, msg.pool)
+        except RequestError as e:
+            self._reply(conn, PoolRefused(code=e.code, message=e.reason))
+        finally:
+            for fd in fds:
+                os.close(fd)
+
+    def _reply(self, conn: socket.socket, msg: _PoolMsg, fd: int | None = None) -> None:
+        try:
+            if fd is None:
+                conn.send(_enc.encode(msg))
+            else:
+                socket.send_fds(conn, [_enc.encode(msg)], [fd])
+        except OSError as e:
+            log.warning("memory channel: reply not sent: %s", e)
+
+    def gpu(self) -> Vmm:
+        if self.vmm is None:
+            from kvxfer import vmm
+
+            self.vmm = vmm.shared()
+        return self.vmm
+
+    def _local_device(self, device: int, uuid: str) -> int:
+        """The sidecar's ordinal of the engine's GPU (by UUID when the engine sent one)."""
+        if device < 0 or not uuid:
+            return device
+        return self.gpu().ordinal_of(uuid)
+
+    def _check_room(self, size: int, device: int = -1) -> None:
+        if device >= 0:
+            size = align_up(size, self.gpu().granularity(device))
+        with self._lock:
+            held = sum(h.size for h in self._pools.values() if h.device == device)
+        if self.max_bytes and held + size > self.max_bytes:
+            where = "host memory" if device < 0 else f"GPU {device}"
+            raise RequestError(ErrorCode.OUT_OF_MEMORY, f"a pool of {size} bytes would exceed this "
+                               f"sidecar's --max-pool-bytes ({held} of {self.max_bytes} of {where} in use)")
+        if device >= 0:
+            free = self.gpu().free_memory(device)
+            if size > free:
+                raise RequestError(ErrorCode.OUT_OF_MEMORY, f"a pool of {gib(size)} needs more memory than "
+                                   f"GPU {device} has free ({gib(free)})")
+            return
+        avail = available_memory()
+        if avail is not None and size > avail:
+            raise RequestError(ErrorCode.OUT_OF_MEMORY, f"a pool of {gib(size)} needs more memory than "
+                               f"this machine has available ({gib(avail)})")
+
+    def _grant(self, conn: socket.socket, fileno: int, pid: int, msg: PoolCreate) -> None:
+        device = self._local_device(msg.device, msg.device_uuid)
+        self._check_room(msg.size, device)
+        size = msg.size
+        if device >= 0:
+            fd, size = self.gpu().create_exported(msg.size, device)  # RequestError if it cannot
+        else:
+            try:
+                fd = memfd(msg.size)
+            except OSError as e:
+                raise RequestError(ErrorCode.OUT_OF_MEMORY, f"memfd of {msg.size} bytes: {e}") from e
+        pool = secrets.token_hex(16)
+        with self._lock:
+            self._pools[pool] = _Held(pool, fd, size, fileno, pid, msg.label, device)
+        self.created += 1
+        where = "" if device < 0 else f" on GPU {device}"
+        log.info("pool %s: %s%s for pid %d %s", pool[:8], gib(size), where, pid, msg.label)
+        self._reply(conn, PoolGranted(pool=pool, size=size, device=msg.device), fd)
+
+    def _adopt(self, conn: socket.socket, fileno: int, pid: int, msg: PoolAdopt, fds: list[int]) -> None:
+        if len(fds) != 1:
+            for fd in fds:
+                os.close(fd)
+            raise RequestError(ErrorCode.MALFORMED, f"adopt carries {len(fds)} fds, not 1")
+        fd = fds[0]
+        device = -1
+        try:
+            device = self._local_device(msg.device, msg.device_uuid)
+            if device >= 0:  # proof it is a VMM allocation of that size on that GPU: it maps
+                try:
+                    self.gpu().import_fd(fd, msg.size, device).close()
+                except RequestError as e:
+                    raise RequestError(ErrorCode.INVALID_MEMORY, f"not a GPU pool of {msg.size} bytes "
+                                       f"on GPU {device}: {e.reason}") from e
+            else:
+                check_memfd(fd, msg.size)
+        except (RequestError, OSError) as e:
+            os.close(fd)
+            raise e if isinstance(e, RequestError) else RequestError(ErrorCode.INVALID_MEMORY, str(e)) from e
+        with self._lock:
+            old = self._pools.pop(msg.pool, None)
+            self._pools[msg.pool] = _Held(msg.pool, fd, msg.size, fileno, pid, msg.label, device)
+        if old is not None:
+            os.close(old.fd)
+        self.adopted += 1
+        log.info("pool %s: %s handed back by pid %d %s", msg.pool[:8], gib(msg.size), pid, msg.label)
+        self._reply(conn, PoolGranted(pool=msg.pool, size=msg.size))
+
+    def _free(self, fileno: int, pool: str) -> None:
+        with self._lock:
+            held = self._pools.get(pool)
+            if held is None or held.conn != fileno:
+                return
+            del self._pools[pool]
+        os.close(held.fd)
+
+    def _closed(self, fileno: int) -> None:
+        """The engine's connection ended (it exited, or was killed): close its pools' fds.
+        Registered ranks keep their own mappings until they are unregistered."""
+        conn, pid, _ = self._conns.pop(fileno)
+        conn.close()
+        with self._lock:
+            gone = [h for h in self._pools.values() if h.conn == fileno]
+            for h in gone:
+                del self._pools[h.id]
+        for h in gone:
+            os.close(h.fd)
+        if gone:
+            log.info("memory channel of pid %d closed: %d pools (%s) let go", pid, len(gone),
+                     gib(sum(h.size for h in gone)))
+            if self.on_closed is not None:
+                try:
+                    self.on_closed([h.id for h in gone], pid)
+                except Exception:  # never let the notice end the channel
+                    log.exception("memory channel: on_closed failed")
+
+
+def unlink_if_same(path: str, ino: int) -> None:
+    """Remove the socket file at ``path`` only if it is still inode ``ino``, the one this
+    process bound: never one another process put there since."""
+    with contextlib.suppress(FileNotFoundError):
+        if ino and os.stat(path).st_ino == ino:
+            os.unlink(path)
