@@ -103,7 +103,10 @@ def test_a_traced_receive_reports_every_hop_in_order(pd: PD) -> None:
         expect = HOT_PATH[:2] + ["handshaked"] + HOT_PATH[2:] if "handshaked" in hops else HOT_PATH
         assert i == 0 or "handshaked" not in hops, hops  # (other tests may have handshaked already)
         racy = {"claimed", "landed"} | ({"claim_sent"} if i == 0 else set())
-        assert [h for h in hops if h not in racy] == [h for h in expect if h not in racy], hops
+        # (a claim that reaches the prefill sidecar before its Hold is asked again: the
+        # repeated "claim_sent" hops are that retry; the order is the first of each)
+        firsts = list(dict.fromkeys(hops))
+        assert [h for h in firsts if h not in racy] == [h for h in expect if h not in racy], hops
         assert hops.index("landed") > hops.index("posted")
         assert hops.index("claimed") > hops.index("claim_sent")
     pd.p.free(pb)
