@@ -102,6 +102,13 @@ class RankRegistry:
     def __bool__(self) -> bool:
         return bool(self._entries)
 
+    def generation(self, instance: str) -> str:
+        """The sidecar's registration generation: changes when the sidecar restarts (a new
+        ``instance``: its agent name) or a registration is replaced or removed (its memory may
+        be gone). Held blocks are only valid in their generation. A rank registered for the
+        first time does not change it."""
+        return f"{instance}/{self.changes}"
+
     def entries(self) -> list[RankEntry]:
         return [self._entries[k] for k in sorted(self._entries)]
 

@@ -29,6 +29,7 @@ LAYERS: list[tuple[str, list[str]]] = [
         "kvxfer.topology", "kvxfer.leases", "kvxfer.abandoned", "kvxfer.integrity", "kvxfer.auth",
         "kvxfer.sidecar.lifecycle", "kvxfer.sidecar.plan", "kvxfer.sidecar.admission",
         "kvxfer.sidecar.validate", "kvxfer.sidecar.receive", "kvxfer.sidecar.nixl_types",
+        "kvxfer.sidecar.peer_book",
     ]),
     ("ports and memory: the NIXL thread, registrations, pools, metrics", [
         "kvxfer.transfer", "kvxfer.sidecar.nixl*", "kvxfer.registry", "kvxfer.vmm", "kvxfer.pool",

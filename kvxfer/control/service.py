@@ -28,9 +28,9 @@ from kvxfer.targets import is_local_target, is_unix, split_targets
 
 if TYPE_CHECKING:
     from kvxfer.observe import Event
-    from kvxfer.peers import Peer
     from kvxfer.sidecar.app import Sidecar
     from kvxfer.sidecar.lifecycle import LifecycleView
+    from kvxfer.sidecar.peer_book import Peer
     from kvxfer.status import Snapshot
 
 ENGINE = "engine"  # health service: SERVING while an engine rank is registered and not draining

@@ -37,13 +37,13 @@ import zmq.asyncio
 
 from kvxfer import __version__
 from kvxfer.abandoned import Abandoned
+from kvxfer.auth import curve_server_keys
 from kvxfer.config import Config
 from kvxfer.errors import ConfigError, ErrorCode, ListenError, RequestError
 from kvxfer.holds import Holds
 from kvxfer.logs import JsonFormatter
 from kvxfer.memchannel import mem_socket_path
 from kvxfer.observe import Event, Observer, start_metrics_server
-from kvxfer.peers import Peer, Peers
 from kvxfer.protocol import (
     DECODE_ERRORS,
     PROTOCOL_VERSION,
@@ -68,6 +68,9 @@ from kvxfer.sidecar.lifecycle import Lifecycle, LifecycleView
 from kvxfer.sidecar.mapping import check_shm_files
 from kvxfer.sidecar.nixl_port import NixlPort
 from kvxfer.sidecar.nixl_types import NoticeReceived, ReadFinished, ReadRefused, ReadStuck, TransferOptions
+from kvxfer.sidecar.peer_book import Authenticated, Peer, PeerBook
+from kvxfer.sidecar.peer_client import PeerChannel, PeerClient
+from kvxfer.sidecar.peer_server import PeerServer
 from kvxfer.sidecar.pool_server import PoolServer, unlink_if_same
 from kvxfer.sidecar.receiver import Receiver
 from kvxfer.sidecar.validate import validate_registration
@@ -162,19 +165,26 @@ class Sidecar:
         self.lifecycle = Lifecycle()
         self.lifecycle.subscribe(self._lifecycle_changed)
         self.abandoned = Abandoned()  # what engines gave up on when this sidecar (re)started
+        # the peer conversation: one book of peers, a client that dials, a server that listens
+        self.channel = PeerChannel(self.engine_id, self.agent_name, self.secret,
+                                   curve_server_keys(self.secret)
+                                   if self.secret and config.handshake_encryption != "none" else None)
+        self.book = PeerBook()
+        self.authenticated = Authenticated(self.secret)
         self.holds = Holds(config, self.registry, self.observer, self._send, self._gauges,
-                           authenticated=lambda agent: self.peers.is_authenticated(agent),
-                           abandoned=self.abandoned)
-        self.peers = Peers(config=config, dial_ctx=self.dial_ctx, engine_id=self.engine_id,
-                           agent_name=self.agent_name, registry=self.registry, nixl=self.transfer,
-                           observer=self.observer, holds=self.holds, secret=self.secret,
-                           generation=lambda: self.generation, spawn=self._spawn)
-        self.receiver = Receiver(config=config, registry=self.registry, peers=self.peers,
+                           authenticated=self.authenticated, abandoned=self.abandoned)
+        self.peers = PeerClient(config=config, channel=self.channel, dial_ctx=self.dial_ctx, book=self.book,
+                                registry=self.registry, nixl=self.transfer, observer=self.observer)
+        self.peer_server = PeerServer(channel=self.channel, registry=self.registry, holds=self.holds,
+                                      nixl=self.transfer, observer=self.observer,
+                                      authenticated=self.authenticated,
+                                      generation=lambda: self.registry.generation(self.agent_name))
+        self.receiver = Receiver(config=config, registry=self.registry, peers=self.peers, book=self.book,
                                  nixl=self.transfer, observer=self.observer,
                                  send=self._send, spawn=self._spawn,
                                  on_change=self._gauges, agent_name=self.agent_name,
                                  abandoned=self.abandoned)
-        self.keeper = LeaseKeeper(config, self.peers, self._send, self.agent_name)
+        self.keeper = LeaseKeeper(config, self.peers, self.book, self._send, self.agent_name)
         self.transfer.on(NoticeReceived, lambda ev: self.holds.on_notice(ev.agent, ev.payload))
         self.transfer.on(ReadFinished, self.receiver.on_read_finished)
         self.transfer.on(ReadRefused, self.receiver.on_read_refused)
@@ -212,7 +222,7 @@ class Sidecar:
         if self.insecure:
             log.warning("INSECURE: the handshake listener on %s:%d takes anyone: no shared secret "
                         "(--insecure)", self.config.handshake_host, self.handshake_port)
-        elif self.secret and self.peers.curve is None and not self.config.handshake_is_local:
+        elif self.secret and self.channel.curve is None and not self.config.handshake_is_local:
             log.warning("the handshake channel on %s:%d is not encrypted (handshake_encryption=none): "
                         "NIXL metadata crosses the network in clear", self.config.handshake_host,
                         self.handshake_port)
@@ -239,7 +249,7 @@ class Sidecar:
         print(ready, file=sys.stderr, flush=True)
         self._loops = [
             asyncio.ensure_future(self._engine_loop()),
-            asyncio.ensure_future(self.peers.serve(self.hs_sock)),
+            asyncio.ensure_future(self.peer_server.serve(self.hs_sock)),
             asyncio.ensure_future(self.holds.run()),
             asyncio.ensure_future(self._engine_watch_loop()),
         ]
@@ -348,7 +358,7 @@ class Sidecar:
         self.hs_sock = self.ctx.socket(zmq.ROUTER)
         self.hs_sock.setsockopt(zmq.LINGER, 0)
         self.hs_sock.setsockopt(zmq.MAXMSGSIZE, 1 << 20)  # a Hello is a few hundred bytes
-        self.peers.configure_listener(self.hs_sock)
+        self.peer_server.configure(self.hs_sock)
         addr = f"tcp://{self.config.handshake_host}"
         try:
             if self.config.handshake_port == 0:
@@ -361,7 +371,7 @@ class Sidecar:
                               "--handshake-host)") from None
 
     def _close(self) -> None:
-        self.peers.close_links()
+        self.peers.close()
         for sock in (self.engine_sock, self.hs_sock):
             if sock is not None:
                 sock.close(0)
@@ -458,10 +468,8 @@ class Sidecar:
 
     @property
     def generation(self) -> str:
-        """Changes when this sidecar restarts (new agent) or a registration is replaced or
-        removed (its memory may be gone): held blocks are only valid in their generation.
-        A rank registered for the first time does not change it."""
-        return f"{self.agent_name}/{self.registry.changes}"
+        """This sidecar's registration generation (``RankRegistry.generation``)."""
+        return self.registry.generation(self.agent_name)
 
     async def _on_register(self, ident: bytes, msg: RegisterKV) -> None:
         """Register a rank (``RankRegistry``: a failed re-registration unregisters the key,
@@ -518,7 +526,7 @@ class Sidecar:
         o.g_inflight.set(len(recvs))
         o.g_inflight_bytes.set(sum(r.nbytes for r in recvs.values()))
         o.g_leases.set(len(self.holds))
-        o.g_peers.set(len(self.peers.peers))
+        o.g_peers.set(len(self.book))
         self.transfer.set_serving(bool(len(self.holds)))
         self.lifecycle.engines_registered(any(not e.orphaned for e in self.registry.entries()))
         self.lifecycle.work(bool(recvs) or bool(len(self.holds)))
@@ -538,7 +546,7 @@ class Sidecar:
     def _status_line(self) -> str:
         t = self.observer.totals
         state = "draining" if self.lifecycle.draining else "serving"
-        return (f"{state}: {len(self.registry)} ranks, {len(self.peers.peers)} peers, "
+        return (f"{state}: {len(self.registry)} ranks, {len(self.book)} peers, "
                 f"{len(self.holds)} held, "
                 f"{len(self.receiver)} in flight, {t.transfers_ok} transfers, {t.transfers_failed} failed")
 
@@ -629,8 +637,8 @@ class Sidecar:
             agent_name=self.agent_name,
             protocol_version=PROTOCOL_VERSION, ucx_error_mode=cfg.ucx_error_mode, uptime_s=now - self.started,
             ready=self.lifecycle.ready, draining=self.lifecycle.draining, insecure=self.insecure,
-            authenticated=bool(self.secret), encrypted=self.peers.curve is not None,
-            ranks=copies(self.registry.entries()), peers=copies(self.peers.values()), leases=leases,
+            authenticated=bool(self.secret), encrypted=self.channel.curve is not None,
+            ranks=copies(self.registry.entries()), peers=copies(self.book.values()), leases=leases,
             transfers=transfers, totals=copy.copy(self.observer.totals),
         )
 
@@ -650,7 +658,7 @@ class Sidecar:
 
     async def disconnect_peer(self, which: str) -> bool:
         """Forget a peer by endpoint (host:port) or engine id."""
-        agents = {p.agent_name for k, p in self.peers.peers.items() if which in (k, p.engine_id)}
+        agents = {p.agent_name for k, p in self.book.items() if which in (k, p.engine_id)}
         dropped = False
         for agent in agents:
             dropped |= await self.peers.drop_peer(agent, "disconnected by operator")

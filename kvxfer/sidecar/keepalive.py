@@ -11,17 +11,19 @@ from typing import Any
 
 from kvxfer.config import Config
 from kvxfer.errors import ErrorCode, RequestError
-from kvxfer.peers import Peers
 from kvxfer.protocol import Error, KeepAlive, LeaseRenew
+from kvxfer.sidecar.peer_book import PeerBook
+from kvxfer.sidecar.peer_client import PeerClient
 
 log = logging.getLogger("kvxfer.receiver")
 
 
 class LeaseKeeper:
-    def __init__(self, config: Config, peers: Peers, send: Callable[[bytes, Any], None],
+    def __init__(self, config: Config, peers: PeerClient, book: PeerBook, send: Callable[[bytes, Any], None],
                  agent_name: str) -> None:
         self.config = config
         self.peers = peers
+        self.book = book
         self._send = send
         self.agent_name = agent_name
 
@@ -43,7 +45,7 @@ class LeaseKeeper:
                      msg.remote_port, e)
             return
         if peer.outdated_by(got.generation):
-            peer.stale = True  # its registrations changed: the read that follows handshakes first
+            self.book.mark_stale(peer)  # its registrations changed: the read that follows handshakes first
         for local, held in zip(msg.req_ids, got.held, strict=False):
             if held == "gone":
                 self._send(ident, Error(code=ErrorCode.EXPIRED, req_id=local,

@@ -28,12 +28,13 @@ from kvxfer.abandoned import Abandoned
 from kvxfer.config import Config
 from kvxfer.errors import ErrorCode, RequestError
 from kvxfer.observe import Event, Observer
-from kvxfer.peers import Peer, Peers, RenewalSent
 from kvxfer.protocol import Done, Failed, LeaseRenew, ReadNotice, Recv, encode
 from kvxfer.registry import RankKey, RankRegistry
 from kvxfer.sidecar.admission import admit_recv, recv_bytes, recv_deadline_s
 from kvxfer.sidecar.nixl_port import NixlPort
 from kvxfer.sidecar.nixl_types import ReadFinished, ReadRefused
+from kvxfer.sidecar.peer_book import Peer, PeerBook
+from kvxfer.sidecar.peer_client import PeerClient, RenewalSent
 from kvxfer.sidecar.plan import ReadSpec
 from kvxfer.sidecar.receive import Outcome, Receive, Step, claim_verdict, plan_read
 from kvxfer.sidecar.verify import Verifier
@@ -90,12 +91,14 @@ def may_be_stale(err: BaseException, msg: Recv) -> bool:
 
 
 class Receiver:
-    def __init__(self, *, config: Config, registry: RankRegistry, peers: Peers, nixl: NixlPort,
-                 observer: Observer, send: Callable[[bytes, Any], None], spawn: Callable[[Any], None],
-                 on_change: Callable[[], None], agent_name: str, abandoned: Abandoned | None = None) -> None:
+    def __init__(self, *, config: Config, registry: RankRegistry, peers: PeerClient, book: PeerBook,
+                 nixl: NixlPort, observer: Observer, send: Callable[[bytes, Any], None],
+                 spawn: Callable[[Any], None], on_change: Callable[[], None], agent_name: str,
+                 abandoned: Abandoned | None = None) -> None:
         self.config = config
         self.registry = registry
         self.peers = peers
+        self.book = book
         self.nixl = nixl
         self.observer = observer
         self._send = send
@@ -103,7 +106,7 @@ class Receiver:
         self._on_change = on_change
         self.agent_name = agent_name
         self.recvs: dict[str, RecvState] = {}
-        self.verifier = Verifier(config, registry, peers, nixl, observer)
+        self.verifier = Verifier(config, registry, peers, book, nixl, observer)
         self.abandoned = abandoned if abandoned is not None else Abandoned()  # (kvxfer.abandoned)
 
     def __len__(self) -> int:
@@ -200,7 +203,7 @@ class Receiver:
                     raise
                 if e.code == ErrorCode.INCOMPATIBLE and not await self._generation_moved(msg, peer):
                     raise e from None  # nothing is stale: the request does not fit this peer
-                peer.stale = True  # ranks missing, or a stale description: ask again once
+                self.book.mark_stale(peer)  # ranks missing, or a stale description: ask again once
                 peer = await asyncio.wait_for(self.peers.get_peer(msg.remote_host, msg.remote_port),
                                               timeout=msg.deadline_s)
                 if self.recvs.get(key) is not state:
@@ -320,7 +323,7 @@ class Receiver:
                 pause = min(pause * 2, 0.1)
                 continue
             if verdict.stale_peer:
-                peer.stale = True  # the next receive handshakes again
+                self.book.mark_stale(peer)  # the next receive handshakes again
             if verdict.expired:
                 self.observer.emit(Event("lease_expired_before_read", request_id=msg.req_id, peer=state.peer))
             if verdict.refusal is None:
@@ -354,7 +357,7 @@ class Receiver:
         """Do what the machine's last transition asks."""
         try:
             if step is Step.CHECK:
-                peer = self.peers.by_agent(state.peer_agent)
+                peer = self.book.by_agent(state.peer_agent)
                 if peer is not None and self.verifier.sample(peer):
                     state.machine.verifying()
                     self._spawn(self._verify(key, state, peer))
@@ -391,7 +394,7 @@ class Receiver:
         """The one way a receive ends: the engine first, then counters, then the prefill."""
         del self.recvs[key]
         msg = state.msg
-        peer = self.peers.by_agent(state.peer_agent) if state.peer_agent else None
+        peer = self.book.by_agent(state.peer_agent) if state.peer_agent else None
         if out.ok:
             read = out.read
             state.mark("reply")
@@ -403,15 +406,13 @@ class Receiver:
                 self.observer.transfer_done(msg.req_id, state.peer, msg.tp_rank, read.nbytes, read.seconds,
                                             read.descriptors)
                 if peer is not None:
-                    peer.reads += 1
-                    peer.bytes += read.nbytes
+                    self.book.read_done(peer, read.nbytes)
         else:
             assert out.error is not None
             err = RequestError(out.error.code, out.error.reason, msg.req_id)
             self.observer.transfer_failed(msg.req_id, state.peer, msg.tp_rank, err.code, err.reason)
             if out.peer_failed and peer is not None:
-                peer.failures += 1
-                peer.stale = True  # any failed read: handshake again before the next one
+                self.book.read_failed(peer)  # counted; handshake again before the next read
             self._report_failed(state.owner, msg, err)
         self._on_change()
         if out.drop_peer:

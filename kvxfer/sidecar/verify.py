@@ -17,10 +17,11 @@ from kvxfer.config import Config
 from kvxfer.errors import ErrorCode, RequestError
 from kvxfer.integrity import digest_items
 from kvxfer.observe import Observer
-from kvxfer.peers import Peer, Peers
 from kvxfer.protocol import DigestRank, DigestRequest, Recv
 from kvxfer.registry import RankKey, RankRegistry
 from kvxfer.sidecar.nixl_port import NixlPort
+from kvxfer.sidecar.peer_book import Peer, PeerBook
+from kvxfer.sidecar.peer_client import PeerClient
 from kvxfer.topology import BlockPairing, RankPlan
 
 log = logging.getLogger("kvxfer.receiver")
@@ -29,11 +30,12 @@ Plan = Callable[[], tuple[list[RankPlan], BlockPairing]]
 
 
 class Verifier:
-    def __init__(self, config: Config, registry: RankRegistry, peers: Peers, nixl: NixlPort,
-                 observer: Observer) -> None:
+    def __init__(self, config: Config, registry: RankRegistry, peers: PeerClient, book: PeerBook,
+                 nixl: NixlPort, observer: Observer) -> None:
         self.config = config
         self.registry = registry
         self.peers = peers
+        self.book = book
         self.nixl = nixl
         self.observer = observer
         self._receives_done = 0  # successful reads so far (1 in verify_sample is checked)
@@ -44,10 +46,7 @@ class Verifier:
         if n <= 0:
             return False
         self._receives_done += 1
-        if not peer.verified or self._receives_done % n == 0:
-            peer.verified = True
-            return True
-        return False
+        return self.book.first_check(peer) or self._receives_done % n == 0
 
     async def verify(self, msg: Recv, local: RankKey, remote_engine: str, plan: Plan,
                      peer: Peer) -> RequestError | None:

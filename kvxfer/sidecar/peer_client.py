@@ -1,0 +1,361 @@
+"""The dialing side of the peer conversation: handshakes with prefill sidecars (once per
+endpoint, shared by concurrent requests), one kept-open link per endpoint for lease
+renewals (claims, keep-alives), and digest requests.
+
+It owns the conversation's outgoing half: what it learns goes into the ``PeerBook`` and,
+for a new or changed peer, into the NIXL port (``add_peer``). It never calls back into its
+callers; they await its answers.
+
+With a shared secret (``kvxfer.auth``) the hello is challenge-bound and the welcome checked
+for the secret's MAC, every request is signed, and the channel is a CurveZMQ client of the
+listener's secret-derived key (the NIXL metadata it carries is never in clear).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from kvxfer.auth import check_welcome, sign_hello, sign_request
+from kvxfer.config import Config
+from kvxfer.errors import ErrorCode, RequestError
+from kvxfer.observe import Observer
+from kvxfer.protocol import (
+    DECODE_ERRORS,
+    PROTOCOL_VERSION,
+    Challenge,
+    DigestReply,
+    DigestRequest,
+    Hello,
+    LeaseRenew,
+    LeaseState,
+    RankInfo,
+    Refused,
+    Welcome,
+    compat_hash,
+    encode,
+    handshake_reply_decoder,
+)
+from kvxfer.registry import RankRegistry
+from kvxfer.sidecar.nixl_port import NixlPort
+from kvxfer.sidecar.peer_book import Peer, PeerBook
+from kvxfer.sidecar.validate import validate_rank_info
+
+log = logging.getLogger("kvxfer.peers")
+
+
+@dataclass(frozen=True)
+class PeerChannel:
+    """Who this sidecar is to its peers, and how their channel is secured."""
+
+    engine_id: str
+    agent_name: str
+    secret: bytes = b""  # empty: no handshake authentication
+    curve: tuple[bytes, bytes] | None = None  # the listeners' CurveZMQ key pair (from the secret)
+
+
+class PeerLink:
+    """One DEALER connection to a peer's handshake listener for small request/reply calls
+    (lease renewals: one per read, so no connect per call). Replies are matched by ``seq``."""
+
+    def __init__(self, sock: zmq.asyncio.Socket) -> None:
+        self.sock = sock
+        self._seq = 0
+        self._waiting: dict[int, asyncio.Future[LeaseState]] = {}
+        self.closed = False
+
+    async def call(self, req: LeaseRenew, timeout_s: float, secret: bytes = b"") -> LeaseState:
+        return await self.answer(self.send(req, secret), timeout_s)
+
+    def send(self, req: LeaseRenew, secret: bytes = b"") -> tuple[int, asyncio.Future[LeaseState]]:
+        """Send now (not at the caller's next await); ``answer`` waits for the reply."""
+        self._seq += 1
+        seq = self._seq
+        req = msgspec.structs.replace(req, seq=seq)
+        if secret:  # signed after the seq is set: the signature covers every field
+            req = sign_request(secret, req)
+        fut: asyncio.Future[LeaseState] = asyncio.get_running_loop().create_future()
+        self._waiting[seq] = fut
+
+        def sent(f: asyncio.Future[Any]) -> None:  # (pyzmq sends at once and reports in a future)
+            e = None if f.cancelled() else f.exception()
+            if e is not None and not fut.done():
+                why = "peer listener not taking messages" if isinstance(e, zmq.Again) else f"peer link: {e}"
+                fut.set_exception(RequestError(ErrorCode.HANDSHAKE_FAILED, why))
+
+        self.sock.send(encode(req), flags=zmq.NOBLOCK).add_done_callback(sent)
+        return seq, fut
+
+    async def answer(self, sent: tuple[int, asyncio.Future[LeaseState]], timeout_s: float) -> LeaseState:
+        seq, fut = sent
+        try:
+            return await asyncio.wait_for(fut, timeout_s)
+        except TimeoutError:
+            raise RequestError(ErrorCode.HANDSHAKE_FAILED, f"no lease answer in {timeout_s}s") from None
+        finally:
+            self._waiting.pop(seq, None)
+
+    async def run(self) -> None:
+        """Hand each reply to its caller until closed."""
+        try:
+            while not self.closed:
+                frames = await self.sock.recv_multipart()
+                try:
+                    reply = handshake_reply_decoder.decode(frames[0])
+                except DECODE_ERRORS:
+                    continue
+                if isinstance(reply, LeaseState):
+                    fut = self._waiting.get(reply.seq)
+                    if fut is not None and not fut.done():
+                        fut.set_result(reply)
+                elif isinstance(reply, Refused):  # unsigned/refused: fail every waiting call
+                    for fut in self._waiting.values():
+                        if not fut.done():
+                            fut.set_exception(RequestError(reply.code, reply.reason))
+        except (zmq.ZMQError, asyncio.CancelledError):
+            pass
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            self.sock.close(0)
+
+
+RenewalSent = tuple[PeerLink, tuple[int, "asyncio.Future[LeaseState]"]]  # PeerClient.send_renewal
+
+
+class PeerClient:
+    def __init__(self, *, config: Config, channel: PeerChannel, dial_ctx: zmq.asyncio.Context,
+                 book: PeerBook, registry: RankRegistry, nixl: NixlPort, observer: Observer) -> None:
+        self.config = config
+        self.channel = channel
+        self.dial_ctx = dial_ctx  # handshake dialing never shares the engine socket's I/O thread
+        self.book = book
+        self.registry = registry
+        self.nixl = nixl
+        self.observer = observer
+        self._handshakes: dict[str, asyncio.Future[Peer]] = {}
+        self._links: dict[str, PeerLink] = {}
+        self._link_tasks: set[asyncio.Task[None]] = set()
+
+    # ---------------------------------------------------------------- peers
+
+    def cached_peer(self, host: str, port: int, generation: str = "") -> Peer | None:
+        """The peer at host:port if it is handshaked, not stale and (when ``generation`` is
+        given) of that generation: what ``current_peer`` returns without a handshake."""
+        return self.book.usable(f"{host}:{port}", generation)
+
+    async def current_peer(self, host: str, port: int, generation: str = "") -> Peer:
+        """The peer at host:port, handshaked again when the request names a registration
+        generation the cached one does not have (the prefill sidecar restarted on the same
+        endpoint, or its engine re-registered: its cached memory descriptions are stale)."""
+        peer = await self.get_peer(host, port)
+        if peer.outdated_by(generation):
+            log.info("peer %s:%d is now generation %s (cached %s): handshaking again", host, port,
+                     generation, peer.generation)
+            self.book.mark_stale(peer)
+            peer = await self.get_peer(host, port)
+        return peer
+
+    async def get_peer(self, host: str, port: int) -> Peer:
+        """The peer at host:port, handshaking once however many requests ask at once."""
+        key = f"{host}:{port}"
+        peer = self.book.usable(key)
+        if peer is not None:
+            return peer
+        fut = self._handshakes.get(key)
+        if fut is None:
+            fut = asyncio.ensure_future(self._handshake(host, port))
+            self._handshakes[key] = fut
+            fut.add_done_callback(lambda _f: self._handshakes.pop(key, None))
+        return await asyncio.shield(fut)
+
+    async def drop_peer(self, agent: str, reason: str) -> bool:
+        """Forget a peer (by agent name); its next request handshakes afresh."""
+        gone = self.book.drop(agent)
+        for key in gone:
+            self.observer.peer_dropped(key, reason)
+            link = self._links.pop(key, None)
+            if link is not None:
+                link.close()
+        log.warning("dropped peer %s: %s", agent, reason)
+        try:
+            await self.nixl.remove_peer(agent, reason)
+        except Exception as e:
+            log.debug("remove_peer(%s): %s", agent, e)
+        return bool(gone)
+
+    # ---------------------------------------------------------------- the handshake
+
+    async def _handshake(self, host: str, port: int) -> Peer:
+        key = f"{host}:{port}"
+        start = time.monotonic()
+        try:
+            sock = self._dial(await self._resolve(host, port))
+            try:
+                reply, metadata, infos = await self._hello(sock, key, start)
+            finally:
+                sock.close(0)
+            cached = self.book.get(key)
+            if not (cached is not None and cached.agent_name == reply.agent_name and reply.generation
+                    and cached.generation == reply.generation and len(cached.ranks) == len(reply.ranks)):
+                # (the same registrations: NIXL's state stays, reads in flight go on)
+                reload = cached is not None and cached.agent_name == reply.agent_name
+                await self.nixl.add_peer(reply.agent_name, metadata, infos, reload)
+        except RequestError as e:
+            self.observer.handshake(key, False, time.monotonic() - start, e.reason)
+            raise
+        took = time.monotonic() - start
+        peer = Peer(endpoint=key, engine_id=reply.engine_id, agent_name=reply.agent_name,
+                    ranks={r.key: r for r in infos}, handshake_s=took, connected_unix=time.time(),
+                    generation=reply.generation)
+        self.book.put(peer)
+        self.observer.handshake(key, True, took)
+        log.info("handshake with %s (%s) in %.1f ms", key, peer.engine_id, took * 1e3)
+        return peer
+
+    async def _hello(self, sock: zmq.asyncio.Socket, key: str,
+                     start: float) -> tuple[Welcome, bytes, list[RankInfo]]:
+        """Hello (answering a challenge with a secret) until a checked Welcome: the welcome,
+        the NIXL metadata it carried, and the ranks it advertised."""
+        local = self.registry.first_layout()
+        ch = self.channel
+        hello = Hello(version=PROTOCOL_VERSION, compat_hash=compat_hash(local), engine_id=ch.engine_id,
+                      agent_name=ch.agent_name, model=local.model if local else "")
+        reply, frames = await self._ask(sock, hello, key, start)
+        if ch.secret and isinstance(reply, Challenge):
+            hello = sign_hello(ch.secret, hello, reply.nonce, reply.agent_name)
+            reply, frames = await self._ask(sock, hello, key, start)
+        if isinstance(reply, Refused):
+            raise RequestError(reply.code, f"{key} refused the handshake: {reply.reason}")
+        if not isinstance(reply, Welcome):
+            raise RequestError(ErrorCode.HANDSHAKE_FAILED, f"{key} answered a hello with {reply!r}")
+        if reply.version != PROTOCOL_VERSION or reply.compat_hash != hello.compat_hash:
+            raise RequestError(ErrorCode.INCOMPATIBLE, f"{key} runs protocol {reply.version} hash "
+                               f"{reply.compat_hash}; we run {PROTOCOL_VERSION} hash {hello.compat_hash}")
+        if len(frames) != 2 or not reply.ranks:
+            raise RequestError(ErrorCode.HANDSHAKE_FAILED, f"{key}: welcome without metadata")
+        if ch.secret and not check_welcome(ch.secret, reply, hello, frames[1]):
+            raise RequestError(ErrorCode.UNAUTHORIZED, f"{key} cannot prove it holds the shared secret")
+        for info in reply.ranks:
+            validate_rank_info(info, reply.compat_hash)
+        # an older sidecar names no engine per rank: they are all its own engine's
+        infos = [msgspec.structs.replace(r, engine_id=r.engine_id or reply.engine_id) for r in reply.ranks]
+        if len({r.key for r in infos}) != len(infos):
+            raise RequestError(ErrorCode.HANDSHAKE_FAILED, f"{key} advertised a rank twice")
+        return reply, frames[1], infos
+
+    async def _ask(self, sock: zmq.asyncio.Socket, msg: Hello, key: str,
+                   start: float) -> tuple[Any, list[bytes]]:
+        timeout_s = self.config.handshake_timeout_s
+        await sock.send(encode(msg))
+        if not await sock.poll(int(max(0.0, start + timeout_s - time.monotonic()) * 1000)):
+            # CurveZMQ gives no answer at all to a mismatched peer: say what it may be
+            why = ("it is down, or does not share our secret (the channel is encrypted with keys "
+                   "derived from it)" if self.channel.curve else
+                   "it is down, or requires a shared secret (an encrypted channel)")
+            raise RequestError(ErrorCode.HANDSHAKE_FAILED,
+                               f"no handshake answer from {key} within {timeout_s}s: {why}")
+        frames = await sock.recv_multipart()
+        try:
+            return handshake_reply_decoder.decode(frames[0]), frames
+        except DECODE_ERRORS as e:
+            raise RequestError(ErrorCode.HANDSHAKE_FAILED, f"bad reply from {key}: {e}") from e
+
+    # ---------------------------------------------------------------- requests
+
+    async def call_peer(self, host: str, port: int, req: LeaseRenew, timeout_s: float) -> LeaseState:
+        """A lease renewal at the peer's listener over one kept-open connection per endpoint;
+        raises RequestError when it refuses or does not answer in time."""
+        key = f"{host}:{port}"
+        link = self._links.get(key)
+        if link is None or link.closed:
+            link = PeerLink(self._dial(await self._resolve(host, port)))
+            self._links[key] = link
+            task = asyncio.ensure_future(link.run())
+            self._link_tasks.add(task)
+            task.add_done_callback(self._link_tasks.discard)
+        return await link.call(req, timeout_s, self.channel.secret)
+
+    def send_renewal(self, host: str, port: int, req: LeaseRenew) -> RenewalSent | None:
+        """Send a lease renewal now over the endpoint's open link (None: no link open yet);
+        ``renewal_answer`` waits for its reply."""
+        link = self._links.get(f"{host}:{port}")
+        if link is None or link.closed:
+            return None
+        return link, link.send(req, self.channel.secret)
+
+    async def renewal_answer(self, sent: RenewalSent, timeout_s: float) -> LeaseState:
+        link, pending = sent
+        return await link.answer(pending, timeout_s)
+
+    async def request_digest(self, host: str, port: int, req: DigestRequest, timeout_s: float) -> list[str]:
+        """Ask a peer's listener for the digests of ``req``; raises RequestError."""
+        if self.channel.secret:
+            req = sign_request(self.channel.secret, req)
+        sock = self._dial(await self._resolve(host, port))
+        try:
+            await sock.send(encode(req))
+            if not await sock.poll(int(timeout_s * 1000)):
+                raise RequestError(ErrorCode.HANDSHAKE_FAILED,
+                                   f"no digest from {host}:{port} in {timeout_s}s")
+            frames = await sock.recv_multipart()
+        finally:
+            sock.close(0)
+        try:
+            reply = handshake_reply_decoder.decode(frames[0])
+        except DECODE_ERRORS as e:
+            raise RequestError(ErrorCode.HANDSHAKE_FAILED, f"bad digest reply: {e}") from e
+        if isinstance(reply, Refused):
+            raise RequestError(reply.code, reply.reason)
+        if not isinstance(reply, DigestReply) or len(reply.digests) != len(req.ranks):
+            raise RequestError(ErrorCode.HANDSHAKE_FAILED, f"unexpected digest reply {reply!r}")
+        return reply.digests
+
+    def close(self) -> None:
+        for link in self._links.values():
+            link.close()
+        self._links.clear()
+        for task in self._link_tasks:
+            task.cancel()
+
+    # ---------------------------------------------------------------- sockets
+
+    def _dial(self, addr: str) -> zmq.asyncio.Socket:
+        """A DEALER to a peer's handshake listener (a CurveZMQ client with a secret)."""
+        sock = self.dial_ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.IPV6, 1)
+        if self.channel.curve is not None:
+            sock.curve_publickey, sock.curve_secretkey = zmq.curve_keypair()
+            sock.curve_serverkey = self.channel.curve[0]
+        sock.connect(addr)
+        return sock
+
+    async def _resolve(self, host: str, port: int) -> str:
+        """host -> a tcp:// address with an IP literal, resolved off the ZMQ I/O thread.
+
+        ZMQ resolves names inside its I/O thread, so one unresolvable host would stall
+        every socket of the context for the resolver's timeout.
+        """
+        try:
+            infos = await asyncio.wait_for(
+                asyncio.get_running_loop().getaddrinfo(host, port, type=socket.SOCK_STREAM),
+                self.config.handshake_timeout_s)
+        except (OSError, UnicodeError, ValueError, TimeoutError) as e:
+            raise RequestError(ErrorCode.HANDSHAKE_FAILED, f"cannot resolve {host!r}: {e}") from None
+        if not infos:
+            raise RequestError(ErrorCode.HANDSHAKE_FAILED, f"cannot resolve {host!r}")
+        family, _, _, _, sockaddr = infos[0]
+        ip = sockaddr[0]
+        return f"tcp://[{ip}]:{port}" if family == socket.AF_INET6 else f"tcp://{ip}:{port}"
