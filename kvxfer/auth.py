@@ -14,7 +14,7 @@ With a secret configured (``--secret-file`` or ``KVXFER_SECRET``):
   answer, and the memory it describes, comes from a holder of the secret.
 - **Requests after the handshake** (``LeaseRenew``, ``DigestRequest``): signed over their
   whole encoding. Each names per-request tokens that only the engine that held the blocks
-  handed out (``kvxfer.holds``), so a replay to another sidecar names nothing it holds.
+  handed out (``kvxfer.sidecar.holds``), so a replay to another sidecar names nothing it holds.
 - **Encryption.** Both ends derive a CURVE key pair for the handshake listener from the
   secret (``curve_server_keys``): ZMQ's CurveZMQ encrypts and authenticates the channel, so
   the NIXL metadata (which grants remote access to registered memory) never crosses a

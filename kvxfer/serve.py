@@ -32,7 +32,7 @@ async def serve(sidecar: Sidecar, policy: AccessPolicy, on_hup: Callable[[], Non
         from kvxfer.control.service import start_control_server
 
         try:
-            control = await start_control_server(sidecar, config.control_target, policy,
+            control = await start_control_server(sidecar.ops, config.control_target, policy,
                                                  config.health_target)
         except Exception as e:  # grpc says RuntimeError("Failed to bind ...")
             await sidecar.close()

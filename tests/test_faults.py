@@ -653,7 +653,4 @@ def test_read_stuck_exits_without_teardown(monkeypatch: pytest.MonkeyPatch) -> N
         assert calls == [3]
         assert not sidecar._stop.is_set()  # no graceful stop was started
     finally:
-        sidecar.ctx.term()
-        sidecar.dial_ctx.term()
-        if sidecar.pools is not None:
-            sidecar.pools.close()
+        sidecar._close()

@@ -27,7 +27,6 @@ from kvxfer.auth import ChallengeBook, check_welcome, new_token, sign_hello, sig
 from kvxfer.client import RemoteBlocks
 from kvxfer.config import Config
 from kvxfer.errors import ErrorCode, RequestError
-from kvxfer.holds import Holds
 from kvxfer.leases import Lease, LeaseTable
 from kvxfer.memory import SharedKV
 from kvxfer.observe import Observer
@@ -43,6 +42,7 @@ from kvxfer.protocol import (
     encode,
     handshake_reply_decoder,
 )
+from kvxfer.sidecar.holds import Holds
 from kvxfer.sidecar.mapping import check_shm_files
 from kvxfer.testing.engine import SyntheticEngine, make_layout
 from kvxfer.testing.procs import SidecarFactory, SidecarProc, free_port
@@ -127,7 +127,8 @@ def _holds(authenticated: bool = True) -> tuple[Holds, list[object], Observer]:
     sent: list[object] = []
     obs = Observer()
     h = Holds(Config(max_read_s=5.0, max_lease_s=60.0), _Registry(), obs,  # type: ignore[arg-type]
-              lambda ident, msg: sent.append(msg), lambda: None, authenticated=lambda a: authenticated)
+              authenticated=lambda a: authenticated)
+    h.changed.subscribe(lambda: sent.extend(out.message for out in h.take_outbox()))
     now = time.monotonic()
     h.table.add(Lease(req_id="r", owner=b"w", block_ids=[1], expires=now + 1, created=now,
                       engine="e", token="tok"))

@@ -28,8 +28,8 @@ from kvxfer.targets import is_local_target, is_unix, split_targets
 
 if TYPE_CHECKING:
     from kvxfer.observe import Event
-    from kvxfer.sidecar.app import Sidecar
     from kvxfer.sidecar.lifecycle import LifecycleView
+    from kvxfer.sidecar.operations import Operations
     from kvxfer.sidecar.peer_book import Peer
     from kvxfer.status import Snapshot
 
@@ -117,8 +117,8 @@ def event_proto(ev: Event) -> pb.Event:
 
 
 class ControlService(pb_grpc.ControlServicer):
-    def __init__(self, sidecar: Sidecar, policy: AccessPolicy) -> None:
-        self.sc = sidecar
+    def __init__(self, ops: Operations, policy: AccessPolicy) -> None:
+        self.sc = ops
         self.policy = policy
 
     async def _authorize(self, method: str, context: Any) -> None:
@@ -209,12 +209,12 @@ def _listen(server: grpc.aio.Server, target: str, policy: AccessPolicy | None) -
 
 
 async def start_control_server(
-    sidecar: Sidecar, target: str, policy: AccessPolicy, health_target: str = ""
+    ops: Operations, target: str, policy: AccessPolicy, health_target: str = ""
 ) -> list[grpc.aio.Server]:
     """The control server on each of ``target``'s listeners, plus a health-only plaintext
     server on ``health_target`` when set. Both report the same health states."""
     server = grpc.aio.server()
-    pb_grpc.add_ControlServicer_to_server(ControlService(sidecar, policy), server)
+    pb_grpc.add_ControlServicer_to_server(ControlService(ops, policy), server)
     health = HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     reflection.enable_server_reflection(
@@ -246,7 +246,7 @@ async def start_control_server(
                 await h.set(name, serving if view.ready else not_serving)
             await h.set(ENGINE, serving if view.serving_engines else not_serving)
 
-    await show(sidecar.lifecycle.view)
+    await show(ops.lifecycle.view)
     for h in healths:
         await h.set("liveness", serving)
     # every later change (a drain, a resume, a lost engine socket, an engine registered or
@@ -258,5 +258,5 @@ async def start_control_server(
         pending.add(task)
         task.add_done_callback(pending.discard)
 
-    sidecar.lifecycle.subscribe(changed)
+    ops.lifecycle.subscribe(changed)
     return servers

@@ -92,3 +92,19 @@ class Lifecycle:
     def work(self, busy: bool) -> None:
         """Receives in flight or blocks held (``busy``), or nothing at all (idle)."""
         self._set(busy=busy)
+
+
+class Signal:
+    """Something changed: every subscriber is called, in the order they subscribed. How a
+    part says "look again" without knowing who looks (no callback climbs back up into the
+    app: the app subscribes)."""
+
+    def __init__(self) -> None:
+        self._subscribers: list[Callable[[], None]] = []
+
+    def subscribe(self, fn: Callable[[], None]) -> None:
+        self._subscribers.append(fn)
+
+    def emit(self) -> None:
+        for fn in list(self._subscribers):
+            fn()

@@ -249,6 +249,20 @@ class Registrations:
                 nbytes += leg.nbytes
         return legs, nbytes
 
+    def first_byte(self, spec: ReadSpec) -> int:
+        """The host address of the first byte a read writes (0: none, or not host memory);
+        the test hook that flips it after the read landed (KVXFER_TEST_CORRUPT_READS)."""
+        local = self.local[spec.local_rank]
+        sl = spec.state_blocks[0]
+        target = next((p for p in spec.plans if (sl if p.state else spec.local_blocks)), None)
+        if target is None or local.info.mem_type != "DRAM":
+            return 0
+        reg = local.info.regions[target.local_region0]
+        seg = next(q[0] for q in target.segments if q)
+        pairs = spec.pairing.pairs(len(spec.local_blocks), len(spec.remote_blocks))
+        first = sl[0] if target.state else spec.local_blocks[pairs[0][0]]
+        return reg.addr + first * reg.block_stride + seg.local_off
+
     def _pair_lists(self, peer: str, local: LocalRank, plan: RankPlan, remote_engine: str) -> PairLists:
         key = (peer, local.key, remote_engine, plan.remote_pp, plan.remote_rank, plan.local_region0,
                plan.remote_region0, plan.num_regions)

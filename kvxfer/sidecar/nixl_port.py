@@ -167,14 +167,6 @@ class NixlPort:
         else:
             self.serving = serving
 
-    def stats(self) -> dict[str, int]:
-        """A rough look from any thread (counters, no lock)."""
-        out = {"peers": 0, "local_ranks": 0, "dlists_prepared": self.dlists_prepared,
-               "reads_inline": self.reads_inline}
-        if self._regs is not None and self._reads is not None:
-            out.update(peers=len(self._regs.peers), local_ranks=len(self._regs.local), **self._reads.stats())
-        return out
-
     # ------------------------------------------------------------------ loop <-> thread
 
     async def _run(self, fn: Callable[[], T]) -> T:
@@ -266,27 +258,17 @@ class NixlPort:
         after the first chunk is posted, from the posting thread: a round trip through the
         loop would compete with the copy for the GIL and the CPU)."""
         marks = [("nixl_thread", time.monotonic_ns())] if spec.trace else None
-        legs, nbytes = self._regs_().legs(spec, self.options.chunk_bytes, self.options.merge_runs)
+        regs = self._regs_()
+        legs, nbytes = regs.legs(spec, self.options.chunk_bytes, self.options.merge_runs)
+        corrupt_at = 0
+        if self._corrupt_reads > 0 and (corrupt_at := regs.first_byte(spec)):
+            self._corrupt_reads -= 1
         rd = Read(req_id=spec.req_id, peer=spec.peer, local_rank=spec.local_rank, legs=legs, nbytes=nbytes,
                   deadline=time.monotonic() + spec.deadline_s, started_notice=spec.started_notice,
-                  corrupt_at=self._corrupt_target(spec), trace=marks)
+                  corrupt_at=corrupt_at, trace=marks)
         if marks is not None:
             marks.append(("planned_descs", time.monotonic_ns()))
         self._reads_().add(rd)
-
-    def _corrupt_target(self, spec: ReadSpec) -> int:
-        """Test hook: the host address of the first byte this read writes (0: none)."""
-        local = self._regs_().local[spec.local_rank]
-        sl = spec.state_blocks[0]
-        target = next((p for p in spec.plans if (sl if p.state else spec.local_blocks)), None)
-        if self._corrupt_reads <= 0 or target is None or local.info.mem_type != "DRAM":
-            return 0
-        self._corrupt_reads -= 1
-        reg = local.info.regions[target.local_region0]
-        seg = next(q[0] for q in target.segments if q)
-        pairs = spec.pairing.pairs(len(spec.local_blocks), len(spec.remote_blocks))
-        first = sl[0] if target.state else spec.local_blocks[pairs[0][0]]
-        return reg.addr + first * reg.block_stride + seg.local_off
 
     def _create_agent(self) -> None:
         if self.options.cuda:

@@ -76,11 +76,6 @@ class Reads:
         self._post_queue: collections.deque[str] = collections.deque()
         self.inflight_chunks = 0
         self._zombies: list[Any] = []
-        # counters, read from other threads (ints: assignment is atomic enough for stats)
-        self.bytes_read = 0
-        self.reads_ok = 0
-        self.reads_failed = 0
-        self.settled_late = 0  # failed reads reported only after in-flight chunks stopped
 
     def __len__(self) -> int:
         return len(self._reads)
@@ -130,11 +125,6 @@ class Reads:
         for rd in [r for r in self._reads.values() if match(r)]:
             self._fail(rd, code, reason)
         return {r.req_id for r in self._reads.values() if match(r)}
-
-    def stats(self) -> dict[str, int]:
-        return {"reads_in_flight": len(self._reads), "chunks_in_flight": self.inflight_chunks,
-                "settling": sum(1 for r in self._reads.values() if r.failure is not None),
-                "settled_late": self.settled_late}
 
     # ------------------------------------------------------------------ posting
 
@@ -229,8 +219,6 @@ class Reads:
             ctypes.c_uint8.from_address(rd.corrupt_at).value ^= 0xFF
             log.warning("test hook: flipped one byte of read %s after it landed", rd.req_id)
         del self._reads[rd.req_id]
-        self.reads_ok += 1
-        self.bytes_read += rd.nbytes
         trace = () if rd.trace is None else (*rd.trace, ("landed", time.monotonic_ns()))
         self._emit(ReadFinished(rd.req_id, rd.peer, True, rd.nbytes, now - rd.started,
                                 descriptors=rd.descriptors, trace=trace))
@@ -258,13 +246,11 @@ class Reads:
                 self._emit(ReadStuck(rd.req_id, rd.peer, now - rd.failed_at))
             return progressed
         del self._reads[rd.req_id]
-        self.reads_failed += 1
         assert rd.failure is not None  # only failed reads settle
         code, reason = rd.failure
         waited = now - rd.failed_at
         if waited > 0.05:
             reason = f"{reason} (its in-flight chunks stopped {waited:.2f}s later)"
-            self.settled_late += 1
         self._emit(ReadFinished(rd.req_id, rd.peer, False, 0, now - rd.started, code, reason))
         self._cleanup.settled(rd.req_id)
         return True

@@ -22,7 +22,6 @@ import zmq.asyncio
 
 from kvxfer.auth import ChallengeBook, check_request, sign_welcome
 from kvxfer.errors import ErrorCode, RequestError
-from kvxfer.holds import Holds
 from kvxfer.observe import Observer
 from kvxfer.protocol import (
     DECODE_ERRORS,
@@ -42,6 +41,7 @@ from kvxfer.protocol import (
 )
 from kvxfer.registry import RankRegistry
 from kvxfer.sidecar.admission import admit_digest
+from kvxfer.sidecar.holds import Holds
 from kvxfer.sidecar.nixl_port import NixlPort
 from kvxfer.sidecar.peer_book import Authenticated
 from kvxfer.sidecar.peer_client import PeerChannel

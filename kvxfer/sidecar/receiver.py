@@ -27,16 +27,18 @@ import msgspec
 from kvxfer.abandoned import Abandoned
 from kvxfer.config import Config
 from kvxfer.errors import ErrorCode, RequestError
-from kvxfer.observe import Event, Observer
+from kvxfer.observe import Observer
 from kvxfer.protocol import Done, Failed, LeaseRenew, ReadNotice, Recv, encode
 from kvxfer.registry import RankKey, RankRegistry
 from kvxfer.sidecar.admission import admit_recv, recv_bytes, recv_deadline_s
+from kvxfer.sidecar.claim import Claims
+from kvxfer.sidecar.lifecycle import Signal
 from kvxfer.sidecar.nixl_port import NixlPort
 from kvxfer.sidecar.nixl_types import ReadFinished, ReadRefused
 from kvxfer.sidecar.peer_book import Peer, PeerBook
-from kvxfer.sidecar.peer_client import PeerClient, RenewalSent
+from kvxfer.sidecar.peer_client import PeerClient
 from kvxfer.sidecar.plan import ReadSpec
-from kvxfer.sidecar.receive import Outcome, Receive, Step, claim_verdict, plan_read
+from kvxfer.sidecar.receive import Outcome, Receive, Step, plan_read
 from kvxfer.sidecar.verify import Verifier
 from kvxfer.topology import BlockPairing, RankPlan
 
@@ -93,7 +95,7 @@ def may_be_stale(err: BaseException, msg: Recv) -> bool:
 class Receiver:
     def __init__(self, *, config: Config, registry: RankRegistry, peers: PeerClient, book: PeerBook,
                  nixl: NixlPort, observer: Observer, send: Callable[[bytes, Any], None],
-                 spawn: Callable[[Any], None], on_change: Callable[[], None], agent_name: str,
+                 spawn: Callable[[Any], None], agent_name: str,
                  abandoned: Abandoned | None = None) -> None:
         self.config = config
         self.registry = registry
@@ -103,10 +105,11 @@ class Receiver:
         self.observer = observer
         self._send = send
         self._spawn = spawn
-        self._on_change = on_change
+        self.changed = Signal()  # a receive started or ended
         self.agent_name = agent_name
         self.recvs: dict[str, RecvState] = {}
         self.verifier = Verifier(config, registry, peers, book, nixl, observer)
+        self.claims = Claims(config, peers, book, observer, agent_name)
         self.abandoned = abandoned if abandoned is not None else Abandoned()  # (kvxfer.abandoned)
 
     def __len__(self) -> int:
@@ -143,7 +146,7 @@ class Receiver:
         if msg.trace:
             state.trace = [("sidecar", received_ns or time.monotonic_ns())]
             state.mark("accepted")
-        self._on_change()
+        self.changed.emit()
         # The hot path: a peer already handshaked (and of the generation the request names)
         # is planned and posted now, in this call, with no task and no await in between.
         peer = self.peers.cached_peer(msg.remote_host, msg.remote_port, msg.remote_generation)
@@ -264,13 +267,8 @@ class Receiver:
         # The claim: the prefill confirms it still holds the blocks and extends the lease
         # over the whole read, in parallel with it; Done waits for the answer, and a lease
         # that was already over fails the load (the blocks may hold another request's KV).
-        renew = LeaseRenew(seq=0, engine_id=state.remote_engine, req_ids=[msg.remote_req_id or msg.req_id],
-                           extend_s=remaining + self.config.handshake_timeout_s + 1.0,
-                           agent_name=self.agent_name, tokens=[msg.remote_token])
-        sent = self.peers.send_renewal(msg.remote_host, msg.remote_port, renew)  # now, before the read
-        if sent is not None:
-            state.mark("claim_sent")
-        state.claim_task = asyncio.ensure_future(self._claim(key, state, remaining, renew, sent, peer))
+        state.claim_task = self.claims.start(msg, state.remote_engine, remaining, peer, state.mark)
+        state.claim_task.add_done_callback(lambda task: self._claimed(key, state, task))
         # The prefill side must not let its lease run out under a read in progress: the
         # thread that posts the first chunk tells it right after (it must not delay the read).
         started = ReadNotice(req_id=msg.remote_req_id or msg.req_id, tp_rank=msg.tp_rank, ok=True,
@@ -286,54 +284,14 @@ class Receiver:
         except Exception as e:
             self._not_started(key, e)
 
-    async def _claim(self, key: str, state: RecvState, reading_s: float, renew: LeaseRenew,
-                     sent: RenewalSent | None, peer: Peer) -> None:
-        """Ask the prefill whether it still holds the blocks (``sent``: the first ask, already
-        on its way) until an answer is final (``receive.claim_verdict``); hand it to the
-        machine. An answer may take as long as the read it vouches for (a loaded prefill
-        sidecar answers late, not wrongly), and no less than a handshake; a Hold still on its
-        way is waited for one handshake timeout."""
-        msg = state.msg
-        timeout = self.config.handshake_timeout_s
-        now = time.monotonic()
-        end, unknown_end = now + max(timeout, reading_s), now + timeout
-        pause = 0.002
-        while True:
-            try:
-                if sent is not None:
-                    got = await self.peers.renewal_answer(sent, max(0.05, end - time.monotonic()))
-                    sent = None
-                else:
-                    state.mark("claim_sent")
-                    got = await self.peers.call_peer(msg.remote_host, msg.remote_port, renew,
-                                                     max(0.05, end - time.monotonic()))
-            except Exception as e:  # never leave a read waiting on a claim that raised
-                if not isinstance(e, RequestError):
-                    log.exception("claim of %s failed", msg.req_id)
-                why = e.reason if isinstance(e, RequestError) else repr(e)
-                self._claimed(key, state, RequestError(ErrorCode.EXPIRED, "the prefill did not confirm "
-                                                       f"it still holds the blocks: {why}"))
-                return
-            moved = (None if msg.remote_generation or not peer.outdated_by(got.generation)
-                     else (peer.generation, got.generation))
-            verdict = claim_verdict(got.held[0] if got.held else "unknown", moved=moved,
-                                    remaining_s=min(end, unknown_end) - time.monotonic(), pause_s=pause)
-            if verdict.retry_in_s:
-                await asyncio.sleep(verdict.retry_in_s)
-                pause = min(pause * 2, 0.1)
-                continue
-            if verdict.stale_peer:
-                self.book.mark_stale(peer)  # the next receive handshakes again
-            if verdict.expired:
-                self.observer.emit(Event("lease_expired_before_read", request_id=msg.req_id, peer=state.peer))
-            if verdict.refusal is None:
-                state.mark("claimed")
-            self._claimed(key, state, verdict.refusal)
+    def _claimed(self, key: str, state: RecvState, task: asyncio.Future[RequestError | None]) -> None:
+        """The claim's answer (its task ended): None, held; else why the read is not trusted."""
+        if self.recvs.get(key) is not state:
             return
-
-    def _claimed(self, key: str, state: RecvState, refusal: RequestError | None) -> None:
-        if self.recvs.get(key) is state:
-            self._step(key, state, state.machine.claimed(refusal))
+        refusal = (RequestError(ErrorCode.EXPIRED, "claim cancelled") if task.cancelled()
+                   else task.result() if task.exception() is None
+                   else RequestError(ErrorCode.EXPIRED, f"claim failed: {task.exception()!r}"))
+        self._step(key, state, state.machine.claimed(refusal))
 
     # ------------------------------------------------------------------ NIXL events
 
@@ -372,7 +330,7 @@ class Receiver:
                 self.recvs.pop(key)
                 self._report_failed(state.owner, state.msg, RequestError(ErrorCode.INTERNAL, repr(e),
                                                                          state.msg.req_id))
-                self._on_change()
+                self.changed.emit()
 
     async def _verify(self, key: str, state: RecvState, peer: Peer) -> None:
         mismatch = await self.verifier.verify(state.msg, state.local, state.remote_engine,
@@ -414,7 +372,7 @@ class Receiver:
             if out.peer_failed and peer is not None:
                 self.book.read_failed(peer)  # counted; handshake again before the next read
             self._report_failed(state.owner, msg, err)
-        self._on_change()
+        self.changed.emit()
         if out.drop_peer:
             self._spawn(self.peers.drop_peer(state.peer_agent, out.error.reason if out.error else ""))
         elif out.notice is not None:

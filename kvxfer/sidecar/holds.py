@@ -13,8 +13,10 @@ peer can stretch a lease past ``max_read_s`` per read or ``max_lease_s`` in all.
 is refused is counted (``kvxfer_peer_refused_total``) and logged with the sender.
 
 Dependencies are passed in: the registry (which engines exist, their workers), the
-observer, ``send`` (to an engine connection), ``on_change`` (gauges, idleness) and
-``authenticated`` (did an agent complete an authenticated handshake here).
+observer and ``authenticated`` (did an agent complete an authenticated handshake here).
+Nothing is sent from here: each lease that ends leaves a ``Released`` for its engine's
+workers in ``outbox``, and ``changed`` tells whoever subscribed (the app sends them, updates
+its gauges and the NIXL poll rate).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from kvxfer.abandoned import Abandoned
@@ -43,21 +46,29 @@ from kvxfer.protocol import (
 )
 from kvxfer.registry import RankRegistry
 from kvxfer.sidecar.admission import admit_hold
+from kvxfer.sidecar.lifecycle import Signal
 
 log = logging.getLogger(__name__)
 
 
+@dataclass(frozen=True)
+class Outgoing:
+    """A ``Released`` for these engine connections."""
+
+    targets: set[bytes]
+    message: Released
+
+
 class Holds:
     def __init__(self, config: Config, registry: RankRegistry, observer: Observer,
-                 send: Callable[[bytes, Any], None], on_change: Callable[[], None],
                  authenticated: Callable[[str], bool] = lambda agent: True,
                  abandoned: Abandoned | None = None) -> None:
         self.config = config
         self.registry = registry
         self.observer = observer
-        self._send = send
-        self._on_change = on_change
         self._authenticated = authenticated
+        self.outbox: list[Outgoing] = []  # Released messages to send (the app takes them)
+        self.changed = Signal()  # leases added or ended
         self.table = LeaseTable()
         self.abandoned = abandoned if abandoned is not None else Abandoned()  # (kvxfer.abandoned)
         self._wakeup = asyncio.Event()
@@ -80,7 +91,7 @@ class Holds:
                              expires=now + duration, reads_expected=msg.reads, created=now,
                              notify_ranks=msg.notify_ranks, engine=engine, duration=duration,
                              token=msg.token))
-        self._on_change()
+        self.changed.emit()
         self._wakeup.set()
 
     def release_request(self, msg: Release) -> None:
@@ -170,10 +181,13 @@ class Holds:
         """Tell the engine it may reuse the blocks: the holder, or every worker of its engine."""
         ev = Released(req_id=lease.req_id, reason=reason, reads=lease.reads_seen)  # type: ignore[arg-type]
         self.observer.lease_released(lease.req_id, reason)
-        self._on_change()
         targets = self.registry.owners(lease.engine) if lease.notify_ranks else {lease.owner}
-        for ident in targets or {lease.owner}:
-            self._send(ident, ev)
+        self.outbox.append(Outgoing(targets or {lease.owner}, ev))
+        self.changed.emit()
+
+    def take_outbox(self) -> list[Outgoing]:
+        out, self.outbox = self.outbox, []
+        return out
 
     def engine_holds(self, engine: str) -> int:
         """Leases held for ``engine``."""

@@ -1,0 +1,185 @@
+"""The engine socket: a ZMQ ROUTER on ``ipc://`` (file mode 0600, directory 0700) that the
+connectors of this sidecar's engines talk to.
+
+Framing, limits, decoding and dispatch, nothing else: one frame per message, at most
+``MAX_MESSAGE`` bytes (larger ones get a typed error; ZMQ drops a connection past
+``HARD_MAX_MESSAGE``), one typed decoder, and each decoded message handed to the handler
+the app registered for its type. No handler may raise out of the loop: malformed input
+gets an ``Error`` reply, a handler's ``RequestError`` its code, anything else ``internal``,
+and the sidecar keeps serving.
+
+It also owns the socket file: ``<socket>.lock`` is flocked for the life of the process (a
+second sidecar on the same socket is refused, never silently takes it over), the file is
+unlinked at close only if it is still the one this process bound, and ``intact`` tells
+whether it still is.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import logging
+import os
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from kvxfer.errors import ErrorCode, ListenError, RequestError
+from kvxfer.observe import Observer
+from kvxfer.protocol import DECODE_ERRORS, Error, encode, engine_request_decoder
+from kvxfer.sidecar.pool_server import unlink_if_same
+
+log = logging.getLogger("kvxfer.sidecar")
+
+_ENGINE_TAGS = {"register", "unregister", "hold", "release", "recv", "ping", "keepalive"}
+MAX_MESSAGE = 16 << 20  # larger engine messages get a typed error (a million block ids is ~5 MiB)
+HARD_MAX_MESSAGE = 64 << 20  # ZMQ drops the connection of a peer that sends more
+
+Handler = Callable[[bytes, Any], Awaitable[None] | None]
+
+
+def ipc_path(endpoint: str) -> str | None:
+    return endpoint[len("ipc://") :] if endpoint.startswith("ipc://") else None
+
+
+def classify_bad_message(body: bytes) -> ErrorCode:
+    """UNKNOWN_MESSAGE for a well-formed message of an unknown kind, else MALFORMED."""
+    try:
+        raw = msgspec.msgpack.decode(body)
+    except DECODE_ERRORS:
+        return ErrorCode.MALFORMED
+    if isinstance(raw, list) and raw and isinstance(raw[0], str) and raw[0] not in _ENGINE_TAGS:
+        return ErrorCode.UNKNOWN_MESSAGE
+    return ErrorCode.MALFORMED
+
+
+class EngineServer:
+    def __init__(self, ctx: zmq.asyncio.Context, endpoint: str, observer: Observer) -> None:
+        self.endpoint = endpoint
+        self.path = ipc_path(endpoint)
+        self.observer = observer
+        self.sock = ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a restarted worker reclaims its id
+        self.sock.setsockopt(zmq.MAXMSGSIZE, HARD_MAX_MESSAGE)
+        self._handlers: dict[type, Handler] = {}
+        self._lock_fd = -1  # <engine socket>.lock, flocked while this process owns the socket
+        self._ino = 0  # the inode of the socket file this process bound (0: none)
+        self.received_ns = 0  # when the message being handled arrived (a trace's "sidecar" hop)
+
+    def on(self, kind: type, handler: Handler) -> None:
+        """Hand every message of this type to ``handler(ident, msg)`` (sync, or awaited)."""
+        self._handlers[kind] = handler
+
+    # ---------------------------------------------------------------- the socket file
+
+    def bind(self) -> None:
+        """Own the socket file and listen; ListenError says where and why not."""
+        if self.path:
+            directory = os.path.dirname(self.path) or "."
+            if not os.path.isdir(directory):
+                os.makedirs(directory, mode=0o700)
+            self._own(self.path)
+            old = os.umask(0o177)
+            try:
+                self.sock.bind(self.endpoint)
+            except zmq.ZMQError as e:
+                raise ListenError(f"engine socket {self.endpoint}: {e}") from None
+            finally:
+                os.umask(old)
+            os.chmod(self.path, 0o600)
+            self._ino = os.stat(self.path).st_ino
+        else:
+            try:
+                self.sock.bind(self.endpoint)
+            except zmq.ZMQError as e:
+                raise ListenError(f"engine socket {self.endpoint}: {e}") from None
+
+    def _own(self, path: str) -> None:
+        """Take ``<path>.lock`` (flock, held for the life of the process) or refuse: a second
+        sidecar on the same engine socket would take it over silently and delete it when it
+        exits, leaving the first one unreachable but still reporting ready."""
+        lock = path + ".lock"
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.read(fd, 32).decode(errors="replace").strip() or "?"
+            os.close(fd)
+            raise ListenError(f"engine socket {path} belongs to a running sidecar (pid {holder}, "
+                              f"holding {lock}): stop it first, or give this one another "
+                              "--engine-socket") from None
+        os.ftruncate(fd, 0)
+        os.write(fd, f"{os.getpid()}\n".encode())
+        self._lock_fd = fd
+
+    def intact(self) -> tuple[bool, str]:
+        """Whether the socket file is still the one this process bound (else: "removed" or
+        "replaced"); a sidecar that listens on no file is always intact."""
+        if not self.path or not self._ino:
+            return True, ""
+        try:
+            ino = os.stat(self.path).st_ino
+        except FileNotFoundError:
+            return False, "removed"
+        return (True, "") if ino == self._ino else (False, "replaced")
+
+    def close(self) -> None:
+        self.sock.close(0)
+        if self.path:
+            unlink_if_same(self.path, self._ino)  # never a socket this process did not bind
+            self._ino = 0
+        if self._lock_fd >= 0:
+            os.close(self._lock_fd)  # (the lock file stays: unlinking it would race a successor)
+            self._lock_fd = -1
+
+    # ---------------------------------------------------------------- messages
+
+    def send(self, ident: bytes, msg: Any) -> None:
+        try:
+            self.sock.send_multipart([ident, encode(msg)], flags=zmq.NOBLOCK)
+        except zmq.Again:
+            log.warning("engine connection %r is not reading; dropped %s", ident, type(msg).__name__)
+
+    def _refuse(self, ident: bytes, code: ErrorCode, why: str) -> None:
+        self.observer.bad_message("engine")
+        self.send(ident, Error(code=code, message=why))
+
+    async def serve(self) -> None:
+        """Take messages until cancelled."""
+        while True:
+            frames = await self.sock.recv_multipart()
+            self.received_ns = time.monotonic_ns()
+            ident, body = frames[0], frames[-1]
+            if len(frames) != 2:
+                self._refuse(ident, ErrorCode.MALFORMED, "expected one frame")
+                continue
+            if len(body) > MAX_MESSAGE:
+                self._refuse(ident, ErrorCode.MALFORMED,
+                             f"message of {len(body)} bytes is too large (max {MAX_MESSAGE})")
+                continue
+            try:
+                msg = engine_request_decoder.decode(body)
+            except DECODE_ERRORS as e:
+                code = classify_bad_message(body)
+                log.warning("bad engine message (%s): %s", code, e)
+                self._refuse(ident, code, str(e))
+                continue
+            await self._dispatch(ident, msg)
+
+    async def _dispatch(self, ident: bytes, msg: Any) -> None:
+        handler = self._handlers.get(type(msg))
+        try:
+            if handler is None:
+                raise RequestError(ErrorCode.UNKNOWN_MESSAGE, f"{type(msg).__name__} is not handled here")
+            result = handler(ident, msg)
+            if result is not None:
+                await result
+        except RequestError as e:
+            self.send(ident, Error(code=e.code, message=e.reason, req_id=e.req_id))
+        except Exception as e:
+            log.exception("internal error handling %s", type(msg).__name__)
+            self.send(ident, Error(code=ErrorCode.INTERNAL, message=repr(e)))
