@@ -114,11 +114,20 @@ def raw_sweep(kind: str, sizes: list[int], repeats: int, *, device: str, mode: s
 # --------------------------------------------------------------------------- kvxfer through its sidecars
 
 
-def _kv_layout(nb: int, layout: str) -> Any:
+def _kv_layout(nb: int) -> Any:
     from kvxfer.testing.engine import make_layout
 
     return make_layout(layers=32, num_blocks=nb, block_size=16, heads=8, head_dim=128,
                        head_layout="NHD")
+
+
+def outer_regions(layout: Any) -> list[Any]:
+    """The regions of a block-outermost cache (as ``kvxfer.memory`` registers a host one)."""
+    from kvxfer.protocol import KVRegion
+
+    bl = layout.region_block_len
+    return [KVRegion(memory=0, offset=i * bl, block_len=bl, block_stride=layout.num_regions * bl)
+            for i in range(layout.num_regions)]
 
 
 class _OuterCudaKV:
@@ -146,15 +155,11 @@ class _OuterCudaKV:
 
     def register_message(self) -> Any:
         from kvxfer.memory import cuda_ipc_memory
-        from kvxfer.protocol import KVRegion, PoolMemory, RegisterKV
+        from kvxfer.protocol import PoolMemory, RegisterKV
 
-        lay = self.layout
-        bl = lay.region_block_len
         mem = (PoolMemory(pool=self.pool.id, size=self.nbytes) if self.pool is not None
                else cuda_ipc_memory(self.tensor))
-        regions = [KVRegion(memory=0, offset=i * bl, block_len=bl, block_stride=lay.num_regions * bl)
-                   for i in range(lay.num_regions)]
-        return RegisterKV(layout=lay, memory=[mem], regions=regions)
+        return RegisterKV(layout=self.layout, memory=[mem], regions=outer_regions(self.layout))
 
     def close(self) -> None:
         self.tensor = None
@@ -166,7 +171,7 @@ class _OuterCudaKV:
 def _engine(layout: str, nb: int, endpoint: str, seed: int, kind: str, device: str) -> Any:
     from kvxfer.testing.engine import SyntheticEngine
 
-    lay = _kv_layout(nb, layout)
+    lay = _kv_layout(nb)
     outer = layout == "BLNHC"
     if kind == "dram":
         return SyntheticEngine(lay, endpoint, seed=seed, block_outer=outer)

@@ -7,7 +7,7 @@ Stages, each its own process with its own deadline, each writing
 
 ==============  ==============================================================================
 env             machine facts, standard library only (``gpu_probe.env_basic``)
-install         ``.gpu-venv``: the image's torch + wheels from ``.gpu-wheels`` (``gpu_install``)
+install         ``.gpu-site``: what the image lacks, from ``.gpu-wheels`` (``gpu_install``)
 env-cuda        torch/CUDA/NIXL/UCX versions, pointer attributes of each pool kind (``gpu_probe``)
 tests-ipc       ``pytest tests/test_gpu.py -k ipc``
 tests-vmm       ``pytest tests/test_gpu.py -k vmm``
@@ -72,7 +72,7 @@ class Stage:
 STAGES = (
     Stage("env", 60, 5, "driver, CUDA, GPU, NVLink/P2P, ptrace_scope, PID namespace, IMEX, pidfd_getfd",
           gpu=False),
-    Stage("install", 300, 30, "the kit's venv from the image's torch and the carried wheels", gpu=False),
+    Stage("install", 300, 30, "what the image lacks, from the carried wheels, into .gpu-site", gpu=False),
     Stage("env-cuda", 120, 15, "torch/CUDA/NIXL/UCX versions; handle types of each pool kind"),
     Stage("tests-ipc", 300, 40, "pytest tests/test_gpu.py -k ipc"),
     Stage("tests-vmm", 300, 40, "pytest tests/test_gpu.py -k vmm"),
@@ -96,10 +96,11 @@ class Ctx:
     results: str
     dry: bool
     device: str
-    python: str  # the stages' interpreter (the kit's venv once installed)
+    python: str  # the stages' interpreter (this one: the image's, with its torch)
     force: bool
     hang: frozenset[str] = frozenset()
     fail: frozenset[str] = frozenset()
+    cuda_major: int | None = None
 
     def path(self, *p: str) -> str:
         return os.path.join(self.results, *p)
@@ -108,7 +109,8 @@ class Ctx:
 def _worker(ctx: Ctx, name: str) -> list[str]:
     cmd = [ctx.python, "-m", "kvxfer.testing.gpu_check", "--worker", name, "--result",
            ctx.path("stages", f"{name}.result.json"), "--device", ctx.device, "--results", ctx.results]
-    return cmd + (["--dry-run"] if ctx.dry else []) + (["--force"] if ctx.force else [])
+    return (cmd + (["--dry-run"] if ctx.dry else []) + (["--force"] if ctx.force else [])
+            + (["--cuda-major", str(ctx.cuda_major)] if ctx.cuda_major else []))
 
 
 HANG = """import subprocess, sys, time
@@ -251,8 +253,11 @@ def _kill_group(p: subprocess.Popen[bytes]) -> None:
 
 
 def stage_env(ctx: Ctx) -> dict[str, str]:
+    """The checkout and the kit's packages (``.gpu-site``, once installed) first on the path."""
+    from kvxfer.testing.gpu_install import pythonpath
+
     env = dict(os.environ)
-    env["PYTHONPATH"] = ctx.repo + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    env["PYTHONPATH"] = os.pathsep.join([*pythonpath(ctx.repo), *filter(None, [env.get("PYTHONPATH")])])
     env.setdefault("NIXL_LOG_LEVEL", "WARN")
     env.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
     env["PYTHONUNBUFFERED"] = "1"
@@ -334,15 +339,6 @@ def still_valid(ctx: Ctx, stage: Stage, state: dict[str, Any]) -> bool:
     return True
 
 
-def stages_python(ctx: Ctx, explicit: str | None) -> str:
-    if explicit:
-        return explicit
-    if not ctx.dry:
-        from kvxfer.testing.gpu_install import installed, venv_python
-
-        if installed(ctx.repo):
-            return venv_python(ctx.repo)
-    return sys.executable
 
 
 def gpu_seen(ctx: Ctx) -> tuple[bool, str]:
@@ -470,8 +466,8 @@ def run(args: argparse.Namespace) -> int:
                                                            else ".gpu-check"))
     os.makedirs(os.path.join(results, "stages"), exist_ok=True)
     os.makedirs(os.path.join(results, "logs"), exist_ok=True)
-    ctx = Ctx(repo, results, args.dry_run, args.device, sys.executable, args.force,
-              frozenset(args.inject_hang or ()), frozenset(args.inject_fail or ()))
+    ctx = Ctx(repo, results, args.dry_run, args.device, args.python or sys.executable, args.force,
+              frozenset(args.inject_hang or ()), frozenset(args.inject_fail or ()), args.cuda_major)
     if args.resume_from:
         print(f"resumed from {args.resume_from}: {resume_from(ctx, args.resume_from)}", flush=True)
     only = [s.strip() for s in args.only.split(",")] if args.only else [s.name for s in STAGES]
@@ -505,7 +501,6 @@ def run(args: argparse.Namespace) -> int:
             save_state(ctx, {**prev, "name": stage.name, "what": stage.what, "status": "pending",
                              "reason": f"left for the next call ({left:.0f} s of the budget were left)"})
             continue
-        ctx.python = stages_python(ctx, args.python)
         ok, why = (True, "") if not stage.gpu else gpu_seen(ctx)
         print(f"[gpu-check] {stage.name}: {stage.what} (deadline {min(left, stage.timeout_s):.0f} s)",
               flush=True)
@@ -577,7 +572,10 @@ def worker(args: argparse.Namespace) -> int:
 
 
 def _cuda_major(args: argparse.Namespace) -> int | None:
-    """torch's CUDA (its libraries are the ones NIXL loads), else the driver's (env stage)."""
+    """``--cuda-major``, else torch's CUDA (its libraries are the ones NIXL loads), else the
+    driver's (the env stage's)."""
+    if args.cuda_major:
+        return int(args.cuda_major)
     try:
         import torch
 
@@ -606,7 +604,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--force", action="store_true", help="run stages that are done again (and reinstall)")
     ap.add_argument("--dry-run", action="store_true", help="no GPU: DRAM and a fake driver stand in")
     ap.add_argument("--device", default="cuda:0")
-    ap.add_argument("--python", help="the stages' interpreter (default: the kit's venv once installed)")
+    ap.add_argument("--python", help="the stages' interpreter (default: this one)")
+    ap.add_argument("--cuda-major", type=int, help="install NIXL for this CUDA major (default: torch's)")
     ap.add_argument("--resume-from", help="an earlier call's results folder or gpu-check.tar.gz")
     ap.add_argument("--stage-timeout", action="append", metavar="STAGE=SECONDS",
                     help="a stage's own deadline instead of its default")

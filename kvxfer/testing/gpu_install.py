@@ -8,12 +8,15 @@ Two halves, standard library only:
   version) and slims NIXL's: its wheel carries ``nixl_ep_cuNN`` (expert-parallel kernels,
   ~28 MB compressed, never imported by ``nixl_cuNN``), dropped with its RECORD lines so that
   the folder fits the 64 MiB that travels with a device call.
-* ``install`` (the kit's ``install`` stage, on the GPU machine): a venv beside the image's
-  Python with ``--system-site-packages`` (its torch, built for its CUDA, is reused),
-  ``pip install --no-index --find-links .gpu-wheels`` of kvxfer's requirements (those the
-  image already satisfies are left alone), then kvxfer itself with ``--no-deps``, then an
-  import of everything the stages use and a NIXL agent with the UCX backend. What is missing
-  is named in the result, never guessed.
+* ``install`` (the kit's ``install`` stage, on the GPU machine): of kvxfer's requirements
+  (and its ``cu<major>`` extra), those the image's Python does not satisfy are taken from
+  ``.gpu-wheels`` (following those wheels' own requirements the same way) and installed with
+  ``pip install --no-index --no-deps --target .gpu-site``; every later stage runs in the
+  image's Python (its torch, built for its CUDA) with the checkout and ``.gpu-site`` first on
+  PYTHONPATH. (Not a venv: the image's ``python3`` is itself a venv, and a
+  ``--system-site-packages`` venv made from it would not see its torch.) Then every
+  requirement is checked and everything the stages use is imported, a NIXL agent with the
+  UCX backend created. What is missing is named in the result, never guessed.
 
 A dry run plans the install against the wheels folder and this interpreter's packages and
 runs nothing.
@@ -27,13 +30,14 @@ import importlib.metadata as md
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tomllib
 import zipfile
 from typing import Any
 
-VENV = ".gpu-venv"
+SITE = ".gpu-site"  # the kit's packages (pip --target), first on the stages' PYTHONPATH
 WHEELS = (".gpu-wheels", "shared/gpu-wheels")
 STAMP = ".gpu-check-installed"
 NIXL_VERSION = "1.5.1"
@@ -58,29 +62,55 @@ def _req_name(req: str) -> str:
     return _norm(re.split(r"[<>=!~;\[ ]", req, maxsplit=1)[0])
 
 
-def satisfied(req: str) -> bool | None:
-    """Whether this interpreter already has ``req`` (None: cannot tell without ``packaging``)."""
-    try:
-        have = md.version(_req_name(req))
-    except md.PackageNotFoundError:
-        return False
+def _requirement(req: str) -> Any:
     try:
         from packaging.requirements import Requirement
     except ImportError:
         return None
-    return Requirement(req).specifier.contains(have, prereleases=True)
+    return Requirement(req)
 
 
-def wheels_in(folder: str | None) -> list[dict[str, str]]:
+def applies(req: str) -> bool:
+    """Whether ``req``'s environment marker holds here (True without ``packaging``)."""
+    r = _requirement(req)
+    return r is None or r.marker is None or bool(r.marker.evaluate())
+
+
+def fits(req: str, version: str) -> bool:
+    r = _requirement(req)
+    return r is None or r.specifier.contains(version, prereleases=True)
+
+
+def satisfied(req: str) -> bool:
+    """Whether this interpreter already has ``req`` (any version, without ``packaging``)."""
+    try:
+        return fits(req, md.version(_req_name(req)))
+    except md.PackageNotFoundError:
+        return False
+
+
+def wheels_in(folder: str | None) -> list[dict[str, Any]]:
     if not folder or not os.path.isdir(folder):
         return []
     out = []
     for f in sorted(os.listdir(folder)):
         if f.endswith(".whl"):
-            parts = f[:-4].split("-")
-            out.append({"file": f, "name": _norm(parts[0]), "version": parts[1], "python": parts[-3],
-                        "bytes": os.path.getsize(os.path.join(folder, f))})
+            parts, path = f[:-4].split("-"), os.path.join(folder, f)
+            out.append({"file": f, "path": path, "name": _norm(parts[0]), "version": parts[1],
+                        "python": parts[-3], "abi": parts[-2], "bytes": os.path.getsize(path)})
     return out
+
+
+def wheel_requires(path: str) -> list[str]:
+    """A wheel's own requirements (Requires-Dist, extras left out)."""
+    try:
+        with zipfile.ZipFile(path) as z:
+            meta = next(n for n in z.namelist() if n.endswith(".dist-info/METADATA"))
+            text = z.read(meta).decode(errors="replace")
+    except (OSError, zipfile.BadZipFile, StopIteration):
+        return []
+    reqs = [ln.split(":", 1)[1].strip() for ln in text.splitlines() if ln.startswith("Requires-Dist:")]
+    return [r for r in reqs if "extra ==" not in r and "extra==" not in r]
 
 
 def find_wheels(repo: str) -> str | None:
@@ -91,14 +121,20 @@ def find_wheels(repo: str) -> str | None:
     return None
 
 
-def _py_ok(tag: str, py: str) -> bool:
-    """Whether a wheel's python tag (cp312, py3, cp310-abi3's cp310...) installs on ``py`` (e.g. "312")."""
-    return any(t in ("py3", f"cp{py}") or (t.startswith("cp3") and t[2:].isdigit() and int(t[2:]) <= int(py))
-               for t in tag.split("."))
+def _py_ok(wheel: dict[str, Any], py: str) -> bool:
+    """Whether a wheel installs on CPython ``py`` (e.g. "312"): ``py3``, ``cp312``, or an
+    ``abi3`` wheel of an older CPython."""
+    for t in wheel["python"].split("."):
+        if t in ("py3", f"cp{py}"):
+            return True
+        if wheel["abi"] == "abi3" and t.startswith("cp3") and t[2:].isdigit() and int(t[2:]) <= int(py):
+            return True
+    return False
 
 
 def plan(repo: str, major: int | None, wheels: str | None) -> dict[str, Any]:
-    """What the install needs and where each piece comes from: this interpreter, or a wheel."""
+    """What the install needs and where each piece comes from: this interpreter, or a wheel
+    (whose own requirements are followed the same way)."""
     py = f"{sys.version_info.major}{sys.version_info.minor}"
     present = wheels_in(wheels)
     out: dict[str, Any] = {"python": sys.executable, "python_tag": f"cp{py}", "cuda_major": major,
@@ -108,21 +144,34 @@ def plan(repo: str, major: int | None, wheels: str | None) -> dict[str, Any]:
         out["error"] = ("no CUDA version found (no torch CUDA build, no nvidia-smi): "
                         "cannot pick nixl-cu12/cu13; planned for 13")
         major = 13
-    reqs = requirements(repo, major)
-    rows, missing = [], []
-    for r in reqs:
+    todo = list(requirements(repo, major))
+    out["kvxfer_requirements"] = list(todo)
+    rows: list[dict[str, Any]] = []
+    chosen: list[dict[str, Any]] = []
+    seen: set[str] = set()
+    while todo:
+        r = todo.pop(0)
         name = _req_name(r)
-        ok = satisfied(r)
-        wheel = next((w["file"] for w in present if w["name"] == name and _py_ok(w["python"], py)), None)
-        src = "installed" if ok else "wheel" if wheel else "MISSING"
-        rows.append({"requirement": r, "have": _version(name), "source": src, "wheel": wheel})
-        if src == "MISSING":
-            missing.append(r)
+        if name in seen or not applies(r):
+            continue
+        seen.add(name)
+        wheel = next((w for w in present if w["name"] == name and _py_ok(w, py) and fits(r, w["version"])),
+                     None)
+        src = "installed" if satisfied(r) else "wheel" if wheel else "MISSING"
+        rows.append({"requirement": r, "have": _version(name), "source": src,
+                     "wheel": wheel and wheel["file"]})
+        if src == "wheel":
+            assert wheel is not None
+            chosen.append(wheel)
+            todo += wheel_requires(wheel["path"])
     out["requirements"] = rows
-    out["missing"] = missing
-    if missing:
-        out["advice"] = (f"bring wheels for {', '.join(missing)}: `make gpu-wheels GPU_CUDA={major}` on a "
-                         "machine that reaches PyPI, then carry .gpu-wheels")
+    out["install"] = [w["file"] for w in chosen]
+    out["install_paths"] = [w["path"] for w in chosen]
+    out["missing"] = [r["requirement"] for r in rows if r["source"] == "MISSING"]
+    if out["missing"]:
+        out["advice"] = (f"bring wheels for {', '.join(out['missing'])}: `make gpu-wheels GPU_CUDA={major}` "
+                         "on a machine that reaches PyPI (add what it lacks to gpu_install.wheel_specs), "
+                         "carry .gpu-wheels")
     return out
 
 
@@ -136,8 +185,17 @@ def _version(name: str) -> str:
 def _run(cmd: list[str], log: list[dict[str, Any]], timeout: float = 240,
          **kw: Any) -> subprocess.CompletedProcess[str]:
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, check=False, **kw)
-    log.append({"cmd": " ".join(cmd), "rc": p.returncode, "out": p.stdout[-1500:], "err": p.stderr[-3000:]})
+    log.append({"cmd": " ".join(cmd)[:2000], "rc": p.returncode, "out": p.stdout[-1500:],
+                "err": p.stderr[-3000:]})
     return p
+
+
+def _read(path: str) -> str | None:
+    try:
+        with open(path) as fh:
+            return fh.read()
+    except OSError:
+        return None
 
 
 def _stamp(repo: str, wheels: str | None) -> str:
@@ -149,28 +207,44 @@ def _stamp(repo: str, wheels: str | None) -> str:
     return h.hexdigest()[:16]
 
 
-def _read(path: str) -> str | None:
-    try:
-        with open(path) as fh:
-            return fh.read()
-    except OSError:
-        return None
-
-
-def venv_python(repo: str) -> str:
-    return os.path.join(repo, VENV, "bin", "python")
+def site_dir(repo: str) -> str:
+    return os.path.join(repo, SITE)
 
 
 def installed(repo: str) -> bool:
-    """Whether this machine has the kit's environment (a fresh machine has not)."""
-    return os.path.exists(os.path.join(repo, VENV, STAMP)) and os.path.exists(venv_python(repo))
+    """Whether this machine has the kit's packages (a fresh machine has not)."""
+    return os.path.exists(os.path.join(site_dir(repo), STAMP))
 
+
+def pythonpath(repo: str) -> list[str]:
+    """What the stages put first on ``sys.path``: the checkout, then the kit's packages."""
+    return [repo] + ([site_dir(repo)] if os.path.isdir(site_dir(repo)) else [])
+
+
+CHECK = """
+import importlib.metadata as md, json, sys
+from packaging.requirements import Requirement
+bad = []
+for r in json.loads(sys.argv[1]):
+    req = Requirement(r)
+    if req.marker is not None and not req.marker.evaluate():
+        continue
+    try:
+        v = md.version(req.name)
+    except md.PackageNotFoundError:
+        bad.append(f"{r}: not installed")
+        continue
+    if not req.specifier.contains(v, prereleases=True):
+        bad.append(f"{r}: {v} here")
+print(json.dumps(bad))
+"""
 
 SMOKE = """
 import importlib, json, os, sys
 os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
 out = {}
-for m in ("kvxfer.sidecar", "zmq", "msgspec", "uvloop", "grpc", "torch", "cuda.bindings.driver", "pytest"):
+for m in ("kvxfer.sidecar", "zmq", "msgspec", "uvloop", "grpc", "grpc_health.v1", "grpc_reflection.v1alpha",
+          "torch", "cuda.bindings.driver", "pytest"):
     try:
         importlib.import_module(m)
         out[m] = "ok"
@@ -187,71 +261,70 @@ print(json.dumps(out))
 """
 
 
+def _last_json(p: subprocess.CompletedProcess[str]) -> Any:
+    try:
+        return json.loads(p.stdout.strip().splitlines()[-1])
+    except (ValueError, IndexError):
+        return {"error": (p.stderr or p.stdout)[-2000:]}
+
+
 def install(repo: str, major: int | None, dry: bool, force: bool = False) -> dict[str, Any]:
-    """The ``install`` stage."""
+    """The ``install`` stage: the wheels the image does not satisfy, ``--no-deps`` into
+    ``.gpu-site`` (put on PYTHONPATH for every later stage; the image's ``python3`` may itself
+    be a venv, whose packages a new ``--system-site-packages`` venv would not see), then a
+    check of every requirement and an import of everything the stages use."""
     wheels = find_wheels(repo)
     out = plan(repo, major, wheels)
-    py = venv_python(repo)
+    site = site_dir(repo)
     steps: list[dict[str, Any]] = []
     out["steps"] = steps
     nixl = f"nixl-cu{out['cuda_major'] or 13}"
-    find = ["--no-index", "--find-links", wheels or os.path.join(repo, WHEELS[0]), "--no-cache-dir",
-            "--disable-pip-version-check", "-q"]
-    reqs = [r["requirement"] for r in out["requirements"]]
+    reqs = out["kvxfer_requirements"] + [r for p in out["install_paths"] for r in wheel_requires(p)]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([repo, site])}
     commands = [
-        [sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", os.path.join(repo, VENV)],
-        [py, "-m", "pip", "install", *find, *reqs],
-        [py, "-m", "pip", "install", "--no-index", "--no-deps", "--no-build-isolation", "-q", "-e", repo],
-        [py, "-c", SMOKE],
+        [sys.executable, "-m", "pip", "install", "--no-index", "--no-deps", "--no-compile",
+         "--disable-pip-version-check", "-q", "--target", site, *out["install_paths"]],
+        [sys.executable, "-c", CHECK, json.dumps(reqs)],
+        [sys.executable, "-c", SMOKE],
     ]
-    out["commands"] = [" ".join(c) for c in commands]
+    out["commands"] = [" ".join(c[:12]) + (" ..." if len(c) > 12 else "") for c in commands]
     if dry:
-        out.update(status="dry", venv=None,
-                   summary_lines=[f"  would install {nixl} and the rest into {VENV} (dry run: nothing run)",
-                                  f"  wheels: {wheels or 'none found'} ({len(out['wheels'])} files, "
-                                  f"{out['wheels_bytes'] / 2**20:.1f} MiB); "
-                                  f"missing: {out['missing'] or 'nothing'}",
-                                  *([f"  {out['error']}"] if out.get("error") else [])])
+        out.update(status="dry", summary_lines=[
+            f"  would install {len(out['install'])} wheels into {SITE} (dry run: nothing run): "
+            f"{', '.join(out['install']) or '-'}",
+            f"  wheels: {wheels or 'none found'} ({len(out['wheels'])} files, "
+            f"{out['wheels_bytes'] / 2**20:.1f} MiB); missing: {out['missing'] or 'nothing'}",
+            *([f"  {out['error']}"] if out.get("error") else [])])
         return out
     stamp = _stamp(repo, wheels)
-    stamp_path = os.path.join(repo, VENV, STAMP)
-    fresh = force or _read(stamp_path) != stamp
+    fresh = force or _read(os.path.join(site, STAMP)) != stamp
     if fresh:
-        if _run(commands[0], steps).returncode != 0:
-            return {**out, "status": "failed", "reason": "python -m venv failed", "venv": None}
-        p = _run(commands[1], steps)
-        if p.returncode != 0:
-            # (one missing requirement stops the resolver: install what is here one by one, say what is not)
-            out["resolver_error"] = p.stderr[-2000:]
-            out["missing_per_pip"] = re.findall(r"No matching distribution found for (\S+)", p.stderr)
-            if wheels:
-                for w in wheels_in(wheels):
-                    _run([py, "-m", "pip", "install", "--no-index", "--no-deps", "-q",
-                          os.path.join(wheels, w["file"])], steps)
-        editable = _run(commands[2], steps).returncode == 0
-        out["kvxfer_install"] = "editable" if editable else "PYTHONPATH (the editable install failed)"
-    smoke_p = _run(commands[3], steps, cwd=repo, env={**os.environ, "PYTHONPATH": repo})
-    try:
-        smoke = json.loads(smoke_p.stdout.strip().splitlines()[-1])
-    except (ValueError, IndexError):
-        smoke = {"error": smoke_p.stderr[-2000:]}
-    out["smoke"] = smoke
+        shutil.rmtree(site, ignore_errors=True)
+        os.makedirs(site)
+        if out["install_paths"] and _run(commands[0], steps).returncode != 0:
+            return {**out, "status": "failed", "reason": f"pip install --target {SITE} failed: "
+                    f"{steps[-1]['err'][-500:]}"}
+    unmet = _last_json(_run(commands[1], steps, env=env))
+    smoke = _last_json(_run(commands[2], steps, cwd=repo, env=env))
+    out["unmet"], out["smoke"] = unmet, smoke
     broken = {k: v for k, v in smoke.items() if v != "ok" and k != "nixl"}
-    out["venv_packages"] = json.loads(_run([py, "-c", "import json; from kvxfer.testing.gpu_probe import "
-                                            "versions; print(json.dumps(versions()))"], [], cwd=repo,
-                                           env={**os.environ, "PYTHONPATH": repo}).stdout or "{}")
-    if broken:
-        out.update(status="failed", reason="; ".join(f"{k}: {v}" for k, v in broken.items())[:1000], venv=py)
+    show = "import json; from kvxfer.testing.gpu_probe import versions; print(json.dumps(versions()))"
+    out["packages"] = _last_json(_run([sys.executable, "-c", show], [], cwd=repo, env=env))
+    if broken or unmet:
+        why = [*(unmet if isinstance(unmet, list) else [str(unmet)]),
+               *(f"{k}: {v}" for k, v in broken.items())]
+        out.update(status="failed", reason="; ".join(why)[:1000])
     else:
-        with open(stamp_path, "w") as fh:
+        with open(os.path.join(site, STAMP), "w") as fh:
             fh.write(stamp)
-        out.update(status="ok", venv=py)
-    vp = out["venv_packages"]
+        out.update(status="ok")
+    vp = out["packages"] if isinstance(out["packages"], dict) else {}
     out["summary_lines"] = [
-        f"  {'installed' if fresh else 'already installed'}: {VENV} ({out.get('kvxfer_install', 'kept')}); "
+        f"  {'installed' if fresh else 'already there'}: {len(out['install'])} wheels into {SITE}; "
         f"NIXL {smoke.get('nixl', '?')} {vp.get(nixl, '-')}, pyzmq {vp.get('pyzmq', '-')}, "
-        f"msgspec {vp.get('msgspec', '-')}, cuda-bindings {vp.get('cuda-bindings', '-')}",
-        f"  missing: {out['missing'] or out.get('missing_per_pip') or 'nothing'}; smoke: "
+        f"msgspec {vp.get('msgspec', '-')}, grpcio {vp.get('grpcio', '-')}, "
+        f"protobuf {vp.get('protobuf', '-')}, cuda-bindings {vp.get('cuda-bindings', '-')}",
+        f"  missing: {out['missing'] or 'nothing'}; unmet: {unmet or 'nothing'}; smoke: "
         + ("all imports ok, UCX backend ok" if not broken else json.dumps(broken)[:300]),
     ]
     return out

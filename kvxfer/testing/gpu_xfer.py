@@ -472,7 +472,8 @@ def _serve(spec: Spec, conn: Any, tensor: Any = None) -> None:
                 conn.send(("err", f"{type(e).__name__}: {e}", traceback.format_exc()[-2000:]))
     finally:
         w.close()
-        conn.send(("ok", None))
+        with contextlib.suppress(OSError):  # (the driver may be gone already)
+            conn.send(("ok", None))
 
 
 class WorkerError(RuntimeError):
