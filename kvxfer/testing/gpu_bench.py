@@ -309,23 +309,34 @@ def stage_bench(kind: str, dry: bool, device: str, emit: Callable[[dict[str, Any
         res["stand_in"] = ("host memory (dry run: no GPU here): raw NIXL on torch tensors, kvxfer on its "
                            "shared host memory; the GPU kinds run the same code on VRAM")
 
-    def publish(part: dict[str, Any] | None = None) -> None:
-        res["rows"] = _bench_rows(res.get("raw", {}), res.get("kvxfer", []))
+    res["raw"], res["kvxfer"] = {}, []
+
+    def publish() -> None:  # what there is so far (a stage killed at its deadline leaves it)
+        res["rows"] = _bench_rows(res["raw"], res["kvxfer"])
         emit(res)
 
+    def raw_progress(r: dict[str, Any]) -> None:
+        res["raw"] = r
+        publish()
+
     try:
-        res["raw"] = raw_sweep(raw_mem, sizes, repeats, device=device,
-                               emit=lambda r: (res.__setitem__("raw", r), publish()))
+        res["raw"] = raw_sweep(raw_mem, sizes, repeats, device=device, emit=raw_progress)
     except Unavailable as e:
         return {"status": "unavailable", "reason": str(e), "kind": kind}
-    res["kvxfer"] = []
+    except Exception as e:  # (kvxfer's numbers are still worth having)
+        res["raw"]["error"] = f"{type(e).__name__}: {e}"[:3000]
     for layout in LAYOUTS:
+        cur: dict[str, Any] = {"layout": layout, "rows": []}
+        res["kvxfer"].append(cur)
+
+        def progress(r: dict[str, Any], cur: dict[str, Any] = cur) -> None:
+            cur.update(r)
+            publish()
+
         try:
-            k = kvxfer_sweep(kx_mem, layout, sizes, repeats, device=device,
-                             emit=lambda r: publish())
+            cur.update(kvxfer_sweep(kx_mem, layout, sizes, repeats, device=device, emit=progress))
         except Exception as e:  # one layout failing still leaves the other's numbers
-            k = {"layout": layout, "error": f"{type(e).__name__}: {e}"[:3000], "rows": []}
-        res["kvxfer"].append(k)
+            cur["error"] = f"{type(e).__name__}: {e}"[:3000]
         publish()
     rows = res["rows"] = _bench_rows(res["raw"], res["kvxfer"])
     res["per_descriptor_cost_dominates"] = descriptor_cost_dominates(rows)
@@ -333,6 +344,8 @@ def stage_bench(kind: str, dry: bool, device: str, emit: Callable[[dict[str, Any
              **{f"kvxfer_{k['layout']}": k.get("first_transfer_ms") for k in res["kvxfer"]}}
     res["first_transfer_ms"] = first
     errors = [f"kvxfer {k['layout']}: {k['error'][:300]}" for k in res["kvxfer"] if k.get("error")]
+    if res["raw"].get("error"):
+        errors.insert(0, f"raw NIXL: {res['raw']['error'][:300]}")
     lines = [f"  memory {raw_mem}: " + json.dumps(res["raw"].get("memory", {}))[:300], *table_lines(rows),
              "  first transfer ms (cold/warm): " + ", ".join(
                  f"{k} {v['cold']}/{v['warm']}" for k, v in first.items() if v),

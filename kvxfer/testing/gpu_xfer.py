@@ -25,8 +25,9 @@ What never runs here: anything without a deadline. Every call to a worker proces
 timeout and every transfer a deadline, so a stuck UCX lane is an error with a message,
 not a hang.
 
-Written on a machine without a GPU: only the ``dram`` kind and the fake-driver checks have
-run (``tests/test_gpu_check.py``); the GPU kinds wait for their first GPU.
+Written on a machine without a GPU: only the ``dram`` and ``torch_cpu`` kinds and the
+fake-driver checks have run (``tests/test_gpu_check.py``); the GPU kinds wait for their
+first GPU.
 """
 
 from __future__ import annotations
