@@ -224,8 +224,9 @@ def kvxfer_sweep(kind: str, layout: str, sizes: list[int], repeats: int, *, devi
                 got = d.client.wait_until(lambda a: bool(a.done or a.failed), XFER_TIMEOUT_S)
                 took = time.perf_counter() - t0
                 if got.failed or not got.done:
-                    fl = got.failed[0] if got.failed else None
-                    raise RuntimeError(f"kvxfer read {name} failed: {fl and (fl.code, fl.reason)}\n"
+                    why = (f"failed: {got.failed[0].code} {got.failed[0].reason}" if got.failed
+                           else f"no Done in {XFER_TIMEOUT_S:.0f} s")
+                    raise RuntimeError(f"kvxfer read {name} ({len(s)} blocks) {why}\n"
                                        f"decode sidecar log: {ds.log()[-1500:]}")
                 bad = verify(dst, 1, s, dd, nb, layout)
                 if bad:
@@ -301,7 +302,7 @@ def stage_bench(kind: str, dry: bool, device: str, emit: Callable[[dict[str, Any
     if dry and kind != "ipc":
         return _dry_vmm(kind)
     raw_mem, kx_mem = ("torch_cpu", "dram") if dry else (kind, kind)
-    sizes = [1, 2] if dry else [1, 4, 16, 64, 256, 512]
+    sizes = [1] if dry else [1, 4, 16, 64, 256, 512]
     repeats = 1 if dry else 3
     res: dict[str, Any] = {"kind": kind, "memory": raw_mem, "sizes_mib": [n * 2 for n in sizes],
                            "repeats": repeats}
@@ -389,7 +390,7 @@ def stage_knobs(dry: bool, device: str, emit: Callable[[dict[str, Any]], None]) 
     cache off), kvxfer and raw NIXL, 32 KiB descriptors, 32 MiB and 512 MiB."""
     kinds = ["dram"] if dry else ["ipc", "vmm_fd"]
     knobs = KNOBS[:2] if dry else KNOBS
-    sizes = [2] if dry else [16, 256]
+    sizes = [1] if dry else [16, 256]
     repeats = 1 if dry else 3
     res: dict[str, Any] = {"kinds": kinds, "sizes_mib": [n * 2 for n in sizes], "cells": []}
     if dry:

@@ -576,6 +576,8 @@ def _cuda_major(args: argparse.Namespace) -> int | None:
     driver's (the env stage's)."""
     if args.cuda_major:
         return int(args.cuda_major)
+    if args.dry_run:
+        return 13  # (no GPU to detect; the plan is the same code)
     try:
         import torch
 

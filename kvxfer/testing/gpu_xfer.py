@@ -315,7 +315,8 @@ class _Worker:
         self.s = spec
         nbytes = spec.nb * BLOCK
         self.mem = alloc(spec.kind, nbytes, spec.device, tensor)
-        own = {"dram": "dram", "torch_cpu": "torch_cpu"}.get(spec.kind, "ipc")  # (staging, copy source)
+        # staging: the sidecar's own cudaMalloc memory whatever the pool kind (it allocates that itself)
+        own = {"dram": "dram", "torch_cpu": "torch_cpu"}.get(spec.kind, "ipc")
         self.stage = alloc(own, spec.stage_blocks * BLOCK, spec.device) if spec.stage_blocks else None
         self.copy_src: Mem | None = None
         self.agent = make_agent(f"gc-{spec.role}", spec.mode, spec.threads)
