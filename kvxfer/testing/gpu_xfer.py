@@ -255,7 +255,7 @@ def nixl_module() -> Any:
 
 
 def make_agent(name: str, mode: str, threads: int) -> Any:
-    """An agent configured as kvxfer's sidecars configure theirs (``kvxfer.transfer``)."""
+    """An agent configured as kvxfer's sidecars configure theirs (``kvxfer.sidecar.nixl_agent``)."""
     nixl = nixl_module()
     sync = getattr(nixl, "nixl_thread_sync_t", None)
     extra = {"sync_mode": sync.NIXL_THREAD_SYNC_STRICT} if sync is not None else {}
