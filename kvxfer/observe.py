@@ -57,7 +57,18 @@ class Observer:
     def __init__(self) -> None:
         self.totals = Totals()
         self.registry = CollectorRegistry()
-        r = self.registry
+        self._engines_of: dict[str, str] = {}  # reading agent -> its engine id (from its handshake)
+        self._subscribers: list[tuple[asyncio.Queue[Event], frozenset[str]]] = []
+        # declared in this order, the order /metrics lists them in
+        self._declare_transfer_metrics(self.registry)
+        self._declare_lease_and_peer_metrics(self.registry)
+        self._declare_integrity_metrics(self.registry)
+        self._declare_state_gauges(self.registry)
+        self._declare_serving_metrics(self.registry)
+        self._declare_resource_gauges(self.registry)
+
+    def _declare_transfer_metrics(self, r: CollectorRegistry) -> None:
+        """Receives: how long, how many bytes and descriptors, by result."""
         self.m_duration = Histogram("kvxfer_transfer_duration_seconds",
                                     "Duration of one receive (NIXL READs of a request on one rank).",
                                     buckets=TIME_BUCKETS, registry=r)
@@ -70,6 +81,9 @@ class Observer:
         self.m_failures = Counter("kvxfer_transfer_failures", "Failed receives, by reason code.",
                                   ["reason"], registry=r)
         self.m_bytes_total = Counter("kvxfer_transferred_bytes", "Bytes received over NIXL.", registry=r)
+
+    def _declare_lease_and_peer_metrics(self, r: CollectorRegistry) -> None:
+        """Leases, handshakes and the messages refused or unmatched."""
         self.m_leases = Counter("kvxfer_leases_released", "Prefill holds released, by reason.",
                                 ["reason"], registry=r)
         self.m_expired = Counter("kvxfer_leases_expired", "Prefill holds whose lease ran out.", registry=r)
@@ -82,6 +96,9 @@ class Observer:
         self.m_stray = Counter("kvxfer_stray_notices", "Read notices from peers that match no held "
                                "lease, by kind: expired_lease (a read started after the lease "
                                "ran out), unknown, malformed.", ["kind"], registry=r)
+
+    def _declare_integrity_metrics(self, r: CollectorRegistry) -> None:
+        """Sampled integrity checks (--verify-sample)."""
         self.m_integrity = Counter("kvxfer_integrity_checks", "Sampled receives whose bytes were "
                                    "digested on both sides (--verify-sample), by result: ok, "
                                    "mismatch, unverified (no answer from the prefill).", ["result"],
@@ -90,6 +107,9 @@ class Observer:
                                             "differed from the prefill's; the load failed.", registry=r)
         self.m_integrity_s = Histogram("kvxfer_integrity_check_seconds", "Time to digest and compare "
                                        "one sampled receive (both sides).", buckets=TIME_BUCKETS, registry=r)
+
+    def _declare_state_gauges(self, r: CollectorRegistry) -> None:
+        """What is in flight, held and up now, and the build (always 1)."""
         self.g_inflight = Gauge("kvxfer_inflight_transfers", "Receives in flight (handshake or reading).",
                                 registry=r)
         self.g_inflight_bytes = Gauge("kvxfer_inflight_bytes", "Bytes of receives in flight.", registry=r)
@@ -100,9 +120,11 @@ class Observer:
                              "protocol, NIXL, UCX and Python versions.",
                              ["version", "protocol", "nixl", "ucx", "python"], registry=r)
         self.g_build.labels(**build_info()).set(1)
+
+    def _declare_serving_metrics(self, r: CollectorRegistry) -> None:
+        """Control RPCs refused, and what peers read from or asked of this sidecar."""
         self.m_denied = Counter("kvxfer_control_denied", "Control RPCs refused, by method and status.",
                                 ["method", "code"], registry=r)
-        self._engines_of: dict[str, str] = {}  # reading agent -> its engine id (from its handshake)
         self.m_served_reads = Counter("kvxfer_served_reads", "Reads peers finished from blocks this "
                                       "sidecar held, by the reading engine (one per reading rank).",
                                       ["peer"], registry=r)
@@ -116,6 +138,9 @@ class Observer:
                                       "(read notices, renewals, digests), by message and reason: "
                                       "bad_token, unauthenticated, capped (a duration cut to the "
                                       "sidecar's maximum).", ["message", "reason"], registry=r)
+
+    def _declare_resource_gauges(self, r: CollectorRegistry) -> None:
+        """The sidecar's exposure, NIXL descriptor lists, ranks and pools."""
         self.g_insecure = Gauge("kvxfer_insecure", "1 when the handshake listener is reachable beyond "
                                 "loopback without a shared secret (--insecure).", registry=r)
         self.g_dlists = Gauge("kvxfer_descriptor_lists_prepared", "NIXL descriptor-list pairs this "
@@ -132,7 +157,6 @@ class Observer:
                              "channel).", registry=r)
         self.g_pool_bytes = Gauge("kvxfer_pool_bytes", "Bytes of the KV pools this sidecar holds for "
                                   "its engines (memory channel).", registry=r)
-        self._subscribers: list[tuple[asyncio.Queue[Event], frozenset[str]]] = []
 
     # ---------------------------------------------------------------- events
 

@@ -22,7 +22,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 LAYERS: list[tuple[str, list[str]]] = [
     ("base: wire protocol, errors, configuration", [
-        "kvxfer", "kvxfer.protocol", "kvxfer.errors", "kvxfer.config", "kvxfer.targets", "kvxfer.logs",
+        "kvxfer", "kvxfer.protocol*", "kvxfer.errors", "kvxfer.config", "kvxfer.targets", "kvxfer.logs",
         "kvxfer.control.v1*",
     ]),
     ("pure logic: no asyncio, sockets, NIXL or threads", [

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from kvxfer.errors import ErrorCode, RequestError
@@ -147,6 +147,119 @@ class Placement:
     total_layers: int = 0
 
 
+class _Memories:
+    """The memories a rank's tensors live in, each listed once, in the order first met."""
+
+    def __init__(self, memory_of: MemoryOf) -> None:
+        self.memory_of = memory_of
+        self.refs: list[MemoryRef] = []
+        self._index: dict[object, int] = {}
+
+    def locate(self, t: Any) -> tuple[int, int]:
+        """(index into ``refs`` of the memory ``t`` lives in, ``t``'s byte offset in it)."""
+        ref, key, base = self.memory_of(t)
+        if key not in self._index:
+            self._index[key] = len(self.refs)
+            self.refs.append(ref)
+        return self._index[key], base
+
+
+@dataclass
+class _Found:
+    """What a rank's tensors say, before one geometry is settled for all of them."""
+
+    regions: list[KVRegion] = field(default_factory=list)  # attention regions
+    geoms: set[tuple[int, str, int]] = field(default_factory=set)  # (kv_parts, head_layout, content)
+    dtypes: set[str] = field(default_factory=set)
+    layers: int = 0  # distinct attention tensors
+    state_regions: list[KVRegion] = field(default_factory=list)
+    state_lens: set[int] = field(default_factory=set)
+    shared: int = 0  # layers (attention or state) whose tensor another layer already registered
+
+
+def _find_attention(found: _Found, kv_caches: dict[str, Any], memories: _Memories, num_blocks: int,
+                    block_size: int, local_kv_heads: int, mla: bool) -> None:
+    seen: set[tuple[Any, ...]] = set()
+    for name, t in kv_caches.items():
+        # A tensor several layers share (vLLM's hybrid KV cache: one layer of each group per
+        # tensor; cross-layer KV sharing) is one region: block b of it is whichever layer's
+        # group holds b, and moving it once moves that.
+        view = (t.data_ptr(), tuple(t.shape), tuple(t.stride()), str(t.dtype))
+        if view in seen:
+            found.shared += 1
+            continue
+        seen.add(view)
+        mem, base = memories.locate(t)
+        g = _layer_geometry(name, t, num_blocks, block_size, local_kv_heads, mla)
+        found.geoms.add((g.kv_parts, g.head_layout, g.content))
+        found.dtypes.add(str(t.dtype).removeprefix("torch."))
+        found.regions += [
+            KVRegion(memory=mem, offset=base + off, block_len=blen, block_stride=bstride)
+            for off, blen, bstride in g.regions
+        ]
+    found.layers = len(seen)
+
+
+def _find_state(found: _Found, state: dict[str, Any], memories: _Memories, num_blocks: int) -> None:
+    state_seen: set[tuple[Any, ...]] = set()
+    for name, views in state.items():
+        first, nbytes, stride = _state_region(name, views, num_blocks)
+        key_view = (first.data_ptr(), nbytes, stride)
+        if key_view in state_seen:
+            found.shared += 1
+            continue
+        state_seen.add(key_view)
+        mem, base = memories.locate(first)
+        found.state_lens.add(nbytes)
+        found.state_regions.append(KVRegion(memory=mem, offset=base, block_len=nbytes, block_stride=stride))
+
+
+def _check_state(found: _Found, place: Placement) -> bool:
+    """Refuse what state layers cannot do; True when there are state layers only (then the
+    attention geometry is a placeholder: no KV heads, one int8 element)."""
+    if len(found.state_lens) > 1:
+        raise RequestError(ErrorCode.INVALID_LAYOUT, f"state layers of different sizes "
+                           f"{sorted(found.state_lens)} (one state geometry per model is supported)")
+    if found.state_regions and place.pp_size > 1:
+        raise RequestError(ErrorCode.INVALID_LAYOUT, "state layers (Mamba/linear attention) with pipeline "
+                           "parallelism are not supported")
+    if found.layers:
+        return False
+    if not found.state_regions:
+        raise RequestError(ErrorCode.INVALID_LAYOUT, "no KV cache or state layers to register")
+    found.geoms.add((2, "NHD", 1))
+    found.dtypes.add("int8")
+    return True
+
+
+def _settle_geometry(found: _Found, place: Placement, head_dim: int, mla: bool,
+                     fused: str) -> tuple[int, str, str]:
+    """The one (kv_parts, head_layout, fusion) every layer shares, checked against ``head_dim``."""
+    if len(found.geoms) != 1 or len(found.dtypes) != 1:
+        raise RequestError(ErrorCode.INVALID_LAYOUT,
+                           f"layers disagree on K/V split, layout or dtype: {found.geoms} {found.dtypes}")
+    if found.shared and place.pp_size > 1:
+        raise RequestError(ErrorCode.INVALID_LAYOUT, f"{found.shared} layers share KV tensors with others "
+                           "(a hybrid model): not supported with pipeline parallelism yet")
+    kv_parts, head_layout, content = found.geoms.pop()
+    fusion = ""
+    if kv_parts == 1 and not mla:
+        if fused not in ("kv_content", "kv_per_head"):
+            raise RequestError(ErrorCode.INVALID_LAYOUT, f"unknown K/V fusion {fused!r}")
+        if content != 2 * head_dim:
+            raise RequestError(
+                ErrorCode.INVALID_LAYOUT,
+                f"a block without a K/V dimension must hold K and V in a 2 x {head_dim} content "
+                f"dimension, found {content}",
+            )
+        fusion = fused
+        if fused == "kv_per_head":
+            head_layout = "HND"  # heads outermost; tokens are opaque inside a head
+    elif content != head_dim and found.layers:
+        raise RequestError(ErrorCode.INVALID_LAYOUT, f"content dimension {content} != head_dim {head_dim}")
+    return kv_parts, head_layout, fusion
+
+
 def registration_from_tensors(
     kv_caches: dict[str, Any],
     *,
@@ -172,95 +285,22 @@ def registration_from_tensors(
     region per layer (``state_kind`` says what they hold, for status and errors); a model of
     state layers only has no ``kv_caches``."""
     place = place or Placement()
-    memory: list[MemoryRef] = []
-    index: dict[object, int] = {}
-    regions: list[KVRegion] = []
-    geoms: set[tuple[int, str, int]] = set()
-    dtypes: set[str] = set()
-    seen: set[tuple[Any, ...]] = set()
-    shared = 0
-
-    def locate(t: Any) -> tuple[int, int]:
-        """(index into ``memory`` of the memory ``t`` lives in, ``t``'s byte offset in it)."""
-        ref, key, base = memory_of(t)
-        if key not in index:
-            index[key] = len(memory)
-            memory.append(ref)
-        return index[key], base
-
-    for name, t in kv_caches.items():
-        # A tensor several layers share (vLLM's hybrid KV cache: one layer of each group per
-        # tensor; cross-layer KV sharing) is one region: block b of it is whichever layer's
-        # group holds b, and moving it once moves that.
-        view = (t.data_ptr(), tuple(t.shape), tuple(t.stride()), str(t.dtype))
-        if view in seen:
-            shared += 1
-            continue
-        seen.add(view)
-        mem, base = locate(t)
-        g = _layer_geometry(name, t, num_blocks, block_size, 1 if mla else local_kv_heads, mla)
-        geoms.add((g.kv_parts, g.head_layout, g.content))
-        dtypes.add(str(t.dtype).removeprefix("torch."))
-        regions += [
-            KVRegion(memory=mem, offset=base + off, block_len=blen, block_stride=bstride)
-            for off, blen, bstride in g.regions
-        ]
-    state_regions: list[KVRegion] = []
-    state_lens: set[int] = set()
-    state_seen: set[tuple[Any, ...]] = set()
-    for name, views in (state or {}).items():
-        first, nbytes, stride = _state_region(name, views, num_blocks)
-        key_view = (first.data_ptr(), nbytes, stride)
-        if key_view in state_seen:
-            shared += 1
-            continue
-        state_seen.add(key_view)
-        mem, base = locate(first)
-        state_lens.add(nbytes)
-        state_regions.append(KVRegion(memory=mem, offset=base, block_len=nbytes, block_stride=stride))
-    if len(state_lens) > 1:
-        raise RequestError(ErrorCode.INVALID_LAYOUT, f"state layers of different sizes {sorted(state_lens)} "
-                           "(one state geometry per model is supported)")
-    if state_regions and place.pp_size > 1:
-        raise RequestError(ErrorCode.INVALID_LAYOUT, "state layers (Mamba/linear attention) with pipeline "
-                           "parallelism are not supported")
-    if not seen:  # state layers only: no attention geometry
-        if not state_regions:
-            raise RequestError(ErrorCode.INVALID_LAYOUT, "no KV cache or state layers to register")
-        geoms.add((2, "NHD", 1))
-        dtypes.add("int8")
+    memories = _Memories(memory_of)
+    found = _Found()
+    _find_attention(found, kv_caches, memories, num_blocks, block_size, 1 if mla else local_kv_heads, mla)
+    _find_state(found, state or {}, memories, num_blocks)
+    if _check_state(found, place):  # state layers only: no attention geometry
         head_dim = num_kv_heads = local_kv_heads = 1
         mla = False
-    if len(geoms) != 1 or len(dtypes) != 1:
-        raise RequestError(ErrorCode.INVALID_LAYOUT,
-                           f"layers disagree on K/V split, layout or dtype: {geoms} {dtypes}")
-    if shared and place.pp_size > 1:
-        raise RequestError(ErrorCode.INVALID_LAYOUT, f"{shared} layers share KV tensors with others "
-                           "(a hybrid model): not supported with pipeline parallelism yet")
-    kv_parts, head_layout, content = geoms.pop()
-    fusion = ""
-    if kv_parts == 1 and not mla:
-        if fused not in ("kv_content", "kv_per_head"):
-            raise RequestError(ErrorCode.INVALID_LAYOUT, f"unknown K/V fusion {fused!r}")
-        if content != 2 * head_dim:
-            raise RequestError(
-                ErrorCode.INVALID_LAYOUT,
-                f"a block without a K/V dimension must hold K and V in a 2 x {head_dim} content "
-                f"dimension, found {content}",
-            )
-        fusion = fused
-        if fused == "kv_per_head":
-            head_layout = "HND"  # heads outermost; tokens are opaque inside a head
-    elif content != head_dim and seen:
-        raise RequestError(ErrorCode.INVALID_LAYOUT, f"content dimension {content} != head_dim {head_dim}")
+    kv_parts, head_layout, fusion = _settle_geometry(found, place, head_dim, mla, fused)
     layout = KVLayout(
-        num_layers=len(seen),
+        num_layers=found.layers,
         num_blocks=num_blocks,
         block_size=block_size,
         num_kv_heads=num_kv_heads,
         local_kv_heads=local_kv_heads,
         head_dim=head_dim,
-        dtype=dtypes.pop(),
+        dtype=found.dtypes.pop(),
         kv_parts=kv_parts,
         mla=mla,
         head_layout=head_layout,  # type: ignore[arg-type]
@@ -272,10 +312,10 @@ def registration_from_tensors(
         pp_size=place.pp_size,
         first_layer=place.first_layer,
         total_layers=place.total_layers if place.pp_size > 1 else 0,
-        state_regions=len(state_regions),
-        state_bytes=state_lens.pop() if state_lens else 0,
-        state_kind=state_kind if state_regions else "",
+        state_regions=len(found.state_regions),
+        state_bytes=found.state_lens.pop() if found.state_lens else 0,
+        state_kind=state_kind if found.state_regions else "",
     )
-    return RegisterKV(layout=layout, memory=memory, regions=regions + state_regions,
+    return RegisterKV(layout=layout, memory=memories.refs, regions=found.regions + found.state_regions,
                       engine_id=place.engine_id,
                       dp_rank=place.dp_rank)

@@ -328,7 +328,7 @@ def pair(text: str, kind: type = int) -> tuple[Any, Any]:
     return kind(lo), kind(hi or lo)
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="bench-vllm", description=__doc__.split("\n\n")[0])
     ap.add_argument("--rates", default="1,2,4,8,16", help="offered request rates (req/s), comma-separated")
     ap.add_argument("--requests", type=int, default=24, help="requests per rate and round")
@@ -340,6 +340,72 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=7)
     ap.add_argument("--plot", default="", help="write TTFT and CPU vs rate to this PNG")
     ap.add_argument("--json", action="store_true", help="last line: one JSON object")
+    return ap
+
+
+def _run_system(work: str, rnd: int, system: str, rates: list[float], args: argparse.Namespace,
+                prompt_tokens: tuple[int, int], out_tokens: tuple[int, int]) -> list[Run]:
+    """One system alone in one round: its servers started, warmed up, driven at every rate,
+    stopped."""
+    runs: list[Run] = []
+    servers = ("baseline",) if system == "one-engine" else ("prefill", "decode")
+    pl = Pipeline(os.path.join(work, f"{system}-{rnd}"), max_model_len=MAX_MODEL_LEN,
+                  connector="nixl" if system == "nixl" else "kvxfer", servers=servers,
+                  max_position_embeddings=MAX_MODEL_LEN)
+    try:
+        t = time.monotonic()
+        pl.start()
+        print(f"  round {rnd} {system}: servers ready in {time.monotonic() - t:.0f} s", flush=True)
+        for k in range(2):  # warm-up, not measured (first handshake, first batch shapes)
+            one_request(pl, system, Req(-1, prompt(200 + k, 4242 + k), 0.0, 4), time.perf_counter(),
+                        Result())
+        for i, rate in enumerate(rates):
+            seed = args.seed * 100 + rnd * 10 + i
+            reqs = requests_for(rate, args.requests, seed, prompt_tokens, args.shared_prefix,
+                                out_tokens, rid0=(rnd * 100 + i) * 1000)
+            run = drive(pl, system, rate, reqs)
+            runs.append(run)
+            s = summarise(run)
+            print(f"    {rate:>5.2f} req/s: TTFT p50 {s['ttft_p50_ms']} ms p99 {s['ttft_p99_ms']} "
+                  f"ms, TPOT {s['tpot_ms']} ms, {s['req_per_s']} req/s done, KV "
+                  f"{s['kv_mb_per_request']} MB/req, decode prompt tokens "
+                  f"{s['decode_prompt_tokens']}, "
+                  f"CPU {s['cpu_s_per_request']} s/req, {s['errors']} errors", flush=True)
+    finally:
+        pl.close()
+    return runs
+
+
+def _compare_tokens(runs: list[Run]) -> tuple[dict[int, dict[str, str]], list[int], list[str]]:
+    """Every request's tokens identical across the systems: (each request's tokens by system,
+    the requests whose tokens differ, the problems: failed requests, then the first mismatches)."""
+    problems: list[str] = []
+    by_rid: dict[int, dict[str, str]] = {}
+    for run in runs:
+        for rid, r in run.results.items():
+            if r.error:
+                problems.append(f"{run.system} request {rid}: {r.error}")
+            else:
+                by_rid.setdefault(rid, {})[run.system] = r.tokens
+    mismatched = [rid for rid, got in by_rid.items() if len(set(got.values())) > 1]
+    problems += [f"request {rid}: tokens differ across systems" for rid in mismatched[:10]]
+    return by_rid, mismatched, problems
+
+
+def _print_summary(summary: dict[str, dict[str, dict[str, Any]]], rounds: int, setup: str) -> None:
+    print(f"\nmedian over {rounds} rounds ({setup}):")
+    print(f"  {'system':>18} {'rate':>6} {'TTFT p50':>9} {'TTFT p99':>9} {'TPOT':>7} {'done':>7} "
+          f"{'KV/req':>8}  CPU s/req (by process group)")
+    for system, by_rate in summary.items():
+        for rate, row in by_rate.items():
+            groups = ", ".join(f"{g} {v}" for g, v in row["cpu_s_per_request_by_group"].items())
+            print(f"  {LABELS[system]:>18} {float(rate):>6.2f} {row['ttft_p50_ms']:>6.1f} ms "
+                  f"{row['ttft_p99_ms']:>6.1f} ms {row['tpot_ms']:>4.2f} ms {row['req_per_s']:>5.2f}/s "
+                  f"{row['kv_mb_per_request']:>5.2f} MB  {row['cpu_s_per_request']:.3f} ({groups})")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = _parser()
     args = ap.parse_args(argv)
     rates = [float(r) for r in args.rates.split(",")]
     prompt_tokens, out_tokens = pair(args.prompt_tokens), pair(args.output_tokens)
@@ -354,55 +420,13 @@ def main(argv: list[str] | None = None) -> int:
     print(f"bench-vllm: systems {systems}, rates {rates} req/s, {setup}", flush=True)
     t_start = time.monotonic()
     runs: list[Run] = []
-    problems: list[str] = []
     for rnd in range(args.rounds):
         order = systems if rnd % 2 == 0 else list(reversed(systems))
         for system in order:
-            servers = ("baseline",) if system == "one-engine" else ("prefill", "decode")
-            pl = Pipeline(os.path.join(work, f"{system}-{rnd}"), max_model_len=MAX_MODEL_LEN,
-                          connector="nixl" if system == "nixl" else "kvxfer", servers=servers,
-                          max_position_embeddings=MAX_MODEL_LEN)
-            try:
-                t = time.monotonic()
-                pl.start()
-                print(f"  round {rnd} {system}: servers ready in {time.monotonic() - t:.0f} s", flush=True)
-                for k in range(2):  # warm-up, not measured (first handshake, first batch shapes)
-                    one_request(pl, system, Req(-1, prompt(200 + k, 4242 + k), 0.0, 4), time.perf_counter(),
-                                Result())
-                for i, rate in enumerate(rates):
-                    seed = args.seed * 100 + rnd * 10 + i
-                    reqs = requests_for(rate, args.requests, seed, prompt_tokens, args.shared_prefix,
-                                        out_tokens, rid0=(rnd * 100 + i) * 1000)
-                    run = drive(pl, system, rate, reqs)
-                    runs.append(run)
-                    s = summarise(run)
-                    print(f"    {rate:>5.2f} req/s: TTFT p50 {s['ttft_p50_ms']} ms p99 {s['ttft_p99_ms']} "
-                          f"ms, TPOT {s['tpot_ms']} ms, {s['req_per_s']} req/s done, KV "
-                          f"{s['kv_mb_per_request']} MB/req, decode prompt tokens "
-                          f"{s['decode_prompt_tokens']}, "
-                          f"CPU {s['cpu_s_per_request']} s/req, {s['errors']} errors", flush=True)
-            finally:
-                pl.close()
-    # every request's tokens identical across the systems
-    by_rid: dict[int, dict[str, str]] = {}
-    for run in runs:
-        for rid, r in run.results.items():
-            if r.error:
-                problems.append(f"{run.system} request {rid}: {r.error}")
-            else:
-                by_rid.setdefault(rid, {})[run.system] = r.tokens
-    mismatched = [rid for rid, got in by_rid.items() if len(set(got.values())) > 1]
-    problems += [f"request {rid}: tokens differ across systems" for rid in mismatched[:10]]
+            runs += _run_system(work, rnd, system, rates, args, prompt_tokens, out_tokens)
+    by_rid, mismatched, problems = _compare_tokens(runs)
     summary = table(runs)
-    print(f"\nmedian over {args.rounds} rounds ({setup}):")
-    print(f"  {'system':>18} {'rate':>6} {'TTFT p50':>9} {'TTFT p99':>9} {'TPOT':>7} {'done':>7} "
-          f"{'KV/req':>8}  CPU s/req (by process group)")
-    for system, by_rate in summary.items():
-        for rate, row in by_rate.items():
-            groups = ", ".join(f"{g} {v}" for g, v in row["cpu_s_per_request_by_group"].items())
-            print(f"  {LABELS[system]:>18} {float(rate):>6.2f} {row['ttft_p50_ms']:>6.1f} ms "
-                  f"{row['ttft_p99_ms']:>6.1f} ms {row['tpot_ms']:>4.2f} ms {row['req_per_s']:>5.2f}/s "
-                  f"{row['kv_mb_per_request']:>5.2f} MB  {row['cpu_s_per_request']:.3f} ({groups})")
+    _print_summary(summary, args.rounds, setup)
     verdicts = targets(summary)
     for line in verdicts:
         print(f"  target {line}")
@@ -420,7 +444,6 @@ def main(argv: list[str] | None = None) -> int:
                           "runs": [summarise(r) for r in runs], "requests": len(by_rid),
                           "identical": len(by_rid) - len(mismatched), "problems": problems}))
     return 1 if problems else 0
-
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -183,55 +183,61 @@ def _prefill_main(opts: DemoOptions, endpoint: str, to_decode: Any, results: Any
             e.close()
 
 
-def _decode_main(opts: DemoOptions, endpoint: str, from_prefill: Any, results: Any) -> None:
-    engines = _engines(opts, "decode", endpoint, 2)
-    lead = engines[0]
-    try:
-        for e in engines:
-            e.start()
-        local: dict[str, list[int]] = {}
-        stats = {"bytes": 0, "descriptors": 0}
+class _Decoder:
+    """The decode engine's side of the demo: post a round's receives on every rank, collect
+    the ranks' answers, check every byte and give the blocks back."""
 
-        def post(p: dict[str, Any]) -> None:
-            blocks = lead.allocate(opts.side_blocks("decode"))
-            local[p["req_id"]] = blocks
-            remote = RemoteBlocks(p["engine_id"], p["host"], p["port"], p["block_ids"], p["tp_size"],
-                                  token=p["token"])
+    def __init__(self, opts: DemoOptions, engines: list[SyntheticEngine]) -> None:
+        self.opts = opts
+        self.engines = engines
+        self.lead = engines[0]
+        self.local: dict[str, list[int]] = {}
+        self.stats = {"bytes": 0, "descriptors": 0}
+
+    def post(self, p: dict[str, Any]) -> None:
+        blocks = self.lead.allocate(self.opts.side_blocks("decode"))
+        self.local[p["req_id"]] = blocks
+        remote = RemoteBlocks(p["engine_id"], p["host"], p["port"], p["block_ids"], p["tp_size"],
+                              token=p["token"])
+        for e in self.engines:
+            e.client.recv(p["req_id"], blocks, remote, tp_rank=e.layout.tp_rank,
+                          deadline_s=self.opts.timeout_s)
+
+    def collect(self, names: list[str]) -> tuple[dict[str, float], dict[str, str]]:
+        """A request is done when every rank is done; returns done times and failures."""
+        engines, stats = self.engines, self.stats
+        ranks_done: dict[str, int] = {}
+        done: dict[str, float] = {}
+        failed: dict[str, str] = {}
+        deadline = time.monotonic() + self.opts.timeout_s
+        while len(done) + len(failed) < len(names) and time.monotonic() < deadline:
+            got_any = False
             for e in engines:
-                e.client.recv(p["req_id"], blocks, remote, tp_rank=e.layout.tp_rank,
-                              deadline_s=opts.timeout_s)
+                ev = e.client.wait(0.01 if got_any else 0.5 / len(engines))
+                now = time.perf_counter()
+                for d in ev.done:
+                    got_any = True
+                    stats["bytes"] += d.nbytes
+                    stats["descriptors"] += d.descriptors
+                    ranks_done[d.req_id] = ranks_done.get(d.req_id, 0) + 1
+                    if ranks_done[d.req_id] == len(engines):
+                        done[d.req_id] = now
+                failed.update({f.req_id: f"rank {e.layout.tp_rank}: {f.code}: {f.reason}"
+                               for f in ev.failed})
+                failed.update({x.req_id or "?": f"{x.code}: {x.message}" for x in ev.errors})
+        return done, failed
 
-        def collect(names: list[str]) -> tuple[dict[str, float], dict[str, str]]:
-            """A request is done when every rank is done; returns done times and failures."""
-            ranks_done: dict[str, int] = {}
-            done: dict[str, float] = {}
-            failed: dict[str, str] = {}
-            deadline = time.monotonic() + opts.timeout_s
-            while len(done) + len(failed) < len(names) and time.monotonic() < deadline:
-                got_any = False
-                for e in engines:
-                    ev = e.client.wait(0.01 if got_any else 0.5 / len(engines))
-                    now = time.perf_counter()
-                    for d in ev.done:
-                        got_any = True
-                        stats["bytes"] += d.nbytes
-                        stats["descriptors"] += d.descriptors
-                        ranks_done[d.req_id] = ranks_done.get(d.req_id, 0) + 1
-                        if ranks_done[d.req_id] == len(engines):
-                            done[d.req_id] = now
-                    failed.update({f.req_id: f"rank {e.layout.tp_rank}: {f.code}: {f.reason}"
-                                   for f in ev.failed})
-                    failed.update({x.req_id or "?": f"{x.code}: {x.message}" for x in ev.errors})
-            return done, failed
+    def verify_and_free(self, names: list[str]) -> list[str]:
+        """Check every byte of every rank, then give the blocks back for the next round."""
+        bad = [f"{r} (rank {e.layout.tp_rank})" for r in names for e in self.engines
+               if not e.verify(r, self.local[r])]
+        for r in names:
+            self.lead.free(self.local.pop(r))
+        return bad
 
-        def verify_and_free(names: list[str]) -> list[str]:
-            """Check every byte of every rank, then give the blocks back for the next round."""
-            bad = [f"{r} (rank {e.layout.tp_rank})" for r in names for e in engines
-                   if not e.verify(r, local[r])]
-            for r in names:
-                lead.free(local.pop(r))
-            return bad
-
+    def run(self, from_prefill: Any) -> dict[str, Any]:
+        """The warm-up, then every timed round, as the prefill sends them; the decode's result."""
+        opts, lead, local, stats = self.opts, self.lead, self.local, self.stats
         done: dict[str, float] = {}
         failed: dict[str, str] = {}
         bad: list[str] = []
@@ -241,8 +247,8 @@ def _decode_main(opts: DemoOptions, endpoint: str, from_prefill: Any, results: A
             params = from_prefill.recv()
             t0 = time.perf_counter()
             for p in params:
-                post(p)
-            d, f = collect([p["req_id"] for p in params])
+                self.post(p)
+            d, f = self.collect([p["req_id"] for p in params])
             if n_round == 0:  # the warm-up pays the handshake; its bytes are not counted
                 cold_ms = (time.perf_counter() - t0) * 1e3
                 stats.update(bytes=0, descriptors=0)
@@ -250,18 +256,27 @@ def _decode_main(opts: DemoOptions, endpoint: str, from_prefill: Any, results: A
                 done.update(d)
                 seconds += (max(d.values()) - t0) if d else 0.0
             failed.update(f)
-            round_bad = verify_and_free(list(d))
+            round_bad = self.verify_and_free(list(d))
             bad += round_bad
             verified += 0 if round_bad else len(d)
             for r in f:  # a failed receive's blocks are the engine's again too
                 if r in local:
                     lead.free(local.pop(r))
-        results.put({
+        return {
             "role": "decode", "done": len(done), "failed": failed, "bad": bad,
             "verified_requests": int(verified) if not bad else 0, "seconds": seconds,
             "first_transfer_ms_cold": cold_ms, "bytes": stats["bytes"],
             "descriptors": stats["descriptors"], "rounds": len(opts.rounds()),
-        })
+        }
+
+
+def _decode_main(opts: DemoOptions, endpoint: str, from_prefill: Any, results: Any) -> None:
+    engines = _engines(opts, "decode", endpoint, 2)
+    decoder = _Decoder(opts, engines)
+    try:
+        for e in engines:
+            e.start()
+        results.put(decoder.run(from_prefill))
     except BaseException as e:
         results.put({"role": "decode", "fatal": repr(e)})
     finally:

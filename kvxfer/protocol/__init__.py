@@ -1,0 +1,170 @@
+"""The kvxfer wire protocol: every message that crosses a socket, and nothing else.
+
+Three conversations, one tagged union per direction:
+
+* engine worker -> its sidecar (ZMQ DEALER -> ROUTER on ``ipc://``): ``EngineRequest``
+* sidecar -> engine worker: ``SidecarEvent``
+* sidecar <-> peer sidecar handshake (ZMQ over TCP): ``HandshakeRequest`` /
+  ``HandshakeReply``, the reply followed by one extra frame holding the NIXL agent
+  metadata (large buffers travel as frames, never inside msgpack)
+* decode sidecar -> prefill sidecar, as a NIXL notification: ``ReadNotice``
+
+Rules (msgspec schema evolution): structs are ``array_like``, so fields are positional:
+append new fields at the end with a default, never reorder or remove. Bump
+``PROTOCOL_VERSION`` for any change a peer of the previous version cannot decode.
+``tests/test_protocol.py`` pins the encoded bytes of every message.
+
+The messages live in submodules by topic, and every name is imported from here
+(``from kvxfer.protocol import X``):
+
+* ``kvxfer.protocol.base``: the ``_Msg`` base and the shared field types (``NonNeg``,
+  ``ReqId``, ``Token``, ``EngineId``...), ``DTYPE_SIZES``
+* ``kvxfer.protocol.layout``: ``KVLayout`` and what a registration describes (memory
+  references, regions, KV cache groups)
+* ``kvxfer.protocol.engine``: engine <-> sidecar messages (``EngineRequest``, ``SidecarEvent``)
+* ``kvxfer.protocol.peer``: sidecar <-> sidecar messages (the handshake, ``ReadNotice``)
+* ``kvxfer.protocol.codec``: ``encode``, the decoders and ``DECODE_ERRORS``
+
+This package does no I/O and must never import NIXL, ZMQ, torch or vLLM.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+from kvxfer.protocol.base import (
+    DTYPE_SIZES,
+    BlockIds,
+    EngineId,
+    NonNeg,
+    Positive,
+    ReqId,
+    Token,
+)
+from kvxfer.protocol.codec import (
+    DECODE_ERRORS,
+    encode,
+    engine_request_decoder,
+    handshake_reply_decoder,
+    handshake_request_decoder,
+    read_notice_decoder,
+    sidecar_event_decoder,
+)
+from kvxfer.protocol.engine import (
+    Done,
+    EngineRequest,
+    Error,
+    Failed,
+    Hold,
+    KeepAlive,
+    Ping,
+    Pong,
+    Recv,
+    Registered,
+    RegisterKV,
+    Release,
+    Released,
+    SidecarEvent,
+    Unregister,
+)
+from kvxfer.protocol.layout import (
+    CudaIpcMemory,
+    Fusion,
+    KVGroup,
+    KVLayout,
+    KVRegion,
+    MemoryRef,
+    PoolMemory,
+    ShmMemory,
+)
+from kvxfer.protocol.peer import (
+    Challenge,
+    DigestItem,
+    DigestRank,
+    DigestReply,
+    DigestRequest,
+    HandshakeReply,
+    HandshakeRequest,
+    Hello,
+    LeaseRenew,
+    LeaseState,
+    RankInfo,
+    ReadNotice,
+    Refused,
+    RemoteRegion,
+    Welcome,
+)
+
+# 2: KVLayout.fused (kv_parts == 1 blocks hold K and V; version 1 sidecars read half of them)
+# 3: ranks keyed by (engine, DP, PP, TP): engine ids in registrations, holds, receives, rank
+#    infos, notices and digests; KVLayout says which layers a pipeline stage holds
+# 4: challenge-bound, canonically MAC'd handshake (Challenge; Hello.challenge/target; the
+#    Welcome MAC covers the ranks); per-request capability tokens on holds, reads, notices,
+#    renewals and digests
+# 5: state layers (Mamba/GDN): KVLayout.state_regions/state_bytes/state_kind, num_layers may be
+#    0; Recv.state_block_ids/remote_state_block_ids; digests of a rank's KV and state regions
+PROTOCOL_VERSION = 5
+
+
+def compat_hash(layout: KVLayout | None) -> str:
+    """Compatibility hash checked at handshake before any payload is decoded."""
+    sig = (PROTOCOL_VERSION, layout.model_signature() if layout is not None else None)
+    return hashlib.sha256(repr(sig).encode()).hexdigest()[:16]
+
+
+__all__ = [
+    "DECODE_ERRORS",
+    "DTYPE_SIZES",
+    "PROTOCOL_VERSION",
+    "BlockIds",
+    "Challenge",
+    "CudaIpcMemory",
+    "DigestItem",
+    "DigestRank",
+    "DigestReply",
+    "DigestRequest",
+    "Done",
+    "EngineId",
+    "EngineRequest",
+    "Error",
+    "Failed",
+    "Fusion",
+    "HandshakeReply",
+    "HandshakeRequest",
+    "Hello",
+    "Hold",
+    "KVGroup",
+    "KVLayout",
+    "KVRegion",
+    "KeepAlive",
+    "LeaseRenew",
+    "LeaseState",
+    "MemoryRef",
+    "NonNeg",
+    "Ping",
+    "PoolMemory",
+    "Pong",
+    "Positive",
+    "RankInfo",
+    "ReadNotice",
+    "Recv",
+    "Refused",
+    "RegisterKV",
+    "Registered",
+    "Release",
+    "Released",
+    "RemoteRegion",
+    "ReqId",
+    "ShmMemory",
+    "SidecarEvent",
+    "Token",
+    "Unregister",
+    "Welcome",
+    "compat_hash",
+    "encode",
+    "engine_request_decoder",
+    "handshake_reply_decoder",
+    "handshake_request_decoder",
+    "read_notice_decoder",
+    "sidecar_event_decoder",
+]

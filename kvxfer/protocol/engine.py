@@ -1,0 +1,185 @@
+"""The engine worker <-> its sidecar conversation (ZMQ DEALER -> ROUTER on ``ipc://``):
+``EngineRequest`` one way, ``SidecarEvent`` the other.
+
+No I/O; never imports NIXL, ZMQ, torch or vLLM (see ``kvxfer.protocol``).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from msgspec import Meta
+
+from kvxfer.protocol.base import BlockIds, EngineId, NonNeg, Positive, ReqId, Token, _Msg
+from kvxfer.protocol.layout import KVGroup, KVLayout, KVRegion, MemoryRef
+
+# --------------------------------------------------------------------------- engine -> sidecar
+
+
+class RegisterKV(_Msg, tag="register"):
+    layout: KVLayout
+    memory: list[MemoryRef]
+    regions: list[KVRegion]
+    pid: NonNeg = 0  # the engine process; when the sidecar can see it, its death is noticed
+    # The engine this rank belongs to (vLLM's kv_transfer_config.engine_id, "<id>_dp<k>" for
+    # data-parallel ranks); "": the sidecar's own engine id. Ranks are keyed by
+    # (engine_id, dp_rank, layout.pp_rank, layout.tp_rank).
+    engine_id: EngineId = ""
+    dp_rank: NonNeg = 0
+    groups: Annotated[list[KVGroup], Meta(max_length=64)] | None = None  # vLLM's KV cache groups
+    # A re-registration after this sidecar restarted: the requests the engine gave up on (loads
+    # reported failed, which vLLM recomputes; held blocks freed). Their Recv / Hold may still be
+    # on its way here from the scheduler's socket: for ``abandoned_s`` (0: the sidecar's
+    # transfer timeout + 60 s) they are refused, never read nor held (kvxfer.abandoned).
+    abandoned: Annotated[list[ReqId], Meta(max_length=65536)] | None = None
+    abandoned_s: Annotated[float, Meta(ge=0)] = 0.0
+
+
+class Unregister(_Msg, tag="unregister"):
+    tp_rank: NonNeg = 0
+    engine_id: EngineId = ""
+    pp_rank: NonNeg = 0
+
+
+class Hold(_Msg, tag="hold"):
+    """Prefill side: keep these blocks for a peer to read, under a lease."""
+
+    req_id: ReqId
+    block_ids: BlockIds
+    lease_s: Annotated[float, Meta(ge=0)] = 0.0  # 0: the sidecar's default lease
+    reads: Positive = 1  # read notices expected before release (tp-ratio aware)
+    notify_ranks: bool = False  # Released goes to every registered worker, not the sender
+    # Wall clock (same host) after which the engine frees the blocks on its own: a Hold
+    # that reaches a sidecar later (queued while it was frozen) is refused, not honoured.
+    expires_unix: Annotated[float, Meta(ge=0)] = 0.0
+    engine_id: EngineId = ""  # whose blocks ("": the sidecar's engine); leases are per engine
+    # The request's capability (kvxfer.auth.new_token; it travels to the decode in
+    # kv_transfer_params): read notices, renewals and digests of this lease must present it.
+    # "": none (an older connector): any authenticated peer may, as before.
+    token: Token = ""
+
+
+class Release(_Msg, tag="release"):
+    """Prefill side: the engine dropped the request (abort); release now."""
+
+    req_id: ReqId
+    engine_id: EngineId = ""
+
+
+class Recv(_Msg, tag="recv"):
+    """Decode side: pull a prefilled request's blocks into these local blocks.
+
+    An empty ``block_ids`` reads nothing and only tells the prefill side to release
+    (a full prefix-cache hit on decode, or a decode request aborted before its read).
+    """
+
+    req_id: ReqId
+    block_ids: BlockIds  # local destination blocks
+    remote_engine_id: str
+    remote_host: str
+    remote_port: Annotated[int, Meta(gt=0, lt=65536)]
+    remote_block_ids: BlockIds
+    remote_tp_size: Positive = 1
+    tp_rank: NonNeg = 0  # local rank whose memory receives
+    remote_req_id: str = ""  # the prefill side's request id, if it differs
+    deadline_s: Annotated[float, Meta(ge=0)] = 0.0  # 0: the sidecar's default
+    reply_to_rank: bool = False  # Done/Failed go to the worker that registered tp_rank
+    # Wall clock (same host) after which the engine gives up on this load (and may reuse or
+    # recompute its blocks): a Recv that reaches a sidecar later is refused, never read.
+    expires_unix: Annotated[float, Meta(ge=0)] = 0.0
+    # The prefill sidecar's registration generation when the blocks were held (from
+    # kv_transfer_params): a cached peer of another generation is handshaked again first,
+    # and a prefill that re-registered since then fails the load instead of a stale read.
+    remote_generation: str = ""
+    engine_id: EngineId = ""  # the local engine whose memory receives ("": the sidecar's)
+    pp_rank: NonNeg = 0  # the local pipeline stage whose memory receives
+    remote_token: Token = ""  # the prefill lease's capability (kv_transfer_params remote_lease_token)
+    # Blocks of state groups (Mamba/GDN), paired one to one and moved in the layout's state
+    # regions only (``block_ids`` move in the attention regions).
+    # (None, not []: nothing to encode when there is no state; a decoder of an older version
+    # ignores trailing fields it does not know, so appended fields never break it)
+    state_block_ids: BlockIds | None = None
+    remote_state_block_ids: BlockIds | None = None
+    # Ask for the per-hop trace of this receive (``Done.trace``; kvxfer bench's fixed cost)
+    trace: bool = False
+
+    @property
+    def state_pairs(self) -> tuple[list[int], list[int]]:
+        return list(self.state_block_ids or ()), list(self.remote_state_block_ids or ())
+
+
+class Ping(_Msg, tag="ping"):
+    seq: NonNeg = 0
+
+
+class KeepAlive(_Msg, tag="keepalive"):
+    """Decode side: these requests still mean to read their prefilled blocks (they wait for
+    local blocks): keep the prefill's leases on them alive. The sidecar renews them at the
+    prefill sidecar (handshaking first if needed) and answers an ``Error`` with code
+    ``expired`` (``req_id`` the local id) for each lease that is already gone."""
+
+    remote_engine_id: str
+    remote_host: str
+    remote_port: Annotated[int, Meta(gt=0, lt=65536)]
+    remote_req_ids: Annotated[list[ReqId], Meta(max_length=4096)]
+    req_ids: Annotated[list[ReqId], Meta(max_length=4096)]  # the local ids, in the same order
+    remote_tokens: Annotated[list[Token], Meta(max_length=4096)] = []  # the leases' capabilities, same order
+
+
+EngineRequest = RegisterKV | Unregister | Hold | Release | Recv | Ping | KeepAlive
+
+
+# --------------------------------------------------------------------------- sidecar -> engine
+
+
+class Registered(_Msg, tag="registered"):
+    tp_rank: NonNeg
+    engine_id: str
+    agent_name: str
+    bytes_registered: NonNeg
+    handshake_host: str
+    handshake_port: NonNeg
+    pp_rank: NonNeg = 0
+    dp_rank: NonNeg = 0
+
+
+class Done(_Msg, tag="done"):
+    req_id: str
+    nbytes: NonNeg
+    seconds: float
+    descriptors: NonNeg = 0  # NIXL descriptors read (before NIXL merges contiguous ones)
+    # Only when the Recv asked for it: (hop, time.monotonic_ns() in the sidecar) in the order
+    # they happened (CLOCK_MONOTONIC: comparable with the engine's clock on the same host)
+    trace: list[tuple[str, int]] | None = None
+
+
+class Failed(_Msg, tag="failed"):
+    req_id: str
+    block_ids: BlockIds  # local blocks whose contents are not valid
+    code: str
+    reason: str
+
+
+class Released(_Msg, tag="released"):
+    req_id: str
+    reason: Literal["read", "expired", "aborted"]
+    reads: NonNeg = 0
+
+
+class Error(_Msg, tag="error"):
+    code: str
+    message: str
+    req_id: str = ""
+
+
+class Pong(_Msg, tag="pong"):
+    seq: NonNeg
+    engine_id: str
+    version: int
+    handshake_host: str
+    handshake_port: NonNeg
+    instance: str = ""  # the sidecar's agent name: changes when the sidecar restarts
+    generation: str = ""  # changes when the sidecar restarts or a registration is replaced or removed
+
+
+SidecarEvent = Registered | Done | Failed | Released | Error | Pong

@@ -1,0 +1,157 @@
+"""The sidecar <-> peer sidecar conversation: the handshake socket (ZMQ over TCP;
+``HandshakeRequest`` / ``HandshakeReply``, a ``Welcome`` followed by one extra frame holding
+the NIXL agent metadata) and the NIXL notification a reader sends (``ReadNotice``).
+
+No I/O; never imports NIXL, ZMQ, torch or vLLM (see ``kvxfer.protocol``).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from msgspec import Meta
+
+from kvxfer.protocol.base import BlockIds, EngineId, NonNeg, Positive, ReqId, Token, _Msg
+from kvxfer.protocol.layout import KVLayout
+
+# --------------------------------------------------------------------------- handshake
+
+
+class Hello(_Msg, tag="hello"):
+    version: int
+    compat_hash: str
+    engine_id: str
+    agent_name: str
+    nonce: str = ""  # with a shared secret: random, never reused
+    ts: float = 0.0  # sender's wall clock (replay window)
+    mac: str = ""  # HMAC-SHA256 of the fields above (kvxfer.auth)
+    model: str = ""  # the dialer's KVLayout.model, so a refusal can name both models
+    challenge: str = ""  # with a shared secret: the listener's Challenge.nonce this answers
+    target: str = ""  # with a shared secret: the listener's agent name (from its Challenge)
+
+
+class DigestItem(_Msg, tag="ditem"):
+    """Blocks of one sub-position and the byte runs ([offset, length]) read from each."""
+
+    blocks: BlockIds
+    runs: list[list[NonNeg]]
+
+
+class DigestRank(_Msg, tag="drank"):
+    rank: NonNeg  # tp rank
+    items: list[DigestItem]
+    pp_rank: NonNeg = 0
+    region0: NonNeg = 0  # the regions digested: [region0, region0 + num_regions)
+    num_regions: NonNeg = 0  # 0: all of the rank's regions
+
+
+class DigestRequest(_Msg, tag="digest"):
+    """Decode sidecar -> prefill sidecar, on the handshake socket: the digest of the bytes
+    a receive read from these held blocks (``kvxfer.integrity``), one per remote rank."""
+
+    req_id: ReqId  # the prefill side's request id: its blocks must still be held
+    ranks: list[DigestRank]
+    agent_name: str = ""  # the asking sidecar
+    mac: str = ""  # with a shared secret: HMAC of the request (kvxfer.auth)
+    engine_id: EngineId = ""  # the prefill engine holding the blocks
+    token: Token = ""  # the lease's capability (Hold.token)
+
+
+class LeaseRenew(_Msg, tag="renew"):
+    """Decode sidecar -> prefill sidecar, on the handshake socket: keep these held requests'
+    leases for ``extend_s`` more seconds (0: each lease's own duration). Sent for requests
+    still waiting on the decode (``KeepAlive``) and as the *claim* of every read, in parallel
+    with it: a read whose claim comes back "not held" fails instead of delivering bytes of
+    blocks the prefill may already have reused."""
+
+    seq: NonNeg
+    engine_id: EngineId
+    req_ids: Annotated[list[ReqId], Meta(max_length=4096)]
+    extend_s: Annotated[float, Meta(ge=0, le=86400)] = 0.0
+    agent_name: str = ""  # the asking sidecar
+    mac: str = ""  # with a shared secret: HMAC of the request (kvxfer.auth)
+    tokens: Annotated[list[Token], Meta(max_length=4096)] = []  # per req_ids: the leases' capabilities
+
+
+HandshakeRequest = Hello | DigestRequest | LeaseRenew
+
+
+class RemoteRegion(_Msg, tag="rregion"):
+    addr: NonNeg
+    block_len: Positive
+    block_stride: Positive
+    device_id: NonNeg = 0
+
+
+class RankInfo(_Msg, tag="rank"):
+    layout: KVLayout
+    regions: list[RemoteRegion]
+    mem_type: Literal["DRAM", "VRAM"] = "DRAM"
+    engine_id: EngineId = ""  # the engine this rank belongs to (never "" from a v3 sidecar)
+    dp_rank: NonNeg = 0
+
+    @property
+    def key(self) -> tuple[str, int, int]:
+        """(engine, pp, tp): how a peer's ranks are addressed."""
+        return (self.engine_id, self.layout.pp_rank, self.layout.tp_rank)
+
+
+class Welcome(_Msg, tag="welcome"):
+    """Handshake accepted; the NIXL agent metadata follows as the next frame."""
+
+    version: int
+    compat_hash: str
+    engine_id: str
+    agent_name: str
+    ranks: list[RankInfo]
+    mac: str = ""  # with a shared secret: proves the answer comes from a holder of it
+    generation: str = ""  # the registrations these ranks describe (Pong.generation)
+
+
+class Challenge(_Msg, tag="challenge"):
+    """With a shared secret, the answer to an unsigned Hello: sign a Hello over this nonce
+    and this agent name (``kvxfer.auth``); it is accepted once, within a short time."""
+
+    version: int
+    nonce: str
+    agent_name: str
+
+
+class Refused(_Msg, tag="refused"):
+    version: int
+    code: str
+    reason: str
+
+
+class DigestReply(_Msg, tag="digested"):
+    req_id: str
+    digests: list[str]  # in the order of DigestRequest.ranks
+
+
+class LeaseState(_Msg, tag="leases"):
+    seq: NonNeg
+    # per LeaseRenew.req_ids: "held" (and now extended), "gone" (its lease ended: released or
+    # expired) or "unknown" (never held here, or not yet: its Hold may still be on its way)
+    held: list[Literal["held", "gone", "unknown"]]
+    # the answering sidecar's registration generation now (Welcome.generation): a read planned
+    # from a handshake of another generation used stale memory descriptions
+    generation: str = ""
+
+
+HandshakeReply = Welcome | Refused | DigestReply | LeaseState | Challenge
+
+
+# --------------------------------------------------------------------------- NIXL notification
+
+
+class ReadNotice(_Msg, tag="read"):
+    """Decode sidecar -> prefill sidecar once a read finished (ok) or was abandoned."""
+
+    req_id: str
+    tp_rank: NonNeg
+    ok: bool
+    readers: NonNeg = 0  # notices the prefill side should expect in all (decode TP); 0: Hold.reads
+    reading_s: Annotated[float, Meta(ge=0)] = 0.0  # >0: "started; done or failed within this"
+    engine_id: str = ""  # the prefill engine whose lease this is ("": the only one with req_id)
+    pp_rank: NonNeg = 0  # the reader's pipeline stage (a reader is (agent, pp_rank, tp_rank))
+    token: Token = ""  # the lease's capability (Hold.token)
