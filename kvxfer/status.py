@@ -10,8 +10,8 @@ import copy
 from dataclasses import dataclass, field
 
 from kvxfer.observe import Totals
-from kvxfer.registry import RankEntry
 from kvxfer.sidecar.peer_book import Peer
+from kvxfer.sidecar.registry import RankEntry
 
 
 @dataclass(frozen=True)

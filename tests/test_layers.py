@@ -32,12 +32,12 @@ LAYERS: list[tuple[str, list[str]]] = [
         "kvxfer.sidecar.peer_book",
     ]),
     ("ports and memory: the NIXL thread, registrations, pools, metrics", [
-        "kvxfer.transfer", "kvxfer.sidecar.nixl*", "kvxfer.registry", "kvxfer.vmm", "kvxfer.pool",
+        "kvxfer.sidecar.nixl*", "kvxfer.sidecar.registry", "kvxfer.vmm", "kvxfer.pool",
         "kvxfer.memchannel", "kvxfer.memory", "kvxfer.sidecar.mapping", "kvxfer.sidecar.pool_server",
         "kvxfer.observe", "kvxfer.systemd",
     ]),
     ("I/O shells: peers, holds, receiver, views", [
-        "kvxfer.peers", "kvxfer.holds", "kvxfer.receiver", "kvxfer.status", "kvxfer.sidecar.peer*",
+        "kvxfer.status", "kvxfer.sidecar.peer*",
         "kvxfer.sidecar.holds", "kvxfer.sidecar.receiver", "kvxfer.sidecar.engine_server",
         "kvxfer.sidecar.verify", "kvxfer.sidecar.keepalive", "kvxfer.sidecar.engines",
         "kvxfer.sidecar.claim",
@@ -52,8 +52,7 @@ LAYERS: list[tuple[str, list[str]]] = [
 
 # the engine side never loads the daemon (nor NIXL's owner, nor its peers' code)
 ENGINE_SIDE = ("kvxfer.client", "kvxfer.connector")
-DAEMON_ONLY = ("kvxfer.sidecar", "kvxfer.transfer", "kvxfer.receiver", "kvxfer.peers", "kvxfer.holds",
-               "kvxfer.registry", "kvxfer.observe", "kvxfer.status", "kvxfer.serve", "kvxfer.control",
+DAEMON_ONLY = ("kvxfer.sidecar", "kvxfer.observe", "kvxfer.status", "kvxfer.serve", "kvxfer.control",
                "kvxfer.testing")
 
 

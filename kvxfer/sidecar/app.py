@@ -52,7 +52,6 @@ from kvxfer.protocol import (
     Release,
     Unregister,
 )
-from kvxfer.registry import RankRegistry
 from kvxfer.sidecar.engine_server import EngineServer, ipc_path
 from kvxfer.sidecar.engines import Advertised, Engines
 from kvxfer.sidecar.holds import Holds
@@ -66,6 +65,7 @@ from kvxfer.sidecar.peer_client import PeerChannel, PeerClient
 from kvxfer.sidecar.peer_server import PeerServer
 from kvxfer.sidecar.pool_server import PoolServer
 from kvxfer.sidecar.receiver import Receiver
+from kvxfer.sidecar.registry import RankRegistry
 from kvxfer.systemd import Notifier
 
 log = logging.getLogger("kvxfer.sidecar")  # (the name operators filter on)

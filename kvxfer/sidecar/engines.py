@@ -19,13 +19,13 @@ from kvxfer.config import Config
 from kvxfer.errors import ErrorCode, RequestError
 from kvxfer.observe import Event, Observer
 from kvxfer.protocol import CudaIpcMemory, Error, Registered, RegisterKV, ShmMemory, Unregister
-from kvxfer.registry import RankEntry, RankRegistry
 from kvxfer.sidecar.engine_server import EngineServer
 from kvxfer.sidecar.holds import Holds
 from kvxfer.sidecar.lifecycle import Signal
 from kvxfer.sidecar.mapping import check_shm_files
 from kvxfer.sidecar.pool_server import PoolServer
 from kvxfer.sidecar.receiver import Receiver
+from kvxfer.sidecar.registry import RankEntry, RankRegistry
 from kvxfer.sidecar.validate import validate_registration
 from kvxfer.topology import Incompatible, check_layout
 

@@ -44,9 +44,9 @@ from kvxfer.protocol import (
     Released,
     read_notice_decoder,
 )
-from kvxfer.registry import RankRegistry
 from kvxfer.sidecar.admission import admit_hold
 from kvxfer.sidecar.lifecycle import Signal
+from kvxfer.sidecar.registry import RankRegistry
 
 log = logging.getLogger(__name__)
 

@@ -29,7 +29,7 @@ log = logging.getLogger("kvxfer.transfer")
 
 @dataclass
 class LocalRank:
-    key: Hashable  # kvxfer.registry.RankKey: the registry is the only caller of register
+    key: Hashable  # kvxfer.sidecar.registry.RankKey: the registry is the only caller of register
     mappings: list[Mapping]
     reg_descs: list[Any]
     info: RankInfo  # absolute region addresses, as peers see them

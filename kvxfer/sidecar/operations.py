@@ -20,7 +20,6 @@ from kvxfer.config import Config
 from kvxfer.errors import ErrorCode, RequestError
 from kvxfer.observe import Event, Observer
 from kvxfer.protocol import PROTOCOL_VERSION
-from kvxfer.registry import RankRegistry
 from kvxfer.sidecar.engines import Advertised
 from kvxfer.sidecar.holds import Holds
 from kvxfer.sidecar.lifecycle import Lifecycle
@@ -28,6 +27,7 @@ from kvxfer.sidecar.nixl_port import NixlPort
 from kvxfer.sidecar.peer_book import Peer, PeerBook
 from kvxfer.sidecar.peer_client import PeerChannel, PeerClient
 from kvxfer.sidecar.receiver import Receiver
+from kvxfer.sidecar.registry import RankRegistry
 from kvxfer.status import LeaseView, Snapshot, TransferView, copies
 
 

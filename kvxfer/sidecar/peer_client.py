@@ -44,9 +44,9 @@ from kvxfer.protocol import (
     encode,
     handshake_reply_decoder,
 )
-from kvxfer.registry import RankRegistry
 from kvxfer.sidecar.nixl_port import NixlPort
 from kvxfer.sidecar.peer_book import Peer, PeerBook
+from kvxfer.sidecar.registry import RankRegistry
 from kvxfer.sidecar.validate import validate_rank_info
 
 log = logging.getLogger("kvxfer.peers")

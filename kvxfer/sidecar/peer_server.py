@@ -39,12 +39,12 @@ from kvxfer.protocol import (
     encode,
     handshake_request_decoder,
 )
-from kvxfer.registry import RankRegistry
 from kvxfer.sidecar.admission import admit_digest
 from kvxfer.sidecar.holds import Holds
 from kvxfer.sidecar.nixl_port import NixlPort
 from kvxfer.sidecar.peer_book import Authenticated
 from kvxfer.sidecar.peer_client import PeerChannel
+from kvxfer.sidecar.registry import RankRegistry
 
 log = logging.getLogger("kvxfer.peers")
 

@@ -29,7 +29,6 @@ from kvxfer.config import Config
 from kvxfer.errors import ErrorCode, RequestError
 from kvxfer.observe import Observer
 from kvxfer.protocol import Done, Failed, LeaseRenew, ReadNotice, Recv, encode
-from kvxfer.registry import RankKey, RankRegistry
 from kvxfer.sidecar.admission import admit_recv, recv_bytes, recv_deadline_s
 from kvxfer.sidecar.claim import Claims
 from kvxfer.sidecar.lifecycle import Signal
@@ -39,6 +38,7 @@ from kvxfer.sidecar.peer_book import Peer, PeerBook
 from kvxfer.sidecar.peer_client import PeerClient
 from kvxfer.sidecar.plan import ReadSpec
 from kvxfer.sidecar.receive import Outcome, Receive, Step, plan_read
+from kvxfer.sidecar.registry import RankKey, RankRegistry
 from kvxfer.sidecar.verify import Verifier
 from kvxfer.topology import BlockPairing, RankPlan
 
@@ -76,6 +76,17 @@ class RecvState:
 def local_blocks(msg: Recv) -> list[int]:
     """Every local block a receive writes (its contents are invalid when it fails)."""
     return list(msg.block_ids) + msg.state_pairs[0]
+
+
+def failed_message(msg: Recv, err: RequestError) -> Failed:
+    log.warning("request %s failed: [%s] %s", msg.req_id, err.code, err.reason)
+    return Failed(req_id=msg.req_id, block_ids=local_blocks(msg), code=err.code, reason=err.reason)
+
+
+def done_message(state: RecvState, read: ReadFinished | None) -> Done:
+    return Done(req_id=state.msg.req_id, nbytes=read.nbytes if read else 0,
+                seconds=read.seconds if read else 0.0, descriptors=read.descriptors if read else 0,
+                trace=None if state.trace is None else sorted(state.trace, key=lambda h: h[1]))
 
 
 def recv_key(req_id: str, tp_rank: int, engine: str = "", pp_rank: int = 0) -> str:
@@ -131,7 +142,7 @@ class Receiver:
                        abandoned=(engine, msg.req_id) in self.abandoned, now_unix=wall,
                        registered=self.registry.describe())
         except RequestError as e:
-            self._report_failed(ident, msg, e)
+            self._send_failed(ident, msg, e)
             return
         assert local is not None
         now = time.monotonic()
@@ -328,7 +339,7 @@ class Receiver:
             log.exception("finishing receive %s", state.msg.req_id)
             if self.recvs.get(key) is state:
                 self.recvs.pop(key)
-                self._report_failed(state.owner, state.msg, RequestError(ErrorCode.INTERNAL, repr(e),
+                self._send_failed(state.owner, state.msg, RequestError(ErrorCode.INTERNAL, repr(e),
                                                                          state.msg.req_id))
                 self.changed.emit()
 
@@ -337,6 +348,9 @@ class Receiver:
                                               lambda: self._plan(state, peer), peer)
         if self.recvs.get(key) is state:
             self._step(key, state, state.machine.verified(mismatch))
+
+    def _send_failed(self, ident: bytes, msg: Recv, err: RequestError) -> None:
+        self._send(ident, failed_message(msg, err))
 
     def _not_started(self, key: str, err: BaseException) -> None:
         """A receive that could not start: its RequestError, or a bug as TRANSFER_ERROR."""
@@ -356,10 +370,7 @@ class Receiver:
         if out.ok:
             read = out.read
             state.mark("reply")
-            self._send(state.owner, Done(
-                req_id=msg.req_id, nbytes=read.nbytes if read else 0, seconds=read.seconds if read else 0.0,
-                descriptors=read.descriptors if read else 0,
-                trace=None if state.trace is None else sorted(state.trace, key=lambda h: h[1])))
+            self._send(state.owner, done_message(state, read))
             if read is not None:
                 self.observer.transfer_done(msg.req_id, state.peer, msg.tp_rank, read.nbytes, read.seconds,
                                             read.descriptors)
@@ -371,17 +382,12 @@ class Receiver:
             self.observer.transfer_failed(msg.req_id, state.peer, msg.tp_rank, err.code, err.reason)
             if out.peer_failed and peer is not None:
                 self.book.read_failed(peer)  # counted; handshake again before the next read
-            self._report_failed(state.owner, msg, err)
+            self._send_failed(state.owner, msg, err)
         self.changed.emit()
         if out.drop_peer:
             self._spawn(self.peers.drop_peer(state.peer_agent, out.error.reason if out.error else ""))
         elif out.notice is not None:
             self._spawn(self._notify_peer(state, out.notice))
-
-    def _report_failed(self, ident: bytes, msg: Recv, err: RequestError) -> None:
-        log.warning("request %s failed: [%s] %s", msg.req_id, err.code, err.reason)
-        self._send(ident, Failed(req_id=msg.req_id, block_ids=local_blocks(msg), code=err.code,
-                                 reason=err.reason))
 
     async def _notify_peer(self, state: RecvState, ok: bool) -> None:
         """The read notice for the prefill: every (pp, tp) rank of this engine reads once."""

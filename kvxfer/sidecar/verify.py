@@ -18,10 +18,10 @@ from kvxfer.errors import ErrorCode, RequestError
 from kvxfer.integrity import digest_items
 from kvxfer.observe import Observer
 from kvxfer.protocol import DigestRank, DigestRequest, Recv
-from kvxfer.registry import RankKey, RankRegistry
 from kvxfer.sidecar.nixl_port import NixlPort
 from kvxfer.sidecar.peer_book import Peer, PeerBook
 from kvxfer.sidecar.peer_client import PeerClient
+from kvxfer.sidecar.registry import RankKey, RankRegistry
 from kvxfer.topology import BlockPairing, RankPlan
 
 log = logging.getLogger("kvxfer.receiver")
