@@ -63,7 +63,7 @@ def test_small_reads_are_posted_by_the_loop_large_ones_by_the_nixl_thread() -> N
             # ones arrive (those find it busy, or commands queued ahead of them, and are
             # handed over, or post themselves). Each round opens with a small read, which
             # finds nothing queued: a large one first would send every read after it in the
-            # burst to the NIXL thread (read_now goes behind queued commands).
+            # burst to the NIXL thread (an inline read goes behind queued commands).
             blocks = [(p.allocate(n), d.allocate(n)) for n in (1, 12, 2, 12, 1, 3, 1, 2)]
             for r in range(3):
                 _read(p, d, {f"mix-{r}-{i}": pair for i, pair in enumerate(blocks)})

@@ -18,7 +18,7 @@ class TransferOptions:
     cuda: bool = False  # VRAM over CUDA IPC expected: UCX memtype cache off
     settle_timeout_s: float = 20.0  # a failed read's in-flight chunks must stop by then
     expect_read_s: float = 2e-3  # after a claim, poll at busy_poll_s this long (expect_reads)
-    inline_bytes: int = 4 << 20  # reads up to this size are posted by the caller itself (read_now)
+    inline_bytes: int = 4 << 20  # reads up to this size are posted by the caller itself (NixlPort.read)
 
 
 @dataclass(frozen=True)
