@@ -1,7 +1,8 @@
 """The measuring stages of ``make gpu-check`` (``kvxfer.testing.gpu_check``): ``lanes``,
-``bench-<kind>`` and ``knobs``, built on ``kvxfer.testing.gpu_xfer``.
+``bench-<kind>`` and ``knobs``, built on ``kvxfer.testing.gpu_xfer`` (memory, pattern),
+``gpu_pair`` (raw NIXL) and ``gpu_lanes`` (the lanes stage's per-kind process).
 
-* ``raw_sweep``: raw NIXL READs between two engine processes (``gpu_xfer.Pair``), the
+* ``raw_sweep``: raw NIXL READs between two engine processes (``gpu_pair.Pair``), the
   same-device gather/scatter copy and the staged variant (gather into a contiguous buffer on
   the sender's own CUDA stream, one transfer, scatter on the receiver's), per layout and
   size; the first transfer with a cold peer, then warm.
@@ -25,17 +26,17 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from kvxfer.testing.gpu_lanes import parse_proto_info
+from kvxfer.testing.gpu_pair import Pair
 from kvxfer.testing.gpu_xfer import (
     BLOCK,
     LAYOUTS,
     REGIONS,
     XFER_TIMEOUT_S,
-    Pair,
     Unavailable,
     _ordinal,
     block_ids,
     fill,
-    parse_proto_info,
     verify,
     vmm_allocation,
     wipe,
@@ -427,7 +428,7 @@ def stage_lanes(dry: bool, device: str, emit: Callable[[dict[str, Any]], None],
     res: dict[str, Any] = {"kinds": {}}
     env = {**os.environ, "UCX_PROTO_INFO": "y", "UCX_LOG_LEVEL": "info", "PYTHONUNBUFFERED": "1"}
     for kind in kinds:
-        cmd = [sys.executable, "-m", "kvxfer.testing.gpu_xfer", "lanes-one", kind, "--device", device]
+        cmd = [sys.executable, "-m", "kvxfer.testing.gpu_lanes", "lanes-one", kind, "--device", device]
         t0 = time.monotonic()
         try:
             p = subprocess.run(cmd, capture_output=True, text=True, timeout=per_kind_timeout, env=env,
