@@ -23,7 +23,8 @@ import pytest
 
 from kvxfer.testing.gpu_check import STAGES
 from kvxfer.testing.gpu_install import plan, slim_wheel
-from kvxfer.testing.gpu_xfer import LAYOUTS, copy_blocks, fill, parse_proto_info, verify
+from kvxfer.testing.gpu_lanes import parse_proto_info
+from kvxfer.testing.gpu_xfer import LAYOUTS, copy_blocks, fill, verify
 
 REPO = Path(__file__).resolve().parents[1]
 STATUSES = {"ok", "dry", "unavailable", "failed", "timeout", "pending"}

@@ -1,7 +1,8 @@
 """The measuring stages of ``make gpu-check`` (``kvxfer.testing.gpu_check``): ``lanes``,
-``bench-<kind>`` and ``knobs``, built on ``kvxfer.testing.gpu_xfer``.
+``bench-<kind>`` and ``knobs``, built on ``kvxfer.testing.gpu_xfer`` (memory, pattern),
+``gpu_pair`` (raw NIXL) and ``gpu_lanes`` (the lanes stage's per-kind process).
 
-* ``raw_sweep``: raw NIXL READs between two engine processes (``gpu_xfer.Pair``), the
+* ``raw_sweep``: raw NIXL READs between two engine processes (``gpu_pair.Pair``), the
   same-device gather/scatter copy and the staged variant (gather into a contiguous buffer on
   the sender's own CUDA stream, one transfer, scatter on the receiver's), per layout and
   size; the first transfer with a cold peer, then warm.
@@ -25,17 +26,17 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from kvxfer.testing.gpu_lanes import parse_proto_info
+from kvxfer.testing.gpu_pair import Pair
 from kvxfer.testing.gpu_xfer import (
     BLOCK,
     LAYOUTS,
     REGIONS,
     XFER_TIMEOUT_S,
-    Pair,
     Unavailable,
     _ordinal,
     block_ids,
     fill,
-    parse_proto_info,
     verify,
     vmm_allocation,
     wipe,
@@ -193,7 +194,6 @@ def kvxfer_sweep(kind: str, layout: str, sizes: list[int], repeats: int, *, devi
                  emit: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
     """kvxfer's READs through two ``kvxfer serve`` processes, Recv sent -> Done received, the
     first with a cold peer (handshake and wire-up), then warm; every repeat verified."""
-    from kvxfer.client import RemoteBlocks
     from kvxfer.testing.procs import SidecarFactory
 
     nb = max(sizes) + 2
@@ -208,40 +208,7 @@ def kvxfer_sweep(kind: str, layout: str, sizes: list[int], repeats: int, *, devi
         try:
             p = _engine(layout, nb, ps.endpoint, 1, kind, device)
             d = _engine(layout, nb, ds.endpoint, 2, kind, device)
-            reg = p.start()
-            d.start()
-            src, dst = _flat(p), _flat(d)
-            fill(src, 1)
-            pb, db = p.allocate(nb - 1), d.allocate(nb - 1)  # shuffled: non-contiguous
-            # (the engine's block ids index the same [blocks] axis the pattern was written over)
-
-            def read(name: str, s: list[int], dd: list[int]) -> float:
-                wipe(dst)
-                p.client.hold(name, s, lease_s=120)
-                t0 = time.perf_counter()
-                rem = RemoteBlocks(reg.engine_id, reg.handshake_host, reg.handshake_port, s)
-                d.client.recv(name, dd, rem)
-                got = d.client.wait_until(lambda a: bool(a.done or a.failed), XFER_TIMEOUT_S)
-                took = time.perf_counter() - t0
-                if got.failed or not got.done:
-                    why = (f"failed: {got.failed[0].code} {got.failed[0].reason}" if got.failed
-                           else f"no Done in {XFER_TIMEOUT_S:.0f} s")
-                    raise RuntimeError(f"kvxfer read {name} ({len(s)} blocks) {why}\n"
-                                       f"decode sidecar log: {ds.log()[-1500:]}")
-                bad = verify(dst, 1, s, dd, nb, layout)
-                if bad:
-                    raise RuntimeError(f"kvxfer read {name}: {bad} bytes wrong")
-                return took
-
-            cold = read("cold", pb[:1], db[:1])
-            warm = [read(f"warm{i}", pb[:1], db[:1]) for i in range(3)]
-            out["first_transfer_ms"] = {"cold": round(cold * 1e3, 3), "warm": _ms(warm)}
-            for n in sizes:
-                ts = [read(f"s{n}-{r}", pb[:n], db[:n]) for r in range(repeats)]
-                out["rows"].append({"layout": layout, "blocks": n, "bytes": n * BLOCK,
-                                    "kvxfer_gbps": _gbps(n * BLOCK, ts), "kvxfer_ms": _ms(ts)})
-                if emit:
-                    emit(out)
+            _kvxfer_reads(p, d, ds, nb, layout, sizes, repeats, out, emit)
             log = ds.log() + ps.log()
             out["pool_handles"] = ("posix_fd only (fabric refused)" if "no fabric handles here" in log
                                    else "as the driver allowed" if kind.startswith("vmm") else "")
@@ -250,6 +217,49 @@ def kvxfer_sweep(kind: str, layout: str, sizes: list[int], repeats: int, *, devi
                 if e is not None:
                     e.close()
     return out
+
+
+def _kvxfer_reads(p: Any, d: Any, ds: Any, nb: int, layout: str, sizes: list[int], repeats: int,
+                  out: dict[str, Any], emit: Callable[[dict[str, Any]], None] | None) -> None:
+    """``kvxfer_sweep``'s measurements: the prefill engine ``p`` and the decode engine ``d``
+    (its sidecar ``ds``) started, then the cold and warm first transfers and each size, into
+    ``out``."""
+    from kvxfer.client import RemoteBlocks
+
+    reg = p.start()
+    d.start()
+    src, dst = _flat(p), _flat(d)
+    fill(src, 1)
+    pb, db = p.allocate(nb - 1), d.allocate(nb - 1)  # shuffled: non-contiguous
+    # (the engine's block ids index the same [blocks] axis the pattern was written over)
+
+    def read(name: str, s: list[int], dd: list[int]) -> float:
+        wipe(dst)
+        p.client.hold(name, s, lease_s=120)
+        t0 = time.perf_counter()
+        rem = RemoteBlocks(reg.engine_id, reg.handshake_host, reg.handshake_port, s)
+        d.client.recv(name, dd, rem)
+        got = d.client.wait_until(lambda a: bool(a.done or a.failed), XFER_TIMEOUT_S)
+        took = time.perf_counter() - t0
+        if got.failed or not got.done:
+            why = (f"failed: {got.failed[0].code} {got.failed[0].reason}" if got.failed
+                   else f"no Done in {XFER_TIMEOUT_S:.0f} s")
+            raise RuntimeError(f"kvxfer read {name} ({len(s)} blocks) {why}\n"
+                               f"decode sidecar log: {ds.log()[-1500:]}")
+        bad = verify(dst, 1, s, dd, nb, layout)
+        if bad:
+            raise RuntimeError(f"kvxfer read {name}: {bad} bytes wrong")
+        return took
+
+    cold = read("cold", pb[:1], db[:1])
+    warm = [read(f"warm{i}", pb[:1], db[:1]) for i in range(3)]
+    out["first_transfer_ms"] = {"cold": round(cold * 1e3, 3), "warm": _ms(warm)}
+    for n in sizes:
+        ts = [read(f"s{n}-{r}", pb[:n], db[:n]) for r in range(repeats)]
+        out["rows"].append({"layout": layout, "blocks": n, "bytes": n * BLOCK,
+                            "kvxfer_gbps": _gbps(n * BLOCK, ts), "kvxfer_ms": _ms(ts)})
+        if emit:
+            emit(out)
 
 
 # --------------------------------------------------------------------------- stages
@@ -427,7 +437,7 @@ def stage_lanes(dry: bool, device: str, emit: Callable[[dict[str, Any]], None],
     res: dict[str, Any] = {"kinds": {}}
     env = {**os.environ, "UCX_PROTO_INFO": "y", "UCX_LOG_LEVEL": "info", "PYTHONUNBUFFERED": "1"}
     for kind in kinds:
-        cmd = [sys.executable, "-m", "kvxfer.testing.gpu_xfer", "lanes-one", kind, "--device", device]
+        cmd = [sys.executable, "-m", "kvxfer.testing.gpu_lanes", "lanes-one", kind, "--device", device]
         t0 = time.monotonic()
         try:
             p = subprocess.run(cmd, capture_output=True, text=True, timeout=per_kind_timeout, env=env,
@@ -456,5 +466,3 @@ def stage_lanes(dry: bool, device: str, emit: Callable[[dict[str, Any]], None],
         res["status"] = "failed"
         res["reason"] = f"kinds that failed: {', '.join(bad)}"
     return res
-
-

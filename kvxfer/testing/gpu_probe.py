@@ -124,13 +124,7 @@ def env_basic() -> dict[str, Any]:
     q = run(["nvidia-smi", "-q"])
     fabric = [ln.strip() for ln in (q.get("out") or "").splitlines()
               if re.search(r"fabric|imex|clique", ln, re.I)]
-    ns = {}
-    for line in (_read("/proc/self/status") or "").splitlines():
-        if line.startswith(("NSpid", "NStgid")):
-            k, v = line.split(":", 1)
-            ns[k] = v.split()
-    with contextlib.suppress(OSError):
-        ns["pid_ns"] = os.readlink("/proc/self/ns/pid")
+    ns = _pid_namespace()
     soft, hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
     out: dict[str, Any] = {
         "host": platform.node(), "kernel": platform.release(), "os": _os_release(),
@@ -172,6 +166,18 @@ def env_basic() -> dict[str, Any]:
         f"fabric lines {len(fabric)}",
     ]
     return out
+
+
+def _pid_namespace() -> dict[str, Any]:
+    """This process's ids in its PID namespaces (``NSpid``, ``NStgid``) and that namespace."""
+    ns: dict[str, Any] = {}
+    for line in (_read("/proc/self/status") or "").splitlines():
+        if line.startswith(("NSpid", "NStgid")):
+            k, v = line.split(":", 1)
+            ns[k] = v.split()
+    with contextlib.suppress(OSError):
+        ns["pid_ns"] = os.readlink("/proc/self/ns/pid")
+    return ns
 
 
 def _has(module: str) -> bool:
