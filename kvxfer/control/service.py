@@ -254,7 +254,10 @@ async def start_control_server(
     pending: set[asyncio.Task[None]] = set()
 
     def changed(_before: LifecycleView, after: LifecycleView) -> None:
-        task = asyncio.get_running_loop().create_task(show(after))
+        try:
+            task = asyncio.get_running_loop().create_task(show(after))
+        except RuntimeError:  # no running loop: at teardown
+            return
         pending.add(task)
         task.add_done_callback(pending.discard)
 

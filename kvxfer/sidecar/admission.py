@@ -24,15 +24,16 @@ def check_blocks(req_id: str, block_ids: list[int], num_blocks: int, side: str) 
 
 
 def admit_hold(msg: Hold, engine: str, num_blocks: int | None, *, draining: bool, abandoned: bool,
-               now_unix: float, registered: list[str]) -> None:
+               now_unix: float, registered: Callable[[], list[str]]) -> None:
     """A prefill engine's Hold. ``num_blocks``: the fewest blocks of the engine's registered
     ranks (None: none registered); ``abandoned``: the engine freed these blocks when this
-    sidecar restarted (``kvxfer.abandoned``); ``registered``: the engines that are."""
+    sidecar restarted (``kvxfer.abandoned``); ``registered``: the engines that are (asked only
+    for the refusal's message: the hot path does not pay for it)."""
     if draining:
         raise RequestError(ErrorCode.DRAINING, "sidecar is draining; no new holds", msg.req_id)
     if num_blocks is None:
         raise RequestError(ErrorCode.NOT_REGISTERED, f"engine {engine!r} has no KV cache registered "
-                           f"(registered: {registered})", msg.req_id)
+                           f"(registered: {registered()})", msg.req_id)
     check_blocks(msg.req_id, msg.block_ids, num_blocks, "held")
     if msg.expires_unix and now_unix > msg.expires_unix:
         raise RequestError(ErrorCode.EXPIRED, "hold arrived after the engine freed its blocks "
@@ -43,7 +44,7 @@ def admit_hold(msg: Hold, engine: str, num_blocks: int | None, *, draining: bool
 
 
 def admit_recv(msg: Recv, engine: str, local: KVLayout | None, *, draining: bool, abandoned: bool,
-               now_unix: float, registered: str) -> None:
+               now_unix: float, registered: Callable[[], str]) -> None:
     """A decode engine's Recv for one local rank. ``local``: that rank's layout (None: not
     registered); ``registered``: what is, for the message."""
     if draining:
@@ -51,7 +52,7 @@ def admit_recv(msg: Recv, engine: str, local: KVLayout | None, *, draining: bool
     if local is None:
         raise RequestError(ErrorCode.NOT_REGISTERED,
                            f"rank pp{msg.pp_rank}/tp{msg.tp_rank} of engine {engine!r} not "
-                           f"registered (registered: {registered})")
+                           f"registered (registered: {registered()})")
     check_blocks(msg.req_id, msg.block_ids, local.num_blocks, "local")
     s_local, s_remote = msg.state_pairs
     check_blocks(msg.req_id, s_local, local.num_blocks, "local")
@@ -70,12 +71,13 @@ def admit_recv(msg: Recv, engine: str, local: KVLayout | None, *, draining: bool
 
 
 def recv_deadline_s(msg: Recv, now_unix: float, default_s: float) -> float:
-    """How long a receive may take: its own deadline or the default, never past the moment
-    its engine gives up on the load (``expires_unix``), and never less than 1 ms."""
-    deadline = msg.deadline_s or default_s
+    """How long a receive may take: never past the moment its engine gives up on the load
+    (``expires_unix``: then its own deadline if shorter, and never less than 1 ms), else
+    its own deadline or the default."""
     if msg.expires_unix:
-        deadline = min(deadline, max(0.001, msg.expires_unix - now_unix))
-    return deadline
+        left = max(0.001, msg.expires_unix - now_unix)
+        return min(msg.deadline_s or left, left)
+    return msg.deadline_s or default_s
 
 
 def recv_bytes(local: KVLayout, block_bytes: int, msg: Recv) -> int:

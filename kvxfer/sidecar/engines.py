@@ -70,6 +70,7 @@ class Engines:
                 e = RequestError(ErrorCode.MEMORY_MAP_FAILED, repr(e))
             log.warning("registration of %s refused: [%s] %s", self.registry.key_of(msg), e.code, e.reason)
             self.server.send(ident, Error(code=e.code, message=e.reason))
+            self.changed.emit()  # (a failed re-registration unregistered the key)
             return
         nbytes = sum(m.size for m in msg.memory)
         log.info("registered %s: %d bytes", entry.key, nbytes)
@@ -112,8 +113,10 @@ class Engines:
             raise RequestError(ErrorCode.NOT_REGISTERED, f"rank pp{msg.pp_rank}/tp{msg.tp_rank} of engine "
                                f"{self.registry.engine_of(msg.engine_id)!r} is not registered by "
                                "this connection")
-        await self.registry.remove(entry.key)
-        self.changed.emit()
+        try:
+            await self.registry.remove(entry.key)
+        finally:
+            self.changed.emit()
 
     # ---------------------------------------------------------------- deaths
 
@@ -138,6 +141,12 @@ class Engines:
                                    "exited or killed)")
 
     async def gone(self, entry: RankEntry, reason: str) -> None:
+        try:
+            await self._gone(entry, reason)
+        finally:
+            self.changed.emit()
+
+    async def _gone(self, entry: RankEntry, reason: str) -> None:
         await self.receiver.fail_rank(entry.key, reason)
         held = self.holds.engine_holds(entry.key.engine)
         if held:
@@ -150,4 +159,3 @@ class Engines:
             log.warning("%s: %s; dropping its registration and receives", entry.key, reason)
             await self.registry.remove(entry.key, unlink=True)  # the dead engine cannot remove its files
         self.observer.emit(Event("engine_gone", reason=f"{entry.key}: {reason}", tp_rank=entry.key.tp))
-        self.changed.emit()

@@ -48,7 +48,7 @@ from kvxfer.sidecar.admission import admit_hold
 from kvxfer.sidecar.lifecycle import Signal
 from kvxfer.sidecar.registry import RankRegistry
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("kvxfer.holds")  # (the name operators filter on)
 
 
 @dataclass(frozen=True)
@@ -84,7 +84,7 @@ class Holds:
         ranks = self.registry.of_engine(engine)
         admit_hold(msg, engine, min(r.layout.num_blocks for r in ranks) if ranks else None,
                    draining=draining, abandoned=(engine, msg.req_id) in self.abandoned, now_unix=time.time(),
-                   registered=self.registry.engines())
+                   registered=self.registry.engines)
         now = time.monotonic()
         duration = msg.lease_s or self.config.lease_s
         self.table.add(Lease(req_id=msg.req_id, owner=ident, block_ids=list(msg.block_ids),

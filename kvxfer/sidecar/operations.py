@@ -117,6 +117,7 @@ class Operations:
         start = time.monotonic()
         if p.lifecycle.drain():
             p.observer.emit(Event("drain_started"))
+        p.lifecycle.work(bool(p.receiver.recvs) or bool(len(p.holds)))  # (idle from the parts themselves)
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(p.idle.wait(), timeout_s)
         failed = len(p.receiver)

@@ -89,6 +89,19 @@ def done_message(state: RecvState, read: ReadFinished | None) -> Done:
                 trace=None if state.trace is None else sorted(state.trace, key=lambda h: h[1]))
 
 
+async def notify_prefill(nixl: NixlPort, registry: RankRegistry, state: RecvState, ok: bool) -> None:
+    """The read notice for the prefill: every (pp, tp) rank of this engine reads once."""
+    msg = state.msg
+    entry = registry.get(state.local)
+    readers = entry.layout.tp_size * entry.layout.pp_size if entry is not None else 0
+    notice = ReadNotice(req_id=msg.remote_req_id or msg.req_id, tp_rank=msg.tp_rank, ok=ok, readers=readers,
+                        engine_id=state.remote_engine, pp_rank=msg.pp_rank, token=msg.remote_token)
+    try:
+        await nixl.notify(state.peer_agent, encode(notice))
+    except Exception as e:
+        log.warning("read notice for %s to %s not sent: %s", notice.req_id, state.peer_agent, e)
+
+
 def recv_key(req_id: str, tp_rank: int, engine: str = "", pp_rank: int = 0) -> str:
     """One receive per (request, local rank): each rank reads its own memory."""
     return f"{engine}/{pp_rank}/{tp_rank}:{req_id}"
@@ -140,7 +153,7 @@ class Receiver:
         try:
             admit_recv(msg, engine, local.layout if local is not None else None, draining=draining,
                        abandoned=(engine, msg.req_id) in self.abandoned, now_unix=wall,
-                       registered=self.registry.describe())
+                       registered=self.registry.describe)
         except RequestError as e:
             self._send_failed(ident, msg, e)
             return
@@ -170,7 +183,10 @@ class Receiver:
                     self._not_started(key, e)
                     return  # (missing ranks, or a stale description: handshake again below)
             else:
-                self._start_read(key, state, peer, plans, pairing, msg.deadline_s)
+                try:
+                    self._start_read(key, state, peer, plans, pairing, msg.deadline_s)
+                except Exception as e:  # a bug must fail this receive, never leave it waiting
+                    self._not_started(key, e)
                 return
         self._spawn(self._handshake_then_read(key, state))
 
@@ -227,9 +243,9 @@ class Receiver:
             self._start_read(key, state, peer, plans, pairing, msg.deadline_s - (time.monotonic() - start))
         except TimeoutError:
             self._not_started(key, RequestError(ErrorCode.HANDSHAKE_FAILED, f"no handshake within "
-                                                f"{msg.deadline_s}s"))
+                                                f"{msg.deadline_s}s"), state)
         except Exception as e:
-            self._not_started(key, e)
+            self._not_started(key, e, state)
 
     async def _generation_moved(self, msg: Recv, peer: Peer) -> bool:
         """Whether the prefill sidecar's generation is no longer the cached peer's: a renewal
@@ -352,10 +368,12 @@ class Receiver:
     def _send_failed(self, ident: bytes, msg: Recv, err: RequestError) -> None:
         self._send(ident, failed_message(msg, err))
 
-    def _not_started(self, key: str, err: BaseException) -> None:
-        """A receive that could not start: its RequestError, or a bug as TRANSFER_ERROR."""
+    def _not_started(self, key: str, err: BaseException, which: RecvState | None = None) -> None:
+        """A receive that could not start: its RequestError, or a bug as TRANSFER_ERROR.
+        ``which``: only that receive (a handshake task outlives a cancelled receive, and
+        must not fail a newer one under the same key)."""
         state = self.recvs.get(key)
-        if state is None:
+        if state is None or (which is not None and state is not which):
             return
         if not isinstance(err, RequestError):
             log.error("receive %s failed", state.msg.req_id, exc_info=err)
@@ -387,17 +405,4 @@ class Receiver:
         if out.drop_peer:
             self._spawn(self.peers.drop_peer(state.peer_agent, out.error.reason if out.error else ""))
         elif out.notice is not None:
-            self._spawn(self._notify_peer(state, out.notice))
-
-    async def _notify_peer(self, state: RecvState, ok: bool) -> None:
-        """The read notice for the prefill: every (pp, tp) rank of this engine reads once."""
-        msg = state.msg
-        entry = self.registry.get(state.local)
-        readers = entry.layout.tp_size * entry.layout.pp_size if entry is not None else 0
-        notice = ReadNotice(req_id=msg.remote_req_id or msg.req_id, tp_rank=msg.tp_rank, ok=ok,
-                            readers=readers, engine_id=state.remote_engine, pp_rank=msg.pp_rank,
-                            token=msg.remote_token)
-        try:
-            await self.nixl.notify(state.peer_agent, encode(notice))
-        except Exception as e:
-            log.warning("read notice for %s to %s not sent: %s", notice.req_id, state.peer_agent, e)
+            self._spawn(notify_prefill(self.nixl, self.registry, state, out.notice))

@@ -28,7 +28,7 @@ import msgspec
 from kvxfer.errors import ErrorCode, RequestError
 from kvxfer.protocol import KVGroup, KVLayout, PoolMemory, RankInfo, RegisterKV, ShmMemory
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("kvxfer.registry")  # (the name operators filter on)
 
 
 class RankKey(NamedTuple):
