@@ -95,6 +95,13 @@ class RankInfo(_Msg, tag="rank"):
         """(engine, pp, tp): how a peer's ranks are addressed."""
         return (self.engine_id, self.layout.pp_rank, self.layout.tp_rank)
 
+    def block_bytes(self, attention_only: bool = False) -> int:
+        """Bytes of one block in this rank's regions as registered (``attention_only``: the
+        KV regions, not the state regions that follow them). The one place this sum is
+        written; a method, so the encoded bytes do not change."""
+        regions = self.regions[: self.layout.num_regions] if attention_only else self.regions
+        return sum(r.block_len for r in regions)
+
 
 class Welcome(_Msg, tag="welcome"):
     """Handshake accepted; the NIXL agent metadata follows as the next frame."""

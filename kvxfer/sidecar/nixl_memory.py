@@ -41,7 +41,7 @@ class LocalRank:
     @property
     def block_bytes(self) -> int:
         """Bytes of one block in all its regions (an upper bound on what a block moves)."""
-        return sum(r.block_len for r in self.info.regions)
+        return self.info.block_bytes()
 
 
 @dataclass

@@ -17,6 +17,7 @@ import asyncio
 import logging
 import socket
 import time
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -147,6 +148,7 @@ class PeerClient:
         self._handshakes: dict[str, asyncio.Future[Peer]] = {}
         self._links: dict[str, PeerLink] = {}
         self._link_tasks: set[asyncio.Task[None]] = set()
+        self._socks: weakref.WeakSet[zmq.asyncio.Socket] = weakref.WeakSet()  # every socket dialed
 
     # ---------------------------------------------------------------- peers
 
@@ -280,7 +282,10 @@ class PeerClient:
         key = f"{host}:{port}"
         link = self._links.get(key)
         if link is None or link.closed:
-            link = PeerLink(self._dial(await self._resolve(host, port)))
+            addr = await self._resolve(host, port)
+            link = self._links.get(key)  # (another call may have opened one meanwhile: one link each)
+        if link is None or link.closed:
+            link = PeerLink(self._dial(addr))
             self._links[key] = link
             task = asyncio.ensure_future(link.run())
             self._link_tasks.add(task)
@@ -323,11 +328,16 @@ class PeerClient:
         return reply.digests
 
     def close(self) -> None:
+        """Close every socket this client dialed (links, handshakes and digest requests still
+        in flight): a ZMQ context cannot terminate while one of its sockets is open."""
         for link in self._links.values():
             link.close()
         self._links.clear()
         for task in self._link_tasks:
             task.cancel()
+        for sock in list(self._socks):
+            if not sock.closed:
+                sock.close(0)
 
     # ---------------------------------------------------------------- sockets
 
@@ -340,6 +350,7 @@ class PeerClient:
             sock.curve_publickey, sock.curve_secretkey = zmq.curve_keypair()
             sock.curve_serverkey = self.channel.curve[0]
         sock.connect(addr)
+        self._socks.add(sock)
         return sock
 
     async def _resolve(self, host: str, port: int) -> str:

@@ -160,7 +160,7 @@ class Receiver:
         assert local is not None
         now = time.monotonic()
         lay = local.layout
-        nbytes = recv_bytes(lay, sum(r.block_len for r in local.info.regions[:lay.num_regions]), msg)
+        nbytes = recv_bytes(lay, local.info.block_bytes(attention_only=True), msg)
         # (never read past the moment the engine gives up on the load)
         deadline_s = recv_deadline_s(msg, wall, self.config.transfer_timeout_s)
         msg = msgspec.structs.replace(msg, deadline_s=deadline_s)

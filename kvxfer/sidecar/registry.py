@@ -62,7 +62,7 @@ class RankEntry:
 
     @property
     def nbytes(self) -> int:
-        return sum(r.block_len for r in self.info.regions) * self.layout.num_blocks
+        return self.info.block_bytes() * self.layout.num_blocks
 
 
 def process_start_time(pid: int) -> str | None:

@@ -25,7 +25,7 @@ from typing import Any
 from kvxfer.auth import new_token
 from kvxfer.client import RemoteBlocks
 from kvxfer.memchannel import available_memory, gib
-from kvxfer.memory import region_block_len
+from kvxfer.memory import dense_bytes
 from kvxfer.protocol import KVLayout
 from kvxfer.testing.engine import SyntheticEngine, make_layout
 from kvxfer.testing.procs import SidecarFactory, SidecarProc, free_port
@@ -90,7 +90,7 @@ class DemoOptions:
         """KV-pool bytes one side's engine asks its sidecar for (all its TP ranks)."""
         lay = self.layout(side)
         tp = self.prefill_tp if side == "prefill" else self.decode_tp
-        return tp * lay.num_regions * lay.num_blocks * region_block_len(lay)
+        return tp * dense_bytes(lay)  # (state regions included, as the engine allocates them)
 
     def check_memory(self, available: int | None = None) -> None:
         """Refuse, before anything is allocated, pools this machine cannot hold."""
