@@ -170,6 +170,31 @@ def test_oversized_message_is_refused(sidecars: SidecarFactory) -> None:
         c.close()
 
 
+def test_a_deeply_nested_message_is_refused_and_the_sidecar_keeps_serving(sidecars: SidecarFactory) -> None:
+    """5,000 nested msgpack arrays used to end the sidecar (RecursionError out of the engine
+    loop, exit 1): now a typed error on the engine socket, a refusal on the handshake
+    listener, and both keep answering."""
+    ds = sidecars.start("deep-msg")
+    c = SyntheticEngine(make_layout(layers=1, num_blocks=8, heads=1, head_dim=8), ds.endpoint)
+    deep = b"\x91" * 5000 + b"\xc0"
+    try:
+        c.start()
+        reg = c.registered
+        assert reg is not None
+        c.client.send_raw(deep)
+        err = wait_for(c.client, lambda a: bool(a.errors), timeout=20)
+        assert err.errors[0].code == ErrorCode.MALFORMED
+        with zmq.Context.instance().socket(zmq.DEALER) as hs:
+            hs.connect(f"tcp://127.0.0.1:{reg.handshake_port}")
+            hs.send(deep)
+            assert hs.poll(5000), "the handshake listener stopped answering"
+            assert b"bad hello" in hs.recv_multipart()[0]
+        assert ds.proc.poll() is None
+        assert c.client.ping(5).engine_id == "deep-msg"
+    finally:
+        c.close()
+
+
 def _engine_that_dies(endpoint: str, conn: object) -> None:
     eng = SyntheticEngine(make_layout(layers=2, num_blocks=16, heads=2, head_dim=16), endpoint)
     eng.start()

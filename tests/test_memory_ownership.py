@@ -35,6 +35,7 @@ from kvxfer.memchannel import (
     _enc,
     _replies,
     check_memfd,
+    mem_socket_path,
     memfd,
     shmem_bytes,
 )
@@ -337,3 +338,31 @@ def test_an_engine_in_another_pid_namespace_is_seen_to_die(factory: SidecarFacto
             engine.wait()
         if engine.stdout:
             engine.stdout.close()
+
+
+def test_the_memory_channel_serves_past_1024_descriptors(sidecars: SidecarFactory) -> None:
+    """1,100 idle connections push the sidecar's descriptor numbers past 1024, where
+    ``select()`` fails for good (the channel used to stop answering at ~1,016); with poll
+    the next engine still gets its pool."""
+    sc = sidecars.start("fd-storm")
+    path = mem_socket_path(sc.endpoint)
+    end = time.monotonic() + 30
+    while not os.path.exists(path) and time.monotonic() < end:  # (the sidecar starting)
+        time.sleep(0.05)
+    idle = []
+    try:
+        for _ in range(1100):
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+            s.connect(path)
+            idle.append(s)
+        time.sleep(0.5)  # (accepted by the channel's thread)
+        client = PoolClient(path, timeout_s=10.0)
+        try:
+            pool = client.create(MiB, label="after-storm")
+            assert pool.size == MiB
+            client.free(pool)
+        finally:
+            client.close()
+    finally:
+        for s in idle:
+            s.close()

@@ -13,9 +13,11 @@ from kvxfer.protocol.peer import HandshakeReply, HandshakeRequest, ReadNotice
 
 # --------------------------------------------------------------------------- codecs
 
-# Everything a decoder may raise on hostile bytes: msgspec's own errors, and ValueError
-# subclasses it lets through (UnicodeDecodeError for invalid UTF-8 in a str field).
-DECODE_ERRORS: tuple[type[Exception], ...] = (msgspec.DecodeError, ValueError)
+# Everything a decoder may raise on hostile bytes: msgspec's own errors, ValueError
+# subclasses it lets through (UnicodeDecodeError for invalid UTF-8 in a str field), and
+# RecursionError for nesting deeper than the interpreter's limit (msgspec checks the depth
+# itself and raises it cleanly: 5,000 nested arrays used to end the sidecar's engine loop).
+DECODE_ERRORS: tuple[type[Exception], ...] = (msgspec.DecodeError, ValueError, RecursionError)
 
 _encoder = msgspec.msgpack.Encoder()
 

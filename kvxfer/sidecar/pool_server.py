@@ -147,11 +147,17 @@ class PoolServer:
 
     def _run(self) -> None:
         assert self._listener is not None
+        listener = self._listener.fileno()
         while True:
-            fds = [self._wake_r, self._listener.fileno(), *self._conns]
+            # poll, not select: select fails for good once a descriptor's number reaches 1024
+            # (a connection storm on any socket of the sidecar), and the channel with it
+            poller = select.poll()
+            for fd in (self._wake_r, listener, *self._conns):
+                poller.register(fd, select.POLLIN)
             try:
-                ready, _, _ = select.select(fds, [], [])
-            except (OSError, ValueError):
+                ready = [fd for fd, _events in poller.poll()]
+            except OSError:
+                log.exception("memory channel: poll failed; the channel stops")
                 return
             for fd in ready:
                 if fd == self._wake_r:
