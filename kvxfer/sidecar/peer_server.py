@@ -125,10 +125,9 @@ class PeerServer:
         """The answer to a ``LeaseRenew``, given in the listener's loop."""
         why = self._unsigned(msg)
         if why:
-            addr, sender = peer_address(frame), msg.agent_name or "?"
-            log.warning("handshake refused (from %s, %s): %s", addr or "?", sender, why)
-            self.observer.handshake_refused(f"{addr} {sender}".strip(), ErrorCode.UNAUTHORIZED)
-            return Refused(version=PROTOCOL_VERSION, code=ErrorCode.UNAUTHORIZED, reason=why)
+            refused, _ = self._refuse(peer_address(frame), msg.agent_name or "?", ErrorCode.UNAUTHORIZED, why)
+            assert isinstance(refused, Refused)
+            return refused
         state = self._renew(msg)
         if "held" in state.held:
             self.nixl.expect_reads()  # (a claim: the read follows; see NixlPort.expect_reads)
