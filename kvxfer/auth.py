@@ -148,3 +148,57 @@ def new_token() -> str:
 
 def same_token(want: str, got: str) -> bool:
     return hmac.compare_digest(want.encode(), got.encode())
+
+
+# ----------------------------------------------------------------- control calls (host key)
+
+CALL_S = 60.0  # a signed control call must arrive within this of its time (one host, one clock)
+CALL_HEADER = "x-kvxfer-host-auth"  # gRPC metadata key of a call signed with the host key
+
+
+def sign_call(key: bytes, method: str, now: float | None = None) -> str:
+    """The ``CALL_HEADER`` value for one call of ``method`` (the RPC's short name): its time,
+    a fresh nonce and their MAC under this host's key (``kvxfer.hostkey``). Unlike a bearer
+    token, it is worth nothing to whoever captures it: it names one method, once, briefly."""
+    ts = f"{time.time() if now is None else now:.3f}"
+    nonce = secrets.token_hex(12)
+    return f"v1.{ts}.{nonce}.{_mac(key, 'control call', method, ts, nonce)}"
+
+
+class CallBook:
+    """The signed control calls a sidecar took: each accepted once, within ``CALL_S``."""
+
+    def __init__(self) -> None:
+        self._seen: collections.OrderedDict[str, float] = collections.OrderedDict()
+
+    def check(self, key: bytes, method: str, value: str, now: float | None = None) -> str | None:
+        """None when ``value`` signs this call, else why not."""
+        now = time.time() if now is None else now
+        version, _, rest = value.partition(".")
+        ts, nonce, mac = _split_call(rest)
+        if version != "v1" or not ts or not nonce or not mac:
+            return "a malformed host-key signature"
+        try:
+            when = float(ts)
+        except ValueError:
+            return "a malformed host-key signature"
+        if not hmac.compare_digest(_mac(key, "control call", method, ts, nonce), mac):
+            return "a host-key signature that does not verify (another host's key, or another method)"
+        if abs(now - when) > CALL_S:
+            return "a host-key signature too old or from the future (replayed?)"
+        while self._seen and now - next(iter(self._seen.values())) > 2 * CALL_S:
+            self._seen.popitem(last=False)
+        if nonce in self._seen:
+            return "a host-key signature already used (replayed)"
+        self._seen[nonce] = now
+        while len(self._seen) > CHALLENGES_MAX * 4:
+            self._seen.popitem(last=False)
+        return None
+
+
+def _split_call(rest: str) -> tuple[str, str, str]:
+    """"<ts>.<ms>.<nonce>.<mac>" after the version: (ts, nonce, mac); ts keeps its dot."""
+    parts = rest.split(".")
+    if len(parts) != 4:
+        return "", "", ""
+    return f"{parts[0]}.{parts[1]}", parts[2], parts[3]

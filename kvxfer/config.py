@@ -19,6 +19,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvxfer import hostkey
 from kvxfer.errors import ConfigError
 from kvxfer.targets import MUTATING_MODES, is_unix, split_targets
 
@@ -50,9 +51,13 @@ class Config:
     control_tls_key: str = _doc("PEM private key of control_tls_cert.", default="")
     control_tls_client_ca: str = _doc("PEM CA bundle: when set, TCP control callers must present "
                                       "a client certificate it signed (mutual TLS).", default="")
-    control_mutating: str = _doc("Who may call ConnectPeer, DisconnectPeer, CancelTransfer and "
-                                 "Drain: local (unix/loopback or authenticated callers), "
-                                 "authenticated (token or admitted client cert), any, or none.",
+    control_mutating: str = _doc("Who may call ConnectPeer, DisconnectPeer, CancelTransfer, Drain "
+                                 "and Resume: local (callers on a unix control socket, and "
+                                 "authenticated ones: a token, an admitted client cert, or a call "
+                                 "signed with this host's key, which `kvxfer` CLI verbs do), "
+                                 "authenticated (those only), any, or none. Listing request ids "
+                                 "(ListTransfers, ListPeers, WatchEvents, GetStatus's leases and "
+                                 "transfers) needs the same as local.",
                                  default="local")
     control_token_file: str = _doc("File holding a bearer token that authenticates a control "
                                    "caller (also KVXFER_CONTROL_TOKEN).", default="")
@@ -74,9 +79,16 @@ class Config:
                                      "(CurveZMQ, keys derived from the secret: the NIXL metadata "
                                      "never crosses a network in clear); 'none' sends it in clear "
                                      "(only for peers that cannot do CURVE).", default="auto")
-    insecure: bool = _doc("Allow a handshake listener beyond loopback without a shared secret "
-                          "(anyone who reaches it can read and release this engine's KV). "
-                          "Shown in status and as kvxfer_insecure 1.", default=False)
+    host_key_file: str = _doc("Without a shared secret, handshakes on loopback are authenticated "
+                              "with this host's key instead: a file only this sidecar's user can "
+                              "read, made on first use (0600); the CLI signs control calls with it. "
+                              "Default (also KVXFER_HOST_KEY_FILE): /run/kvxfer/host.key for root or "
+                              "the owner of /run/kvxfer, else $XDG_RUNTIME_DIR/kvxfer/host.key, else "
+                              "/tmp/kvxfer-<uid>/host.key.", default="")
+    insecure: bool = _doc("Run the handshake listener with no authentication at all: without a "
+                          "shared secret beyond loopback, and without the host key on loopback "
+                          "(anyone who reaches it, any local user included, can read and release "
+                          "this engine's KV). Shown in status and as kvxfer_insecure 1.", default=False)
     max_pool_bytes: int = _doc("The most KV-pool memory engines may have this sidecar create on "
                                "the memory channel, in bytes (0: what the machine has available).",
                                default=0)
@@ -205,6 +217,10 @@ class Config:
                 raise ConfigError(f"secret_file {self.secret_file} is empty")
             return secret
         return env.get(ENV_PREFIX + "SECRET", "").encode()
+
+    @property
+    def resolved_host_key_file(self) -> str:
+        return self.host_key_file or hostkey.default_path()
 
     @property
     def shm_dir_list(self) -> list[str]:

@@ -141,8 +141,8 @@ class Observer:
 
     def _declare_resource_gauges(self, r: CollectorRegistry) -> None:
         """The sidecar's exposure, NIXL descriptor lists, ranks and pools."""
-        self.g_insecure = Gauge("kvxfer_insecure", "1 when the handshake listener is reachable beyond "
-                                "loopback without a shared secret (--insecure).", registry=r)
+        self.g_insecure = Gauge("kvxfer_insecure", "1 when the handshake listener takes anyone: "
+                                "no shared secret and no host key (--insecure).", registry=r)
         self.g_dlists = Gauge("kvxfer_descriptor_lists_prepared", "NIXL descriptor-list pairs this "
                               "sidecar prepared (prep_xfer_dlist), ever: one per (peer, rank pair, "
                               "region span), reused by every later read.", registry=r)

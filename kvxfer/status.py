@@ -53,6 +53,7 @@ class Snapshot:
     insecure: bool = False
     authenticated: bool = False
     encrypted: bool = False
+    host_key: bool = False
     ranks: list[RankEntry] = field(default_factory=list)
     peers: list[Peer] = field(default_factory=list)
     leases: list[LeaseView] = field(default_factory=list)

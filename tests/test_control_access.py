@@ -19,8 +19,10 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from kvxfer import auth, hostkey
 from kvxfer.client import RemoteBlocks
 from kvxfer.control.access import AccessPolicy
+from kvxfer.control.local import signed
 from kvxfer.control.v1 import control_pb2 as pb
 from kvxfer.control.v1 import control_pb2_grpc as pb_grpc
 from kvxfer.targets import is_local_peer
@@ -106,7 +108,7 @@ def setup(sidecars: SidecarFactory, pki: Path) -> Iterator[Setup]:
     ps = sidecars.start("acl-p", "--role", "prefill", "--handshake-host", "0.0.0.0", "--insecure",
                         "--advertise-host", "127.0.0.1")
     ds = sidecars.start(
-        "acl-d", "--role", "decode", "--control-target", f"{unix},0.0.0.0:{port}",
+        "acl-d", "--role", "decode", "--insecure", "--control-target", f"{unix},0.0.0.0:{port}",
         "--control-tls-cert", str(pki / "server.crt"), "--control-tls-key", str(pki / "server.key"),
         "--control-tls-client-ca", str(pki / "ca.crt"), "--control-admins", "kvxfer-admin",
         "--control-token-file", str(pki / "token"), "--health-target", f"127.0.0.1:{hport}",
@@ -136,10 +138,27 @@ def test_peer_strings_and_decisions() -> None:
     tok = [("authorization", "Bearer t0k")]
     cert = {"transport_security_type": [b"ssl"], "x509_common_name": [b"ops"]}
     remote, local = "ipv4:10.0.0.2:1", "unix:"
-    pol = AccessPolicy("local", b"t0k")
-    assert pol.decide("GetStatus", remote, (), {}) is None  # reads are never restricted
+    pol = AccessPolicy("local", b"t0k", host_key=b"k" * 64)
+    loopback = "ipv4:127.0.0.1:5"
+    assert pol.decide("GetLoad", remote, (), {}) is None  # counts are never restricted
+    for private in ("GetStatus", "ListTransfers", "ListPeers", "WatchEvents"):  # names requests
+        assert pol.decide(private, local, (), {}) is None
+        assert pol.decide(private, loopback, (), {})[0] == "PERMISSION_DENIED"  # type: ignore[index]
+        assert pol.decide(private, remote, tok, {}) is None
+        assert AccessPolicy("any").decide(private, remote, (), {}) is None
     assert pol.decide("Drain", local, (), {}) is None
     assert pol.decide("Drain", remote, (), {})[0] == "PERMISSION_DENIED"  # type: ignore[index]
+    # loopback TCP is any user of the host: it takes a proof, e.g. a call signed with the host key
+    assert pol.decide("Drain", loopback, (), {})[0] == "PERMISSION_DENIED"  # type: ignore[index]
+    signed = [(auth.CALL_HEADER, auth.sign_call(b"k" * 64, "Drain"))]
+    assert pol.decide("Drain", loopback, signed, {}) is None
+    assert pol.decide("Drain", loopback, signed, {})[0] == "UNAUTHENTICATED"  # type: ignore[index]  # once
+    assert pol.decide("Resume", loopback, [(auth.CALL_HEADER, auth.sign_call(b"k" * 64, "Drain"))],
+                      {})[0] == "UNAUTHENTICATED"  # type: ignore[index]  # for the method it names
+    assert pol.decide("Drain", loopback, [(auth.CALL_HEADER, auth.sign_call(b"x" * 64, "Drain"))],
+                      {})[0] == "UNAUTHENTICATED"  # type: ignore[index]  # under this host's key
+    assert AccessPolicy("local").decide("Drain", loopback, [(auth.CALL_HEADER, auth.sign_call(
+        b"k" * 64, "Drain"))], {})[0] == "UNAUTHENTICATED"  # type: ignore[index]  # no key: none verify
     assert pol.decide("Drain", remote, tok, {}) is None
     assert pol.decide("Drain", local, [("authorization", "Bearer nope")], {})[0] == "UNAUTHENTICATED"  # type: ignore[index]
     assert pol.decide("Drain", remote, [("authorization", "Basic dDBr")], {})[0] == "UNAUTHENTICATED"  # type: ignore[index]
@@ -185,7 +204,11 @@ def test_mutating_rpcs_need_admin_cert_or_token_from_remote(setup: Setup) -> Non
                      ) == grpc.StatusCode.UNAUTHENTICATED
         assert s.CancelTransfer(cancel, timeout=5,
                                 metadata=[("authorization", "Bearer s3cret-control-token")]).cancelled == 0
-        assert s.ListPeers(pb.ListPeersRequest(), timeout=5) is not None  # reads stay open
+        # a verified certificate that is no admin's gets counts, not request ids
+        denied = grpc.StatusCode.PERMISSION_DENIED
+        assert _code(lambda: s.ListPeers(pb.ListPeersRequest(), timeout=5)) == denied
+        assert s.GetStatus(pb.GetStatusRequest(), timeout=5).redacted
+        assert s.GetLoad(pb.GetLoadRequest(), timeout=5) is not None
     after = setup.ds.scrape()
     assert after.get(key, 0.0) - before.get(key, 0.0) == 1, [k for k in after if "denied" in k]
     # The admin certificate pre-warms a real handshake; bytes then move over it.
@@ -206,11 +229,18 @@ def test_mutating_rpcs_need_admin_cert_or_token_from_remote(setup: Setup) -> Non
     assert "refused" in setup.ds.log()  # the operator sees who was refused, and why
 
 
-def test_local_callers_may_mutate_over_unix_and_loopback(setup: Setup) -> None:
+def test_local_callers_may_mutate_over_unix_or_with_the_host_key(setup: Setup) -> None:
+    """Loopback is no proof (every user of the host reaches it); the 0600 unix socket and a
+    call signed with the host key are."""
     cancel = pb.CancelTransferRequest(request_id="nothing")
     with grpc.insecure_channel(setup.unix) as ch:
         assert pb_grpc.ControlStub(ch).CancelTransfer(cancel, timeout=5).cancelled == 0
     with setup.channel("dashboard", setup.local_tcp) as ch:  # loopback, non-admin cert
+        stub = pb_grpc.ControlStub(ch)
+        assert _code(lambda: stub.CancelTransfer(cancel, timeout=5)) == grpc.StatusCode.PERMISSION_DENIED
+        with open(hostkey.default_path(), "rb") as fh:
+            key = fh.read().strip()
+    with signed(setup.channel("dashboard", setup.local_tcp), key) as ch:
         assert pb_grpc.ControlStub(ch).CancelTransfer(cancel, timeout=5).cancelled == 0
 
 
@@ -233,7 +263,9 @@ def test_cli_over_mutual_tls(setup: Setup) -> None:
     out = _cli("status", "--target", setup.tcp, "--json", *setup.tls_args("dashboard"))
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout)["identity"]["engine_id"] == "acl-d"
-    denied = _cli("cancel", "some-req", "--target", setup.tcp, *setup.tls_args("dashboard"))
+    # (--host-key-file: a user who cannot read the host key; the CLI of one who can signs with it)
+    denied = _cli("cancel", "some-req", "--target", setup.tcp, *setup.tls_args("dashboard"),
+                  "--host-key-file", "/nonexistent")
     assert denied.returncode == 1
     assert "PERMISSION_DENIED" in denied.stderr
     ok = _cli("cancel", "some-req", "--target", setup.tcp, "--json", *setup.tls_args("dashboard"),

@@ -134,10 +134,23 @@ def test_verify_sample_checks_the_first_read_per_peer_then_one_in_n(sample: int)
 
 def test_a_digest_of_blocks_not_held_is_refused() -> None:
     """Digests are served only for blocks a lease still holds: nobody can make the prefill
-    hash (or time) memory it did not offer."""
+    hash (or time) memory it did not offer (even a holder of the host key, signing its asks)."""
     import zmq
 
-    from kvxfer.protocol import DigestRank, DigestRequest, Refused, encode, handshake_reply_decoder
+    from kvxfer import hostkey
+    from kvxfer.auth import sign_hello, sign_request
+    from kvxfer.protocol import (
+        PROTOCOL_VERSION,
+        Challenge,
+        DigestRank,
+        DigestRequest,
+        Hello,
+        Refused,
+        Welcome,
+        compat_hash,
+        encode,
+        handshake_reply_decoder,
+    )
 
     with SidecarFactory() as f:
         ps = f.start("hp")
@@ -151,11 +164,23 @@ def test_a_digest_of_blocks_not_held_is_refused() -> None:
             ctx = zmq.Context()
             sock = ctx.socket(zmq.DEALER)
             sock.connect(f"tcp://{reg.handshake_host}:{reg.handshake_port}")
+            key = hostkey.load(hostkey.default_path())  # this user's: an authenticated peer
+            hello = Hello(version=PROTOCOL_VERSION, compat_hash=compat_hash(lay), engine_id="probe",
+                          agent_name="probe-agent", model=lay.model)
+            sock.send(encode(hello))
+            assert sock.poll(5000)
+            challenge = handshake_reply_decoder.decode(sock.recv_multipart()[0])
+            assert isinstance(challenge, Challenge)
+            sock.send(encode(sign_hello(key, hello, challenge.nonce, challenge.agent_name)))
+            assert sock.poll(5000)
+            assert isinstance(handshake_reply_decoder.decode(sock.recv_multipart()[0]), Welcome)
             cases = [("held", [3, 9], "does not hold"), ("nothing", [3], "no blocks held"),
                      ("held", [3, 4] * 100, "larger than the held blocks")]
             for req_id, blocks, why in cases:
                 item = DigestItem(blocks=blocks, runs=[[0, 16]])
-                sock.send(encode(DigestRequest(req_id=req_id, ranks=[DigestRank(rank=0, items=[item])])))
+                ask = DigestRequest(req_id=req_id, ranks=[DigestRank(rank=0, items=[item])],
+                                    agent_name="probe-agent")
+                sock.send(encode(sign_request(key, ask)))
                 assert sock.poll(5000)
                 reply = handshake_reply_decoder.decode(sock.recv_multipart()[0])
                 assert isinstance(reply, Refused)

@@ -7,19 +7,26 @@ always plaintext: the socket file's permissions are the access control. ``health
 is a separate plaintext listener that serves only ``grpc.health.v1`` (kubelet's gRPC probes
 cannot speak TLS), so the control service itself never has to be exposed in the clear.
 
-Authorization: reads (status, peers, transfers, load, events, health) are open to whoever
-the transport let in. Mutating RPCs (``MUTATING``) follow ``control_mutating``:
+Authorization: health, GetLoad (counts) and GetStatus are open to whoever the transport let
+in; but what names requests (``PRIVATE``: ListTransfers, ListPeers, WatchEvents, and
+GetStatus's leases, transfers and peers, left out and ``redacted`` set) is shown only to
+callers that ``local`` admits, or to anyone under ``any``. Mutating RPCs (``MUTATING``)
+follow ``control_mutating``:
 
-- ``local`` (default): callers over a unix socket or loopback TCP, and authenticated callers;
+- ``local`` (default): callers on a unix control socket (its file is 0600: this user and
+  root only) and authenticated callers. Loopback TCP is no proof of anything: every user of
+  the host reaches it;
 - ``authenticated``: only authenticated callers;
 - ``any``: whoever the transport let in;
 - ``none``: nobody (a read-only control plane).
 
 A caller is authenticated by a bearer token (``authorization: Bearer <token>`` metadata;
-the token from ``control_token_file`` or ``KVXFER_CONTROL_TOKEN``) or by a verified client
+the token from ``control_token_file`` or ``KVXFER_CONTROL_TOKEN``), by a verified client
 certificate whose common name or a subject alternative name is in ``control_admins`` (any
-verified certificate when that list is empty). A wrong token is refused (UNAUTHENTICATED)
-even from a local caller, so a misconfigured client finds out at once.
+verified certificate when that list is empty), or by a call signed with this host's key
+(``kvxfer.hostkey``; ``x-kvxfer-host-auth`` metadata, ``kvxfer.auth.sign_call``: the CLI
+of a user who can read the key signs every call). A wrong token or signature is refused
+(UNAUTHENTICATED) even from a local caller, so a misconfigured client finds out at once.
 """
 
 from __future__ import annotations
@@ -27,14 +34,17 @@ from __future__ import annotations
 import hmac
 import os
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
+from kvxfer import hostkey
+from kvxfer.auth import CALL_HEADER, CallBook
 from kvxfer.config import Config
 from kvxfer.errors import ConfigError
-from kvxfer.targets import MUTATING_MODES, is_local_peer
+from kvxfer.targets import MUTATING_MODES
 
 MUTATING = frozenset({"ConnectPeer", "DisconnectPeer", "CancelTransfer", "Drain", "Resume"})
+PRIVATE = frozenset({"ListTransfers", "ListPeers", "WatchEvents", "GetStatus"})  # name requests
 MODES = MUTATING_MODES
 TOKEN_ENV = "KVXFER_CONTROL_TOKEN"
 
@@ -63,6 +73,8 @@ class AccessPolicy:
     token: bytes = b""
     admins: frozenset[str] = frozenset()
     tls: TlsFiles | None = None
+    host_key: bytes = b""  # b"": calls signed with a host key are refused
+    calls: CallBook = field(default_factory=CallBook, compare=False)
 
     @property
     def mtls(self) -> bool:
@@ -72,20 +84,36 @@ class AccessPolicy:
         self, method: str, peer: str, metadata: Iterable[tuple[str, Any]],
         identities: Mapping[str, Iterable[bytes]],
     ) -> tuple[str, str] | None:
-        """None when ``method`` may run; else (grpc status name, reason)."""
-        if method not in MUTATING or self.mode == "any":
+        """None when ``method`` may run; else (grpc status name, reason). GetStatus denied
+        (PERMISSION_DENIED) still runs, redacted."""
+        if method not in MUTATING and method not in PRIVATE:
             return None
-        if self.mode == "none":
+        if self.mode == "any" and method in PRIVATE:
+            return None
+        if method in MUTATING and self.mode == "any":
+            return None
+        if method in MUTATING and self.mode == "none":
             return "PERMISSION_DENIED", f"{method} is disabled on this sidecar (control_mutating=none)"
         presented = _bearer(metadata)
         if presented is not None and not (self.token and hmac.compare_digest(presented, self.token)):
             return "UNAUTHENTICATED", "the bearer token is not this sidecar's control token"
-        authenticated = presented is not None or self._cert_admin(identities)
-        if authenticated or (self.mode == "local" and is_local_peer(peer)):
+        signed = _header(metadata, CALL_HEADER)
+        if signed is not None:
+            if not self.host_key:
+                return "UNAUTHENTICATED", "this sidecar takes no calls signed with a host key"
+            why = self.calls.check(self.host_key, method, signed)
+            if why is not None:
+                return "UNAUTHENTICATED", f"{why}: not a caller of this sidecar's user on this host"
+        authenticated = presented is not None or signed is not None or self._cert_admin(identities)
+        unix = peer.startswith("unix")
+        if authenticated or (unix and (method in PRIVATE or self.mode == "local")):
             return None
-        need = "a control token or an admitted client certificate"
-        where = "" if self.mode == "authenticated" else " from a non-local caller"
-        return "PERMISSION_DENIED", f"{method}{where} needs {need} (control_mutating={self.mode})"
+        need = ("a control token, an admitted client certificate or a call signed with this "
+                "host's key (the kvxfer CLI of the sidecar's user signs its calls)")
+        if method in PRIVATE:
+            return "PERMISSION_DENIED", f"{method} names requests: it needs {need}, or the unix socket"
+        where = "" if self.mode == "authenticated" else ", or the unix control socket"
+        return "PERMISSION_DENIED", f"{method} needs {need}{where} (control_mutating={self.mode})"
 
     def _cert_admin(self, identities: Mapping[str, Iterable[bytes]]) -> bool:
         if not self.mtls or list(identities.get("transport_security_type", [])) != [b"ssl"]:
@@ -93,6 +121,13 @@ class AccessPolicy:
         names = {n.decode(errors="replace") for key in ("x509_common_name", "x509_subject_alternative_name")
                  for n in identities.get(key, [])}
         return bool(names) and (not self.admins or bool(names & self.admins))
+
+
+def _header(metadata: Iterable[tuple[str, Any]], name: str) -> str | None:
+    for key, value in metadata:
+        if key.lower() == name:
+            return value.decode(errors="replace") if isinstance(value, bytes) else str(value)
+    return None
 
 
 def _bearer(metadata: Iterable[tuple[str, Any]]) -> bytes | None:
@@ -121,6 +156,7 @@ def load_policy(config: Config, env: Mapping[str, str] | None = None) -> AccessP
             if config.control_tls_client_ca else None,
         )
     policy = AccessPolicy(
+        host_key=hostkey.load(config.resolved_host_key_file) if config.control_target else b"",
         mode=config.control_mutating,
         token=token,
         admins=frozenset(a.strip() for a in config.control_admins.split(",") if a.strip()),

@@ -16,7 +16,9 @@ from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.json_format import MessageToDict
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from kvxfer import hostkey
 from kvxfer.control.access import TOKEN_ENV
+from kvxfer.control.local import signed
 from kvxfer.control.v1 import control_pb2 as pb
 from kvxfer.control.v1 import control_pb2_grpc as pb_grpc
 from kvxfer.targets import is_unix, split_targets
@@ -50,6 +52,11 @@ def add_target(p: argparse.ArgumentParser) -> None:
     p.add_argument("--token-file", default=env("KVXFER_CONTROL_TOKEN_FILE", ""),
                    help="file with the control bearer token (env KVXFER_CONTROL_TOKEN_FILE, "
                         "or the token itself in KVXFER_CONTROL_TOKEN)")
+    p.add_argument("--host-key-file", default="",
+                   help="this host's key, to sign every call with when this user can read it "
+                        f"(env {hostkey.ENV}; default where the sidecar keeps it: "
+                        f"{hostkey.default_path()}); a sidecar of this user takes it as proof "
+                        "for what lists or changes things")
 
 
 class CliError(Exception):
@@ -67,10 +74,11 @@ def _file(path: str, what: str) -> bytes:
 def open_channel(args: argparse.Namespace) -> grpc.Channel:
     """An insecure channel, or a TLS one (client certificate included) when --tls-ca is set
     and the target is TCP."""
+    key = hostkey.read_if_allowed(args.host_key_file or hostkey.default_path())
     if not args.tls_ca or is_unix(args.target):
         if args.tls_cert and not args.tls_ca:
             raise CliError("--tls-cert needs --tls-ca")
-        return grpc.insecure_channel(args.target)
+        return signed(grpc.insecure_channel(args.target), key)
     if bool(args.tls_cert) != bool(args.tls_key):
         raise CliError("--tls-cert and --tls-key go together")
     creds = grpc.ssl_channel_credentials(
@@ -79,7 +87,7 @@ def open_channel(args: argparse.Namespace) -> grpc.Channel:
         certificate_chain=_file(args.tls_cert, "--tls-cert") if args.tls_cert else None,
     )
     options = [("grpc.ssl_target_name_override", args.tls_server_name)] if args.tls_server_name else []
-    return grpc.secure_channel(args.target, creds, options=options)
+    return signed(grpc.secure_channel(args.target, creds, options=options), key)
 
 
 def call_metadata(args: argparse.Namespace) -> list[tuple[str, str]]:
@@ -106,7 +114,9 @@ def _dur(s: float) -> str:
 
 def _security(st: pb.Status) -> str:
     if st.insecure:
-        return "INSECURE: handshake open beyond loopback, no shared secret"
+        return "INSECURE: handshake takes anyone (no shared secret, no host key)"
+    if st.host_key:
+        return "host key (loopback; peers: sidecars of this user on this host)"
     if not st.authenticated:
         return "no shared secret (handshake on loopback only)"
     return "shared secret, " + ("encrypted (CURVE)" if st.encrypted else "NOT encrypted")

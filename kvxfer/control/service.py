@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 from typing import TYPE_CHECKING, Any
 
 import grpc
@@ -121,19 +122,32 @@ class ControlService(pb_grpc.ControlServicer):
         self.sc = ops
         self.policy = policy
 
-    async def _authorize(self, method: str, context: Any) -> None:
+    async def _authorize(self, method: str, context: Any, *, redact: bool = False) -> bool:
+        """Abort the call unless ``method`` may run for this caller. With ``redact``, a
+        caller who may not see request ids is not refused: False tells to leave them out."""
         peer = context.peer() or ""
         verdict = self.policy.decide(method, peer, context.invocation_metadata() or (),
                                      context.auth_context() or {})
-        if verdict is not None:
-            code, reason = verdict
-            self.sc.observer.control_denied(method, code, peer, reason)
-            await context.abort(getattr(grpc.StatusCode, code), reason)
+        if verdict is None:
+            return True
+        code, reason = verdict
+        if redact and code == "PERMISSION_DENIED":
+            return False
+        self.sc.observer.control_denied(method, code, peer, reason)
+        await context.abort(getattr(grpc.StatusCode, code), reason)
+        return False  # unreachable: abort raises
 
     async def GetStatus(self, request: pb.GetStatusRequest, context: Any) -> pb.Status:
-        return status_proto(self.sc.snapshot())
+        if await self._authorize("GetStatus", context, redact=True):
+            return status_proto(self.sc.snapshot())
+        status = status_proto(self.sc.snapshot())
+        for name in ("leases", "transfers", "peers"):
+            status.ClearField(name)
+        status.redacted = True
+        return status
 
     async def ListPeers(self, request: pb.ListPeersRequest, context: Any) -> pb.ListPeersResponse:
+        await self._authorize("ListPeers", context)
         return pb.ListPeersResponse(peers=[peer_proto(p) for p in self.sc.snapshot().peers])
 
     async def ConnectPeer(self, request: pb.ConnectPeerRequest, context: Any) -> pb.Peer:
@@ -156,6 +170,7 @@ class ControlService(pb_grpc.ControlServicer):
         return pb.DisconnectPeerResponse(disconnected=done)
 
     async def ListTransfers(self, request: pb.ListTransfersRequest, context: Any) -> pb.ListTransfersResponse:
+        await self._authorize("ListTransfers", context)
         snap = self.sc.snapshot()
         return pb.ListTransfersResponse(transfers=transfers_proto(snap, request.request_id, request.state))
 
@@ -186,6 +201,7 @@ class ControlService(pb_grpc.ControlServicer):
         return pb.ResumeResponse(resumed=resumed)
 
     async def WatchEvents(self, request: pb.WatchEventsRequest, context: Any) -> Any:
+        await self._authorize("WatchEvents", context)
         with self.sc.observer.subscribe(frozenset(request.kinds)) as queue:
             while True:
                 yield event_proto(await queue.get())
@@ -196,7 +212,18 @@ class ControlService(pb_grpc.ControlServicer):
 
 def _listen(server: grpc.aio.Server, target: str, policy: AccessPolicy | None) -> None:
     tls = policy.tls if policy is not None and not is_unix(target) else None
-    if tls is None:
+    if tls is None and is_unix(target):
+        # 0600 from the start (no window for another user to connect): this socket lets its
+        # callers list and change things without a token, so only this user and root may
+        old = os.umask(0o177)
+        try:
+            port = server.add_insecure_port(target)
+        finally:
+            os.umask(old)
+        path = target.split(":", 1)[1].removeprefix("//")
+        if path and os.path.exists(path):
+            os.chmod(path, 0o600)
+    elif tls is None:
         port = server.add_insecure_port(target)
     else:
         creds = grpc.ssl_server_credentials(

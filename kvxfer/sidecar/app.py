@@ -33,7 +33,7 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
-from kvxfer import __version__
+from kvxfer import __version__, hostkey
 from kvxfer.abandoned import Abandoned
 from kvxfer.auth import curve_server_keys
 from kvxfer.config import Config
@@ -91,7 +91,12 @@ class Sidecar:
         self.agent_name = f"kvxfer-{self.engine_id}-{secrets.token_hex(4)}"
         # refused before anything is opened
         self.secret = config.load_secret()
-        self.insecure = not self.secret and not config.handshake_is_local
+        # no secret on loopback: this host's key, which only this user can read (another uid
+        # on the host reaches loopback as easily as we do); --insecure: nothing at all
+        self.host_key = not self.secret and config.handshake_is_local and not config.insecure
+        if self.host_key:
+            self.secret = hostkey.load(config.resolved_host_key_file)
+        self.insecure = not self.secret
         if self.insecure and not config.insecure:
             raise ConfigError(
                 f"the handshake listener would bind {config.handshake_host!r}, beyond loopback, with no "
@@ -122,9 +127,11 @@ class Sidecar:
         self.lifecycle = Lifecycle()
         self.abandoned = Abandoned()  # what engines gave up on when this sidecar (re)started
         self.advertised = Advertised(config.resolved_advertise_host, config.handshake_port, self.agent_name)
+        # CURVE for a shared secret; a host key never leaves loopback, which no other user can
+        # sniff (it takes CAP_NET_RAW), so its channel stays in clear
+        encrypt = secret and not self.host_key and config.handshake_encryption != "none"
         self.channel = PeerChannel(self.engine_id, self.agent_name, secret,
-                                   curve_server_keys(secret)
-                                   if secret and config.handshake_encryption != "none" else None)
+                                   curve_server_keys(secret) if encrypt else None)
         self.book = PeerBook()
         self.authenticated = Authenticated(secret)
         self.holds = Holds(config, self.registry, self.observer, authenticated=self.authenticated,
@@ -145,7 +152,8 @@ class Sidecar:
                                server=self.engine_server, observer=self.observer, advertised=self.advertised)
         self.ops = Operations(Parts(
             config=config, engine_id=self.engine_id, started=time.monotonic(), advertised=self.advertised,
-            channel=self.channel, insecure=self.insecure, lifecycle=self.lifecycle, observer=self.observer,
+            channel=self.channel, insecure=self.insecure, host_key=self.host_key,
+            lifecycle=self.lifecycle, observer=self.observer,
             registry=self.registry, nixl=self.nixl, book=self.book, peers=self.peers, holds=self.holds,
             receiver=self.receiver, idle=self._idle))
         self._wire()
@@ -202,8 +210,12 @@ class Sidecar:
         self.lifecycle.started()
         self.observer.g_insecure.set(int(self.insecure))
         if self.insecure:
-            log.warning("INSECURE: the handshake listener on %s:%d takes anyone: no shared secret "
-                        "(--insecure)", self.config.handshake_host, self.advertised.port)
+            log.warning("INSECURE: the handshake listener on %s:%d takes anyone, any local user "
+                        "included: no shared secret, no host key (--insecure)",
+                        self.config.handshake_host, self.advertised.port)
+        elif self.host_key:
+            log.info("handshakes authenticated with the host key %s (no shared secret: peers "
+                     "must be sidecars of this user on this host)", self.config.resolved_host_key_file)
         elif self.secret and self.channel.curve is None and not self.config.handshake_is_local:
             log.warning("the handshake channel on %s:%d is not encrypted (handshake_encryption=none): "
                         "NIXL metadata crosses the network in clear", self.config.handshake_host,

@@ -41,6 +41,7 @@ class Parts:
     advertised: Advertised
     channel: PeerChannel
     insecure: bool
+    host_key: bool  # handshakes prove this host's key (no shared secret)
     lifecycle: Lifecycle
     observer: Observer
     registry: RankRegistry
@@ -87,7 +88,7 @@ class Operations:
             agent_name=a.agent_name, protocol_version=PROTOCOL_VERSION,
             ucx_error_mode=p.config.ucx_error_mode, uptime_s=now - p.started, ready=p.lifecycle.ready,
             draining=p.lifecycle.draining, insecure=p.insecure, authenticated=bool(p.channel.secret),
-            encrypted=p.channel.curve is not None, ranks=copies(p.registry.entries()),
+            encrypted=p.channel.curve is not None, host_key=p.host_key, ranks=copies(p.registry.entries()),
             peers=copies(p.book.values()), leases=leases, transfers=transfers,
             totals=copy.copy(p.observer.totals))
 

@@ -247,8 +247,13 @@ class PeerClient:
                                f"{reply.compat_hash}; we run {PROTOCOL_VERSION} hash {hello.compat_hash}")
         if len(frames) != 2 or not reply.ranks:
             raise RequestError(ErrorCode.HANDSHAKE_FAILED, f"{key}: welcome without metadata")
+        if ch.secret and not reply.mac:
+            raise RequestError(ErrorCode.UNAUTHORIZED, f"{key} runs without authentication (--insecure): "
+                               "this sidecar requires the shared secret or, on loopback, the host key; "
+                               "give both the same secret (or both --insecure)")
         if ch.secret and not check_welcome(ch.secret, reply, hello, frames[1]):
-            raise RequestError(ErrorCode.UNAUTHORIZED, f"{key} cannot prove it holds the shared secret")
+            raise RequestError(ErrorCode.UNAUTHORIZED, f"{key} cannot prove it holds the shared secret "
+                               "(or, both on loopback without one, this host's key)")
         for info in reply.ranks:
             validate_rank_info(info, reply.compat_hash)
         # an older sidecar names no engine per rank: they are all its own engine's

@@ -149,12 +149,11 @@ def _layouts(f: SidecarFactory, serve: list[str], repeats: int) -> list[dict[str
 def _first_transfer(control: str, d: SyntheticEngine, p: SyntheticEngine, rem: RemoteBlocks,
                     pb_all: list[int], db_all: list[int]) -> tuple[float, float]:
     """One block with a cold peer (handshake included) and right after (warm), 5 times."""
-    import grpc
-
+    from kvxfer.control.local import local_channel
     from kvxfer.control.v1 import control_pb2 as pb
     from kvxfer.control.v1 import control_pb2_grpc as pb_grpc
 
-    from_d = pb_grpc.ControlStub(grpc.insecure_channel(control))
+    from_d = pb_grpc.ControlStub(local_channel(control))
     cold, warm = [], []
     for i in range(5):
         from_d.DisconnectPeer(pb.DisconnectPeerRequest(endpoint=f"{rem.host}:{rem.port}"), timeout=5)
