@@ -31,6 +31,7 @@ import hashlib
 import hmac
 import secrets
 import time
+from collections.abc import Iterable
 from typing import Any, TypeVar
 
 import msgspec
@@ -156,13 +157,24 @@ CALL_S = 60.0  # a signed control call must arrive within this of its time (one 
 CALL_HEADER = "x-kvxfer-host-auth"  # gRPC metadata key of a call signed with the host key
 
 
-def sign_call(key: bytes, method: str, now: float | None = None) -> str:
-    """The ``CALL_HEADER`` value for one call of ``method`` (the RPC's short name): its time,
-    a fresh nonce and their MAC under this host's key (``kvxfer.hostkey``). Unlike a bearer
-    token, it is worth nothing to whoever captures it: it names one method, once, briefly."""
+def call_audience(target: str) -> str:
+    """Whom a call to ``target`` is for, as both ends can name it: ``unix:<path>`` for a
+    unix socket, ``tcp:<port>`` for TCP (host-key calls come over loopback only, where the
+    port alone names the listener, however the caller spelled 127.0.0.1)."""
+    if target.startswith("unix:"):
+        return "unix:" + target[len("unix:"):].removeprefix("//")
+    return "tcp:" + target.rsplit(":", 1)[-1]
+
+
+def sign_call(key: bytes, method: str, audience: str, now: float | None = None) -> str:
+    """The ``CALL_HEADER`` value for one call of ``method`` (the RPC's short name) to the
+    listener ``audience`` (``call_audience``): its time, a fresh nonce and their MAC under
+    this host's key (``kvxfer.hostkey``). Unlike a bearer token, it is worth nothing to
+    whoever captures it: it names one method at one listener, once, briefly (a relay that
+    got it cannot replay it to another sidecar)."""
     ts = f"{time.time() if now is None else now:.3f}"
     nonce = secrets.token_hex(12)
-    return f"v1.{ts}.{nonce}.{_mac(key, 'control call', method, ts, nonce)}"
+    return f"v1.{ts}.{nonce}.{_mac(key, 'control call', method, audience, ts, nonce)}"
 
 
 class CallBook:
@@ -171,8 +183,10 @@ class CallBook:
     def __init__(self) -> None:
         self._seen: collections.OrderedDict[str, float] = collections.OrderedDict()
 
-    def check(self, key: bytes, method: str, value: str, now: float | None = None) -> str | None:
-        """None when ``value`` signs this call, else why not."""
+    def check(self, key: bytes, method: str, value: str, audiences: Iterable[str],
+              now: float | None = None) -> str | None:
+        """None when ``value`` signs this call to one of ``audiences`` (this sidecar's
+        listeners), else why not."""
         now = time.time() if now is None else now
         version, _, rest = value.partition(".")
         ts, nonce, mac = _split_call(rest)
@@ -182,8 +196,10 @@ class CallBook:
             when = float(ts)
         except ValueError:
             return "a malformed host-key signature"
-        if not hmac.compare_digest(_mac(key, "control call", method, ts, nonce), mac):
-            return "a host-key signature that does not verify (another host's key, or another method)"
+        if not any(hmac.compare_digest(_mac(key, "control call", method, a, ts, nonce), mac)
+                   for a in audiences):
+            return ("a host-key signature that does not verify (another key, another method, or "
+                    "signed for another sidecar's listener)")
         if abs(now - when) > CALL_S:
             return "a host-key signature too old or from the future (replayed?)"
         while self._seen and now - next(iter(self._seen.values())) > 2 * CALL_S:

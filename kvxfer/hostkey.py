@@ -33,7 +33,9 @@ SYSTEM_DIR = "/run/kvxfer"  # systemd's RuntimeDirectory=kvxfer; root's default
 def default_path(env: Mapping[str, str] | None = None, euid: int | None = None) -> str:
     """Where this user's sidecars keep the key when ``host_key_file`` is not set: /run/kvxfer
     for root or for the user who owns it (a service with RuntimeDirectory=kvxfer), else
-    $XDG_RUNTIME_DIR/kvxfer, else /tmp/kvxfer-<uid>."""
+    $XDG_RUNTIME_DIR/kvxfer, else ~/.local/state/kvxfer when $HOME is this user's own
+    directory, else /tmp/kvxfer-<uid> (which another user can squat: load() then refuses it
+    rather than trust it; set KVXFER_HOST_KEY_FILE)."""
     env = os.environ if env is None else env
     euid = os.geteuid() if euid is None else euid
     if env.get(ENV):
@@ -46,14 +48,21 @@ def default_path(env: Mapping[str, str] | None = None, euid: int | None = None) 
         return os.path.join(SYSTEM_DIR, NAME)
     if env.get("XDG_RUNTIME_DIR"):
         return os.path.join(env["XDG_RUNTIME_DIR"], "kvxfer", NAME)
+    home = env.get("HOME", "")
+    try:
+        own_home = bool(home) and home != "/" and os.stat(home).st_uid == euid
+    except OSError:
+        own_home = False
+    if own_home:
+        return os.path.join(home, ".local", "state", "kvxfer", NAME)
     return f"/tmp/kvxfer-{euid}/{NAME}"
 
 
 def _private_dir(directory: str) -> None:
-    """Make ``directory`` (0700) if it is missing; refuse one that is a symlink, is not ours
-    (or root's) or that others may write (they could replace the key)."""
+    """Make ``directory`` (0700, parents too) if it is missing; refuse one that is a symlink,
+    is not ours (or root's) or that others may write (they could replace the key)."""
     with contextlib.suppress(FileExistsError):
-        os.mkdir(directory, 0o700)
+        os.makedirs(directory, 0o700)
     st = os.lstat(directory)
     if not stat.S_ISDIR(st.st_mode):
         raise ConfigError(f"host key directory {directory} is not a directory (a symlink?)")

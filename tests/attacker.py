@@ -9,17 +9,21 @@ the fork, so the child starts both afresh.
 
 from __future__ import annotations
 
+import encodings.idna  # noqa: F401  (socket's lazy import would fail once we cannot read the stdlib)
 import json
 import os
 import secrets
+import select
+import socket
 import sys
+import time
 from collections.abc import Callable
 from typing import Any
 
 import grpc
 import zmq
 
-from kvxfer.auth import CALL_HEADER, sign_call
+from kvxfer.auth import CALL_HEADER, call_audience, sign_call
 from kvxfer.control.v1 import control_pb2 as pb
 from kvxfer.control.v1 import control_pb2_grpc as pb_grpc
 from kvxfer.protocol import PROTOCOL_VERSION, Hello, encode, handshake_reply_decoder
@@ -49,6 +53,7 @@ def handshake(port: int, compat_hash: str, model: str, key_path: str) -> dict[st
         out["metadata_bytes"] = len(frames[1]) if len(frames) > 1 else 0
     else:
         out["reply"] = "none"
+        out["metadata_bytes"] = 0
     s.close(0)
     ctx.term()
     return out
@@ -80,13 +85,52 @@ def control(target: str, req_id: str) -> dict[str, Any]:
         out["CancelTransfer"] = _code(lambda: stub.CancelTransfer(
             pb.CancelTransferRequest(request_id=req_id), timeout=5))[0]
         out["Drain"] = _code(lambda: stub.Drain(pb.DrainRequest(timeout_s=1), timeout=10))[0]
-        forged = [(CALL_HEADER, sign_call(secrets.token_hex(32).encode(), "Drain"))]
+        forged = [(CALL_HEADER, sign_call(secrets.token_hex(32).encode(), "Drain", call_audience(target)))]
         out["Drain_forged_key"] = _code(lambda: stub.Drain(pb.DrainRequest(timeout_s=1), timeout=10,
                                                            metadata=forged))[0]
     return out
 
 
-ATTACKS: dict[str, Callable[..., dict[str, Any]]] = {"handshake": handshake, "control": control}
+def relay(listen_port: int, target_port: int, seconds: float, needle: str) -> dict[str, Any]:
+    """A TCP relay on loopback in front of a sidecar's handshake port (a request's
+    kv_transfer_params may name any remote_port): forward both ways for ``seconds``, keep
+    every byte, say whether ``needle`` (the prefill's agent name, which its Welcome and NIXL
+    metadata carry) went by in clear."""
+    lst = socket.socket()
+    lst.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    lst.bind(("127.0.0.1", listen_port))
+    lst.listen(16)
+    seen = bytearray()
+    conns: list[socket.socket] = []
+    end = time.monotonic() + seconds
+    pairs: dict[socket.socket, socket.socket] = {}
+    while time.monotonic() < end:
+        ready, _, _ = select.select([lst, *pairs], [], [], 0.05)
+        for s in ready:
+            if s is lst:
+                a, _ = lst.accept()
+                b = socket.create_connection(("127.0.0.1", target_port))
+                pairs[a], pairs[b] = b, a
+                conns += [a, b]
+                continue
+            data = s.recv(65536) if s in pairs else b""
+            if not data:
+                other = pairs.pop(s, None)
+                if other is not None:
+                    pairs.pop(other, None)
+                    other.close()
+                s.close()
+                continue
+            seen += data
+            pairs[s].sendall(data)
+    for s in conns:
+        s.close()
+    lst.close()
+    return {"relayed": len(seen), "needle_seen": needle.encode() in seen}
+
+
+ATTACKS: dict[str, Callable[..., dict[str, Any]]] = {"handshake": handshake, "control": control,
+                                                      "relay": relay}
 
 
 def as_nobody(fn: Callable[..., dict[str, Any]], *args: Any) -> dict[str, Any]:

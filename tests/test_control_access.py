@@ -139,6 +139,7 @@ def test_peer_strings_and_decisions() -> None:
     cert = {"transport_security_type": [b"ssl"], "x509_common_name": [b"ops"]}
     remote, local = "ipv4:10.0.0.2:1", "unix:"
     pol = AccessPolicy("local", b"t0k", host_key=b"k" * 64)
+    pol.audiences.add("tcp:5701")
     loopback = "ipv4:127.0.0.1:5"
     assert pol.decide("GetLoad", remote, (), {}) is None  # counts are never restricted
     for private in ("GetStatus", "ListTransfers", "ListPeers", "WatchEvents"):  # names requests
@@ -150,15 +151,15 @@ def test_peer_strings_and_decisions() -> None:
     assert pol.decide("Drain", remote, (), {})[0] == "PERMISSION_DENIED"  # type: ignore[index]
     # loopback TCP is any user of the host: it takes a proof, e.g. a call signed with the host key
     assert pol.decide("Drain", loopback, (), {})[0] == "PERMISSION_DENIED"  # type: ignore[index]
-    signed = [(auth.CALL_HEADER, auth.sign_call(b"k" * 64, "Drain"))]
+    signed = [(auth.CALL_HEADER, auth.sign_call(b"k" * 64, "Drain", "tcp:5701"))]
     assert pol.decide("Drain", loopback, signed, {}) is None
     assert pol.decide("Drain", loopback, signed, {})[0] == "UNAUTHENTICATED"  # type: ignore[index]  # once
-    assert pol.decide("Resume", loopback, [(auth.CALL_HEADER, auth.sign_call(b"k" * 64, "Drain"))],
-                      {})[0] == "UNAUTHENTICATED"  # type: ignore[index]  # for the method it names
-    assert pol.decide("Drain", loopback, [(auth.CALL_HEADER, auth.sign_call(b"x" * 64, "Drain"))],
+    drain = [(auth.CALL_HEADER, auth.sign_call(b"k" * 64, "Drain", "tcp:5701"))]
+    assert pol.decide("Resume", loopback, drain, {})[0] == "UNAUTHENTICATED"  # type: ignore[index]  # its method
+    assert pol.decide("Drain", loopback, [(auth.CALL_HEADER, auth.sign_call(b"x" * 64, "Drain", "tcp:5701"))],
                       {})[0] == "UNAUTHENTICATED"  # type: ignore[index]  # under this host's key
     assert AccessPolicy("local").decide("Drain", loopback, [(auth.CALL_HEADER, auth.sign_call(
-        b"k" * 64, "Drain"))], {})[0] == "UNAUTHENTICATED"  # type: ignore[index]  # no key: none verify
+        b"k" * 64, "Drain", "tcp:5701"))], {})[0] == "UNAUTHENTICATED"  # type: ignore[index]  # no key: none verify
     assert pol.decide("Drain", remote, tok, {}) is None
     assert pol.decide("Drain", local, [("authorization", "Bearer nope")], {})[0] == "UNAUTHENTICATED"  # type: ignore[index]
     assert pol.decide("Drain", remote, [("authorization", "Basic dDBr")], {})[0] == "UNAUTHENTICATED"  # type: ignore[index]
@@ -240,7 +241,7 @@ def test_local_callers_may_mutate_over_unix_or_with_the_host_key(setup: Setup) -
         assert _code(lambda: stub.CancelTransfer(cancel, timeout=5)) == grpc.StatusCode.PERMISSION_DENIED
         with open(hostkey.default_path(), "rb") as fh:
             key = fh.read().strip()
-    with signed(setup.channel("dashboard", setup.local_tcp), key) as ch:
+    with signed(setup.channel("dashboard", setup.local_tcp), setup.local_tcp, key) as ch:
         assert pb_grpc.ControlStub(ch).CancelTransfer(cancel, timeout=5).cancelled == 0
 
 

@@ -11,13 +11,16 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import stat
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
 import grpc
+import pytest
 
 from kvxfer import hostkey
 from kvxfer.client import RemoteBlocks
@@ -30,6 +33,7 @@ from kvxfer.testing.procs import SidecarFactory, SidecarProc, free_port
 
 LAYOUT = make_layout(layers=2, num_blocks=32, heads=2, head_dim=32)
 ROOT = Path(__file__).resolve().parent.parent
+pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="the attacker drops to another uid: needs root")
 
 
 def _attack(name: str, *args: Any) -> dict[str, Any]:
@@ -78,10 +82,11 @@ def _read_and_verify(factory: SidecarFactory, p: SyntheticEngine, req_id: str, b
         d.close()
 
 
-def test_another_user_gets_a_challenge_not_the_nixl_metadata(factory: SidecarFactory) -> None:
+def test_another_user_gets_no_answer_and_not_the_nixl_metadata(factory: SidecarFactory) -> None:
     """No secret, default loopback bind: the handshake is authenticated with the host key,
-    which the other user cannot read; its Hello gets a Challenge, never a Welcome (whose
-    second frame is the NIXL metadata that let #40's attacker READ 1 MiB of KV)."""
+    which the other user cannot read, and encrypted with CURVE keys derived from it; its
+    Hello gets no answer at all, never a Welcome (whose second frame is the NIXL metadata
+    that let #40's attacker READ 1 MiB of KV)."""
     ps, p, _ = _prefill(factory, "victim")
     try:
         blocks = _hold(p, "r-victim")
@@ -90,12 +95,60 @@ def test_another_user_gets_a_challenge_not_the_nixl_metadata(factory: SidecarFac
         assert stat.S_IMODE(os.stat(key).st_mode) == 0o600
         got = _attack("handshake", p.registered.handshake_port, compat_hash(LAYOUT), LAYOUT.model, key)
         assert got["key"] == "PermissionError", got
-        assert got["reply"] == "Challenge", got
+        assert got["reply"] == "none", got
         assert got["metadata_bytes"] == 0, got
         assert "host key" in ps.log()
         assert not p.client.poll().released
         _read_and_verify(factory, p, "r-victim", blocks)  # this user's sidecars trust each other
     finally:
+        p.close()
+
+
+def test_a_relay_of_another_user_sees_only_ciphertext(factory: SidecarFactory) -> None:
+    """Another user puts a TCP relay in front of the prefill's handshake port and gets a
+    request's kv_transfer_params to name it (any client of the decode's HTTP API can). The
+    decode's handshake goes through (CURVE end to end: the relay cannot answer as the
+    listener) and the bytes verify, but the relay never sees the prefill's agent name,
+    which its Welcome and NIXL metadata carry in clear without CURVE."""
+    ps, p, _ = _prefill(factory, "relayed")
+    ds = factory.start("relay-d", "--role", "decode")
+    d = SyntheticEngine(LAYOUT, ds.endpoint, seed=2)
+    relay = None
+    try:
+        d.start()
+        blocks = _hold(p, "r-relay")
+        reg = p.registered
+        assert reg is not None
+        with grpc.insecure_channel(ps.control) as ch:
+            agent = pb_grpc.ControlStub(ch).GetStatus(pb.GetStatusRequest(), timeout=5).identity.agent_name
+        port = free_port()
+        relay = subprocess.Popen([sys.executable, "-m", "tests.attacker", "relay",
+                                  json.dumps([port, reg.handshake_port, 6.0, agent])], cwd=ROOT,
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        deadline = time.monotonic() + 10
+        while True:  # until the relay listens
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                assert time.monotonic() < deadline, "the relay never listened"
+                time.sleep(0.05)
+        dst = d.allocate(len(blocks))
+        d.wipe(dst)
+        d.client.recv("r-relay", dst, RemoteBlocks(reg.engine_id, "127.0.0.1", port, blocks))
+        got = d.client.wait_until(lambda a: bool(a.done or a.failed), 30)
+        assert [x.req_id for x in got.done] == ["r-relay"], got
+        assert d.verify("r-relay", dst)
+        out, err = relay.communicate(timeout=60)
+        seen = json.loads(out.strip().splitlines()[-1])
+        assert "crash" not in seen, (seen, err)
+        assert seen["uid"] == 65534, seen
+        assert seen["relayed"] > 0, seen  # the handshake did go through the relay
+        assert not seen["needle_seen"], seen  # and it learnt nothing from it
+    finally:
+        if relay is not None and relay.poll() is None:
+            relay.kill()
+        d.close()
         p.close()
 
 
@@ -144,6 +197,40 @@ def test_another_user_can_neither_list_nor_change_anything_over_loopback_grpc(
         drained = subprocess.run([sys.executable, "-m", "kvxfer", "drain", "--json", "--drain-timeout", "2",
                                   "--target", tcp], capture_output=True, text=True, timeout=60)
         assert drained.returncode == 0, drained.stderr
+    finally:
+        p.close()
+
+
+def test_the_host_key_stays_on_loopback_a_remote_open_prefill_is_still_read(factory: SidecarFactory) -> None:
+    """A decode with no secret (so: the host key on loopback) dials a prefill beyond
+    loopback that runs --insecure: the host key is never offered there (no challenge can
+    be answered by it, no welcome is expected to be signed with it), and the read verifies
+    as before #40. The same decode still refuses an unsigned welcome on loopback."""
+    from tests.test_control_access import host_ip
+
+    addr = host_ip()
+    ps = factory.start("far-p", "--role", "prefill", "--handshake-host", "0.0.0.0", "--insecure",
+                       "--advertise-host", addr)
+    p = SyntheticEngine(LAYOUT, ps.endpoint, seed=1)
+    try:
+        p.start()
+        blocks = _hold(p, "r-far")
+        _read_and_verify(factory, p, "r-far", blocks)  # dials addr: beyond loopback
+        reg = p.registered
+        assert reg is not None
+        assert reg.handshake_host == addr
+        ds = factory.start("near-d", "--role", "decode")
+        d = SyntheticEngine(LAYOUT, ds.endpoint, seed=2)
+        try:
+            d.start()
+            blocks2 = _hold(p, "r-near")
+            near = RemoteBlocks(reg.engine_id, "127.0.0.1", reg.handshake_port, blocks2)
+            d.client.recv("r-near", d.allocate(3), near)
+            got = d.client.wait_until(lambda a: bool(a.done or a.failed), 30)
+            assert [f.code for f in got.failed] == ["handshake_failed"], got
+            assert "--insecure" in got.failed[0].reason
+        finally:
+            d.close()
     finally:
         p.close()
 

@@ -32,6 +32,7 @@ of a user who can read the key signs every call). A wrong token or signature is 
 from __future__ import annotations
 
 import hmac
+import logging
 import os
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -41,8 +42,9 @@ from kvxfer import hostkey
 from kvxfer.auth import CALL_HEADER, CallBook
 from kvxfer.config import Config
 from kvxfer.errors import ConfigError
-from kvxfer.targets import MUTATING_MODES
+from kvxfer.targets import MUTATING_MODES, is_local_peer
 
+log = logging.getLogger("kvxfer.control")
 MUTATING = frozenset({"ConnectPeer", "DisconnectPeer", "CancelTransfer", "Drain", "Resume"})
 PRIVATE = frozenset({"ListTransfers", "ListPeers", "WatchEvents", "GetStatus"})  # name requests
 MODES = MUTATING_MODES
@@ -74,7 +76,10 @@ class AccessPolicy:
     admins: frozenset[str] = frozenset()
     tls: TlsFiles | None = None
     host_key: bytes = b""  # b"": calls signed with a host key are refused
+    host_key_file: str = ""  # where it is (shown in status: a CLI of another user learns where to look)
     calls: CallBook = field(default_factory=CallBook, compare=False)
+    # this sidecar's listeners as signed calls name them (kvxfer.auth.call_audience), once bound
+    audiences: set[str] = field(default_factory=set, compare=False)
 
     @property
     def mtls(self) -> bool:
@@ -101,9 +106,13 @@ class AccessPolicy:
         if signed is not None:
             if not self.host_key:
                 return "UNAUTHENTICATED", "this sidecar takes no calls signed with a host key"
-            why = self.calls.check(self.host_key, method, signed)
+            if not is_local_peer(peer):
+                return "UNAUTHENTICATED", ("a call signed with the host key must come from this host "
+                                           "(a unix socket or loopback)")
+            why = self.calls.check(self.host_key, method, signed, self.audiences)
             if why is not None:
-                return "UNAUTHENTICATED", f"{why}: not a caller of this sidecar's user on this host"
+                return "UNAUTHENTICATED", (f"{why}; this sidecar's host key is {self.host_key_file} "
+                                           "(--host-key-file)")
         authenticated = presented is not None or signed is not None or self._cert_admin(identities)
         unix = peer.startswith("unix")
         if authenticated or (unix and (method in PRIVATE or self.mode == "local")):
@@ -155,8 +164,14 @@ def load_policy(config: Config, env: Mapping[str, str] | None = None) -> AccessP
             client_ca=_read(config.control_tls_client_ca, "control_tls_client_ca")
             if config.control_tls_client_ca else None,
         )
+    host_key = b""
+    if config.control_target:
+        try:
+            host_key = hostkey.load(config.resolved_host_key_file)
+        except ConfigError as e:  # only the control plane needs it here: run without, and say so
+            log.warning("calls signed with the host key are refused: %s", e)
     policy = AccessPolicy(
-        host_key=hostkey.load(config.resolved_host_key_file) if config.control_target else b"",
+        host_key=host_key, host_key_file=config.resolved_host_key_file if host_key else "",
         mode=config.control_mutating,
         token=token,
         admins=frozenset(a.strip() for a in config.control_admins.split(",") if a.strip()),

@@ -78,7 +78,7 @@ def open_channel(args: argparse.Namespace) -> grpc.Channel:
     if not args.tls_ca or is_unix(args.target):
         if args.tls_cert and not args.tls_ca:
             raise CliError("--tls-cert needs --tls-ca")
-        return signed(grpc.insecure_channel(args.target), key)
+        return signed(grpc.insecure_channel(args.target), args.target, key)
     if bool(args.tls_cert) != bool(args.tls_key):
         raise CliError("--tls-cert and --tls-key go together")
     creds = grpc.ssl_channel_credentials(
@@ -87,7 +87,7 @@ def open_channel(args: argparse.Namespace) -> grpc.Channel:
         certificate_chain=_file(args.tls_cert, "--tls-cert") if args.tls_cert else None,
     )
     options = [("grpc.ssl_target_name_override", args.tls_server_name)] if args.tls_server_name else []
-    return signed(grpc.secure_channel(args.target, creds, options=options), key)
+    return signed(grpc.secure_channel(args.target, creds, options=options), args.target, key)
 
 
 def call_metadata(args: argparse.Namespace) -> list[tuple[str, str]]:
@@ -149,6 +149,19 @@ def render(st: pb.Status, serving: bool, rate: float | None = None) -> str:
             what = (f"{g.state_bytes} B per request per layer ({g.state_kind})" if g.kind == "state"
                     else f"{g.block_size} tok blocks" + (f", window {g.window}" if g.window else ""))
             lines.append(f"    group    {g.kind}: {g.num_layers} layers, {what}")
+    if st.redacted:  # never let it read as an idle sidecar
+        lines.append(f"  REDACTED   peers, leases and in-flight work not shown to this caller: "
+                     f"{st.redacted_why}")
+        if st.host_key_file:
+            lines.append(f"             (as the sidecar's user or root: --host-key-file {st.host_key_file}; "
+                         "or its unix socket, or a token)")
+    else:
+        _requests(lines, st)
+    _totals(lines, st, rate)
+    return "\n".join(lines)
+
+
+def _requests(lines: list[str], st: pb.Status) -> None:
     lines.append(f"  peers      {len(st.peers)}")
     if st.peers:
         lines.append(f"    {'ENDPOINT':<24}{'ENGINE':<20}{'STATE':<11}{'HANDSHAKE':>10}{'READS':>8}"
@@ -166,6 +179,9 @@ def render(st: pb.Status, serving: bool, rate: float | None = None) -> str:
     reading = [t for t in st.transfers if t.state == "reading"]
     lines.append(f"  in-flight  {len(reading)} reading, {len(st.transfers) - len(reading)} in handshake, "
                  f"{_human_bytes(sum(t.bytes for t in st.transfers))}")
+
+
+def _totals(lines: list[str], st: pb.Status, rate: float | None) -> None:
     t = st.totals
     avg = t.bytes / st.uptime_s / 1e9 if st.uptime_s > 0 else 0.0
     thr = f"{rate:.2f} GB/s now" if rate is not None else f"{avg:.3f} GB/s average since start"
@@ -174,7 +190,6 @@ def render(st: pb.Status, serving: bool, rate: float | None = None) -> str:
     lines.append(f"             leases {t.leases_released} released, {t.leases_expired} expired; "
                  f"handshakes {t.handshakes} ok, {t.handshake_failures} failed; "
                  f"{t.bad_messages} bad messages; {t.control_denied} control calls refused")
-    return "\n".join(lines)
 
 
 def _fetch(args: argparse.Namespace) -> tuple[pb.Status, bool]:

@@ -11,7 +11,8 @@ from typing import Any
 import grpc
 
 from kvxfer import hostkey
-from kvxfer.auth import CALL_HEADER, sign_call
+from kvxfer.auth import CALL_HEADER, call_audience, sign_call
+from kvxfer.targets import is_local_target
 
 
 class _Details(collections.namedtuple("_Details", ("method", "timeout", "metadata", "credentials",
@@ -21,12 +22,14 @@ class _Details(collections.namedtuple("_Details", ("method", "timeout", "metadat
 
 
 class _Sign(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor):  # type: ignore[misc]
-    def __init__(self, key: bytes) -> None:
+    def __init__(self, key: bytes, audience: str) -> None:
         self.key = key
+        self.audience = audience
 
     def _signed(self, d: grpc.ClientCallDetails) -> _Details:
         method = d.method.decode() if isinstance(d.method, bytes) else d.method
-        metadata = [*(d.metadata or ()), (CALL_HEADER, sign_call(self.key, method.rsplit("/", 1)[-1]))]
+        value = sign_call(self.key, method.rsplit("/", 1)[-1], self.audience)
+        metadata = [*(d.metadata or ()), (CALL_HEADER, value)]
         return _Details(d.method, d.timeout, metadata, d.credentials,
                         getattr(d, "wait_for_ready", None), getattr(d, "compression", None))
 
@@ -37,12 +40,17 @@ class _Sign(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor)
         return continuation(self._signed(details), request)
 
 
-def signed(channel: grpc.Channel, key: bytes | None) -> grpc.Channel:
-    """``channel`` with every call signed with ``key`` (unchanged without one)."""
-    return grpc.intercept_channel(channel, _Sign(key)) if key else channel
+def signed(channel: grpc.Channel, target: str, key: bytes | None) -> grpc.Channel:
+    """``channel`` (to ``target``) with every call signed with ``key``; unchanged without a
+    key, or when ``target`` is not on this host (a host key proves nothing beyond it, and
+    is never offered there)."""
+    if not key or not is_local_target(target):
+        return channel
+    return grpc.intercept_channel(channel, _Sign(key, call_audience(target)))
 
 
 def local_channel(target: str, key_file: str = "") -> grpc.Channel:
     """A plaintext channel to a sidecar of this host, signed with the host key when this user
     can read it (``key_file``, else where the sidecar would look)."""
-    return signed(grpc.insecure_channel(target), hostkey.read_if_allowed(key_file or hostkey.default_path()))
+    key = hostkey.read_if_allowed(key_file or hostkey.default_path())
+    return signed(grpc.insecure_channel(target), target, key)

@@ -21,6 +21,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
+from kvxfer.auth import call_audience
 from kvxfer.control.access import AccessPolicy
 from kvxfer.control.v1 import control_pb2 as pb
 from kvxfer.control.v1 import control_pb2_grpc as pb_grpc
@@ -122,28 +123,29 @@ class ControlService(pb_grpc.ControlServicer):
         self.sc = ops
         self.policy = policy
 
-    async def _authorize(self, method: str, context: Any, *, redact: bool = False) -> bool:
-        """Abort the call unless ``method`` may run for this caller. With ``redact``, a
-        caller who may not see request ids is not refused: False tells to leave them out."""
-        peer = context.peer() or ""
-        verdict = self.policy.decide(method, peer, context.invocation_metadata() or (),
-                                     context.auth_context() or {})
-        if verdict is None:
-            return True
-        code, reason = verdict
-        if redact and code == "PERMISSION_DENIED":
-            return False
-        self.sc.observer.control_denied(method, code, peer, reason)
-        await context.abort(getattr(grpc.StatusCode, code), reason)
-        return False  # unreachable: abort raises
+    def _verdict(self, method: str, context: Any) -> tuple[str, str] | None:
+        return self.policy.decide(method, context.peer() or "", context.invocation_metadata() or (),
+                                  context.auth_context() or {})
+
+    async def _authorize(self, method: str, context: Any) -> None:
+        """Abort the call unless ``method`` may run for this caller."""
+        verdict = self._verdict(method, context)
+        if verdict is not None:
+            code, reason = verdict
+            self.sc.observer.control_denied(method, code, context.peer() or "", reason)
+            await context.abort(getattr(grpc.StatusCode, code), reason)
 
     async def GetStatus(self, request: pb.GetStatusRequest, context: Any) -> pb.Status:
-        if await self._authorize("GetStatus", context, redact=True):
-            return status_proto(self.sc.snapshot())
+        """Everyone the transport let in gets the status; what names requests only whom
+        ``control_mutating=local`` admits (the others: left out, and why)."""
         status = status_proto(self.sc.snapshot())
-        for name in ("leases", "transfers", "peers"):
-            status.ClearField(name)
-        status.redacted = True
+        status.host_key_file = self.policy.host_key_file
+        verdict = self._verdict("GetStatus", context)
+        if verdict is not None:
+            for name in ("leases", "transfers", "peers"):
+                status.ClearField(name)
+            status.redacted = True
+            status.redacted_why = verdict[1]
         return status
 
     async def ListPeers(self, request: pb.ListPeersRequest, context: Any) -> pb.ListPeersResponse:
@@ -211,6 +213,7 @@ class ControlService(pb_grpc.ControlServicer):
 
 
 def _listen(server: grpc.aio.Server, target: str, policy: AccessPolicy | None) -> None:
+    """Bind ``target``; calls signed with the host key may then name it (``policy.audiences``)."""
     tls = policy.tls if policy is not None and not is_unix(target) else None
     if tls is None and is_unix(target):
         # 0600 from the start (no window for another user to connect): this socket lets its
@@ -233,6 +236,8 @@ def _listen(server: grpc.aio.Server, target: str, policy: AccessPolicy | None) -
         port = server.add_secure_port(target, creds)
     if port == 0:
         raise OSError(f"cannot listen for gRPC on {target}")
+    if policy is not None:
+        policy.audiences.add(call_audience(target) if is_unix(target) else f"tcp:{port}")
 
 
 async def start_control_server(

@@ -127,11 +127,12 @@ class Sidecar:
         self.lifecycle = Lifecycle()
         self.abandoned = Abandoned()  # what engines gave up on when this sidecar (re)started
         self.advertised = Advertised(config.resolved_advertise_host, config.handshake_port, self.agent_name)
-        # CURVE for a shared secret; a host key never leaves loopback, which no other user can
-        # sniff (it takes CAP_NET_RAW), so its channel stays in clear
-        encrypt = secret and not self.host_key and config.handshake_encryption != "none"
+        # CURVE with keys derived from the secret or host key: the dialer then knows it talks to
+        # a holder of the key, so a relay put in between (another local user's port named in a
+        # request's kv_transfer_params) sees only ciphertext, never the NIXL metadata
+        encrypt = secret and config.handshake_encryption != "none"
         self.channel = PeerChannel(self.engine_id, self.agent_name, secret,
-                                   curve_server_keys(secret) if encrypt else None)
+                                   curve_server_keys(secret) if encrypt else None, local_only=self.host_key)
         self.book = PeerBook()
         self.authenticated = Authenticated(secret)
         self.holds = Holds(config, self.registry, self.observer, authenticated=self.authenticated,

@@ -18,7 +18,7 @@ import logging
 import socket
 import time
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import msgspec
@@ -49,6 +49,7 @@ from kvxfer.sidecar.nixl_port import NixlPort
 from kvxfer.sidecar.peer_book import Peer, PeerBook
 from kvxfer.sidecar.registry import RankRegistry
 from kvxfer.sidecar.validate import validate_rank_info
+from kvxfer.targets import is_loopback
 
 log = logging.getLogger("kvxfer.peers")
 
@@ -61,28 +62,38 @@ class PeerChannel:
     agent_name: str
     secret: bytes = b""  # empty: no handshake authentication
     curve: tuple[bytes, bytes] | None = None  # the listeners' CurveZMQ key pair (from the secret)
+    local_only: bool = False  # the secret is this host's key (kvxfer.hostkey): loopback peers only
+
+    def toward(self, addr: str) -> PeerChannel:
+        """How a channel to ``addr`` (tcp://<IP literal>:<port>) is secured. A host key is
+        only ever used with loopback peers: one beyond cannot hold it, and is dialed as a
+        sidecar without a secret always dialed (it must then run --insecure)."""
+        if not self.local_only or is_loopback(addr.removeprefix("tcp://")):
+            return self
+        return replace(self, secret=b"", curve=None)
 
 
 class PeerLink:
     """One DEALER connection to a peer's handshake listener for small request/reply calls
     (lease renewals: one per read, so no connect per call). Replies are matched by ``seq``."""
 
-    def __init__(self, sock: zmq.asyncio.Socket) -> None:
+    def __init__(self, sock: zmq.asyncio.Socket, secret: bytes = b"") -> None:
         self.sock = sock
+        self.secret = secret  # what every request on this link is signed with (b"": nothing)
         self._seq = 0
         self._waiting: dict[int, asyncio.Future[LeaseState]] = {}
         self.closed = False
 
-    async def call(self, req: LeaseRenew, timeout_s: float, secret: bytes = b"") -> LeaseState:
-        return await self.answer(self.send(req, secret), timeout_s)
+    async def call(self, req: LeaseRenew, timeout_s: float) -> LeaseState:
+        return await self.answer(self.send(req), timeout_s)
 
-    def send(self, req: LeaseRenew, secret: bytes = b"") -> tuple[int, asyncio.Future[LeaseState]]:
+    def send(self, req: LeaseRenew) -> tuple[int, asyncio.Future[LeaseState]]:
         """Send now (not at the caller's next await); ``answer`` waits for the reply."""
         self._seq += 1
         seq = self._seq
         req = msgspec.structs.replace(req, seq=seq)
-        if secret:  # signed after the seq is set: the signature covers every field
-            req = sign_request(secret, req)
+        if self.secret:  # signed after the seq is set: the signature covers every field
+            req = sign_request(self.secret, req)
         fut: asyncio.Future[LeaseState] = asyncio.get_running_loop().create_future()
         self._waiting[seq] = fut
 
@@ -203,9 +214,11 @@ class PeerClient:
         key = f"{host}:{port}"
         start = time.monotonic()
         try:
-            sock = self._dial(await self._resolve(host, port))
+            addr = await self._resolve(host, port)
+            ch = self.channel.toward(addr)
+            sock = self._dial(addr, ch)
             try:
-                reply, metadata, infos = await self._hello(sock, key, start)
+                reply, metadata, infos = await self._hello(sock, key, start, ch)
             finally:
                 sock.close(0)
             cached = self.book.get(key)
@@ -226,18 +239,17 @@ class PeerClient:
         log.info("handshake with %s (%s) in %.1f ms", key, peer.engine_id, took * 1e3)
         return peer
 
-    async def _hello(self, sock: zmq.asyncio.Socket, key: str,
-                     start: float) -> tuple[Welcome, bytes, list[RankInfo]]:
+    async def _hello(self, sock: zmq.asyncio.Socket, key: str, start: float,
+                     ch: PeerChannel) -> tuple[Welcome, bytes, list[RankInfo]]:
         """Hello (answering a challenge with a secret) until a checked Welcome: the welcome,
         the NIXL metadata it carried, and the ranks it advertised."""
         local = self.registry.first_layout()
-        ch = self.channel
         hello = Hello(version=PROTOCOL_VERSION, compat_hash=compat_hash(local), engine_id=ch.engine_id,
                       agent_name=ch.agent_name, model=local.model if local else "")
-        reply, frames = await self._ask(sock, hello, key, start)
+        reply, frames = await self._ask(sock, hello, key, start, ch)
         if ch.secret and isinstance(reply, Challenge):
             hello = sign_hello(ch.secret, hello, reply.nonce, reply.agent_name)
-            reply, frames = await self._ask(sock, hello, key, start)
+            reply, frames = await self._ask(sock, hello, key, start, ch)
         if isinstance(reply, Refused):
             raise RequestError(reply.code, f"{key} refused the handshake: {reply.reason}")
         if not isinstance(reply, Welcome):
@@ -262,14 +274,15 @@ class PeerClient:
             raise RequestError(ErrorCode.HANDSHAKE_FAILED, f"{key} advertised a rank twice")
         return reply, frames[1], infos
 
-    async def _ask(self, sock: zmq.asyncio.Socket, msg: Hello, key: str,
-                   start: float) -> tuple[Any, list[bytes]]:
+    async def _ask(self, sock: zmq.asyncio.Socket, msg: Hello, key: str, start: float,
+                   ch: PeerChannel) -> tuple[Any, list[bytes]]:
         timeout_s = self.config.handshake_timeout_s
         await sock.send(encode(msg))
         if not await sock.poll(int(max(0.0, start + timeout_s - time.monotonic()) * 1000)):
             # CurveZMQ gives no answer at all to a mismatched peer: say what it may be
-            why = ("it is down, or does not share our secret (the channel is encrypted with keys "
-                   "derived from it)" if self.channel.curve else
+            what = "this host's key" if ch.local_only else "our secret"
+            why = (f"it is down, or does not hold {what} (the channel is encrypted with keys derived "
+                   "from it; a peer on --insecure answers none)" if ch.curve else
                    "it is down, or requires a shared secret (an encrypted channel)")
             raise RequestError(ErrorCode.HANDSHAKE_FAILED,
                                f"no handshake answer from {key} within {timeout_s}s: {why}")
@@ -290,12 +303,13 @@ class PeerClient:
             addr = await self._resolve(host, port)
             link = self._links.get(key)  # (another call may have opened one meanwhile: one link each)
         if link is None or link.closed:
-            link = PeerLink(self._dial(addr))
+            ch = self.channel.toward(addr)
+            link = PeerLink(self._dial(addr, ch), ch.secret)
             self._links[key] = link
             task = asyncio.ensure_future(link.run())
             self._link_tasks.add(task)
             task.add_done_callback(self._link_tasks.discard)
-        return await link.call(req, timeout_s, self.channel.secret)
+        return await link.call(req, timeout_s)
 
     def send_renewal(self, host: str, port: int, req: LeaseRenew) -> RenewalSent | None:
         """Send a lease renewal now over the endpoint's open link (None: no link open yet);
@@ -303,7 +317,7 @@ class PeerClient:
         link = self._links.get(f"{host}:{port}")
         if link is None or link.closed:
             return None
-        return link, link.send(req, self.channel.secret)
+        return link, link.send(req)
 
     async def renewal_answer(self, sent: RenewalSent, timeout_s: float) -> LeaseState:
         link, pending = sent
@@ -311,9 +325,11 @@ class PeerClient:
 
     async def request_digest(self, host: str, port: int, req: DigestRequest, timeout_s: float) -> list[str]:
         """Ask a peer's listener for the digests of ``req``; raises RequestError."""
-        if self.channel.secret:
-            req = sign_request(self.channel.secret, req)
-        sock = self._dial(await self._resolve(host, port))
+        addr = await self._resolve(host, port)
+        ch = self.channel.toward(addr)
+        if ch.secret:
+            req = sign_request(ch.secret, req)
+        sock = self._dial(addr, ch)
         try:
             await sock.send(encode(req))
             if not await sock.poll(int(timeout_s * 1000)):
@@ -346,14 +362,14 @@ class PeerClient:
 
     # ---------------------------------------------------------------- sockets
 
-    def _dial(self, addr: str) -> zmq.asyncio.Socket:
+    def _dial(self, addr: str, ch: PeerChannel) -> zmq.asyncio.Socket:
         """A DEALER to a peer's handshake listener (a CurveZMQ client with a secret)."""
         sock = self.dial_ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.IPV6, 1)
-        if self.channel.curve is not None:
+        if ch.curve is not None:
             sock.curve_publickey, sock.curve_secretkey = zmq.curve_keypair()
-            sock.curve_serverkey = self.channel.curve[0]
+            sock.curve_serverkey = ch.curve[0]
         sock.connect(addr)
         self._socks.add(sock)
         return sock

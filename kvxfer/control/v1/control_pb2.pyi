@@ -177,7 +177,7 @@ class Totals(_message.Message):
     def __init__(self, bytes: _Optional[int] = ..., transfers_ok: _Optional[int] = ..., transfers_failed: _Optional[int] = ..., leases_released: _Optional[int] = ..., leases_expired: _Optional[int] = ..., handshakes: _Optional[int] = ..., handshake_failures: _Optional[int] = ..., bad_messages: _Optional[int] = ..., control_denied: _Optional[int] = ...) -> None: ...
 
 class Status(_message.Message):
-    __slots__ = ("identity", "ranks", "peers", "leases", "transfers", "totals", "uptime_s", "ready", "draining", "insecure", "authenticated", "encrypted", "host_key", "redacted")
+    __slots__ = ("identity", "ranks", "peers", "leases", "transfers", "totals", "uptime_s", "ready", "draining", "insecure", "authenticated", "encrypted", "host_key", "redacted", "host_key_file", "redacted_why")
     IDENTITY_FIELD_NUMBER: _ClassVar[int]
     RANKS_FIELD_NUMBER: _ClassVar[int]
     PEERS_FIELD_NUMBER: _ClassVar[int]
@@ -192,6 +192,8 @@ class Status(_message.Message):
     ENCRYPTED_FIELD_NUMBER: _ClassVar[int]
     HOST_KEY_FIELD_NUMBER: _ClassVar[int]
     REDACTED_FIELD_NUMBER: _ClassVar[int]
+    HOST_KEY_FILE_FIELD_NUMBER: _ClassVar[int]
+    REDACTED_WHY_FIELD_NUMBER: _ClassVar[int]
     identity: Identity
     ranks: _containers.RepeatedCompositeFieldContainer[RankRegistration]
     peers: _containers.RepeatedCompositeFieldContainer[Peer]
@@ -206,7 +208,9 @@ class Status(_message.Message):
     encrypted: bool
     host_key: bool
     redacted: bool
-    def __init__(self, identity: _Optional[_Union[Identity, _Mapping]] = ..., ranks: _Optional[_Iterable[_Union[RankRegistration, _Mapping]]] = ..., peers: _Optional[_Iterable[_Union[Peer, _Mapping]]] = ..., leases: _Optional[_Iterable[_Union[Lease, _Mapping]]] = ..., transfers: _Optional[_Iterable[_Union[Transfer, _Mapping]]] = ..., totals: _Optional[_Union[Totals, _Mapping]] = ..., uptime_s: _Optional[float] = ..., ready: _Optional[bool] = ..., draining: _Optional[bool] = ..., insecure: _Optional[bool] = ..., authenticated: _Optional[bool] = ..., encrypted: _Optional[bool] = ..., host_key: _Optional[bool] = ..., redacted: _Optional[bool] = ...) -> None: ...
+    host_key_file: str
+    redacted_why: str
+    def __init__(self, identity: _Optional[_Union[Identity, _Mapping]] = ..., ranks: _Optional[_Iterable[_Union[RankRegistration, _Mapping]]] = ..., peers: _Optional[_Iterable[_Union[Peer, _Mapping]]] = ..., leases: _Optional[_Iterable[_Union[Lease, _Mapping]]] = ..., transfers: _Optional[_Iterable[_Union[Transfer, _Mapping]]] = ..., totals: _Optional[_Union[Totals, _Mapping]] = ..., uptime_s: _Optional[float] = ..., ready: _Optional[bool] = ..., draining: _Optional[bool] = ..., insecure: _Optional[bool] = ..., authenticated: _Optional[bool] = ..., encrypted: _Optional[bool] = ..., host_key: _Optional[bool] = ..., redacted: _Optional[bool] = ..., host_key_file: _Optional[str] = ..., redacted_why: _Optional[str] = ...) -> None: ...
 
 class Load(_message.Message):
     __slots__ = ("queued_requests", "queued_bytes", "inflight_requests", "inflight_bytes", "held_requests", "held_blocks", "draining")
