@@ -13,6 +13,7 @@ cannot reach either socket at all.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -345,3 +346,52 @@ def test_the_attackers_socket_credentials_are_its_own() -> None:
     a, b = socket.socketpair(socket.AF_UNIX)
     with a, b:
         assert creds_of(a) == Creds(os.getpid(), os.getuid())
+
+
+def test_the_engine_socket_reads_a_connections_process_once_and_forgets_it_when_it_closes(
+        tmp_path: Path) -> None:
+    """Credentials are kept per identity while it arrives on the same fd, and dropped when
+    that fd's connection closes (its number may come back with another process behind it)."""
+    import asyncio
+
+    import zmq
+    import zmq.asyncio
+
+    from kvxfer.observe import Observer
+    from kvxfer.protocol import Ping, encode
+    from kvxfer.sidecar.engine_server import EngineServer
+
+    async def main() -> None:
+        ctx = zmq.asyncio.Context()
+        server = EngineServer(ctx, f"ipc://{tmp_path}/e.sock", Observer())
+        server.bind()
+        seen: list[Creds] = []
+        server.on(Ping, lambda ident, msg: seen.append(server.sender))
+        task = asyncio.ensure_future(server.serve())
+        dealer = ctx.socket(zmq.DEALER)
+        dealer.setsockopt(zmq.IDENTITY, b"w-test")
+        dealer.connect(server.endpoint)
+        try:
+            for _ in range(3):
+                await dealer.send(encode(Ping(seq=1)))
+            for _ in range(100):
+                if len(seen) == 3:
+                    break
+                await asyncio.sleep(0.02)
+            assert seen == [Creds(os.getpid(), os.getuid())] * 3
+            assert list(server._senders) == [b"w-test"]
+            dealer.close(0)
+            for _ in range(250):
+                if not server._senders:
+                    break
+                await asyncio.sleep(0.02)
+            assert not server._senders, "a closed connection's credentials were kept"
+        finally:
+            dealer.close(0)
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            server.close()
+            ctx.term()
+
+    asyncio.run(main())

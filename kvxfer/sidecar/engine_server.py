@@ -178,6 +178,9 @@ class EngineServer:
         if known is not None and known[0] == fd:
             return known[1]
         peer = creds_of_fd(fd)
+        if known is not None and known[1] != peer:  # (ROUTER_HANDOVER: the last to claim an identity gets it)
+            log.warning("engine connection identity %r moved from %s to %s: replies to it go to the "
+                        "new process now", ident, known[1], peer)
         if len(self._senders) >= MAX_SENDERS:
             self._senders.clear()
         self._senders[ident] = (fd, peer)
