@@ -100,6 +100,14 @@ class Config:
     shm_dirs: str = _doc("Directories (comma-separated) whose kvxfer-* files engines may register "
                          "as KV memory (subdirectories too; no symlinks; owned by the engine's uid).",
                          default="/dev/shm")
+    engine_ownership: str = _doc("Who may hold, release, receive or unregister for an engine on the "
+                                 "engine socket: 'process' (a connection from the process that "
+                                 "registered one of its ranks, or an ancestor of it: vLLM's "
+                                 "scheduler is the parent of its multiproc workers, the very "
+                                 "process of a uniproc one) or 'uid' (any process of the ranks' "
+                                 "uid: for executors whose workers are not the scheduler's "
+                                 "children, such as Ray). Processes in another PID namespace are "
+                                 "told apart by uid only, either way.", default="process")
     engine_check_s: float = _doc("How often to check that registered engine processes live.",
                                  default=1.0)
     lease_s: float = _doc("Default lease on held prefill blocks; released when it expires "
@@ -193,6 +201,8 @@ class Config:
             raise ConfigError("nixl_threads must be >= 0")
         if self.inline_read_kib < 0:
             raise ConfigError("inline_read_kib must be >= 0 (0: every read goes through the NIXL thread)")
+        if self.engine_ownership not in ("process", "uid"):
+            raise ConfigError(f"engine_ownership must be process or uid, not {self.engine_ownership!r}")
         if self.handshake_encryption not in ("auto", "none"):
             raise ConfigError(f"handshake_encryption must be auto or none, not {self.handshake_encryption!r}")
         if self.max_lease_s < self.lease_s:

@@ -167,13 +167,14 @@ class Sidecar:
         self.nixl.on(ReadStuck, self._read_stuck)
         es = self.engine_server
         es.on(Ping, lambda ident, msg: es.send(ident, self._pong(msg.seq)))
-        es.on(Hold, lambda ident, msg: self.holds.hold(ident, msg, self.lifecycle.draining))
-        es.on(Recv, lambda ident, msg: self.receiver.on_recv(ident, msg, self.lifecycle.draining,
+        # (es.sender: the sending process, as the kernel reported it; who may act for an engine)
+        es.on(Hold, lambda ident, msg: self.holds.hold(ident, msg, self.lifecycle.draining, es.sender))
+        es.on(Recv, lambda ident, msg: self.receiver.on_recv(ident, msg, es.sender, self.lifecycle.draining,
                                                              es.received_ns))
-        es.on(Release, lambda ident, msg: self.holds.release_request(msg))
-        es.on(RegisterKV, lambda ident, msg: self._spawn(self.engines.register(ident, msg)))
+        es.on(Release, lambda ident, msg: self.holds.release_request(msg, es.sender))
+        es.on(RegisterKV, lambda ident, msg: self._spawn(self.engines.register(ident, msg, es.sender)))
         es.on(KeepAlive, lambda ident, msg: self._spawn(self.keeper.keepalive(ident, msg)))
-        es.on(Unregister, self.engines.unregister)
+        es.on(Unregister, lambda ident, msg: self.engines.unregister(ident, msg, es.sender))
         self.holds.changed.subscribe(self._holds_changed)
         self.receiver.changed.subscribe(self._gauges)
         self.engines.changed.subscribe(self._gauges)

@@ -12,13 +12,24 @@ It also owns the socket file: ``<socket>.lock`` is flocked for the life of the p
 second sidecar on the same socket is refused, never silently takes it over), the file is
 unlinked at close only if it is still the one this process bound, and ``intact`` tells
 whether it still is.
+
+And it says who sent each message: ``sender`` is the connection's process as the kernel
+reports it (``SO_PEERCRED`` of the fd libzmq received it on), read once per connection and
+kept by routing identity while that identity arrives on the same fd (a socket monitor drops
+what it knows of a connection that closed, so a new connection on a reused fd number is read
+afresh). Identities are the client's choice and ``ROUTER_HANDOVER`` gives one to whoever
+connects with it last: what a connection may do is decided on ``sender``, never on its
+identity (``kvxfer.sidecar.ownership``).
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import fcntl
 import logging
 import os
+import struct
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -30,13 +41,16 @@ import zmq.asyncio
 from kvxfer.errors import ErrorCode, ListenError, RequestError
 from kvxfer.observe import Observer
 from kvxfer.protocol import DECODE_ERRORS, Error, encode, engine_request_decoder
+from kvxfer.sidecar.ownership import UNKNOWN, Creds
 from kvxfer.sidecar.pool_server import unlink_if_same
+from kvxfer.sidecar.procfs import creds_of_fd
 
 log = logging.getLogger("kvxfer.sidecar")
 
 _ENGINE_TAGS = {"register", "unregister", "hold", "release", "recv", "ping", "keepalive"}
 MAX_MESSAGE = 16 << 20  # larger engine messages get a typed error (a million block ids is ~5 MiB)
 HARD_MAX_MESSAGE = 64 << 20  # ZMQ drops the connection of a peer that sends more
+MAX_SENDERS = 1 << 16  # routing identities whose credentials are kept (forgotten all at once past it)
 
 Handler = Callable[[bytes, Any], Awaitable[None] | None]
 
@@ -45,7 +59,7 @@ def ipc_path(endpoint: str) -> str | None:
     return endpoint[len("ipc://") :] if endpoint.startswith("ipc://") else None
 
 
-def classify_bad_message(body: bytes) -> ErrorCode:
+def classify_bad_message(body: bytes | memoryview) -> ErrorCode:
     """UNKNOWN_MESSAGE for a well-formed message of an unknown kind, else MALFORMED."""
     try:
         raw = msgspec.msgpack.decode(body)
@@ -69,6 +83,9 @@ class EngineServer:
         self._lock_fd = -1  # <engine socket>.lock, flocked while this process owns the socket
         self._ino = 0  # the inode of the socket file this process bound (0: none)
         self.received_ns = 0  # when the message being handled arrived (a trace's "sidecar" hop)
+        self.sender: Creds = UNKNOWN  # who sent the message being handled (the kernel's word)
+        self._senders: dict[bytes, tuple[int, Creds]] = {}  # identity -> (its connection's fd, process)
+        self._monitor: zmq.asyncio.Socket | None = None
 
     def on(self, kind: type, handler: Handler) -> None:
         """Hand every message of this type to ``handler(ident, msg)`` (sync, or awaited)."""
@@ -128,6 +145,11 @@ class EngineServer:
         return (True, "") if ino == self._ino else (False, "replaced")
 
     def close(self) -> None:
+        if self._monitor is not None:
+            with contextlib.suppress(zmq.ZMQError):
+                self.sock.disable_monitor()
+            self._monitor.close(0)
+            self._monitor = None
         self.sock.close(0)
         if self.path:
             unlink_if_same(self.path, self._ino)  # never a socket this process did not bind
@@ -148,12 +170,52 @@ class EngineServer:
         self.observer.bad_message("engine")
         self.send(ident, Error(code=code, message=why))
 
+    def _sender_of(self, ident: bytes, frame: zmq.Frame) -> Creds:
+        """The process behind the connection ``frame`` came on: SO_PEERCRED once per connection,
+        then a dict lookup (no system call on the hot path)."""
+        fd = frame.get(zmq.SRCFD)
+        known = self._senders.get(ident)
+        if known is not None and known[0] == fd:
+            return known[1]
+        peer = creds_of_fd(fd)
+        if known is not None and known[1] != peer:  # (ROUTER_HANDOVER: the last to claim an identity gets it)
+            log.warning("engine connection identity %r moved from %s to %s: replies to it go to the "
+                        "new process now", ident, known[1], peer)
+        if len(self._senders) >= MAX_SENDERS:
+            self._senders.clear()
+        self._senders[ident] = (fd, peer)
+        return peer
+
+    async def _forget_closed(self) -> None:
+        """Drop the credentials of connections that closed: their fd number may come back
+        with another process's connection behind it."""
+        assert self._monitor is not None
+        while True:
+            frames = await self._monitor.recv_multipart()
+            event, fd = struct.unpack("=Hi", frames[0][:6])  # (event, fd)
+            if event & (zmq.EVENT_DISCONNECTED | zmq.EVENT_CLOSED | zmq.EVENT_ACCEPTED):
+                for ident in [i for i, (f, _) in self._senders.items() if f == fd]:
+                    del self._senders[ident]
+
     async def serve(self) -> None:
         """Take messages until cancelled."""
+        if self._monitor is None:
+            self._monitor = self.sock.get_monitor_socket(
+                zmq.EVENT_DISCONNECTED | zmq.EVENT_CLOSED | zmq.EVENT_ACCEPTED)
+        watch = asyncio.ensure_future(self._forget_closed())
+        try:
+            await self._serve()
+        finally:
+            watch.cancel()
+            with contextlib.suppress(asyncio.CancelledError, zmq.ZMQError):
+                await watch
+
+    async def _serve(self) -> None:
         while True:
-            frames = await self.sock.recv_multipart()
+            frames = await self.sock.recv_multipart(copy=False)
             self.received_ns = time.monotonic_ns()
-            ident, body = frames[0], frames[-1]
+            ident, body = frames[0].bytes, frames[-1].buffer
+            self.sender = self._sender_of(ident, frames[-1])
             if len(frames) != 2:
                 self._refuse(ident, ErrorCode.MALFORMED, "expected one frame")
                 continue

@@ -7,6 +7,10 @@ endpoint; what its engine gave up on at a restart is refused from then on
 closed: the only notice that works across PID namespaces) has its receives failed; its
 held blocks stay readable until their leases end (the rank is kept as an *orphan*), then
 its memory is freed.
+
+Each registration records the registering process as the kernel reported it
+(``EngineServer.sender``) with its ancestry: who speaks for the engine from then on
+(``kvxfer.sidecar.ownership``), and whose memory the registration may name.
 """
 
 from __future__ import annotations
@@ -23,7 +27,9 @@ from kvxfer.sidecar.engine_server import EngineServer
 from kvxfer.sidecar.holds import Holds
 from kvxfer.sidecar.lifecycle import Signal
 from kvxfer.sidecar.mapping import check_shm_files
+from kvxfer.sidecar.ownership import Creds, authorize
 from kvxfer.sidecar.pool_server import PoolServer
+from kvxfer.sidecar.procfs import holder
 from kvxfer.sidecar.receiver import Receiver
 from kvxfer.sidecar.registry import RankEntry, RankRegistry
 from kvxfer.sidecar.validate import validate_registration
@@ -58,12 +64,13 @@ class Engines:
 
     # ---------------------------------------------------------------- registrations
 
-    async def register(self, ident: bytes, msg: RegisterKV) -> None:
+    async def register(self, ident: bytes, msg: RegisterKV, sender: Creds) -> None:
         """Register a rank (``RankRegistry``: a failed re-registration unregisters the key,
-        whose old memory is already gone, and moves the generation)."""
+        whose old memory is already gone, and moves the generation). ``sender``: the sending
+        process, as the kernel reported it."""
         try:
-            self._admit(msg)
-            entry, _replaced = await self.registry.register(msg, ident)
+            self._admit(msg, sender)
+            entry, _replaced = await self.registry.register(msg, ident, holder(sender))
         except Exception as e:
             if not isinstance(e, RequestError):
                 log.exception("registration failed")
@@ -82,9 +89,9 @@ class Engines:
             dp_rank=entry.key.dp))
         self.changed.emit()
 
-    def _admit(self, msg: RegisterKV) -> None:
+    def _admit(self, msg: RegisterKV, sender: Creds) -> None:
         validate_registration(msg)
-        check_shm_files(msg, self.config.shm_dir_list)
+        check_shm_files(msg, self.config.shm_dir_list, sender.uid)
         try:
             check_layout(msg.layout)
         except Incompatible as e:
@@ -107,12 +114,14 @@ class Engines:
             log.info("%s registered engine-owned VRAM over CUDA IPC (UCX cannot re-export it; "
                      "gpu_memory 'vmm' gives it sidecar-owned VMM pools instead)", entry.key)
 
-    async def unregister(self, ident: bytes, msg: Unregister) -> None:
+    async def unregister(self, ident: bytes, msg: Unregister, sender: Creds) -> None:
         entry = self.registry.find(msg.engine_id, msg.pp_rank, msg.tp_rank)
         if entry is None or entry.owner != ident:
             raise RequestError(ErrorCode.NOT_REGISTERED, f"rank pp{msg.pp_rank}/tp{msg.tp_rank} of engine "
                                f"{self.registry.engine_of(msg.engine_id)!r} is not registered by "
                                "this connection")
+        # (an identity is the client's choice, and ROUTER_HANDOVER hands it to the last to claim it)
+        authorize(sender, [entry.holder], self.config.engine_ownership, "unregister", entry.key.engine)
         try:
             await self.registry.remove(entry.key)
         finally:

@@ -6,7 +6,9 @@ counts its read and releases the lease once every reader read; a reader's ``Leas
 for a read; the expiry loop ends leases nobody read. Each lease ends exactly once, with a
 ``Released`` to the engine (the worker that held, or every worker of that engine).
 
-Who may touch a lease: a peer must present the lease's capability token (``Hold.token``,
+Who may touch a lease: the engine side, only a connection that speaks for the lease's engine
+(``kvxfer.sidecar.ownership``: its process registered one of the engine's ranks or is an
+ancestor of one) may hold or release; a peer must present the lease's capability token (``Hold.token``,
 handed to the decode in kv_transfer_params) and, with a shared secret, be an agent that
 completed an authenticated handshake here. Readers are counted per (agent, pp, tp). No
 peer can stretch a lease past ``max_read_s`` per read or ``max_lease_s`` in all. Whatever
@@ -46,6 +48,7 @@ from kvxfer.protocol import (
 )
 from kvxfer.sidecar.admission import admit_hold
 from kvxfer.sidecar.lifecycle import Signal
+from kvxfer.sidecar.ownership import Creds, authorize
 from kvxfer.sidecar.registry import RankRegistry
 
 log = logging.getLogger("kvxfer.holds")  # (the name operators filter on)
@@ -78,9 +81,11 @@ class Holds:
 
     # ------------------------------------------------------------------ engine requests
 
-    def hold(self, ident: bytes, msg: Hold, draining: bool) -> None:
-        """Raises RequestError (the engine gets an ``Error``)."""
+    def hold(self, ident: bytes, msg: Hold, draining: bool, sender: Creds) -> None:
+        """Raises RequestError (the engine gets an ``Error``); ``sender``: the sending process."""
         engine = self.registry.engine_of(msg.engine_id)
+        authorize(sender, self.registry.holders(engine), self.config.engine_ownership, "hold", engine,
+                  msg.req_id)
         ranks = self.registry.of_engine(engine)
         admit_hold(msg, engine, min(r.layout.num_blocks for r in ranks) if ranks else None,
                    draining=draining, abandoned=(engine, msg.req_id) in self.abandoned, now_unix=time.time(),
@@ -94,8 +99,13 @@ class Holds:
         self.changed.emit()
         self._wakeup.set()
 
-    def release_request(self, msg: Release) -> None:
-        lease = self.table.pop((self.registry.engine_of(msg.engine_id), msg.req_id))
+    def release_request(self, msg: Release, sender: Creds) -> None:
+        """The engine dropped a request: end its lease (``aborted``), if ``sender`` speaks for
+        the lease's engine."""
+        engine = self.registry.engine_of(msg.engine_id)
+        authorize(sender, self.registry.holders(engine), self.config.engine_ownership, "release", engine,
+                  msg.req_id)
+        lease = self.table.pop((engine, msg.req_id))
         if lease is None:
             raise RequestError(ErrorCode.UNKNOWN_REQUEST, "not held", msg.req_id)
         self.release(lease, "aborted")

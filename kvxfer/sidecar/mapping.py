@@ -4,7 +4,9 @@
 a pool of the memory channel's, ``kvxfer.sidecar.pool_server``) and returns a ``Mapping``
 (base address, size, NIXL memory type, device id) that stays valid until ``close()``.
 ``check_shm_files`` refuses, before anything is mapped, a file the sidecar cannot prove is
-the engine's. The engine side (laying a KV cache out and describing it) is
+the engine's; and what is mapped must be the registering process's own: a pool it created
+or handed back, a file it has open or mapped itself (checked on the very file opened, so a
+path swapped meanwhile proves nothing). The engine side (laying a KV cache out and describing it) is
 ``kvxfer.memory``.
 
 This module never talks to NIXL; torch is imported only on the CUDA path.
@@ -30,7 +32,9 @@ from kvxfer.protocol import (
     RegisterKV,
     ShmMemory,
 )
+from kvxfer.sidecar.ownership import Creds
 from kvxfer.sidecar.pool_server import PoolServer
+from kvxfer.sidecar.procfs import has_open
 
 
 @dataclass
@@ -74,7 +78,7 @@ class Mapping:
                     close()
 
 
-def _map_shm(ref: ShmMemory) -> Mapping:
+def _map_shm(ref: ShmMemory, sender: Creds | None) -> Mapping:
     try:
         fd = os.open(ref.path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
     except OSError as e:
@@ -83,6 +87,12 @@ def _map_shm(ref: ShmMemory) -> Mapping:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
             raise RequestError(ErrorCode.INVALID_MEMORY, f"{ref.path!r} is not a regular file")
+        if sender is not None and not has_open(sender.pid, st.st_dev, st.st_ino):
+            whose = (f"the registering process ({sender}) has it neither open nor mapped" if sender.pid
+                     else "the registering process is not visible from this sidecar")
+            raise RequestError(ErrorCode.INVALID_MEMORY, f"shared memory {ref.path!r} refused: {whose}; "
+                               "an engine registers only its own files (better: allocate the KV "
+                               "cache from the memory channel's pools)")
         actual = st.st_size
         if actual < ref.size:
             raise RequestError(
@@ -134,10 +144,10 @@ def _map_cuda(ref: CudaIpcMemory) -> Mapping:
     )
 
 
-def _map_pool(ref: PoolMemory, pools: PoolServer | None) -> Mapping:
+def _map_pool(ref: PoolMemory, pools: PoolServer | None, sender: Creds | None) -> Mapping:
     if pools is None:
         raise RequestError(ErrorCode.INVALID_MEMORY, "this sidecar has no memory channel")
-    fd, size, device = pools.dup(ref.pool)
+    fd, size, device = pools.dup(ref.pool, sender)
     try:
         if ref.size > size:
             raise RequestError(ErrorCode.INVALID_MEMORY, f"pool {ref.pool[:8]} has {size} bytes, the "
@@ -154,11 +164,13 @@ def _map_pool(ref: PoolMemory, pools: PoolServer | None) -> Mapping:
     return host_mapping(mm)
 
 
-def map_memory(ref: MemoryRef, pools: PoolServer | None = None) -> Mapping:
+def map_memory(ref: MemoryRef, pools: PoolServer | None = None, sender: Creds | None = None) -> Mapping:
+    """``sender``: the registering process, whose own memory ``ref`` must be (None: the caller
+    vouches for it, as tools mapping their own memory do)."""
     if isinstance(ref, ShmMemory):
-        return _map_shm(ref)
+        return _map_shm(ref, sender)
     if isinstance(ref, PoolMemory):
-        return _map_pool(ref, pools)
+        return _map_pool(ref, pools, sender)
     return _map_cuda(ref)
 
 
@@ -179,13 +191,14 @@ def process_uid(pid: int) -> int | None:
     return None
 
 
-def check_shm_files(msg: RegisterKV, shm_dirs: list[str]) -> None:
+def check_shm_files(msg: RegisterKV, shm_dirs: list[str], uid: int = -1) -> None:
     """A registration may name only files the sidecar can prove belong to the engine: an
     absolute path with no symlink anywhere in it, inside one of ``shm_dirs`` (or a directory
-    below one), named ``kvxfer-*``, a regular file owned by the engine's uid (the sidecar's
-    own when the engine's pid is not visible from here). The sidecar maps these read-write
-    and may unlink them when their engine dies, so anything else is refused."""
-    owner = process_uid(msg.pid)
+    below one), named ``kvxfer-*``, a regular file owned by the engine's uid: ``uid``, the
+    registering connection's as the kernel reported it (-1: unknown; then the claimed pid's,
+    or the sidecar's own when that pid is not visible from here). The sidecar maps these
+    read-write and may unlink them when their engine dies, so anything else is refused."""
+    owner = uid if uid >= 0 else process_uid(msg.pid)
     want_uid = os.geteuid() if owner is None else owner
     roots = [os.path.realpath(d) for d in shm_dirs if d]
     for ref in msg.memory:

@@ -20,6 +20,7 @@ from kvxfer.errors import ErrorCode, RequestError
 from kvxfer.integrity import digest, region_view
 from kvxfer.protocol import DigestItem, RankInfo, RegisterKV, RemoteRegion
 from kvxfer.sidecar.mapping import Mapping, map_memory
+from kvxfer.sidecar.ownership import Creds
 from kvxfer.sidecar.plan import LegPlan, PairRows, ReadSpec, pair_rows, plan_leg, state_pairs, strided_rows
 from kvxfer.sidecar.pool_server import PoolServer
 from kvxfer.topology import RankPlan
@@ -117,15 +118,16 @@ class Registrations:
 
     # ------------------------------------------------------------------ local ranks
 
-    def register(self, key: Hashable, msg: RegisterKV) -> RankInfo:
+    def register(self, key: Hashable, msg: RegisterKV, peer: Creds) -> RankInfo:
         """Map a rank's memory and register it with NIXL; returns what peers need to read
-        from it (absolute region addresses). The caller unregistered the key first."""
+        from it (absolute region addresses). The caller unregistered the key first. ``peer``:
+        the registering process, whose own memory it must be (``map_memory``)."""
         mappings: list[Mapping] = []
         regs: list[Any] = []
         agent = self._agent
         try:
             for ref in msg.memory:
-                mappings.append(map_memory(ref, self._pools))
+                mappings.append(map_memory(ref, self._pools, peer))
             mem_types = {m.mem_type for m in mappings}
             if len(mem_types) != 1:
                 raise RequestError(ErrorCode.INVALID_LAYOUT, "mixed DRAM and VRAM in one rank")

@@ -41,6 +41,7 @@ from kvxfer.sidecar.nixl_agent import create_agent
 from kvxfer.sidecar.nixl_memory import Cleanup, Registrations
 from kvxfer.sidecar.nixl_reads import Read, Reads
 from kvxfer.sidecar.nixl_types import Event, NoticeReceived, ReadRefused, TransferOptions
+from kvxfer.sidecar.ownership import Creds, Holder
 from kvxfer.sidecar.plan import ReadSpec
 from kvxfer.sidecar.pool_server import PoolServer
 
@@ -100,9 +101,10 @@ class NixlPort:
 
     # ------------------------------------------------------------------ commands
 
-    async def register(self, key: Hashable, msg: RegisterKV) -> RankInfo:
-        """Map a rank's memory and register it (replacing the key's registration)."""
-        return await self._run(lambda: self._register(key, msg))
+    async def register(self, key: Hashable, msg: RegisterKV, holder: Holder) -> RankInfo:
+        """Map a rank's memory and register it (replacing the key's registration); ``holder``
+        is the registering process (the memory it names must be provably its own)."""
+        return await self._run(lambda: self._register(key, msg, holder.creds))
 
     async def unregister(self, key: Hashable) -> bool:
         """Its reads fail; its memory is released once they settled."""
@@ -229,10 +231,10 @@ class NixlPort:
 
     # ------------------------------------------------------------------ thread side
 
-    def _register(self, key: Hashable, msg: RegisterKV) -> RankInfo:
+    def _register(self, key: Hashable, msg: RegisterKV, peer: Creds) -> RankInfo:
         if key in self._regs_().local:
             self._unregister(key)
-        return self._regs_().register(key, msg)
+        return self._regs_().register(key, msg, peer)
 
     def _unregister(self, key: Hashable) -> bool:
         regs = self._regs_()

@@ -4,6 +4,11 @@ restart, and closes them when the engine's connection ends.
 
 It runs on its own thread with blocking sockets; the table it keeps is read by the NIXL
 thread under a lock (``dup``). An I/O shell of the sidecar: the engine side never imports it.
+
+A pool belongs to the connection that created or handed it back, and to that connection's
+process (``SO_PEERCRED``): only that process may register memory of it (``dup`` checks), and
+no other connection can hand back (``PoolAdopt``) an id that is still held: knowing a pool's
+id is not owning it.
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ from kvxfer.memchannel import (
     gib,
     memfd,
 )
+from kvxfer.sidecar.ownership import Creds, pool_refusal
 from kvxfer.vmm import align_up
 
 if TYPE_CHECKING:
@@ -54,6 +60,7 @@ class _Held:
     pid: int
     label: str
     device: int = -1
+    uid: int = -1  # (with pid: the creating process, the only one that may register it)
 
 
 class PoolServer:
@@ -80,15 +87,19 @@ class PoolServer:
 
     # --------------------------------------------------------------- queries (any thread)
 
-    def dup(self, pool: str) -> tuple[int, int, int]:
+    def dup(self, pool: str, user: Creds | None = None) -> tuple[int, int, int]:
         """(a duplicate of the pool's fd, its size, its device: -1 for host memory);
-        RequestError when unknown. The caller closes the duplicate (its mapping keeps the
-        memory)."""
+        RequestError when unknown, or when ``user`` (the process registering it; None: the
+        caller vouches) is not the process that created or handed back the pool. The caller
+        closes the duplicate (its mapping keeps the memory)."""
         with self._lock:
             held = self._pools.get(pool)
             if held is None:
                 raise RequestError(ErrorCode.INVALID_MEMORY, f"no pool {pool!r} here (its engine must "
                                    "create or hand it back over the memory channel first)")
+            why = "" if user is None else pool_refusal(pool, Creds(held.pid, held.uid), user)
+            if why:
+                raise RequestError(ErrorCode.INVALID_MEMORY, why)
             return os.dup(held.fd), held.size, held.device
 
     def holds(self, pool: str) -> bool:
@@ -187,7 +198,7 @@ class PoolServer:
         self._conns[conn.fileno()] = (conn, pid, uid)
 
     def _serve(self, fileno: int) -> None:
-        conn, pid, _ = self._conns[fileno]
+        conn, pid, uid = self._conns[fileno]
         try:
             data, fds, _, _ = socket.recv_fds(conn, _PACKET, 4)
         except OSError:
@@ -204,10 +215,10 @@ class PoolServer:
             return
         try:
             if isinstance(msg, PoolCreate):
-                self._grant(conn, fileno, pid, msg)
+                self._grant(conn, fileno, Creds(pid, uid), msg)
             elif isinstance(msg, PoolAdopt):
                 taken, fds = fds, []  # _adopt owns (keeps or closes) them
-                self._adopt(conn, fileno, pid, msg, taken)
+                self._adopt(conn, fileno, Creds(pid, uid), msg, taken)
             else:
                 self._free(fileno, msg.pool)
         except RequestError as e:
@@ -258,7 +269,7 @@ class PoolServer:
             raise RequestError(ErrorCode.OUT_OF_MEMORY, f"a pool of {gib(size)} needs more memory than "
                                f"this machine has available ({gib(avail)})")
 
-    def _grant(self, conn: socket.socket, fileno: int, pid: int, msg: PoolCreate) -> None:
+    def _grant(self, conn: socket.socket, fileno: int, peer: Creds, msg: PoolCreate) -> None:
         device = self._local_device(msg.device, msg.device_uuid)
         self._check_room(msg.size, device)
         size = msg.size
@@ -271,13 +282,30 @@ class PoolServer:
                 raise RequestError(ErrorCode.OUT_OF_MEMORY, f"memfd of {msg.size} bytes: {e}") from e
         pool = secrets.token_hex(16)
         with self._lock:
-            self._pools[pool] = _Held(pool, fd, size, fileno, pid, msg.label, device)
+            self._pools[pool] = _Held(pool, fd, size, fileno, peer.pid, msg.label, device, peer.uid)
         self.created += 1
         where = "" if device < 0 else f" on GPU {device}"
-        log.info("pool %s: %s%s for pid %d %s", pool[:8], gib(size), where, pid, msg.label)
+        log.info("pool %s: %s%s for pid %d %s", pool[:8], gib(size), where, peer.pid, msg.label)
         self._reply(conn, PoolGranted(pool=pool, size=size, device=msg.device), fd)
 
-    def _adopt(self, conn: socket.socket, fileno: int, pid: int, msg: PoolAdopt, fds: list[int]) -> None:
+    def _adopt(self, conn: socket.socket, fileno: int, peer: Creds, msg: PoolAdopt, fds: list[int]) -> None:
+        """Take a pool back from the engine that held it over a restart of this sidecar. An id
+        still held here is refused unless this very connection holds it: another connection
+        presenting it would put its memory where the holder's registrations and its peers'
+        reads expect the holder's."""
+        with self._lock:
+            held = self._pools.get(msg.pool)
+        if held is not None and held.conn != fileno:
+            self._catch_up(held.conn)  # (an engine handing its pools back on a fresh connection)
+            with self._lock:
+                held = self._pools.get(msg.pool)
+        if held is not None and held.conn != fileno:
+            for fd in fds:
+                os.close(fd)
+            log.warning("memory channel: pid %d (uid %d) tried to hand back pool %s, which pid %d holds; "
+                        "refused", peer.pid, peer.uid, msg.pool[:8], held.pid)
+            raise RequestError(ErrorCode.UNAUTHORIZED, f"pool {msg.pool[:8]} is held by another "
+                               "connection: only its holder hands it back")
         if len(fds) != 1:
             for fd in fds:
                 os.close(fd)
@@ -298,13 +326,29 @@ class PoolServer:
             os.close(fd)
             raise e if isinstance(e, RequestError) else RequestError(ErrorCode.INVALID_MEMORY, str(e)) from e
         with self._lock:
-            old = self._pools.pop(msg.pool, None)
-            self._pools[msg.pool] = _Held(msg.pool, fd, msg.size, fileno, pid, msg.label, device)
+            old = self._pools.get(msg.pool)
+            if old is not None and old.conn != fileno:  # (only this thread adds pools: cannot happen)
+                os.close(fd)
+                raise RequestError(ErrorCode.UNAUTHORIZED, f"pool {msg.pool[:8]} is held by another "
+                                   "connection")
+            self._pools[msg.pool] = _Held(msg.pool, fd, msg.size, fileno, peer.pid, msg.label, device,
+                                          peer.uid)
         if old is not None:
             os.close(old.fd)
         self.adopted += 1
-        log.info("pool %s: %s handed back by pid %d %s", msg.pool[:8], gib(msg.size), pid, msg.label)
+        log.info("pool %s: %s handed back by pid %d %s", msg.pool[:8], gib(msg.size), peer.pid, msg.label)
         self._reply(conn, PoolGranted(pool=msg.pool, size=msg.size))
+
+    def _catch_up(self, fileno: int) -> None:
+        """Serve what connection ``fileno`` already sent, its end included: an engine that
+        hands its pools back on a fresh connection closed the old one first, but this thread
+        may see the new one's request before the old one's end."""
+        while fileno in self._conns:
+            poller = select.poll()
+            poller.register(fileno, select.POLLIN)
+            if not poller.poll(0):
+                return
+            self._serve(fileno)
 
     def _free(self, fileno: int, pool: str) -> None:
         with self._lock:

@@ -34,6 +34,7 @@ from kvxfer.sidecar.claim import Claims
 from kvxfer.sidecar.lifecycle import Signal
 from kvxfer.sidecar.nixl_port import NixlPort
 from kvxfer.sidecar.nixl_types import ReadFinished, ReadRefused
+from kvxfer.sidecar.ownership import Creds, authorize
 from kvxfer.sidecar.peer_book import Peer, PeerBook
 from kvxfer.sidecar.peer_client import PeerClient
 from kvxfer.sidecar.plan import ReadSpec
@@ -141,8 +142,13 @@ class Receiver:
 
     # ------------------------------------------------------------------ engine requests
 
-    def on_recv(self, ident: bytes, msg: Recv, draining: bool = False, received_ns: int = 0) -> None:
+    def on_recv(self, ident: bytes, msg: Recv, sender: Creds, draining: bool = False,
+                received_ns: int = 0) -> None:
+        """Raises RequestError (``UNAUTHORIZED``: ``sender``, the sending process, does not
+        speak for the engine whose memory would receive)."""
         engine = self.registry.engine_of(msg.engine_id)
+        authorize(sender, self.registry.holders(engine), self.config.engine_ownership, "receive", engine,
+                  msg.req_id)
         key = recv_key(msg.req_id, msg.tp_rank, engine, msg.pp_rank)
         if key in self.recvs:
             raise RequestError(ErrorCode.DUPLICATE_REQUEST, "receive already in flight", msg.req_id)

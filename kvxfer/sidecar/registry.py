@@ -11,7 +11,10 @@ hand-synced maps were updated one by one).
 Ownership: a connection may replace or remove only what it registered. A registration of
 a key that another *live* process holds is refused (``rank_taken``): two DP engines that
 were given the same engine id would otherwise read each other's KV. A restarted engine
-(its old process is gone, or the same pid reconnected) replaces its ranks.
+(its old process is gone, or the same process reconnected) replaces its ranks. "The same
+process" is the kernel's word (``RankEntry.holder``: the registering connection's verified
+pid and uid), not the pid a registration claims: a registration claiming a live rank's pid
+from another process is refused too.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import msgspec
 
 from kvxfer.errors import ErrorCode, RequestError
 from kvxfer.protocol import KVGroup, KVLayout, PoolMemory, RankInfo, RegisterKV, ShmMemory
+from kvxfer.sidecar.ownership import UNKNOWN, Holder, same_process
 
 log = logging.getLogger("kvxfer.registry")  # (the name operators filter on)
 
@@ -55,6 +59,9 @@ class RankEntry:
     # NIXL) so those decodes still read them, removed when the last lease ends.
     orphaned: bool = False
     groups: list[KVGroup] = field(default_factory=list)  # vLLM's KV cache groups (hybrid models)
+    # the registering connection's process as the kernel reported it, with its ancestry (who
+    # speaks for this rank's engine: kvxfer.sidecar.ownership)
+    holder: Holder = field(default_factory=lambda: Holder(UNKNOWN))
 
     @property
     def layout(self) -> KVLayout:
@@ -80,7 +87,7 @@ def process_start_time(pid: int) -> str | None:
 class MemoryPort(Protocol):
     """Where a rank's memory is registered (the NIXL port)."""
 
-    async def register(self, key: RankKey, msg: RegisterKV) -> RankInfo: ...
+    async def register(self, key: RankKey, msg: RegisterKV, holder: Holder) -> RankInfo: ...
 
     async def unregister(self, key: RankKey) -> bool: ...
 
@@ -133,6 +140,12 @@ class RankRegistry:
     def engines(self) -> list[str]:
         return sorted({k.engine for k in self._entries})
 
+    def holders(self, engine: str) -> list[Holder]:
+        """The processes that registered ``engine``'s ranks (orphans included: their leases
+        are still that engine's)."""
+        engine = self.engine_of(engine)
+        return [e.holder for e in self._entries.values() if e.key.engine == engine]
+
     def owners(self, engine: str) -> set[bytes]:
         return {e.owner for e in self.of_engine(engine)}
 
@@ -151,7 +164,7 @@ class RankRegistry:
     def key_of(self, msg: RegisterKV) -> RankKey:
         return RankKey(self.engine_of(msg.engine_id), msg.dp_rank, msg.layout.pp_rank, msg.layout.tp_rank)
 
-    def check(self, msg: RegisterKV, owner: bytes) -> RankKey:
+    def check(self, msg: RegisterKV, owner: bytes, holder: Holder | None = None) -> RankKey:
         """Refuse a registration that conflicts with what is registered (RequestError)."""
         key = self.key_of(msg)
         lay = msg.layout
@@ -169,9 +182,16 @@ class RankRegistry:
                 raise RequestError(ErrorCode.INVALID_LAYOUT, f"engine {key.engine!r} has tp_size {o.tp_size} "
                                    f"pp_size {o.pp_size}; this rank says {lay.tp_size}, {lay.pp_size}")
         old = self.find(key.engine, key.pp, key.tp)
-        if old is not None and old.owner != owner and old.pid != (msg.pid or -1) and self._alive(old):
-            raise RequestError(ErrorCode.RANK_TAKEN, f"rank {key} is registered by live process {old.pid}; "
-                               "two engines with the same engine id and DP rank? (give each its own)")
+        if old is not None and old.owner != owner and self._alive(old):
+            if old.pid != (msg.pid or -1):
+                raise RequestError(ErrorCode.RANK_TAKEN, f"rank {key} is registered by live process "
+                                   f"{old.pid}; two engines with the same engine id and DP rank? (give "
+                                   "each its own)")
+            creds = (holder or Holder(UNKNOWN)).creds
+            if not same_process(old.holder.creds, creds):
+                raise RequestError(ErrorCode.RANK_TAKEN, f"rank {key} is registered by live process "
+                                   f"{old.pid} ({old.holder.creds}); this registration claims its pid "
+                                   f"but comes from {creds}")
         return key
 
     @staticmethod
@@ -181,16 +201,19 @@ class RankRegistry:
             return False
         return process_start_time(entry.pid) == entry.start
 
-    async def register(self, msg: RegisterKV, owner: bytes) -> tuple[RankEntry, bool]:
+    async def register(self, msg: RegisterKV, owner: bytes,
+                       holder: Holder | None = None) -> tuple[RankEntry, bool]:
         """Map and register a rank's memory (replacing the key's old registration); returns
         the entry and whether it replaced one. On failure the key's old registration is gone
-        too (its memory was dropped first): the key is unregistered and the generation moves."""
-        key = self.check(msg, owner)
+        too (its memory was dropped first): the key is unregistered and the generation moves.
+        ``holder``: the registering connection's process (None: unknown, as over tcp://)."""
+        holder = holder or Holder(UNKNOWN)
+        key = self.check(msg, owner, holder)
         old = self.find(key.engine, key.pp, key.tp)
         if old is not None and old.key != key:
             await self._drop(old)
         try:
-            info = await self._memory.register(key, msg)
+            info = await self._memory.register(key, msg, holder)
         except BaseException:
             if self._entries.pop(key, None) is not None:
                 self.changes += 1
@@ -202,7 +225,7 @@ class RankRegistry:
         entry = RankEntry(key=key, info=info, owner=owner, pid=msg.pid, start=process_start_time(msg.pid),
                           files=[m.path for m in msg.memory if isinstance(m, ShmMemory)],
                           pools=[m.pool for m in msg.memory if isinstance(m, PoolMemory)],
-                          registered_unix=time.time(), groups=list(msg.groups or ()))
+                          registered_unix=time.time(), groups=list(msg.groups or ()), holder=holder)
         self._entries[key] = entry
         return entry, replaced
 
