@@ -13,6 +13,8 @@ import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from kvxfer import hostkey
+from kvxfer.auth import curve_server_keys
 from kvxfer.client import RemoteBlocks
 from kvxfer.errors import ErrorCode
 from kvxfer.testing.engine import SyntheticEngine, make_layout
@@ -123,6 +125,11 @@ def test_fuzz_engine_and_handshake_sockets_then_move_bytes(sidecars: SidecarFact
         raw = ctx.socket(zmq.DEALER)
         raw.connect(ds.endpoint)
         hs = ctx.socket(zmq.DEALER)
+        # the listener is a CurveZMQ server (keys from this user's host key): fuzz what gets
+        # through the encryption, as a holder of the key would
+        hs.curve_publickey, hs.curve_secretkey = zmq.curve_keypair()
+        hs.curve_serverkey = curve_server_keys(hostkey.load(hostkey.default_path()))[0]
+        hs.setsockopt(zmq.SNDTIMEO, 10_000)  # never hang the suite on a full queue
         hs.connect(f"tcp://127.0.0.1:{reg.handshake_port}")
 
         @settings(max_examples=1500, deadline=None, suppress_health_check=list(HealthCheck))
@@ -185,6 +192,8 @@ def test_a_deeply_nested_message_is_refused_and_the_sidecar_keeps_serving(sideca
         err = wait_for(c.client, lambda a: bool(a.errors), timeout=20)
         assert err.errors[0].code == ErrorCode.MALFORMED
         with zmq.Context.instance().socket(zmq.DEALER) as hs:
+            hs.curve_publickey, hs.curve_secretkey = zmq.curve_keypair()  # (a host-key listener)
+            hs.curve_serverkey = curve_server_keys(hostkey.load(hostkey.default_path()))[0]
             hs.connect(f"tcp://127.0.0.1:{reg.handshake_port}")
             hs.send(deep)
             assert hs.poll(5000), "the handshake listener stopped answering"

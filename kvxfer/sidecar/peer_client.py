@@ -280,9 +280,10 @@ class PeerClient:
         await sock.send(encode(msg))
         if not await sock.poll(int(max(0.0, start + timeout_s - time.monotonic()) * 1000)):
             # CurveZMQ gives no answer at all to a mismatched peer: say what it may be
-            what = "this host's key" if ch.local_only else "our secret"
-            why = (f"it is down, or does not hold {what} (the channel is encrypted with keys derived "
-                   "from it; a peer on --insecure answers none)" if ch.curve else
+            what = ("this host's key (what a sidecar with no shared secret uses on loopback)"
+                    if ch.local_only else "our secret")
+            why = (f"it is down, or does not hold {what}: the channel is encrypted with keys derived "
+                   "from it, and a peer with another secret or on --insecure answers none" if ch.curve else
                    "it is down, or requires a shared secret (an encrypted channel)")
             raise RequestError(ErrorCode.HANDSHAKE_FAILED,
                                f"no handshake answer from {key} within {timeout_s}s: {why}")
