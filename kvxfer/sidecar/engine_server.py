@@ -8,10 +8,10 @@ the app registered for its type. No handler may raise out of the loop: malformed
 gets an ``Error`` reply, a handler's ``RequestError`` its code, anything else ``internal``,
 and the sidecar keeps serving.
 
-It also owns the socket file: ``<socket>.lock`` is flocked for the life of the process (a
-second sidecar on the same socket is refused, never silently takes it over), the file is
-unlinked at close only if it is still the one this process bound, and ``intact`` tells
-whether it still is.
+It also owns the socket file, in a private directory (``sockdir``): ``<socket>.lock`` is
+flocked for the life of the process (a second sidecar on the same socket is refused, never
+silently takes it over), the file is unlinked at close only if it is still the one this
+process bound, and ``intact`` tells whether it still is.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ from kvxfer.errors import ErrorCode, ListenError, RequestError
 from kvxfer.observe import Observer
 from kvxfer.protocol import DECODE_ERRORS, Error, encode, engine_request_decoder
 from kvxfer.sidecar.pool_server import unlink_if_same
+from kvxfer.sidecar.sockdir import check_private, open_lock
 
 log = logging.getLogger("kvxfer.sidecar")
 
@@ -82,6 +83,7 @@ class EngineServer:
             directory = os.path.dirname(self.path) or "."
             if not os.path.isdir(directory):
                 os.makedirs(directory, mode=0o700)
+            check_private(directory, f"engine socket {self.endpoint}")
             self._own(self.path)
             old = os.umask(0o177)
             try:
@@ -103,7 +105,7 @@ class EngineServer:
         sidecar on the same engine socket would take it over silently and delete it when it
         exits, leaving the first one unreachable but still reporting ready."""
         lock = path + ".lock"
-        fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        fd = open_lock(lock)  # (no link, a file of ours: never truncates someone else's)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

@@ -37,6 +37,7 @@ from kvxfer.memchannel import (
     gib,
     memfd,
 )
+from kvxfer.sidecar.sockdir import check_private
 from kvxfer.vmm import align_up
 
 if TYPE_CHECKING:
@@ -106,6 +107,7 @@ class PoolServer:
     def start(self) -> None:
         directory = os.path.dirname(self.path) or "."
         os.makedirs(directory, mode=0o700, exist_ok=True)
+        check_private(directory, f"memory channel {self.path}")  # (else another user could swap it)
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.path)
         s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
