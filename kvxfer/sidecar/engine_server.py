@@ -46,6 +46,20 @@ def ipc_path(endpoint: str) -> str | None:
     return endpoint[len("ipc://") :] if endpoint.startswith("ipc://") else None
 
 
+def storm_proof(sock: zmq.Socket[Any]) -> None:
+    """Listener options that keep a connection storm from costing memory, descriptors or
+    service (#40). libzmq has no cap on a listener's connections and no way to close one
+    accepted peer, so each connection's life is bounded instead: one that has not completed
+    the ZMTP handshake within 5 s is closed (raw connections that never speak), one whose peer
+    stops answering heartbeats within 30 s too (a vanished host); a deep backlog lets engines
+    and peers connect at once during a storm (the default of 100 made the kernel drop their
+    SYNs: 1-3 s retransmits)."""
+    sock.setsockopt(zmq.BACKLOG, 1024)
+    sock.setsockopt(zmq.HANDSHAKE_IVL, 5_000)
+    sock.setsockopt(zmq.HEARTBEAT_IVL, 10_000)
+    sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 30_000)
+
+
 def classify_bad_message(body: bytes) -> ErrorCode:
     """UNKNOWN_MESSAGE for a well-formed message of an unknown kind, else MALFORMED."""
     try:
@@ -66,6 +80,7 @@ class EngineServer:
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a restarted worker reclaims its id
         self.sock.setsockopt(zmq.MAXMSGSIZE, HARD_MAX_MESSAGE)
+        storm_proof(self.sock)
         self._handlers: dict[type, Handler] = {}
         self._lock_fd = -1  # <engine socket>.lock, flocked while this process owns the socket
         self._ino = 0  # the inode of the socket file this process bound (0: none)
