@@ -23,7 +23,6 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-import msgspec
 import zmq
 import zmq.asyncio
 
@@ -61,14 +60,38 @@ def storm_proof(sock: zmq.Socket[Any]) -> None:
 
 
 def classify_bad_message(body: bytes) -> ErrorCode:
-    """UNKNOWN_MESSAGE for a well-formed message of an unknown kind, else MALFORMED."""
+    """UNKNOWN_MESSAGE for a message whose kind is unknown, else MALFORMED."""
+    tag = leading_tag(body)
+    return ErrorCode.UNKNOWN_MESSAGE if tag is not None and tag not in _ENGINE_TAGS else ErrorCode.MALFORMED
+
+
+def leading_tag(body: bytes) -> str | None:
+    """The first element of a msgpack array, when it is a string (a message's kind), read from
+    the header alone: decoding a refused message whole to name its kind cost 1.1 GiB and 3.6 s
+    of the loop for 16 MiB of empty arrays (#40)."""
+    def length(at: int, small: int, mask: int, wide: dict[int, int]) -> tuple[int, int] | None:
+        if at >= len(body):
+            return None
+        b = body[at]
+        if small <= b <= small + mask:
+            return b & mask, at + 1
+        size = wide.get(b)
+        if size is None or at + 1 + size > len(body):
+            return None
+        return int.from_bytes(body[at + 1:at + 1 + size], "big"), at + 1 + size
+
+    array = length(0, 0x90, 0x0F, {0xDC: 2, 0xDD: 4})
+    if array is None or array[0] == 0:
+        return None
+    string = length(array[1], 0xA0, 0x1F, {0xD9: 1, 0xDA: 2, 0xDB: 4})
+    if string is None:
+        return None
+    n, at = string
+    raw = body[at:at + n]
     try:
-        raw = msgspec.msgpack.decode(body)
-    except DECODE_ERRORS:
-        return ErrorCode.MALFORMED
-    if isinstance(raw, list) and raw and isinstance(raw[0], str) and raw[0] not in _ENGINE_TAGS:
-        return ErrorCode.UNKNOWN_MESSAGE
-    return ErrorCode.MALFORMED
+        return raw.decode() if len(raw) == n else None
+    except UnicodeDecodeError:
+        return None
 
 
 class EngineServer:

@@ -51,6 +51,7 @@ from kvxfer.sidecar.registry import RankRegistry
 from kvxfer.sidecar.validate import validate_rank_info
 
 log = logging.getLogger("kvxfer.peers")
+MAX_REPLY = 64 << 20  # a peer's largest reply frame (a Welcome's NIXL metadata: a few MiB at most)
 
 
 @dataclass(frozen=True)
@@ -346,6 +347,7 @@ class PeerClient:
         sock = self.dial_ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.IPV6, 1)
+        sock.setsockopt(zmq.MAXMSGSIZE, MAX_REPLY)  # (a hostile peer's reply is dropped, not buffered)
         if self.channel.curve is not None:
             sock.curve_publickey, sock.curve_secretkey = zmq.curve_keypair()
             sock.curve_serverkey = self.channel.curve[0]

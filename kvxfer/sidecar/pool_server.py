@@ -20,8 +20,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-import msgspec
-
 from kvxfer.errors import ErrorCode, RequestError
 from kvxfer.memchannel import (
     _PACKET,
@@ -37,6 +35,7 @@ from kvxfer.memchannel import (
     gib,
     memfd,
 )
+from kvxfer.protocol import DECODE_ERRORS
 from kvxfer.sidecar.sockdir import check_private
 from kvxfer.vmm import align_up
 
@@ -231,7 +230,7 @@ class PoolServer:
             return
         try:
             msg = _requests.decode(data)
-        except (msgspec.DecodeError, msgspec.ValidationError, ValueError) as e:
+        except DECODE_ERRORS as e:
             for fd in fds:
                 os.close(fd)
             self._reply(conn, PoolRefused(code=ErrorCode.MALFORMED, message=f"bad pool request: {e}"))
