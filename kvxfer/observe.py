@@ -11,16 +11,21 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Any
+from wsgiref.simple_server import WSGIRequestHandler, make_server
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, make_wsgi_app
+from prometheus_client.exposition import ThreadingWSGIServer, _get_best_family
 
 log = logging.getLogger(__name__)
 TIME_BUCKETS = [0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 5.0]
 BYTES_BUCKETS = [2 ** (10 + i) for i in range(1, 25, 2)]
+WARN_EVERY_S = 10.0  # a listener refusing connections says so at most this often
 DESC_BUCKETS = [10, 20, 30, 50, 75, 100, 200, 400, 1000, 2000, 4000, 10000, 20000, 50000]
 
 
@@ -59,6 +64,9 @@ class Observer:
         self.registry = CollectorRegistry()
         self._engines_of: dict[str, str] = {}  # reading agent -> its engine id (from its handshake)
         self._subscribers: list[tuple[asyncio.Queue[Event], frozenset[str]]] = []
+        self._warn_lock = threading.Lock()  # (connection_refused is called from other threads)
+        self._warned_at: dict[str, float] = {}
+        self._unwarned: dict[str, int] = {}
         # declared in this order, the order /metrics lists them in
         self._declare_transfer_metrics(self.registry)
         self._declare_lease_and_peer_metrics(self.registry)
@@ -134,6 +142,10 @@ class Observer:
                                      "accepted (peers that may now read its held blocks).", registry=r)
         self.m_hs_refused = Counter("kvxfer_handshakes_refused", "Handshake-listener requests refused "
                                     "(hellos, renewals, digests), by error code.", ["code"], registry=r)
+        self.m_conn_refused = Counter("kvxfer_connections_refused", "Connections a listener closed "
+                                      "because it held its maximum, by listener: memory (the oldest "
+                                      "connection without a pool, or the new one), metrics.",
+                                      ["listener"], registry=r)
         self.m_peer_refused = Counter("kvxfer_peer_refused", "Peer messages about held leases refused "
                                       "(read notices, renewals, digests), by message and reason: "
                                       "bad_token, unauthenticated, capped (a duration cut to the "
@@ -277,6 +289,20 @@ class Observer:
         self.m_denied.labels(method, code).inc()
         log.warning("control %s from %s refused: %s", method, peer, reason)
 
+    def connection_refused(self, listener: str, cap: int) -> None:
+        """A listener closed a connection because it held ``cap`` already (any thread): counted,
+        and a WARNING at most every WARN_EVERY_S per listener, with the count since the last."""
+        self.m_conn_refused.labels(listener).inc()
+        now = time.monotonic()
+        with self._warn_lock:
+            self._unwarned[listener] = self._unwarned.get(listener, 0) + 1
+            if now - self._warned_at.get(listener, -WARN_EVERY_S) < WARN_EVERY_S:
+                return
+            self._warned_at[listener] = now
+            n = self._unwarned.pop(listener)
+        log.warning("%s listener: %d connection(s) closed, it holds its maximum of %d (a connection "
+                    "storm?)", listener, n, cap)
+
     def bad_message(self, socket: str) -> None:
         self.totals.bad_messages += 1
         self.m_bad.labels(socket).inc()
@@ -319,6 +345,49 @@ def build_info() -> dict[str, str]:
             "python": platform.python_version()}
 
 
+METRICS_CONNECTIONS = 16  # scrapes served at once; more are closed at once (and counted)
+METRICS_TIMEOUT_S = 5.0  # a scrape that sends no request within this is dropped
+
+
+class _SilentHandler(WSGIRequestHandler):
+    timeout = METRICS_TIMEOUT_S  # (prometheus_client's has none: one thread per idle connection, for ever)
+
+    def log_message(self, format: str, *args: object) -> None:
+        """Log nothing."""
+
+
+class _MetricsServer(ThreadingWSGIServer):
+    """prometheus_client's threaded server, capped: a thread per connection, at most
+    METRICS_CONNECTIONS of them; a storm of idle connections used to cost one thread each
+    until it ended, and the default backlog of 5 made scrapes wait seconds behind it."""
+
+    request_queue_size = 1024  # (the default of 5 drops scrapers' SYNs during a storm: 1-3 s retries)
+    observer: Observer
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+        self._slots = threading.BoundedSemaphore(METRICS_CONNECTIONS)
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        if not self._slots.acquire(blocking=False):
+            self.shutdown_request(request)
+            self.observer.connection_refused("metrics", METRICS_CONNECTIONS)
+            return
+        super().process_request(request, client_address)
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        log.debug("/metrics connection from %s failed", client_address, exc_info=True)
+
+
 def start_metrics_server(observer: Observer, host: str, port: int) -> None:
-    """Serve ``/metrics`` from a daemon thread (prometheus_client's own server)."""
-    start_http_server(port, addr=host, registry=observer.registry)
+    """Serve ``/metrics`` from a daemon thread (prometheus_client's WSGI app)."""
+    family, addr = _get_best_family(host, port)
+    server = type("MetricsServer", (_MetricsServer,), {"address_family": family, "observer": observer})
+    httpd = make_server(addr, port, make_wsgi_app(observer.registry), server, handler_class=_SilentHandler)
+    threading.Thread(target=httpd.serve_forever, name="kvxfer-metrics", daemon=True).start()

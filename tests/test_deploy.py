@@ -97,7 +97,8 @@ def test_overlays_render_and_validate(role: str) -> None:
     assert env["KVXFER_ROLE"] == role
     # Control: unix socket first (in-pod CLI), the pod IP with mutual TLS; probes on the
     # plaintext health-only port (kubelet cannot do TLS). Every setting parses.
-    assert env["KVXFER_CONTROL_TARGET"].split(",") == ["unix:///run/kvxfer/control.sock", "0.0.0.0:5701"]
+    assert env["KVXFER_CONTROL_TARGET"].split(",") == ["unix:///run/kvxfer/sidecar/control.sock",
+                                                       "0.0.0.0:5701"]
     cfg = load_config(env={k: v for k, v in env.items() if v is not None and k != "KVXFER_CONFIG"})
     assert cfg.control_mutating == "local"
     assert cfg.health_target == "0.0.0.0:5702"
@@ -127,8 +128,9 @@ def test_overlays_render_and_validate(role: str) -> None:
     for c in (kvx, vllm):
         assert {"kvxfer-run", "dshm"} <= {m["name"] for m in c["volumeMounts"]}
         assert c["resources"]["claims"] == [{"name": "gpu"}]
-    assert "ipc:///run/kvxfer/engine.sock" in " ".join(vllm["args"])
-    assert env["KVXFER_ENGINE_SOCKET"] == "ipc:///run/kvxfer/engine.sock"
+    # (a directory the sidecar makes 0700 inside the emptyDir, which is world-writable)
+    assert "ipc:///run/kvxfer/sidecar/engine.sock" in " ".join(vllm["args"])
+    assert env["KVXFER_ENGINE_SOCKET"] == "ipc:///run/kvxfer/sidecar/engine.sock"
     # Every name the pod refers to exists in the rendered output.
     claim = pod["spec"]["resourceClaims"][0]["resourceClaimTemplateName"]
     assert by_kind["ResourceClaimTemplate"]["metadata"]["name"] == claim

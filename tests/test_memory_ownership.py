@@ -366,3 +366,46 @@ def test_the_memory_channel_serves_past_1024_descriptors(sidecars: SidecarFactor
     finally:
         for s in idle:
             s.close()
+
+
+def test_a_storm_of_idle_connections_never_closes_an_engines_channel(tmp_path: Path) -> None:
+    """Past its maximum of connections the channel closes the oldest one that holds no pool,
+    never an engine's that holds one, and keeps granting pools; refusals are reported."""
+    server = PoolServer(str(tmp_path / "e.sock.mem"))
+    server.max_connections = 4
+    refused: list[int] = []
+    server.on_refused = refused.append
+    server.start()
+    engine = PoolClient(server.path, timeout_s=5)
+    idle: list[socket.socket] = []
+    try:
+        pool = engine.create(MiB, label="engine")
+        for _ in range(50):
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+            s.connect(server.path)
+            idle.append(s)
+        late = PoolClient(server.path, timeout_s=5)  # a new engine, in the storm
+        try:
+            assert late.create(MiB, label="late").size == MiB
+            assert len(server._conns) <= 4
+            assert len(refused) >= 47
+            # every slot holds a pool: a new connection is the one closed
+            fillers = [PoolClient(server.path, timeout_s=5) for _ in range(2)]
+            for f in fillers:
+                f.create(MiB, label="filler")
+            extra = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+            idle.append(extra)
+            extra.connect(server.path)
+            extra.settimeout(5)
+            assert extra.recv(16) == b""  # closed by the channel
+            assert server.holds(pool.id)  # the first engine's channel was never the one closed
+            assert engine.create(MiB, label="again").size == MiB
+            for f in fillers:
+                f.close()
+        finally:
+            late.close()
+    finally:
+        for s in idle:
+            s.close()
+        engine.close()
+        server.close()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -21,6 +22,7 @@ from pathlib import Path
 import msgspec
 import pytest
 import zmq
+import zmq.asyncio
 
 from kvxfer import auth
 from kvxfer.auth import ChallengeBook, check_welcome, new_token, sign_hello, sign_welcome
@@ -402,3 +404,110 @@ def test_nixl_metadata_never_crosses_the_wire_in_clear(factory: SidecarFactory, 
         rec.close()
         p.close()
         d.close()
+
+
+# ----------------------------------------------------------------------------- files (#40)
+
+ATTACKER = 65534  # nobody
+
+
+def _as_attacker(action: object) -> None:
+    """Run ``action()`` in a forked child that has become another uid (we are root)."""
+    pid = os.fork()
+    if pid == 0:  # (the child: no pytest machinery, exit straight away)
+        code = 1
+        try:
+            os.setgid(ATTACKER)
+            os.setuid(ATTACKER)
+            action()  # type: ignore[operator]
+            code = 0
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0, "the attacker's action failed"
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="plants files as another uid: needs root")
+@pytest.mark.parametrize("where", ["world-writable", "sticky", "attacker-owned"])
+def test_a_lock_symlink_planted_in_the_socket_directory_truncates_nothing(where: str) -> None:
+    """Door 5: a user who can write the engine socket's directory plants
+    ``<socket>.lock -> a root-owned file``. A root sidecar must refuse to start there, and
+    the file must keep its bytes (the sidecar used to open the link, truncate its target and
+    write its pid into it)."""
+    import shutil
+    import tempfile
+
+    base = tempfile.mkdtemp(prefix="kvx", dir="/tmp")  # (short: ipc paths stay < 100 bytes)
+    try:
+        os.chmod(base, 0o711)  # the attacker may pass through, not list or write
+        victim = os.path.join(base, "victim")
+        with open(victim, "w") as fh:
+            fh.write("root's precious bytes\n")
+        os.chmod(victim, 0o644)
+        d = os.path.join(base, "run")
+        os.mkdir(d)
+        if where == "attacker-owned":
+            os.chown(d, ATTACKER, ATTACKER)
+            os.chmod(d, 0o700)
+        else:
+            os.chmod(d, 0o1777 if where == "sticky" else 0o777)
+        sock = os.path.join(d, "e.sock")
+        _as_attacker(lambda: os.symlink(victim, sock + ".lock"))
+        assert os.path.islink(sock + ".lock")
+        with subprocess.Popen([sys.executable, "-m", "kvxfer", "serve", "--engine-socket", f"ipc://{sock}",
+                               "--handshake-port", "0", "--control-target", "", "--metrics-port", "0"],
+                              stderr=subprocess.PIPE, text=True) as proc:
+            killer = threading.Timer(60, proc.kill)
+            killer.start()
+            assert proc.stderr is not None
+            stderr = ""
+            for line in proc.stderr:  # until it exits, or says it is ready (then stop it)
+                stderr += line
+                if " ready: " in line:
+                    proc.send_signal(signal.SIGINT)
+            proc.wait()
+            killer.cancel()
+        with open(victim) as fh:
+            assert fh.read() == "root's precious bytes\n", "the sidecar wrote through the planted link"
+        assert proc.returncode == 2, stderr
+        assert d in stderr, stderr  # it names the directory ...
+        assert "private directory" in stderr, stderr  # ... and what to do
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+
+
+def test_the_lock_file_is_never_a_link_or_someone_elses(tmp_path: Path) -> None:
+    """In a private directory too: the lock is opened without following a link, and must be a
+    regular file of this uid (a leftover of another user, or a link, is refused by name)."""
+    from kvxfer.errors import ListenError
+    from kvxfer.sidecar.engine_server import EngineServer
+
+    victim = tmp_path / "victim"
+    victim.write_text("keep\n")
+    d = tmp_path / "run"
+    d.mkdir(mode=0o700)
+    lock = d / "e.sock.lock"
+    lock.symlink_to(victim)
+    ctx = zmq.asyncio.Context()
+
+    def bind() -> None:
+        es = EngineServer(ctx, f"ipc://{d}/e.sock", Observer())
+        try:
+            es.bind()
+        finally:
+            es.close()
+
+    try:
+        with pytest.raises(ListenError, match="e.sock.lock: it is a symbolic link"):
+            bind()
+        assert victim.read_text() == "keep\n"
+        lock.unlink()
+        lock.write_text("")
+        if os.geteuid() == 0:
+            os.chown(lock, ATTACKER, ATTACKER)
+            with pytest.raises(ListenError, match="owned by uid"):
+                bind()
+            os.chown(lock, 0, 0)
+        bind()  # a lock file of our own is taken over as before
+    finally:
+        ctx.term()

@@ -52,7 +52,7 @@ from kvxfer.protocol import (
     Release,
     Unregister,
 )
-from kvxfer.sidecar.engine_server import EngineServer, ipc_path
+from kvxfer.sidecar.engine_server import EngineServer, ipc_path, storm_proof
 from kvxfer.sidecar.engines import Advertised, Engines
 from kvxfer.sidecar.holds import Holds
 from kvxfer.sidecar.keepalive import LeaseKeeper
@@ -276,10 +276,12 @@ class Sidecar:
             loop = asyncio.get_running_loop()
             self.pools.on_closed = lambda ids, pid: loop.call_soon_threadsafe(
                 self._spawn, self.engines.pools_closed(set(ids), pid))
+            self.pools.on_refused = lambda cap: self.observer.connection_refused("memory", cap)
             self.pools.start()
         self.hs_sock = self.ctx.socket(zmq.ROUTER)
         self.hs_sock.setsockopt(zmq.LINGER, 0)
         self.hs_sock.setsockopt(zmq.MAXMSGSIZE, 1 << 20)  # a Hello is a few hundred bytes
+        storm_proof(self.hs_sock)
         self.peer_server.configure(self.hs_sock)
         addr = f"tcp://{self.config.handshake_host}"
         try:

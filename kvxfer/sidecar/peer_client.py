@@ -52,6 +52,7 @@ from kvxfer.sidecar.validate import validate_rank_info
 from kvxfer.targets import is_loopback
 
 log = logging.getLogger("kvxfer.peers")
+MAX_REPLY = 64 << 20  # a peer's largest reply frame (a Welcome's NIXL metadata: a few MiB at most)
 
 
 @dataclass(frozen=True)
@@ -368,6 +369,7 @@ class PeerClient:
         sock = self.dial_ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.IPV6, 1)
+        sock.setsockopt(zmq.MAXMSGSIZE, MAX_REPLY)  # (a hostile peer's reply is dropped, not buffered)
         if ch.curve is not None:
             sock.curve_publickey, sock.curve_secretkey = zmq.curve_keypair()
             sock.curve_serverkey = ch.curve[0]

@@ -25,8 +25,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-import msgspec
-
 from kvxfer.errors import ErrorCode, RequestError
 from kvxfer.memchannel import (
     _PACKET,
@@ -42,13 +40,19 @@ from kvxfer.memchannel import (
     gib,
     memfd,
 )
+from kvxfer.protocol import DECODE_ERRORS
 from kvxfer.sidecar.ownership import Creds, pool_refusal
+from kvxfer.sidecar.sockdir import check_private
 from kvxfer.vmm import align_up
 
 if TYPE_CHECKING:
     from kvxfer.vmm import Vmm
 
 log = logging.getLogger("kvxfer.pool")  # the name its log lines carried before the split
+# Connections held at once. An engine process holds one (each worker rank: a node's few dozen
+# at most); past this, a new connection takes the place of the oldest one that holds no pool
+# (a storm, or an engine that connected and never asked), or is closed if every one does.
+MAX_CONNECTIONS = 256
 
 
 @dataclass
@@ -84,6 +88,10 @@ class PoolServer:
         self.on_closed: Callable[[list[str], int], None] | None = None
         self._shut = False
         self._ino = 0
+        self.max_connections = MAX_CONNECTIONS
+        # called (on this server's thread) for each connection closed because the channel held
+        # max_connections: counted and logged by the app's observer
+        self.on_refused: Callable[[int], None] | None = None
 
     # --------------------------------------------------------------- queries (any thread)
 
@@ -117,6 +125,7 @@ class PoolServer:
     def start(self) -> None:
         directory = os.path.dirname(self.path) or "."
         os.makedirs(directory, mode=0o700, exist_ok=True)
+        check_private(directory, f"memory channel {self.path}")  # (else another user could swap it)
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.path)
         s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
@@ -193,9 +202,33 @@ class PoolServer:
             log.warning("memory channel: refused a connection from uid %d (pid %d)", uid, pid)
             conn.close()
             return
+        if len(self._conns) >= self.max_connections and not self._make_room():
+            conn.close()
+            self._refused()
+            return
         conn.setblocking(True)
         conn.settimeout(5.0)
         self._conns[conn.fileno()] = (conn, pid, uid)
+
+    def _make_room(self) -> bool:
+        """Close the oldest connection that holds no pool, so that the channel keeps serving
+        engines through a storm of idle connections; False when every connection holds one."""
+        with self._lock:
+            holding = {h.conn for h in self._pools.values()}
+        oldest = next((fd for fd in self._conns if fd not in holding), None)  # (dicts keep order)
+        if oldest is None:
+            return False
+        conn, _, _ = self._conns.pop(oldest)
+        conn.close()
+        self._refused()
+        return True
+
+    def _refused(self) -> None:
+        if self.on_refused is not None:
+            try:
+                self.on_refused(self.max_connections)
+            except Exception:  # never let the notice end the channel
+                log.exception("memory channel: on_refused failed")
 
     def _serve(self, fileno: int) -> None:
         conn, pid, uid = self._conns[fileno]
@@ -208,7 +241,7 @@ class PoolServer:
             return
         try:
             msg = _requests.decode(data)
-        except (msgspec.DecodeError, msgspec.ValidationError, ValueError) as e:
+        except DECODE_ERRORS as e:
             for fd in fds:
                 os.close(fd)
             self._reply(conn, PoolRefused(code=ErrorCode.MALFORMED, message=f"bad pool request: {e}"))
