@@ -13,12 +13,10 @@ import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvxfer import hostkey
-from kvxfer.auth import curve_server_keys
 from kvxfer.client import RemoteBlocks
 from kvxfer.errors import ErrorCode
 from kvxfer.testing.engine import SyntheticEngine, make_layout
-from kvxfer.testing.procs import SidecarFactory, free_port
+from kvxfer.testing.procs import SidecarFactory, free_port, handshake_dealer
 from tests.test_sidecar import wait_for
 
 BIG = make_layout(layers=32, num_blocks=260, heads=8, head_dim=128)  # 2 MiB per block
@@ -124,13 +122,9 @@ def test_fuzz_engine_and_handshake_sockets_then_move_bytes(sidecars: SidecarFact
         assert reg is not None
         raw = ctx.socket(zmq.DEALER)
         raw.connect(ds.endpoint)
-        hs = ctx.socket(zmq.DEALER)
         # the listener is a CurveZMQ server (keys from this user's host key): fuzz what gets
         # through the encryption, as a holder of the key would
-        hs.curve_publickey, hs.curve_secretkey = zmq.curve_keypair()
-        hs.curve_serverkey = curve_server_keys(hostkey.load(hostkey.default_path()))[0]
-        hs.setsockopt(zmq.SNDTIMEO, 10_000)  # never hang the suite on a full queue
-        hs.connect(f"tcp://127.0.0.1:{reg.handshake_port}")
+        hs = handshake_dealer(ctx, "127.0.0.1", reg.handshake_port)
 
         @settings(max_examples=1500, deadline=None, suppress_health_check=list(HealthCheck))
         @given(st.one_of(frames, tagged.map(lambda b: [b])), st.booleans())
@@ -191,10 +185,7 @@ def test_a_deeply_nested_message_is_refused_and_the_sidecar_keeps_serving(sideca
         c.client.send_raw(deep)
         err = wait_for(c.client, lambda a: bool(a.errors), timeout=20)
         assert err.errors[0].code == ErrorCode.MALFORMED
-        with zmq.Context.instance().socket(zmq.DEALER) as hs:
-            hs.curve_publickey, hs.curve_secretkey = zmq.curve_keypair()  # (a host-key listener)
-            hs.curve_serverkey = curve_server_keys(hostkey.load(hostkey.default_path()))[0]
-            hs.connect(f"tcp://127.0.0.1:{reg.handshake_port}")
+        with handshake_dealer(zmq.Context.instance(), "127.0.0.1", reg.handshake_port) as hs:
             hs.send(deep)
             assert hs.poll(5000), "the handshake listener stopped answering"
             assert b"bad hello" in hs.recv_multipart()[0]

@@ -17,7 +17,7 @@ from kvxfer.errors import ErrorCode
 from kvxfer.integrity import digest, digest_items
 from kvxfer.protocol import DigestItem
 from kvxfer.testing.engine import SyntheticEngine, make_layout
-from kvxfer.testing.procs import SidecarFactory, free_port
+from kvxfer.testing.procs import SidecarFactory, free_port, handshake_dealer
 from kvxfer.topology import block_pairing, plan_rank
 from tests.conftest import pull
 from tests.test_sidecar import wait_for
@@ -162,8 +162,7 @@ def test_a_digest_of_blocks_not_held_is_refused() -> None:
             assert reg is not None
             p.client.hold("held", [3, 4])
             ctx = zmq.Context()
-            sock = ctx.socket(zmq.DEALER)
-            sock.connect(f"tcp://{reg.handshake_host}:{reg.handshake_port}")
+            sock = handshake_dealer(ctx, reg.handshake_host, reg.handshake_port)
             key = hostkey.load(hostkey.default_path())  # this user's: an authenticated peer
             hello = Hello(version=PROTOCOL_VERSION, compat_hash=compat_hash(lay), engine_id="probe",
                           agent_name="probe-agent", model=lay.model)

@@ -23,31 +23,32 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 LAYERS: list[tuple[str, list[str]]] = [
     ("base: wire protocol, errors, configuration", [
         "kvxfer", "kvxfer.protocol*", "kvxfer.errors", "kvxfer.config", "kvxfer.targets", "kvxfer.logs",
-        "kvxfer.control.v1*",
+        "kvxfer.control.v1*", "kvxfer.hostkey",
     ]),
     ("pure logic: no asyncio, sockets, NIXL or threads", [
         "kvxfer.topology", "kvxfer.leases", "kvxfer.abandoned", "kvxfer.integrity", "kvxfer.auth",
         "kvxfer.sidecar.lifecycle", "kvxfer.sidecar.plan", "kvxfer.sidecar.admission",
         "kvxfer.sidecar.validate", "kvxfer.sidecar.receive", "kvxfer.sidecar.nixl_types",
-        "kvxfer.sidecar.peer_book",
+        "kvxfer.sidecar.peer_book", "kvxfer.sidecar.ownership",
     ]),
     ("ports and memory: the NIXL thread, registrations, pools, metrics", [
         "kvxfer.sidecar.nixl*", "kvxfer.sidecar.registry", "kvxfer.vmm", "kvxfer.pool",
         "kvxfer.memchannel", "kvxfer.memory", "kvxfer.sidecar.mapping", "kvxfer.sidecar.pool_server",
-        "kvxfer.observe", "kvxfer.systemd",
+        "kvxfer.observe", "kvxfer.systemd", "kvxfer.sidecar.procfs", "kvxfer.sidecar.sockdir",
     ]),
     ("I/O shells: peers, holds, receiver, views", [
         "kvxfer.status", "kvxfer.sidecar.peer*",
         "kvxfer.sidecar.holds", "kvxfer.sidecar.receiver", "kvxfer.sidecar.engine_server",
         "kvxfer.sidecar.verify", "kvxfer.sidecar.keepalive", "kvxfer.sidecar.engines",
-        "kvxfer.sidecar.claim",
+        "kvxfer.sidecar.claim", "kvxfer.control.local",
     ]),
     ("engine side: the client and the vLLM connector", ["kvxfer.client", "kvxfer.connector*"]),
     ("app: the daemon, built in order", ["kvxfer.sidecar", "kvxfer.sidecar.operations",
                                          "kvxfer.sidecar.app"]),
     ("harness: synthetic engines, demo, benchmarks", ["kvxfer.testing*"]),
     ("control plane and CLI", ["kvxfer.control", "kvxfer.control.access", "kvxfer.control.service",
-                               "kvxfer.control.client_cli", "kvxfer.serve", "kvxfer.cli", "kvxfer.__main__"]),
+                               "kvxfer.control.client_cli", "kvxfer.serve",
+                               "kvxfer.cli", "kvxfer.__main__"]),
 ]
 
 # the engine side never loads the daemon (nor NIXL's owner, nor its peers' code)

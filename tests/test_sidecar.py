@@ -12,10 +12,13 @@ import msgspec
 import pytest
 import zmq
 
+from kvxfer import hostkey
+from kvxfer.auth import sign_hello
 from kvxfer.client import Drained, RemoteBlocks, SidecarClient
 from kvxfer.errors import ErrorCode
 from kvxfer.protocol import (
     PROTOCOL_VERSION,
+    Challenge,
     Hello,
     PoolMemory,
     Refused,
@@ -24,7 +27,7 @@ from kvxfer.protocol import (
     handshake_reply_decoder,
 )
 from kvxfer.testing.engine import SyntheticEngine, make_layout
-from kvxfer.testing.procs import SidecarFactory
+from kvxfer.testing.procs import SidecarFactory, handshake_dealer
 from tests.conftest import PD
 
 
@@ -208,14 +211,19 @@ def test_mismatched_block_counts_are_refused(pd: PD) -> None:
     assert got.failed[0].code == ErrorCode.INCOMPATIBLE
 
 
-def _hello(port: int, body: bytes) -> Refused:
-    with zmq.Context.instance().socket(zmq.DEALER) as s:
-        s.setsockopt(zmq.LINGER, 0)
-        s.connect(f"tcp://127.0.0.1:{port}")
-        s.send(body)
+def _hello(port: int, body: bytes | Hello) -> Refused:
+    """The listener's refusal of ``body``; a Hello is signed first, answering its challenge
+    with this user's host key (a loopback sidecar with no secret challenges every Hello)."""
+    with handshake_dealer(zmq.Context.instance(), "127.0.0.1", port) as s:
+        s.send(body if isinstance(body, bytes) else encode(body))
         assert s.poll(5000), "handshake listener did not answer"
         reply = handshake_reply_decoder.decode(s.recv_multipart()[0])
-    assert isinstance(reply, Refused)
+        if isinstance(reply, Challenge) and isinstance(body, Hello):
+            s.send(encode(sign_hello(hostkey.load(hostkey.default_path()), body, reply.nonce,
+                                     reply.agent_name)))
+            assert s.poll(5000), "handshake listener did not answer"
+            reply = handshake_reply_decoder.decode(s.recv_multipart()[0])
+    assert isinstance(reply, Refused), reply
     return reply
 
 
@@ -224,11 +232,11 @@ def test_handshake_rejects_bad_input(pd: PD) -> None:
     assert reg is not None
     assert _hello(reg.handshake_port, b"\x00\xffnot msgpack").code == ErrorCode.MALFORMED
     old = Hello(version=PROTOCOL_VERSION + 1, compat_hash="x", engine_id="x", agent_name="x")
-    refused = _hello(reg.handshake_port, encode(old))
+    refused = _hello(reg.handshake_port, old)
     assert refused.code == ErrorCode.INCOMPATIBLE
     assert "protocol version" in refused.reason
     wrong = Hello(version=PROTOCOL_VERSION, compat_hash="0" * 16, engine_id="x", agent_name="x")
-    assert _hello(reg.handshake_port, encode(wrong)).code == ErrorCode.INCOMPATIBLE
+    assert _hello(reg.handshake_port, wrong).code == ErrorCode.INCOMPATIBLE
     assert pd.p.client.ping(2).engine_id == "prefill"
 
 

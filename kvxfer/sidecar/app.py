@@ -33,11 +33,10 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
-from kvxfer import __version__, hostkey
+from kvxfer import __version__
 from kvxfer.abandoned import Abandoned
-from kvxfer.auth import curve_server_keys
 from kvxfer.config import Config
-from kvxfer.errors import ConfigError, ListenError
+from kvxfer.errors import ListenError
 from kvxfer.logs import JsonFormatter
 from kvxfer.memchannel import mem_socket_path
 from kvxfer.observe import Event, Observer, start_metrics_server
@@ -89,20 +88,10 @@ class Sidecar:
         self.config = config
         self.engine_id = config.resolved_engine_id
         self.agent_name = f"kvxfer-{self.engine_id}-{secrets.token_hex(4)}"
-        # refused before anything is opened
-        self.secret = config.load_secret()
-        # no secret on loopback: this host's key, which only this user can read (another uid
-        # on the host reaches loopback as easily as we do); --insecure: nothing at all
-        self.host_key = not self.secret and config.handshake_is_local and not config.insecure
-        if self.host_key:
-            self.secret = hostkey.load(config.resolved_host_key_file)
+        # how peers are authenticated (secret, host key or --insecure): refused before anything is opened
+        self.channel = PeerChannel.for_config(config, self.engine_id, self.agent_name)
+        self.secret, self.host_key = self.channel.secret, self.channel.local_only
         self.insecure = not self.secret
-        if self.insecure and not config.insecure:
-            raise ConfigError(
-                f"the handshake listener would bind {config.handshake_host!r}, beyond loopback, with no "
-                "shared secret: anyone who reaches it could read and release this engine's KV cache. "
-                "Set secret_file (--secret-file) or KVXFER_SECRET on every sidecar, or pass --insecure "
-                "to run open on purpose")
         self.ctx = zmq.asyncio.Context()
         self.dial_ctx = zmq.asyncio.Context()
         self._tasks: set[asyncio.Task[Any]] = set()
@@ -127,12 +116,6 @@ class Sidecar:
         self.lifecycle = Lifecycle()
         self.abandoned = Abandoned()  # what engines gave up on when this sidecar (re)started
         self.advertised = Advertised(config.resolved_advertise_host, config.handshake_port, self.agent_name)
-        # CURVE with keys derived from the secret or host key: the dialer then knows it talks to
-        # a holder of the key, so a relay put in between (another local user's port named in a
-        # request's kv_transfer_params) sees only ciphertext, never the NIXL metadata
-        encrypt = secret and config.handshake_encryption != "none"
-        self.channel = PeerChannel(self.engine_id, self.agent_name, secret,
-                                   curve_server_keys(secret) if encrypt else None, local_only=self.host_key)
         self.book = PeerBook()
         self.authenticated = Authenticated(secret)
         self.holds = Holds(config, self.registry, self.observer, authenticated=self.authenticated,

@@ -25,9 +25,10 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from kvxfer.auth import check_welcome, sign_hello, sign_request
+from kvxfer import hostkey
+from kvxfer.auth import check_welcome, curve_server_keys, sign_hello, sign_request
 from kvxfer.config import Config
-from kvxfer.errors import ErrorCode, RequestError
+from kvxfer.errors import ConfigError, ErrorCode, RequestError
 from kvxfer.observe import Observer
 from kvxfer.protocol import (
     DECODE_ERRORS,
@@ -64,6 +65,29 @@ class PeerChannel:
     secret: bytes = b""  # empty: no handshake authentication
     curve: tuple[bytes, bytes] | None = None  # the listeners' CurveZMQ key pair (from the secret)
     local_only: bool = False  # the secret is this host's key (kvxfer.hostkey): loopback peers only
+
+    @classmethod
+    def for_config(cls, config: Config, engine_id: str, agent_name: str) -> PeerChannel:
+        """The shared secret; else, on loopback, this host's key, which only this user can read
+        (another uid on the host reaches loopback as easily as we do); with --insecure nothing.
+        CURVE keys derive from either: the dialer then knows it talks to a holder of the key,
+        so a relay put in between (another local user's port named in a request's
+        kv_transfer_params) sees only ciphertext, never the NIXL metadata. ConfigError when
+        the listener would bind beyond loopback with nothing (short of --insecure), or the key
+        cannot be had."""
+        secret = config.load_secret()
+        host_key = not secret and config.handshake_is_local and not config.insecure
+        if host_key:
+            secret = hostkey.load(config.resolved_host_key_file)
+        if not secret and not config.insecure:
+            raise ConfigError(
+                f"the handshake listener would bind {config.handshake_host!r}, beyond loopback, with no "
+                "shared secret: anyone who reaches it could read and release this engine's KV cache. "
+                "Set secret_file (--secret-file) or KVXFER_SECRET on every sidecar, or pass --insecure "
+                "to run open on purpose")
+        encrypt = secret and config.handshake_encryption != "none"
+        return cls(engine_id, agent_name, secret, curve_server_keys(secret) if encrypt else None,
+                   local_only=host_key)
 
     def toward(self, addr: str) -> PeerChannel:
         """How a channel to ``addr`` (tcp://<IP literal>:<port>) is secured. A host key is

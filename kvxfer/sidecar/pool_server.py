@@ -67,19 +67,77 @@ class _Held:
     uid: int = -1  # (with pid: the creating process, the only one that may register it)
 
 
+class Room:
+    """Where a pool's memory comes from and whether it fits: host memory (what the machine
+    has available, ``--max-pool-bytes``) or a GPU (``kvxfer.vmm``, loaded on first use)."""
+
+    def __init__(self, max_bytes: int = 0, vmm: Vmm | None = None) -> None:
+        self.max_bytes = max_bytes  # 0: no limit but the machine's memory
+        self.vmm: Vmm | None = vmm  # GPU pools (kvxfer.vmm.shared() on first use)
+
+    def gpu(self) -> Vmm:
+        if self.vmm is None:
+            from kvxfer import vmm
+
+            self.vmm = vmm.shared()
+        return self.vmm
+
+    def local_device(self, device: int, uuid: str) -> int:
+        """The sidecar's ordinal of the engine's GPU (by UUID when the engine sent one)."""
+        if device < 0 or not uuid:
+            return device
+        return self.gpu().ordinal_of(uuid)
+
+    def check(self, size: int, device: int, held: int) -> None:
+        """OUT_OF_MEMORY unless a pool of ``size`` fits beside ``held`` bytes on ``device``."""
+        if device >= 0:
+            size = align_up(size, self.gpu().granularity(device))
+        if self.max_bytes and held + size > self.max_bytes:
+            where = "host memory" if device < 0 else f"GPU {device}"
+            raise RequestError(ErrorCode.OUT_OF_MEMORY, f"a pool of {size} bytes would exceed this "
+                               f"sidecar's --max-pool-bytes ({held} of {self.max_bytes} of {where} in use)")
+        if device >= 0:
+            free = self.gpu().free_memory(device)
+            if size > free:
+                raise RequestError(ErrorCode.OUT_OF_MEMORY, f"a pool of {gib(size)} needs more memory than "
+                                   f"GPU {device} has free ({gib(free)})")
+            return
+        avail = available_memory()
+        if avail is not None and size > avail:
+            raise RequestError(ErrorCode.OUT_OF_MEMORY, f"a pool of {gib(size)} needs more memory than "
+                               f"this machine has available ({gib(avail)})")
+
+
+    def prove(self, fd: int, size: int, device: int) -> None:
+        """Raise unless ``fd`` is a pool's memory of ``size`` bytes on ``device``: a sealed
+        memfd, or a VMM allocation that maps on that GPU."""
+        if device < 0:
+            check_memfd(fd, size)
+            return
+        try:
+            self.gpu().import_fd(fd, size, device).close()
+        except RequestError as e:
+            raise RequestError(ErrorCode.INVALID_MEMORY, f"not a GPU pool of {size} bytes "
+                               f"on GPU {device}: {e.reason}") from e
+
+
+def _close_all(fds: list[int]) -> None:
+    for fd in fds:
+        os.close(fd)
+
+
 class PoolServer:
     """The sidecar end of the memory channel (its own thread)."""
 
     def __init__(self, path: str, max_bytes: int = 0, vmm: Vmm | None = None) -> None:
         self.path = path
-        self.max_bytes = max_bytes  # 0: no limit but the machine's memory
+        self.room = Room(max_bytes, vmm)
         self._pools: dict[str, _Held] = {}
         self._lock = threading.Lock()
         self._listener: socket.socket | None = None
         self._conns: dict[int, tuple[socket.socket, int, int]] = {}  # fileno -> (sock, pid, uid)
         self._wake_r, self._wake_w = os.pipe()
         self._thread: threading.Thread | None = None
-        self.vmm: Vmm | None = vmm  # GPU pools (kvxfer.vmm.shared() on first use)
         self.created = 0
         self.adopted = 0
         # called (on this server's thread) with the pool ids of a connection that closed, and
@@ -270,41 +328,13 @@ class PoolServer:
             log.warning("memory channel: reply not sent: %s", e)
 
     def gpu(self) -> Vmm:
-        if self.vmm is None:
-            from kvxfer import vmm
-
-            self.vmm = vmm.shared()
-        return self.vmm
-
-    def _local_device(self, device: int, uuid: str) -> int:
-        """The sidecar's ordinal of the engine's GPU (by UUID when the engine sent one)."""
-        if device < 0 or not uuid:
-            return device
-        return self.gpu().ordinal_of(uuid)
-
-    def _check_room(self, size: int, device: int = -1) -> None:
-        if device >= 0:
-            size = align_up(size, self.gpu().granularity(device))
-        with self._lock:
-            held = sum(h.size for h in self._pools.values() if h.device == device)
-        if self.max_bytes and held + size > self.max_bytes:
-            where = "host memory" if device < 0 else f"GPU {device}"
-            raise RequestError(ErrorCode.OUT_OF_MEMORY, f"a pool of {size} bytes would exceed this "
-                               f"sidecar's --max-pool-bytes ({held} of {self.max_bytes} of {where} in use)")
-        if device >= 0:
-            free = self.gpu().free_memory(device)
-            if size > free:
-                raise RequestError(ErrorCode.OUT_OF_MEMORY, f"a pool of {gib(size)} needs more memory than "
-                                   f"GPU {device} has free ({gib(free)})")
-            return
-        avail = available_memory()
-        if avail is not None and size > avail:
-            raise RequestError(ErrorCode.OUT_OF_MEMORY, f"a pool of {gib(size)} needs more memory than "
-                               f"this machine has available ({gib(avail)})")
+        return self.room.gpu()
 
     def _grant(self, conn: socket.socket, fileno: int, peer: Creds, msg: PoolCreate) -> None:
-        device = self._local_device(msg.device, msg.device_uuid)
-        self._check_room(msg.size, device)
+        device = self.room.local_device(msg.device, msg.device_uuid)
+        with self._lock:
+            held = sum(h.size for h in self._pools.values() if h.device == device)
+        self.room.check(msg.size, device, held)
         size = msg.size
         if device >= 0:
             fd, size = self.gpu().create_exported(msg.size, device)  # RequestError if it cannot
@@ -333,37 +363,23 @@ class PoolServer:
             with self._lock:
                 held = self._pools.get(msg.pool)
         if held is not None and held.conn != fileno:
-            for fd in fds:
-                os.close(fd)
+            _close_all(fds)
             log.warning("memory channel: pid %d (uid %d) tried to hand back pool %s, which pid %d holds; "
                         "refused", peer.pid, peer.uid, msg.pool[:8], held.pid)
             raise RequestError(ErrorCode.UNAUTHORIZED, f"pool {msg.pool[:8]} is held by another "
                                "connection: only its holder hands it back")
         if len(fds) != 1:
-            for fd in fds:
-                os.close(fd)
+            _close_all(fds)
             raise RequestError(ErrorCode.MALFORMED, f"adopt carries {len(fds)} fds, not 1")
         fd = fds[0]
-        device = -1
         try:
-            device = self._local_device(msg.device, msg.device_uuid)
-            if device >= 0:  # proof it is a VMM allocation of that size on that GPU: it maps
-                try:
-                    self.gpu().import_fd(fd, msg.size, device).close()
-                except RequestError as e:
-                    raise RequestError(ErrorCode.INVALID_MEMORY, f"not a GPU pool of {msg.size} bytes "
-                                       f"on GPU {device}: {e.reason}") from e
-            else:
-                check_memfd(fd, msg.size)
+            device = self.room.local_device(msg.device, msg.device_uuid)
+            self.room.prove(fd, msg.size, device)
         except (RequestError, OSError) as e:
             os.close(fd)
             raise e if isinstance(e, RequestError) else RequestError(ErrorCode.INVALID_MEMORY, str(e)) from e
-        with self._lock:
+        with self._lock:  # (only this thread adds pools: the holder checked above is still it)
             old = self._pools.get(msg.pool)
-            if old is not None and old.conn != fileno:  # (only this thread adds pools: cannot happen)
-                os.close(fd)
-                raise RequestError(ErrorCode.UNAUTHORIZED, f"pool {msg.pool[:8]} is held by another "
-                                   "connection")
             self._pools[msg.pool] = _Held(msg.pool, fd, msg.size, fileno, peer.pid, msg.label, device,
                                           peer.uid)
         if old is not None:

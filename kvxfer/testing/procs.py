@@ -12,6 +12,7 @@ import sys
 import tempfile
 import urllib.request
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass
@@ -121,3 +122,21 @@ class SidecarFactory:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def handshake_dealer(ctx: Any, host: str, port: int, key_file: str = "") -> Any:
+    """A raw ZMQ DEALER to a sidecar's handshake listener, as this user's own sidecars dial it:
+    a CurveZMQ client of the server key derived from the host key (a loopback sidecar with no
+    shared secret listens with it; a plain DEALER would never complete the handshake)."""
+    import zmq
+
+    from kvxfer import hostkey
+    from kvxfer.auth import curve_server_keys
+
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.SNDTIMEO, 10_000)  # a test never hangs on a queue that cannot drain
+    sock.curve_publickey, sock.curve_secretkey = zmq.curve_keypair()
+    sock.curve_serverkey = curve_server_keys(hostkey.load(key_file or hostkey.default_path()))[0]
+    sock.connect(f"tcp://{host}:{port}")
+    return sock
