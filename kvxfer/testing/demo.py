@@ -243,6 +243,7 @@ class _Decoder:
         bad: list[str] = []
         verified = seconds = 0.0
         cold_ms = 0.0
+        round_seconds: list[float] = []  # each timed round's Recv -> last Done
         for n_round in range(1 + len(opts.rounds())):
             params = from_prefill.recv()
             t0 = time.perf_counter()
@@ -254,7 +255,8 @@ class _Decoder:
                 stats.update(bytes=0, descriptors=0)
             else:
                 done.update(d)
-                seconds += (max(d.values()) - t0) if d else 0.0
+                round_seconds.append((max(d.values()) - t0) if d else 0.0)
+                seconds += round_seconds[-1]
             failed.update(f)
             round_bad = self.verify_and_free(list(d))
             bad += round_bad
@@ -265,6 +267,7 @@ class _Decoder:
         return {
             "role": "decode", "done": len(done), "failed": failed, "bad": bad,
             "verified_requests": int(verified) if not bad else 0, "seconds": seconds,
+            "round_seconds": round_seconds,
             "first_transfer_ms_cold": cold_ms, "bytes": stats["bytes"],
             "descriptors": stats["descriptors"], "rounds": len(opts.rounds()),
         }
@@ -288,15 +291,17 @@ def _req_name(i: int) -> str:
     return "warmup" if i == 0 else f"req-{i - 1}"
 
 
-def run_demo(opts: DemoOptions) -> dict[str, Any]:
+def run_demo(opts: DemoOptions, start_method: str = "spawn") -> dict[str, Any]:
     """Run the whole pipeline; returns the summary (``verified`` tells if every byte matched).
     Raises ``ValueError`` for impossible block sizes and ``MemoryError`` for pools larger than
-    this machine's available memory, before anything starts."""
+    this machine's available memory, before anything starts. ``start_method``: how the engine
+    processes start (``forkserver`` with preloaded modules saves a torch import per run when
+    many runs follow each other, as in ``kvxfer bench --tp-matrix``)."""
     opts.side_blocks("decode")  # refuse impossible block-size combinations up front
     opts.check_memory()
     serve_args = ("--handshake-host", "127.0.0.1", "--lease-s", str(opts.lease_s),
                   "--ucx-error-mode", opts.ucx_error_mode, *opts.extra_serve_args)
-    ctx = mp.get_context("spawn")
+    ctx = mp.get_context(start_method)
     engines: list[Any] = []
     factory = SidecarFactory()
     try:
@@ -394,6 +399,7 @@ def _summarise(
         "requests": done,
         "bytes": nbytes,
         "seconds": round(seconds, 6),
+        "round_seconds": [round(x, 6) for x in dec.get("round_seconds", [])],
         "gbps": round(nbytes / seconds / 1e9, 3) if seconds > 0 else 0.0,
         "prefill_tp": opts.prefill_tp,
         "decode_tp": opts.decode_tp,
