@@ -79,6 +79,7 @@ def test_bench_tp_matrix_quick_verifies_every_cell() -> None:
         descs = c["descriptors_per_request"] / ref["descriptors_per_request"]
         assert c["descriptors_vs_1x1"] == round(descs, 3)
         assert c["request_bytes"] == ref["request_bytes"]  # the same request, whatever the TP
+        assert c["request_ratio_vs_1x1"] == round(c["request_gbps"] / ref["request_gbps"], 3)
     # replicated KV lands more bytes on the decode ranks than the request holds: 2 KV heads on 4
     # decode ranks land each head twice; MLA's latent once per decode rank
     landed = {(c["model"], c["prefill_tp"], c["decode_tp"]):
