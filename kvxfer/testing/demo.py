@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from kvxfer.auth import new_token
-from kvxfer.client import RemoteBlocks
+from kvxfer.client import RemoteBlocks, SidecarClient
 from kvxfer.memchannel import available_memory, gib
 from kvxfer.memory import dense_bytes
 from kvxfer.protocol import KVLayout
@@ -210,13 +210,14 @@ class _Decoder:
         done: dict[str, float] = {}
         failed: dict[str, str] = {}
         deadline = time.monotonic() + self.opts.timeout_s
+        clients = [e.client for e in engines]
         while len(done) + len(failed) < len(names) and time.monotonic() < deadline:
-            got_any = False
-            for e in engines:
-                ev = e.client.wait(0.01 if got_any else 0.5 / len(engines))
-                now = time.perf_counter()
+            # every rank at once: waiting on one rank at a time would see the others' Done
+            # only when that wait ends (up to its timeout late, which the clock counted)
+            drained = SidecarClient.wait_any(clients, 0.5)
+            now = time.perf_counter()
+            for e, ev in zip(engines, drained, strict=True):
                 for d in ev.done:
-                    got_any = True
                     stats["bytes"] += d.nbytes
                     stats["descriptors"] += d.descriptors
                     ranks_done[d.req_id] = ranks_done.get(d.req_id, 0) + 1
