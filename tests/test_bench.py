@@ -49,3 +49,46 @@ def test_bench_quick_reports_every_field() -> None:
 
     want = "cuda:0" if torch.cuda.is_available() else "cpu"
     assert res["device"] == want  # --device auto
+
+
+def test_bench_tp_matrix_quick_verifies_every_cell() -> None:
+    """`kvxfer bench --tp-matrix --quick`: both directions, every default layout, replicated KV
+    heads and MLA, each cell's bytes verified and its ratios to 1 -> 1 and memcpy reported."""
+    from kvxfer.testing.bench_tp import QUICK_CASES
+
+    out = subprocess.run([sys.executable, "-m", "kvxfer", "bench", "--tp-matrix", "--quick", "--json"],
+                         capture_output=True, text=True, timeout=300, check=False)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    res = json.loads(out.stdout.strip().splitlines()[-1])
+    cells = res["cells"]
+    want = [(m, lay, p, d) for m, lay, ps in QUICK_CASES for p, d in ps]
+    assert [(c["model"], c["kv_layout"], c["prefill_tp"], c["decode_tp"]) for c in cells] == want
+    assert res["verified"] is True
+    assert all(c["verified"] and not c["problems"] for c in cells), [c["problems"] for c in cells]
+    directions = {c["prefill_tp"] < c["decode_tp"] for c in cells if c["prefill_tp"] != c["decode_tp"]}
+    assert directions == {True, False}
+    for c in cells:
+        assert len(c["round_gbps"]) == res["rounds"] == 2
+        assert c["gbps"] > 0
+        assert c["memcpy_gbps"] > 0
+        assert c["descriptors_per_request"] > 0
+        assert c["ratio_vs_memcpy"] == round(c["gbps"] / c["memcpy_gbps"], 3)
+        ref = next(x for x in cells if (x["model"], x["kv_layout"], x["prefill_tp"], x["decode_tp"])
+                   == (c["model"], c["kv_layout"], 1, 1))
+        assert c["ratio_vs_1x1"] == round(c["gbps"] / ref["gbps"], 3)
+        descs = c["descriptors_per_request"] / ref["descriptors_per_request"]
+        assert c["descriptors_vs_1x1"] == round(descs, 3)
+        assert c["request_bytes"] == ref["request_bytes"]  # the same request, whatever the TP
+        assert c["request_ratio_vs_1x1"] == round(c["request_gbps"] / ref["request_gbps"], 3)
+    # replicated KV lands more bytes on the decode ranks than the request holds: 2 KV heads on 4
+    # decode ranks land each head twice; MLA's latent once per decode rank
+    landed = {(c["model"], c["prefill_tp"], c["decode_tp"]):
+              c["landed_bytes_per_request"] / c["request_bytes"] for c in cells}
+    assert landed[("gqa2", 1, 4)] == 2
+    assert landed[("gqa8", 2, 4)] == 1
+    assert landed[("mla", 2, 1)] == 1
+    # the goals are reported per cell that is not 1 -> 1 (quick requests are under 16 MiB: no
+    # throughput goal, only the descriptor one)
+    assert len(res["targets"]) == sum((c["prefill_tp"], c["decode_tp"]) != (1, 1) for c in cells)
+    assert all(t.startswith(("met: ", "MISSED: ")) and "descriptors" in t for t in res["targets"])
+    assert f"bytes verified in {len(want)} of {len(want)} cells" in out.stdout  # the human table

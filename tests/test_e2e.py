@@ -110,3 +110,39 @@ def test_pools_larger_than_the_machine_are_refused_before_anything_starts() -> N
     assert out.returncode == 2
     assert "the KV pools need" in out.stderr
     assert "moved" not in out.stdout  # nothing ran
+
+
+def test_wait_any_drains_whichever_rank_answered_first() -> None:
+    """The demo's decode engine waits on all its ranks at once: an event for the second rank
+    is seen as it arrives, not once a wait on the first rank times out (which the demo's
+    clock used to count: up to 0.5 s / ranks per wait, at every TP above 1)."""
+    import os
+    import tempfile
+    import time
+
+    import zmq
+
+    from kvxfer.client import SidecarClient
+    from kvxfer.protocol import Pong, encode
+
+    with tempfile.TemporaryDirectory(prefix="kvx", dir="/tmp") as d, \
+            zmq.Context.instance().socket(zmq.ROUTER) as router:
+        endpoint = f"ipc://{d}/s"
+        router.bind(endpoint)
+        clients = [SidecarClient(endpoint) for _ in range(2)]
+        try:
+            for c in clients:
+                c.heartbeat()  # the router learns both identities
+            seen = {router.recv_multipart()[0] for _ in clients}
+            second = f"w{os.getpid()}-{id(clients[1]):x}".encode()
+            assert second in seen
+            router.send_multipart([second, encode(Pong(seq=7, engine_id="e", version=1, handshake_host="h",
+                                                       handshake_port=1))])
+            t0 = time.monotonic()
+            got = SidecarClient.wait_any(clients, 30.0)
+            assert time.monotonic() - t0 < 15  # not the whole wait
+            assert got[0].pongs == []
+            assert [p.seq for p in got[1].pongs] == [7]
+        finally:
+            for c in clients:
+                c.close()

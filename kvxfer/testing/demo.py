@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from kvxfer.auth import new_token
-from kvxfer.client import RemoteBlocks
+from kvxfer.client import RemoteBlocks, SidecarClient
 from kvxfer.memchannel import available_memory, gib
 from kvxfer.memory import dense_bytes
 from kvxfer.protocol import KVLayout
@@ -210,13 +210,14 @@ class _Decoder:
         done: dict[str, float] = {}
         failed: dict[str, str] = {}
         deadline = time.monotonic() + self.opts.timeout_s
+        clients = [e.client for e in engines]
         while len(done) + len(failed) < len(names) and time.monotonic() < deadline:
-            got_any = False
-            for e in engines:
-                ev = e.client.wait(0.01 if got_any else 0.5 / len(engines))
-                now = time.perf_counter()
+            # every rank at once: waiting on one rank at a time would see the others' Done
+            # only when that wait ends (up to its timeout late, which the clock counted)
+            drained = SidecarClient.wait_any(clients, 0.5)
+            now = time.perf_counter()
+            for e, ev in zip(engines, drained, strict=True):
                 for d in ev.done:
-                    got_any = True
                     stats["bytes"] += d.nbytes
                     stats["descriptors"] += d.descriptors
                     ranks_done[d.req_id] = ranks_done.get(d.req_id, 0) + 1
@@ -243,6 +244,7 @@ class _Decoder:
         bad: list[str] = []
         verified = seconds = 0.0
         cold_ms = 0.0
+        round_seconds: list[float] = []  # each timed round's Recv -> last Done
         for n_round in range(1 + len(opts.rounds())):
             params = from_prefill.recv()
             t0 = time.perf_counter()
@@ -254,7 +256,8 @@ class _Decoder:
                 stats.update(bytes=0, descriptors=0)
             else:
                 done.update(d)
-                seconds += (max(d.values()) - t0) if d else 0.0
+                round_seconds.append((max(d.values()) - t0) if d else 0.0)
+                seconds += round_seconds[-1]
             failed.update(f)
             round_bad = self.verify_and_free(list(d))
             bad += round_bad
@@ -265,6 +268,7 @@ class _Decoder:
         return {
             "role": "decode", "done": len(done), "failed": failed, "bad": bad,
             "verified_requests": int(verified) if not bad else 0, "seconds": seconds,
+            "round_seconds": round_seconds,
             "first_transfer_ms_cold": cold_ms, "bytes": stats["bytes"],
             "descriptors": stats["descriptors"], "rounds": len(opts.rounds()),
         }
@@ -288,15 +292,17 @@ def _req_name(i: int) -> str:
     return "warmup" if i == 0 else f"req-{i - 1}"
 
 
-def run_demo(opts: DemoOptions) -> dict[str, Any]:
+def run_demo(opts: DemoOptions, start_method: str = "spawn") -> dict[str, Any]:
     """Run the whole pipeline; returns the summary (``verified`` tells if every byte matched).
     Raises ``ValueError`` for impossible block sizes and ``MemoryError`` for pools larger than
-    this machine's available memory, before anything starts."""
+    this machine's available memory, before anything starts. ``start_method``: how the engine
+    processes start (``forkserver`` with preloaded modules saves a torch import per run when
+    many runs follow each other, as in ``kvxfer bench --tp-matrix``)."""
     opts.side_blocks("decode")  # refuse impossible block-size combinations up front
     opts.check_memory()
     serve_args = ("--handshake-host", "127.0.0.1", "--lease-s", str(opts.lease_s),
                   "--ucx-error-mode", opts.ucx_error_mode, *opts.extra_serve_args)
-    ctx = mp.get_context("spawn")
+    ctx = mp.get_context(start_method)
     engines: list[Any] = []
     factory = SidecarFactory()
     try:
@@ -394,6 +400,7 @@ def _summarise(
         "requests": done,
         "bytes": nbytes,
         "seconds": round(seconds, 6),
+        "round_seconds": [round(x, 6) for x in dec.get("round_seconds", [])],
         "gbps": round(nbytes / seconds / 1e9, 3) if seconds > 0 else 0.0,
         "prefill_tp": opts.prefill_tp,
         "decode_tp": opts.decode_tp,
