@@ -7,6 +7,7 @@ import argparse
 import json
 import os
 import sys
+from typing import Any
 
 from kvxfer import __version__
 from kvxfer.config import Config, add_arguments, load_config
@@ -114,16 +115,7 @@ NATIVE_LOG_LEVELS = {"DEBUG": ("diag", "DEBUG"), "INFO": ("error", "WARN"), "WAR
                      "ERROR": ("error", "ERROR"), "CRITICAL": ("fatal", "FATAL")}
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="kvxfer", description=__doc__)
-    parser.add_argument("--version", action="version", version=f"kvxfer {__version__}")
-    sub = parser.add_subparsers(dest="command", required=True)
-    serve = sub.add_parser("serve", help="run the sidecar daemon")
-    add_arguments(serve)
-    _demo_parser(sub)
-    from kvxfer.control.client_cli import add_commands
-
-    add_commands(sub)
+def _bench_parser(sub: Any) -> None:
     b = sub.add_parser("bench", help="kvxfer vs raw NIXL vs memcpy, step overhead, first transfer")
     b.add_argument("--quick", action="store_true", help="small sizes, under a minute (CI smoke)")
     b.add_argument("--json", action="store_true", help="last line: one JSON object")
@@ -151,6 +143,19 @@ def main(argv: list[str] | None = None) -> int:
                    help="with --tp-matrix: gqa8, gqa2, mla (default: all three)")
     b.add_argument("--rounds", type=int, default=0,
                    help="with --tp-matrix: timed rounds per cell (default 3, --quick 2)")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="kvxfer", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"kvxfer {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True)
+    serve = sub.add_parser("serve", help="run the sidecar daemon")
+    add_arguments(serve)
+    _demo_parser(sub)
+    from kvxfer.control.client_cli import add_commands
+
+    add_commands(sub)
+    _bench_parser(sub)
     args = parser.parse_args(argv)
     if hasattr(args, "func"):
         return int(args.func(args))
