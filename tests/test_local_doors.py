@@ -98,6 +98,9 @@ def test_another_user_gets_no_answer_and_not_the_nixl_metadata(factory: SidecarF
         assert got["reply"] == "none", got
         assert got["metadata_bytes"] == 0, got
         assert "host key" in ps.log()
+        shown = subprocess.run([sys.executable, "-m", "kvxfer", "status", "--target", ps.control],
+                               capture_output=True, text=True, timeout=60)
+        assert "security   host key (loopback" in shown.stdout, shown.stdout
         assert not p.client.poll().released
         _read_and_verify(factory, p, "r-victim", blocks)  # this user's sidecars trust each other
     finally:

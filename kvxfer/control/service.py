@@ -98,7 +98,8 @@ def status_proto(snap: Snapshot) -> pb.Status:
     return pb.Status(identity=ident, ranks=ranks, peers=[peer_proto(p) for p in snap.peers],
                      leases=leases, transfers=transfers_proto(snap), totals=totals,
                      uptime_s=snap.uptime_s, ready=snap.ready, draining=snap.draining,
-                     insecure=snap.insecure, authenticated=snap.authenticated, encrypted=snap.encrypted)
+                     insecure=snap.insecure, authenticated=snap.authenticated, encrypted=snap.encrypted,
+                     host_key=snap.host_key)
 
 
 def load_proto(snap: Snapshot) -> pb.Load:
