@@ -140,12 +140,11 @@ def _header(metadata: Iterable[tuple[str, Any]], name: str) -> str | None:
 
 
 def _bearer(metadata: Iterable[tuple[str, Any]]) -> bytes | None:
-    for key, value in metadata:
-        if key.lower() == "authorization":
-            text = value.decode() if isinstance(value, bytes) else str(value)
-            scheme, _, token = text.partition(" ")
-            return token.strip().encode() if scheme.lower() == "bearer" else b"\0invalid"
-    return None
+    text = _header(metadata, "authorization")
+    if text is None:
+        return None
+    scheme, _, token = text.partition(" ")
+    return token.strip().encode() if scheme.lower() == "bearer" else b"\0invalid"
 
 
 def load_policy(config: Config, env: Mapping[str, str] | None = None) -> AccessPolicy:

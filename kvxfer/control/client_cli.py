@@ -18,7 +18,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvxfer import hostkey
 from kvxfer.control.access import TOKEN_ENV
-from kvxfer.control.local import signed
+from kvxfer.control.local import host_key, local_channel, signed
 from kvxfer.control.v1 import control_pb2 as pb
 from kvxfer.control.v1 import control_pb2_grpc as pb_grpc
 from kvxfer.targets import is_unix, split_targets
@@ -74,11 +74,10 @@ def _file(path: str, what: str) -> bytes:
 def open_channel(args: argparse.Namespace) -> grpc.Channel:
     """An insecure channel, or a TLS one (client certificate included) when --tls-ca is set
     and the target is TCP."""
-    key = hostkey.read_if_allowed(args.host_key_file or hostkey.default_path())
     if not args.tls_ca or is_unix(args.target):
         if args.tls_cert and not args.tls_ca:
             raise CliError("--tls-cert needs --tls-ca")
-        return signed(grpc.insecure_channel(args.target), args.target, key)
+        return local_channel(args.target, args.host_key_file)
     if bool(args.tls_cert) != bool(args.tls_key):
         raise CliError("--tls-cert and --tls-key go together")
     creds = grpc.ssl_channel_credentials(
@@ -87,7 +86,8 @@ def open_channel(args: argparse.Namespace) -> grpc.Channel:
         certificate_chain=_file(args.tls_cert, "--tls-cert") if args.tls_cert else None,
     )
     options = [("grpc.ssl_target_name_override", args.tls_server_name)] if args.tls_server_name else []
-    return signed(grpc.secure_channel(args.target, creds, options=options), args.target, key)
+    return signed(grpc.secure_channel(args.target, creds, options=options), args.target,
+                  host_key(args.host_key_file))
 
 
 def call_metadata(args: argparse.Namespace) -> list[tuple[str, str]]:

@@ -49,8 +49,13 @@ def signed(channel: grpc.Channel, target: str, key: bytes | None) -> grpc.Channe
     return grpc.intercept_channel(channel, _Sign(key, call_audience(target)))
 
 
+def host_key(key_file: str = "") -> bytes | None:
+    """This host's key when this user can read it (``key_file``, else where the sidecar would
+    look); None otherwise."""
+    return hostkey.read_if_allowed(key_file or hostkey.default_path())
+
+
 def local_channel(target: str, key_file: str = "") -> grpc.Channel:
     """A plaintext channel to a sidecar of this host, signed with the host key when this user
-    can read it (``key_file``, else where the sidecar would look)."""
-    key = hostkey.read_if_allowed(key_file or hostkey.default_path())
-    return signed(grpc.insecure_channel(target), target, key)
+    can read it."""
+    return signed(grpc.insecure_channel(target), target, host_key(key_file))
