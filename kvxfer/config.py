@@ -138,6 +138,18 @@ class Config:
                                 "loop: ~0.3 ms per 2 MiB here); larger ones, and every one while "
                                 "the NIXL thread is in NIXL, go through the NIXL thread. 0: all "
                                 "do. Not used with --cuda on.", default=4096)
+    staging_mib: int = _doc("Staging arena, MiB of host memory registered with NIXL (0: none). A "
+                            "read of many small descriptors (a head slice between different TP "
+                            "sizes, equal TP > 1 in NHD) is copied by the prefill sidecar into "
+                            "its arena, moved as one large transfer into the decode's, and "
+                            "copied into the blocks there; reads that do not fit read directly. "
+                            "Both sidecars need one. Not used with --cuda on.", default=256)
+    stage_below_kib: int = _doc("Stage a read when its direct descriptors average under this many "
+                                "KiB (and it has at least --stage-min-descs of them); 0: never stage.",
+                                default=32)
+    stage_min_descs: int = _doc("Never stage a read of fewer direct descriptors than this (it costs a "
+                                "few ms at most either way, and staging adds a round trip and two "
+                                "copies before the data lands).", default=128)
     idle_poll_ms: float = _doc("NIXL progress poll period when idle (bounds notification "
                                "latency).", default=2.0)
     active_poll_ms: float = _doc("NIXL progress poll period while blocks are held for peers "

@@ -52,9 +52,9 @@ MESSAGES: dict[str, tuple[object, str]] = {
         p.Welcome(version=1, compat_hash="abcd", engine_id="P", agent_name="b",
                   ranks=[p.RankInfo(layout=LAYOUT, regions=[p.RemoteRegion(addr=4096, block_len=64, block_stride=64)])]),
         (
-            "98a777656c636f6d6501a461626364a150a1629196a472616e6bdc0016a66c61796f7574020a1008"
+            "99a777656c636f6d6501a461626364a150a1629196a472616e6bdc0016a66c61796f7574020a1008"
             "08cc80a862666c6f6174313602c2a34e48440001a0a0000100000000a09195a772726567696f6ecd"
-            "1000404000a44452414da000a0a0"
+            "1000404000a44452414da000a0a000"
         ),
     ),
     "refused": (p.Refused(version=1, code="incompatible", reason="no"), "94a77265667573656401ac696e636f6d70617469626c65a26e6f"),
@@ -68,6 +68,14 @@ MESSAGES: dict[str, tuple[object, str]] = {
     "renew": (p.LeaseRenew(seq=3, engine_id="P", req_ids=["r1"], extend_s=2.5, agent_name="a"), "98a572656e657703a15091a27231cb4004000000000000a161a090"),
     "challenge": (p.Challenge(version=4, nonce="n1", agent_name="b"), "94a96368616c6c656e676504a26e31a162"),
     "leases": (p.LeaseState(seq=3, held=["held", "gone"]), "94a66c65617365730392a468656c64a4676f6e65a0"),
+    "stage": (
+        p.StageRequest(seq=3, engine_id="P", req_id="r1", ranks=[p.StageRank(rank=0, runs=bytes(range(16)))],
+                       nbytes=64, readers=["0/0"], extend_s=2.5, agent_name="a"),
+        "9ba5737461676503a150a272319194a57372616e6b00c410000102030405060708090a0b0c0d0e0f004091a3302f30cb40"
+        "04000000000000a161a0a0",
+    ),
+    "staged": (p.Staged(seq=3, held="held", addr=4096, nbytes=64, ttl_s=7.5),
+               "99a673746167656403a468656c64cd100040cb401e000000000000a0a0a0"),
     "read": (p.ReadNotice(req_id="r1", tp_rank=0, ok=True, readers=2), "99a472656164a2723100c302cb0000000000000000a000a0"),
 }
 
@@ -103,7 +111,7 @@ def test_every_message_kind_is_pinned() -> None:
 
 def test_protocol_version_is_pinned() -> None:
     # Changing the wire format means bumping this and re-pinning the bytes above.
-    assert p.PROTOCOL_VERSION == 5
+    assert p.PROTOCOL_VERSION == 6
 
 
 @pytest.mark.parametrize(

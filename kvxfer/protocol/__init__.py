@@ -92,6 +92,9 @@ from kvxfer.protocol.peer import (
     ReadNotice,
     Refused,
     RemoteRegion,
+    Staged,
+    StageRank,
+    StageRequest,
     Welcome,
 )
 
@@ -103,7 +106,8 @@ from kvxfer.protocol.peer import (
 #    renewals and digests
 # 5: state layers (Mamba/GDN): KVLayout.state_regions/state_bytes/state_kind, num_layers may be
 #    0; Recv.state_block_ids/remote_state_block_ids; digests of a rank's KV and state regions
-PROTOCOL_VERSION = 5
+# 6: staged reads: StageRequest / Staged on the handshake socket, Welcome.staging_bytes
+PROTOCOL_VERSION = 6
 
 
 def compat_hash(layout: KVLayout | None) -> str:
@@ -154,6 +158,9 @@ __all__ = [
     "Release",
     "Released",
     "RemoteRegion",
+    "StageRank",
+    "StageRequest",
+    "Staged",
     "ReqId",
     "ShmMemory",
     "SidecarEvent",

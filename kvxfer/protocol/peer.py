@@ -73,7 +73,41 @@ class LeaseRenew(_Msg, tag="renew"):
     tokens: Annotated[list[Token], Meta(max_length=4096)] = []  # per req_ids: the leases' capabilities
 
 
-HandshakeRequest = Hello | DigestRequest | LeaseRenew
+class StageRank(_Msg, tag="srank"):
+    """One remote rank's part of a staged read: byte runs of its held blocks."""
+
+    rank: NonNeg  # tp rank
+    # int64 little-endian [address, length] pairs (the prefill's addresses, from its
+    # Welcome), in the order they go into the slot (kvxfer.sidecar.staging)
+    runs: bytes
+    pp_rank: NonNeg = 0
+
+
+class StageRequest(_Msg, tag="stage"):
+    """Decode sidecar -> prefill sidecar, on the handshake socket (``PeerLink``): copy these
+    runs of blocks held for ``req_id``, rank after rank, into a slot of your staging arena,
+    and keep the slot until my final ``ReadNotice`` for each of ``readers`` (or for
+    ``extend_s``); answered by ``Staged`` once copied. It is also the reads' *claim*: the
+    copy is taken while the lease holds the blocks, and the lease is extended by
+    ``extend_s`` like a ``LeaseRenew``. One request serves every local rank of the asking
+    sidecar that receives ``req_id`` at once (a round trip and a copy per request, not per
+    rank)."""
+
+    seq: NonNeg
+    engine_id: EngineId  # the prefill engine holding the blocks
+    req_id: ReqId  # the prefill side's request id
+    ranks: Annotated[list[StageRank], Meta(max_length=4096)]
+    nbytes: Positive  # the runs' total: the slot's size
+    # the receives of the asking sidecar it serves ("pp/tp" of each, their bytes in this
+    # order): the slot is kept until every one's final ReadNotice
+    readers: Annotated[list[Annotated[str, Meta(max_length=64)]], Meta(max_length=4096)]
+    extend_s: Annotated[float, Meta(ge=0, le=86400)] = 0.0
+    agent_name: str = ""  # the asking sidecar
+    mac: str = ""  # with a shared secret: HMAC of the request (kvxfer.auth)
+    token: Token = ""  # the lease's capability (Hold.token)
+
+
+HandshakeRequest = Hello | DigestRequest | LeaseRenew | StageRequest
 
 
 class RemoteRegion(_Msg, tag="rregion"):
@@ -113,6 +147,7 @@ class Welcome(_Msg, tag="welcome"):
     ranks: list[RankInfo]
     mac: str = ""  # with a shared secret: proves the answer comes from a holder of it
     generation: str = ""  # the registrations these ranks describe (Pong.generation)
+    staging_bytes: NonNeg = 0  # its staging arena (StageRequest): 0, it stages nothing
 
 
 class Challenge(_Msg, tag="challenge"):
@@ -145,7 +180,23 @@ class LeaseState(_Msg, tag="leases"):
     generation: str = ""
 
 
-HandshakeReply = Welcome | Refused | DigestReply | LeaseState | Challenge
+class Staged(_Msg, tag="staged"):
+    """The answer to a ``StageRequest`` (matched by ``seq``). ``held``: "held" (copied into
+    the slot at ``addr``, ``nbytes`` long, kept ``ttl_s`` from the request's arrival at most),
+    "gone" / "unknown" (as ``LeaseState``), "busy" (no room in the arena now: read the blocks
+    directly) or "refused" (``code``/``reason``: runs outside held blocks, unknown ranks)."""
+
+    seq: NonNeg
+    held: Literal["held", "gone", "unknown", "busy", "refused"]
+    addr: NonNeg = 0
+    nbytes: NonNeg = 0
+    ttl_s: Annotated[float, Meta(ge=0)] = 0.0
+    code: str = ""
+    reason: str = ""
+    generation: str = ""  # as LeaseState.generation
+
+
+HandshakeReply = Welcome | Refused | DigestReply | LeaseState | Challenge | Staged
 
 
 # --------------------------------------------------------------------------- NIXL notification

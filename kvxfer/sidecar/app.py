@@ -80,7 +80,8 @@ def transfer_options(config: Config) -> TransferOptions:
         cuda=config.cuda_enabled,
         # (posting from the loop's thread is verified on host memory only: with CUDA the
         # NIXL thread stays the only one that drives NIXL)
-        inline_bytes=0 if config.cuda_enabled else config.inline_read_kib << 10)
+        inline_bytes=0 if config.cuda_enabled else config.inline_read_kib << 10,
+        staging_bytes=config.staging_mib << 20)
 
 
 class Sidecar:
@@ -144,7 +145,7 @@ class Sidecar:
 
     def _wire(self) -> None:
         """Who hears what: NIXL events, engine messages, and every part's changes."""
-        self.nixl.on(NoticeReceived, lambda ev: self.holds.on_notice(ev.agent, ev.payload))
+        self.nixl.on(NoticeReceived, self.peer_server.on_notice)
         self.nixl.on(ReadFinished, self.receiver.on_read_finished)
         self.nixl.on(ReadRefused, self.receiver.on_read_refused)
         self.nixl.on(ReadStuck, self._read_stuck)

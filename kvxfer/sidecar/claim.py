@@ -85,3 +85,17 @@ class Claims:
             if verdict.refusal is None:
                 mark("claimed")
             return verdict.refusal
+
+    async def generation_moved(self, msg: Recv, peer: Peer) -> bool:
+        """Whether the prefill sidecar's generation is no longer the cached peer's: a renewal
+        of no lease answers with it (one round trip on the kept-open link, no handshake, so a
+        request that simply does not fit costs no handshake)."""
+        try:
+            probe = LeaseRenew(seq=0, engine_id=peer.resolve_engine(msg.remote_engine_id), req_ids=[],
+                               agent_name=self.agent_name)
+            got = await self.peers.call_peer(msg.remote_host, msg.remote_port, probe,
+                                             self.config.handshake_timeout_s)
+        except Exception as e:
+            log.info("generation of %s:%d not asked: %s", msg.remote_host, msg.remote_port, e)
+            return False
+        return bool(got.generation) and got.generation != peer.generation

@@ -39,8 +39,9 @@ from kvxfer.errors import ErrorCode
 from kvxfer.protocol import DigestItem, RankInfo, RegisterKV
 from kvxfer.sidecar.nixl_agent import create_agent
 from kvxfer.sidecar.nixl_memory import Cleanup, Registrations
-from kvxfer.sidecar.nixl_reads import Read, Reads
-from kvxfer.sidecar.nixl_types import Event, NoticeReceived, ReadRefused, TransferOptions
+from kvxfer.sidecar.nixl_reads import Reads
+from kvxfer.sidecar.nixl_staging import StagingArena, gather_ranks, new_read
+from kvxfer.sidecar.nixl_types import Event, NoticeReceived, PollPolicy, ReadRefused, TransferOptions
 from kvxfer.sidecar.ownership import Creds, Holder
 from kvxfer.sidecar.plan import ReadSpec
 from kvxfer.sidecar.pool_server import PoolServer
@@ -65,13 +66,14 @@ class NixlPort:
         self._agent: Any = None
         self._regs: Registrations | None = None
         self._reads: Reads | None = None
+        self._arena: StagingArena | None = None
+        self.staging = (0, 0)  # the staging arena's (address, size) once started; (0, 0): none
         self._handlers: dict[type, Callable[[Any], None]] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._loop_thread = 0
         self.backends: list[str] = []
         self.reads_inline = 0  # reads planned and posted by the loop itself, ever
-        self.serving = False  # blocks are held for peers to read (poll at the active period)
-        self._hot_until = 0.0  # poll at busy_poll_s until then (expect_reads)
+        self.poll = PollPolicy(options)
         # Test-only corruption hook (proves --verify-sample catches a wrong byte end to end):
         # the next N successful reads into host memory get one byte flipped after they land.
         self._corrupt_reads = int(os.environ.get("KVXFER_TEST_CORRUPT_READS", "0") or 0)
@@ -133,6 +135,12 @@ class NixlPort:
                      num_regions: int = 0) -> str:
         return await self._run(lambda: self._regs_().digest(key, items, region0, num_regions))
 
+    async def gather(self, ranks: list[tuple[Hashable, Any]], blocks: list[int], offset: int,
+                     nbytes: int) -> None:
+        """Copy runs of held ``blocks`` of these ranks into the staging slot at ``offset``
+        (checked: ``nixl_staging.gather_ranks``)."""
+        await self._run(lambda: gather_ranks(self._regs_().local, self._arena, ranks, blocks, offset, nbytes))
+
     def read(self, spec: ReadSpec) -> None:
         """Start a read; a ``ReadFinished`` reports its end. A small read is planned, posted
         and (on one host, where CMA copies inside the call) finished right here; any other
@@ -152,22 +160,14 @@ class NixlPort:
     # ------------------------------------------------------------------ poll policy
 
     def expect_reads(self) -> None:
-        """A peer claimed held blocks: its READ is about to start, and in UCX peer mode a READ
-        may complete only once its target (this agent) makes progress (measured here: every
-        other READ after a NIXL notification waits for it). Poll at the busy period for
-        ``expect_read_s``, starting now (in UCX's "none" mode READs need no target progress)."""
-        if self.options.expect_read_s <= 0 or self.options.ucx_error_mode != "peer":
-            return
-        self._hot_until = time.monotonic() + self.options.expect_read_s
-        self._wake()
+        """A peer claimed held blocks: its READ is about to start (``PollPolicy.expect``)."""
+        if self.poll.expect(time.monotonic()):
+            self._wake()
 
     def set_serving(self, serving: bool) -> None:
         """Blocks are (or no longer are) held for peers to read: poll at the active period."""
-        if serving and not self.serving:
-            self.serving = True
+        if self.poll.serve(serving):
             self._wake()
-        else:
-            self.serving = serving
 
     # ------------------------------------------------------------------ loop <-> thread
 
@@ -208,7 +208,7 @@ class NixlPort:
         back; False (nothing done) when the NIXL thread is inside NIXL right now or has
         commands queued, when the read is larger than ``inline_bytes`` (the loop would be
         held for the copy) or when the chunk cap is reached."""
-        if self.options.inline_bytes <= 0 or not self._thread.is_alive():
+        if self.options.inline_bytes <= 0 or not self._thread.is_alive() or spec.staged is not None:
             return False
         # Commands still queued (a registration, a peer's removal or reload) were submitted
         # first and must run first: this read then goes behind them. (Only the loop queues
@@ -260,14 +260,9 @@ class NixlPort:
         after the first chunk is posted, from the posting thread: a round trip through the
         loop would compete with the copy for the GIL and the CPU)."""
         marks = [("nixl_thread", time.monotonic_ns())] if spec.trace else None
-        regs = self._regs_()
-        legs, nbytes = regs.legs(spec, self.options.chunk_bytes, self.options.merge_runs)
-        corrupt_at = 0
-        if self._corrupt_reads > 0 and (corrupt_at := regs.first_byte(spec)):
-            self._corrupt_reads -= 1
-        rd = Read(req_id=spec.req_id, peer=spec.peer, local_rank=spec.local_rank, legs=legs, nbytes=nbytes,
-                  deadline=time.monotonic() + spec.deadline_s, started_notice=spec.started_notice,
-                  corrupt_at=corrupt_at, trace=marks)
+        corrupt = self._corrupt_reads > 0
+        rd = new_read(self._regs_(), self._arena, spec, self.options, marks, corrupt)
+        self._corrupt_reads -= 1 if rd.corrupt_at else 0
         if marks is not None:
             marks.append(("planned_descs", time.monotonic_ns()))
         self._reads_().add(rd)
@@ -281,6 +276,9 @@ class NixlPort:
         cleanup = Cleanup()
         self._regs = Registrations(self._agent, self._pools, cleanup)
         self._reads = Reads(self._agent, self.options, self._emit, cleanup)
+        if self.options.staging_bytes > 0 and not self.options.cuda:  # (host memory only, for now)
+            self._arena = StagingArena(self._agent, self.options.staging_bytes)
+            self.staging = (self._arena.addr, self._arena.size)
         self.backends = ["UCX"]
 
     def _main(self) -> None:
@@ -307,6 +305,9 @@ class NixlPort:
                             fut.set_result(fn())
                         except BaseException as e:
                             fut.set_exception(e)
+                        # (progress between commands: in UCX peer mode a peer's READ of our
+                        # memory completes only while we progress, and a staging copy is long)
+                        self._notices()
                     try:
                         item = self._cmds.get_nowait()
                     except queue.Empty:
@@ -319,25 +320,22 @@ class NixlPort:
                 except Exception:
                     log.exception("NIXL progress failed")
                     progressed = False
-            delay = self._next_delay(delay, progressed)
+            delay = self.poll.next_delay(time.monotonic(), delay, progressed, len(self._reads_()))
         with self._lock:
             self._shutdown()
 
-    def _next_delay(self, delay: float, progressed: bool) -> float:
-        o = self.options
-        if time.monotonic() < self._hot_until:
-            return o.busy_poll_s
-        if len(self._reads_()):
-            return o.busy_poll_s if progressed else min(delay * 2, o.active_poll_s)
-        return o.active_poll_s if self.serving else o.idle_poll_s
-
     def _pump(self) -> bool:
         progressed = self._reads_().pump()
+        return self._notices() or progressed
+
+    def _notices(self) -> bool:
+        """Progress the agent; emit the notifications that arrived."""
+        got = False
         for agent_name, msgs in self._agent.get_new_notifs().items():
             for payload in msgs:
-                progressed = True
+                got = True
                 self._emit(NoticeReceived(str(agent_name), bytes(payload)))
-        return progressed
+        return got
 
     def _shutdown(self) -> None:
         regs, reads = self._regs_(), self._reads_()
@@ -346,6 +344,8 @@ class NixlPort:
             self._remove_peer(name, "sidecar shutting down", ErrorCode.PEER_DISCONNECTED)
         for key in list(regs.local):
             self._unregister(key)
+        if self._arena is not None:
+            self._arena.close()
         # Keep progressing briefly so notifications already sent leave the process.
         end = time.monotonic() + 0.05
         while time.monotonic() < end:

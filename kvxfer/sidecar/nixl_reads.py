@@ -55,6 +55,10 @@ class Read:
     started_notice: bytes = b""  # sent to the peer once the first chunk is posted
     corrupt_at: int = 0  # test-only: a host address this read flips once it lands
     trace: list[tuple[str, int]] | None = None  # (hop, monotonic ns) when the receive is traced
+    # a staged read: the scatter out of its slot, run once it landed (before it is reported),
+    # and the moment after which a landing is not trusted (0: none)
+    after_landing: Callable[[], None] | None = None
+    trust_until: float = 0.0
 
     @property
     def all_posted(self) -> bool:
@@ -215,6 +219,17 @@ class Reads:
         return progressed
 
     def _landed(self, rd: Read, now: float) -> None:
+        if rd.trust_until and now > rd.trust_until:
+            self._fail(rd, ErrorCode.EXPIRED, f"the staged copy landed {now - rd.trust_until:.3f}s after the "
+                       "peer could reuse its slot; not used")
+            return
+        if rd.after_landing is not None:
+            try:
+                rd.after_landing()
+            except Exception as e:
+                log.exception("scatter of %s failed", rd.req_id)
+                self._fail(rd, ErrorCode.INTERNAL, f"scatter out of the staging slot: {e!r}")
+                return
         if rd.corrupt_at:
             ctypes.c_uint8.from_address(rd.corrupt_at).value ^= 0xFF
             log.warning("test hook: flipped one byte of read %s after it landed", rd.req_id)

@@ -19,6 +19,41 @@ class TransferOptions:
     settle_timeout_s: float = 20.0  # a failed read's in-flight chunks must stop by then
     expect_read_s: float = 2e-3  # after a claim, poll at busy_poll_s this long (expect_reads)
     inline_bytes: int = 4 << 20  # reads up to this size are posted by the caller itself (NixlPort.read)
+    staging_bytes: int = 0  # the staging arena (kvxfer.sidecar.nixl_staging); 0: none
+
+
+class PollPolicy:
+    """How often the NIXL thread polls (``NixlPort``'s module docstring says why)."""
+
+    def __init__(self, options: TransferOptions) -> None:
+        self.options = options
+        self.serving = False  # blocks are held for peers to read (poll at the active period)
+        self.hot_until = 0.0  # poll at busy_poll_s until then (expect)
+
+    def expect(self, now: float) -> bool:
+        """A peer claimed held blocks: its READ is about to start, and in UCX peer mode a READ
+        may complete only once its target (this agent) makes progress (measured here: every
+        other READ after a NIXL notification waits for it). Poll at the busy period for
+        ``expect_read_s``, starting now (in UCX's "none" mode READs need no target progress).
+        Whether to wake the thread now."""
+        if self.options.expect_read_s <= 0 or self.options.ucx_error_mode != "peer":
+            return False
+        self.hot_until = now + self.options.expect_read_s
+        return True
+
+    def serve(self, serving: bool) -> bool:
+        """Whether to wake the thread now (serving started)."""
+        wake = serving and not self.serving
+        self.serving = serving
+        return wake
+
+    def next_delay(self, now: float, delay: float, progressed: bool, reads: int) -> float:
+        o = self.options
+        if now < self.hot_until:
+            return o.busy_poll_s
+        if reads:
+            return o.busy_poll_s if progressed else min(delay * 2, o.active_poll_s)
+        return o.active_poll_s if self.serving else o.idle_poll_s
 
 
 @dataclass(frozen=True)

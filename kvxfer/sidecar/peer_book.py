@@ -33,6 +33,7 @@ class Peer:
     verified: bool = False  # a read from it was integrity-checked (--verify-sample)
     generation: str = ""  # its registrations when it answered (Welcome.generation)
     stale: bool = False  # handshake again before the next read (a read failed, ranks missing)
+    staging_bytes: int = 0  # its staging arena (Welcome.staging_bytes): 0, it stages nothing
 
     def outdated_by(self, generation: str) -> bool:
         """Both generations known and different: this description came from another

@@ -41,6 +41,8 @@ from kvxfer.protocol import (
     LeaseState,
     RankInfo,
     Refused,
+    Staged,
+    StageRequest,
     Welcome,
     compat_hash,
     encode,
@@ -98,6 +100,9 @@ class PeerChannel:
         return replace(self, secret=b"", curve=None)
 
 
+LinkRequest = LeaseRenew | StageRequest  # what a PeerLink carries (answered LeaseState / Staged)
+
+
 class PeerLink:
     """One DEALER connection to a peer's handshake listener for small request/reply calls
     (lease renewals: one per read, so no connect per call). Replies are matched by ``seq``."""
@@ -106,20 +111,20 @@ class PeerLink:
         self.sock = sock
         self.secret = secret  # what every request on this link is signed with (b"": nothing)
         self._seq = 0
-        self._waiting: dict[int, asyncio.Future[LeaseState]] = {}
+        self._waiting: dict[int, asyncio.Future[Any]] = {}
         self.closed = False
 
-    async def call(self, req: LeaseRenew, timeout_s: float) -> LeaseState:
+    async def call(self, req: LinkRequest, timeout_s: float) -> Any:
         return await self.answer(self.send(req), timeout_s)
 
-    def send(self, req: LeaseRenew) -> tuple[int, asyncio.Future[LeaseState]]:
+    def send(self, req: LinkRequest) -> tuple[int, asyncio.Future[Any]]:
         """Send now (not at the caller's next await); ``answer`` waits for the reply."""
         self._seq += 1
         seq = self._seq
         req = msgspec.structs.replace(req, seq=seq)
         if self.secret:  # signed after the seq is set: the signature covers every field
             req = sign_request(self.secret, req)
-        fut: asyncio.Future[LeaseState] = asyncio.get_running_loop().create_future()
+        fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         self._waiting[seq] = fut
 
         def sent(f: asyncio.Future[Any]) -> None:  # (pyzmq sends at once and reports in a future)
@@ -131,12 +136,13 @@ class PeerLink:
         self.sock.send(encode(req), flags=zmq.NOBLOCK).add_done_callback(sent)
         return seq, fut
 
-    async def answer(self, sent: tuple[int, asyncio.Future[LeaseState]], timeout_s: float) -> LeaseState:
+    async def answer(self, sent: tuple[int, asyncio.Future[Any]], timeout_s: float) -> Any:
         seq, fut = sent
         try:
             return await asyncio.wait_for(fut, timeout_s)
         except TimeoutError:
-            raise RequestError(ErrorCode.HANDSHAKE_FAILED, f"no lease answer in {timeout_s}s") from None
+            raise RequestError(ErrorCode.HANDSHAKE_FAILED,
+                               f"no answer from the peer in {timeout_s}s") from None
         finally:
             self._waiting.pop(seq, None)
 
@@ -149,7 +155,7 @@ class PeerLink:
                     reply = handshake_reply_decoder.decode(frames[0])
                 except DECODE_ERRORS:
                     continue
-                if isinstance(reply, LeaseState):
+                if isinstance(reply, LeaseState | Staged):
                     fut = self._waiting.get(reply.seq)
                     if fut is not None and not fut.done():
                         fut.set_result(reply)
@@ -168,7 +174,7 @@ class PeerLink:
             self.sock.close(0)
 
 
-RenewalSent = tuple[PeerLink, tuple[int, "asyncio.Future[LeaseState]"]]  # PeerClient.send_renewal
+RenewalSent = tuple[PeerLink, tuple[int, "asyncio.Future[Any]"]]  # PeerClient.send_renewal
 
 
 class PeerClient:
@@ -258,7 +264,7 @@ class PeerClient:
         took = time.monotonic() - start
         peer = Peer(endpoint=key, engine_id=reply.engine_id, agent_name=reply.agent_name,
                     ranks={r.key: r for r in infos}, handshake_s=took, connected_unix=time.time(),
-                    generation=reply.generation)
+                    generation=reply.generation, staging_bytes=reply.staging_bytes)
         self.book.put(peer)
         self.observer.handshake(key, True, took)
         log.info("handshake with %s (%s) in %.1f ms", key, peer.engine_id, took * 1e3)
@@ -320,9 +326,10 @@ class PeerClient:
 
     # ---------------------------------------------------------------- requests
 
-    async def call_peer(self, host: str, port: int, req: LeaseRenew, timeout_s: float) -> LeaseState:
-        """A lease renewal at the peer's listener over one kept-open connection per endpoint;
-        raises RequestError when it refuses or does not answer in time."""
+    async def call_peer(self, host: str, port: int, req: LinkRequest, timeout_s: float) -> Any:
+        """A lease renewal (``LeaseState``) or a stage request (``Staged``) at the peer's
+        listener over one kept-open connection per endpoint; raises RequestError when it
+        refuses or does not answer in time."""
         key = f"{host}:{port}"
         link = self._links.get(key)
         if link is None or link.closed:

@@ -34,6 +34,8 @@ from kvxfer.protocol import (
     LeaseRenew,
     LeaseState,
     Refused,
+    Staged,
+    StageRequest,
     Welcome,
     compat_hash,
     encode,
@@ -42,16 +44,18 @@ from kvxfer.protocol import (
 from kvxfer.sidecar.admission import admit_digest
 from kvxfer.sidecar.holds import Holds
 from kvxfer.sidecar.nixl_port import NixlPort
+from kvxfer.sidecar.nixl_types import NoticeReceived
 from kvxfer.sidecar.peer_book import Authenticated
 from kvxfer.sidecar.peer_client import PeerChannel
 from kvxfer.sidecar.registry import RankRegistry
+from kvxfer.sidecar.stage_server import StageServer
 
 log = logging.getLogger("kvxfer.peers")
 
 # Peer requests the listener answers at once (beyond this, it reads no more until one ends).
 LISTENER_CONCURRENCY = 64
 
-Answer = tuple[Welcome | Refused | DigestReply | LeaseState | Challenge, list[bytes]]
+Answer = tuple[Welcome | Refused | DigestReply | LeaseState | Challenge | Staged, list[bytes]]
 
 
 def peer_address(frame: zmq.Frame) -> str:
@@ -72,8 +76,15 @@ class PeerServer:
         self.observer = observer
         self.authenticated = authenticated
         self._generation = generation  # this sidecar's registrations now (Welcome.generation)
+        # (staged reads: StageRequest)
+        self.stager = StageServer(holds=holds, registry=registry, nixl=nixl, generation=generation)
         self.challenges = ChallengeBook(channel.agent_name)
         self._tasks: set[asyncio.Task[None]] = set()
+
+    def on_notice(self, ev: NoticeReceived) -> None:
+        """A peer's NIXL notification (a ``ReadNotice``): its lease, and its staging slot."""
+        self.holds.on_notice(ev.agent, ev.payload)
+        self.stager.on_notice(ev.agent, ev.payload)
 
     def configure(self, sock: zmq.asyncio.Socket) -> None:
         """Before bind: make the handshake listener a CurveZMQ server (with a secret)."""
@@ -138,7 +149,7 @@ class PeerServer:
         whose request named none still learns that its plan came from stale descriptions."""
         return msgspec.structs.replace(self.holds.renew(msg), generation=self._generation())
 
-    def _unsigned(self, msg: DigestRequest | LeaseRenew) -> str:
+    def _unsigned(self, msg: DigestRequest | LeaseRenew | StageRequest) -> str:
         """Why a signed request is refused here ("": it is not)."""
         if not self.channel.secret:
             return ""
@@ -161,8 +172,11 @@ class PeerServer:
             self.observer.bad_message("handshake")
             return self._refuse(addr, "", ErrorCode.MALFORMED, f"bad hello: {request}")
         sender = f"{request.agent_name or '?'}"
-        if isinstance(request, DigestRequest | LeaseRenew) and (why := self._unsigned(request)):
+        signed = isinstance(request, DigestRequest | LeaseRenew | StageRequest)
+        if signed and (why := self._unsigned(request)):
             return self._refuse(addr, sender, ErrorCode.UNAUTHORIZED, why)
+        if isinstance(request, StageRequest):
+            return await self.stager.answer(request), []
         if isinstance(request, DigestRequest):
             try:
                 return await self._answer_digest(request), []
@@ -198,7 +212,8 @@ class PeerServer:
         metadata = await self.nixl.metadata()
         welcome = Welcome(version=PROTOCOL_VERSION, compat_hash=ours, engine_id=self.channel.engine_id,
                           agent_name=self.channel.agent_name, ranks=self.registry.infos(),
-                          generation=self._generation())
+                          generation=self._generation(),
+                          staging_bytes=self.nixl.staging[1])
         if secret:
             welcome = sign_welcome(secret, welcome, hello, metadata)
             self.authenticated.add(hello.agent_name)

@@ -27,6 +27,17 @@ MERGE_MIN_SAVED = 32
 
 
 @dataclass(frozen=True)
+class StagedRead:
+    """What makes a read staged: its slots on both sides and how to scatter the local one."""
+
+    local_addr: int  # the slot in this sidecar's arena
+    remote_addr: int  # the slot in the peer's arena
+    nbytes: int
+    scatter: np.ndarray  # int64 (m, 3): [local addr, offset in the slot, len]
+    trust_until: float  # monotonic: a landing seen later is not trusted (the peer may reuse its slot)
+
+
+@dataclass(frozen=True)
 class ReadSpec:
     """One read, as the receiver asks the NIXL port for it (all blocks of one local rank,
     from one peer)."""
@@ -43,6 +54,7 @@ class ReadSpec:
     remote_engine: str = ""
     state_blocks: tuple[list[int], list[int]] = field(default_factory=lambda: ([], []))
     trace: bool = False  # record the NIXL side's hops (Done.trace)
+    staged: StagedRead | None = None  # read the peer's staging slot instead (kvxfer.sidecar.staging)
 
     @property
     def num_blocks(self) -> int:

@@ -28,7 +28,7 @@ from kvxfer.abandoned import Abandoned
 from kvxfer.config import Config
 from kvxfer.errors import ErrorCode, RequestError
 from kvxfer.observe import Observer
-from kvxfer.protocol import Done, Failed, LeaseRenew, ReadNotice, Recv, encode
+from kvxfer.protocol import Done, Failed, ReadNotice, Recv, Staged, encode
 from kvxfer.sidecar.admission import admit_recv, recv_bytes, recv_deadline_s
 from kvxfer.sidecar.claim import Claims
 from kvxfer.sidecar.lifecycle import Signal
@@ -37,9 +37,10 @@ from kvxfer.sidecar.nixl_types import ReadFinished, ReadRefused
 from kvxfer.sidecar.ownership import Creds, authorize
 from kvxfer.sidecar.peer_book import Peer, PeerBook
 from kvxfer.sidecar.peer_client import PeerClient
-from kvxfer.sidecar.plan import ReadSpec
+from kvxfer.sidecar.plan import ReadSpec, StagedRead
 from kvxfer.sidecar.receive import Outcome, Receive, Step, plan_read
 from kvxfer.sidecar.registry import RankKey, RankRegistry
+from kvxfer.sidecar.staged_reads import Prepared, Staging
 from kvxfer.sidecar.verify import Verifier
 from kvxfer.topology import BlockPairing, RankPlan
 
@@ -117,6 +118,40 @@ def may_be_stale(err: BaseException, msg: Recv) -> bool:
         or (err.code == ErrorCode.INCOMPATIBLE and not msg.remote_generation))
 
 
+def check_generation(msg: Recv, peer: Peer) -> None:
+    if peer.outdated_by(msg.remote_generation):
+        raise RequestError(ErrorCode.INCOMPATIBLE, f"the prefill sidecar re-registered since "
+                           f"these blocks were held (generation {msg.remote_generation}, now "
+                           f"{peer.generation}); not reading stale memory")
+
+
+def plan_for(registry: RankRegistry, state: RecvState, peer: Peer) -> tuple[list[RankPlan], BlockPairing]:
+    """Which remote ranks to read and how blocks pair up; names the remote engine."""
+    engine = peer.resolve_engine(state.msg.remote_engine_id)
+    state.remote_engine = engine
+    state.planned_from = peer.generation
+    entry = registry.get(state.local)
+    if entry is None:
+        raise RequestError(ErrorCode.NOT_REGISTERED, f"local rank {state.local} was unregistered")
+    return plan_read(state.msg, entry.layout, peer.engine_ranks(engine), engine)
+
+
+def read_spec(key: str, state: RecvState, peer: Peer, plans: list[RankPlan], pairing: BlockPairing,
+              remaining: float, staged: StagedRead | None) -> ReadSpec:
+    """What the NIXL port is asked to read for a receive."""
+    msg = state.msg
+    # The prefill side must not let its lease run out under a read in progress: the thread
+    # that posts the first chunk tells it right after (it must not delay the read).
+    started = ReadNotice(req_id=msg.remote_req_id or msg.req_id, tp_rank=msg.tp_rank, ok=True,
+                         reading_s=remaining, engine_id=state.remote_engine, pp_rank=msg.pp_rank,
+                         token=msg.remote_token)
+    return ReadSpec(req_id=key, peer=peer.agent_name, local_rank=state.local,
+                    local_blocks=list(msg.block_ids), remote_blocks=list(msg.remote_block_ids), plans=plans,
+                    pairing=pairing, deadline_s=remaining,
+                    started_notice=encode(started), remote_engine=state.remote_engine,
+                    state_blocks=msg.state_pairs, trace=state.trace is not None, staged=staged)
+
+
 class Receiver:
     def __init__(self, *, config: Config, registry: RankRegistry, peers: PeerClient, book: PeerBook,
                  nixl: NixlPort, observer: Observer, send: Callable[[bytes, Any], None],
@@ -135,6 +170,7 @@ class Receiver:
         self.recvs: dict[str, RecvState] = {}
         self.verifier = Verifier(config, registry, peers, book, nixl, observer)
         self.claims = Claims(config, peers, book, observer, agent_name)
+        self.staging = Staging(config, peers, book, nixl, agent_name)
         self.abandoned = abandoned if abandoned is not None else Abandoned()  # (kvxfer.abandoned)
 
     def __len__(self) -> int:
@@ -182,8 +218,8 @@ class Receiver:
         peer = self.peers.cached_peer(msg.remote_host, msg.remote_port, msg.remote_generation)
         if peer is not None:
             try:
-                self._check_generation(msg, peer)
-                plans, pairing = self._plan(state, peer)
+                check_generation(msg, peer)
+                plans, pairing = plan_for(self.registry, state, peer)
             except Exception as e:
                 if not may_be_stale(e, msg):
                     self._not_started(key, e)
@@ -231,21 +267,21 @@ class Receiver:
             if self.recvs.get(key) is not state:
                 return  # cancelled or failed while the handshake ran
             state.mark("handshaked")
-            self._check_generation(msg, peer)
+            check_generation(msg, peer)
             try:
-                plans, pairing = self._plan(state, peer)
+                plans, pairing = plan_for(self.registry, state, peer)
             except RequestError as e:
                 if not may_be_stale(e, msg):
                     raise
-                if e.code == ErrorCode.INCOMPATIBLE and not await self._generation_moved(msg, peer):
+                if e.code == ErrorCode.INCOMPATIBLE and not await self.claims.generation_moved(msg, peer):
                     raise e from None  # nothing is stale: the request does not fit this peer
                 self.book.mark_stale(peer)  # ranks missing, or a stale description: ask again once
                 peer = await asyncio.wait_for(self.peers.get_peer(msg.remote_host, msg.remote_port),
                                               timeout=msg.deadline_s)
                 if self.recvs.get(key) is not state:
                     return  # cancelled (and reported) while it handshaked again: never read
-                self._check_generation(msg, peer)
-                plans, pairing = self._plan(state, peer)
+                check_generation(msg, peer)
+                plans, pairing = plan_for(self.registry, state, peer)
             self._start_read(key, state, peer, plans, pairing, msg.deadline_s - (time.monotonic() - start))
         except TimeoutError:
             self._not_started(key, RequestError(ErrorCode.HANDSHAKE_FAILED, f"no handshake within "
@@ -253,43 +289,13 @@ class Receiver:
         except Exception as e:
             self._not_started(key, e, state)
 
-    async def _generation_moved(self, msg: Recv, peer: Peer) -> bool:
-        """Whether the prefill sidecar's generation is no longer the cached peer's: a renewal
-        of no lease answers with it (one round trip on the kept-open link, no handshake, so a
-        request that simply does not fit costs no handshake)."""
-        try:
-            probe = LeaseRenew(seq=0, engine_id=peer.resolve_engine(msg.remote_engine_id), req_ids=[],
-                               agent_name=self.agent_name)
-            got = await self.peers.call_peer(msg.remote_host, msg.remote_port, probe,
-                                             self.config.handshake_timeout_s)
-        except Exception as e:
-            log.info("generation of %s:%d not asked: %s", msg.remote_host, msg.remote_port, e)
-            return False
-        return bool(got.generation) and got.generation != peer.generation
-
-    @staticmethod
-    def _check_generation(msg: Recv, peer: Peer) -> None:
-        if peer.outdated_by(msg.remote_generation):
-            raise RequestError(ErrorCode.INCOMPATIBLE, f"the prefill sidecar re-registered since "
-                               f"these blocks were held (generation {msg.remote_generation}, now "
-                               f"{peer.generation}); not reading stale memory")
-
-    def _plan(self, state: RecvState, peer: Peer) -> tuple[list[RankPlan], BlockPairing]:
-        """Which remote ranks to read and how blocks pair up; names the remote engine."""
-        engine = peer.resolve_engine(state.msg.remote_engine_id)
-        state.remote_engine = engine
-        state.planned_from = peer.generation
-        entry = self.registry.get(state.local)
-        if entry is None:
-            raise RequestError(ErrorCode.NOT_REGISTERED, f"local rank {state.local} was unregistered")
-        return plan_read(state.msg, entry.layout, peer.engine_ranks(engine), engine)
-
     # ------------------------------------------------------------------ the read and its claim
 
     def _start_read(self, key: str, state: RecvState, peer: Peer, plans: list[RankPlan],
                     pairing: BlockPairing, remaining: float) -> None:
         """Planned: claim the lease and start the read (no await: a ReadFinished event
-        answers, or a ReadRefused)."""
+        answers, or a ReadRefused), or stage it (``staged_reads``: the claim and the
+        prefill's copy first, then the read of its slot)."""
         msg = state.msg
         state.peer_agent = peer.agent_name
         state.mark("planned")
@@ -297,25 +303,53 @@ class Receiver:
         if step is Step.END:
             self._step(key, state, step)
             return
-        # The claim: the prefill confirms it still holds the blocks and extends the lease
-        # over the whole read, in parallel with it; Done waits for the answer, and a lease
-        # that was already over fails the load (the blocks may hold another request's KV).
-        state.claim_task = self.claims.start(msg, state.remote_engine, remaining, peer, state.mark)
+        entry = self.registry.get(state.local)
+        engine = state.remote_engine
+        prepared = (None if entry is None
+                    else self.staging.prepare(key, msg, entry.info, peer, engine, plans, pairing, remaining))
+        if prepared is not None:
+            task = asyncio.ensure_future(self.staging.ask(msg, state.remote_engine, prepared, remaining, peer,
+                                                          state.mark))
+            state.claim_task = task
+            task.add_done_callback(lambda t: self._staged(key, state, peer, plans, pairing, prepared, t))
+            return
+        self._claim_and_post(key, state, peer, plans, pairing, remaining)
+
+    def _claim_and_post(self, key: str, state: RecvState, peer: Peer, plans: list[RankPlan],
+                        pairing: BlockPairing, remaining: float) -> None:
+        """The direct read. Its claim: the prefill confirms it still holds the blocks and
+        extends the lease over the whole read, in parallel with it; Done waits for the
+        answer, and a lease that was already over fails the load (the blocks may hold
+        another request's KV)."""
+        state.claim_task = self.claims.start(state.msg, state.remote_engine, remaining, peer, state.mark)
         state.claim_task.add_done_callback(lambda task: self._claimed(key, state, task))
-        # The prefill side must not let its lease run out under a read in progress: the
-        # thread that posts the first chunk tells it right after (it must not delay the read).
-        started = ReadNotice(req_id=msg.remote_req_id or msg.req_id, tp_rank=msg.tp_rank, ok=True,
-                             reading_s=remaining, engine_id=state.remote_engine, pp_rank=msg.pp_rank,
-                             token=msg.remote_token)
-        spec = ReadSpec(req_id=key, peer=peer.agent_name, local_rank=state.local,
-                        local_blocks=list(msg.block_ids), remote_blocks=list(msg.remote_block_ids),
-                        plans=plans, pairing=pairing, deadline_s=remaining, started_notice=encode(started),
-                        remote_engine=state.remote_engine, state_blocks=msg.state_pairs,
-                        trace=state.trace is not None)
+        self._post(key, state, peer, plans, pairing, remaining)
+
+    def _post(self, key: str, state: RecvState, peer: Peer, plans: list[RankPlan], pairing: BlockPairing,
+              remaining: float, staged: StagedRead | None = None) -> None:
         try:
-            self.nixl.read(spec)  # (a small one lands in this call: the port's choice)
+            self.nixl.read(read_spec(key, state, peer, plans, pairing, remaining, staged))  # (a small one
+            # lands in this call: the port's choice)
         except Exception as e:
             self._not_started(key, e)
+
+    def _staged(self, key: str, state: RecvState, peer: Peer, plans: list[RankPlan], pairing: BlockPairing,
+                prepared: Prepared, task: asyncio.Future[tuple[Staged | None, float]]) -> None:
+        """The prefill's answer to a staged receive's request: read its slot, or (no room
+        there) read directly, or fail (nothing was posted)."""
+        if self.recvs.get(key) is not state:
+            return
+        try:
+            staged = self.staging.read_after(key, prepared, task)
+        except RequestError as e:
+            self._not_started(key, e)
+            return
+        remaining = state.deadline - time.monotonic()
+        if staged is None:  # no room at the prefill: the direct read and its claim
+            self._claim_and_post(key, state, peer, plans, pairing, remaining)
+            return
+        state.machine.claimed(None)  # (the copy was taken under the lease, and extended it)
+        self._post(key, state, peer, plans, pairing, remaining, staged)
 
     def _claimed(self, key: str, state: RecvState, task: asyncio.Future[RequestError | None]) -> None:
         """The claim's answer (its task ended): None, held; else why the read is not trusted."""
@@ -367,7 +401,7 @@ class Receiver:
 
     async def _verify(self, key: str, state: RecvState, peer: Peer) -> None:
         mismatch = await self.verifier.verify(state.msg, state.local, state.remote_engine,
-                                              lambda: self._plan(state, peer), peer)
+                                              lambda: plan_for(self.registry, state, peer), peer)
         if self.recvs.get(key) is state:
             self._step(key, state, state.machine.verified(mismatch))
 
@@ -389,6 +423,7 @@ class Receiver:
     def _end(self, key: str, state: RecvState, out: Outcome) -> None:
         """The one way a receive ends: the engine first, then counters, then the prefill."""
         del self.recvs[key]
+        self.staging.release(key)
         msg = state.msg
         peer = self.book.by_agent(state.peer_agent) if state.peer_agent else None
         if out.ok:

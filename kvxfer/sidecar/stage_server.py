@@ -1,0 +1,132 @@
+"""The prefill sidecar's half of staged reads (#35; the plan: ``kvxfer.sidecar.staging``).
+
+A ``StageRequest`` is a claim that asks for a copy: its lease is judged and extended exactly
+as a ``LeaseRenew`` (``Holds.renew``), then the runs it names are checked against the blocks
+that lease holds and copied, on the NIXL thread, into a slot of this sidecar's staging arena;
+the lease must still be held once the copy is done, or the answer is "gone" (the engine may
+have reused the blocks while they were copied). The slot is kept until the reader's final
+``ReadNotice`` (it settled its read of the slot, landed or failed) or until its expiry,
+whichever comes first; the reader never trusts a landing seen after that expiry.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+
+import numpy as np
+
+from kvxfer.errors import ErrorCode, RequestError
+from kvxfer.protocol import DECODE_ERRORS, LeaseRenew, Staged, StageRequest, read_notice_decoder
+from kvxfer.sidecar.holds import Holds
+from kvxfer.sidecar.nixl_port import NixlPort
+from kvxfer.sidecar.registry import RankRegistry
+from kvxfer.sidecar.staging import SlotBook
+
+log = logging.getLogger("kvxfer.staging")
+
+MAX_SLOT_S = 600.0  # no reader keeps a slot longer, whatever it asks
+
+
+class StageServer:
+    def __init__(self, *, holds: Holds, registry: RankRegistry, nixl: NixlPort,
+                 generation: Callable[[], str]) -> None:
+        self.holds = holds
+        self.registry = registry
+        self.nixl = nixl
+        self._generation = generation
+        self._book: SlotBook | None = None
+        self.staged = 0  # requests answered with a slot, ever
+        self._waiting: dict[tuple[object, ...], set[str]] = {}  # slot -> readers whose final notice is due
+
+    @property
+    def book(self) -> SlotBook | None:
+        """The arena's slots (None: no arena), once the NIXL port started."""
+        if self._book is None and self.nixl.staging[1]:
+            self._book = SlotBook(self.nixl.staging[1])
+        return self._book
+
+    async def answer(self, req: StageRequest) -> Staged:
+        arrived = time.monotonic()
+        if self.book is None:
+            return Staged(seq=req.seq, held="busy", reason="no staging arena here")
+        renew = LeaseRenew(seq=req.seq, engine_id=req.engine_id, req_ids=[req.req_id], extend_s=req.extend_s,
+                           agent_name=req.agent_name, tokens=[req.token])
+        held = self.holds.renew(renew).held[0]
+        if held != "held":
+            return Staged(seq=req.seq, held=held, generation=self._generation())
+        lease = self.holds.lease_for(req.agent_name, req.engine_id, req.req_id, req.token, "stage")
+        assert lease is not None  # (renew just found it held, on this loop, with no await between)
+        try:
+            ranks = self._ranks(req, lease.engine)
+        except RequestError as e:
+            return Staged(seq=req.seq, held="refused", code=e.code, reason=e.reason)
+        ttl = min(max(req.extend_s, 1.0), MAX_SLOT_S)
+        key = (req.agent_name, req.engine_id, req.req_id, tuple(req.readers))  # (as their notices name them)
+        for gone in self.book.expire(arrived):
+            self._waiting.pop(gone, None)
+        if not req.readers or len(set(req.readers)) != len(req.readers):
+            return Staged(seq=req.seq, held="refused", code=ErrorCode.MALFORMED,
+                          reason="readers must be distinct")
+        offset = self.book.alloc(req.nbytes, key, arrived + ttl)
+        if offset is None:
+            return Staged(seq=req.seq, held="busy", reason="staging arena full")
+        self._waiting[key] = set(req.readers)
+        try:
+            await self.nixl.gather(ranks, list(lease.block_ids), offset, req.nbytes)
+        except RequestError as e:
+            self._free(key)
+            return Staged(seq=req.seq, held="refused", code=e.code, reason=e.reason)
+        except Exception as e:
+            self._free(key)
+            log.exception("staging %s for %s failed", req.req_id, req.agent_name)
+            return Staged(seq=req.seq, held="refused", code=ErrorCode.INTERNAL, reason=repr(e))
+        if self.holds.lease_for(req.agent_name, req.engine_id, req.req_id, req.token, "stage") is not lease:
+            self._free(key)  # released or expired during the copy: the copy proves nothing
+            return Staged(seq=req.seq, held="gone", generation=self._generation())
+        self.nixl.expect_reads()  # (its read follows: see NixlPort.expect_reads)
+        self.staged += 1
+        return Staged(seq=req.seq, held="held", addr=self.nixl.staging[0] + offset, nbytes=req.nbytes,
+                      ttl_s=ttl,
+                      generation=self._generation())
+
+    def _ranks(self, req: StageRequest, engine: str) -> list[tuple[object, np.ndarray]]:
+        out = []
+        for r in req.ranks:
+            entry = self.registry.find(engine, r.pp_rank, r.rank)
+            if entry is None:
+                raise RequestError(ErrorCode.NOT_REGISTERED,
+                                   f"rank pp{r.pp_rank}/tp{r.rank} is not registered")
+            if len(r.runs) % 16:
+                raise RequestError(ErrorCode.MALFORMED, "runs are not [address, length] int64 pairs")
+            out.append((entry.key, np.frombuffer(r.runs, dtype="<i8").reshape(-1, 2).astype(np.int64)))
+        return out
+
+    def on_notice(self, agent: str, payload: bytes) -> None:
+        """A reader's final ``ReadNotice``: once every reader of a slot sent one (their reads
+        of it settled), the slot is free."""
+        if not self._waiting:
+            return
+        try:
+            notice = read_notice_decoder.decode(payload)
+        except DECODE_ERRORS:
+            return  # (counted by the holds)
+        if notice.reading_s > 0:
+            return  # "started": the slot is being read
+        reader = f"{notice.pp_rank}/{notice.tp_rank}"
+        for key, readers in list(self._waiting.items()):
+            if key[:3] == (agent, notice.engine_id, notice.req_id) and reader in readers:
+                readers.discard(reader)
+                if not readers:
+                    self._free(key)
+                return
+
+    def _free(self, key: tuple[object, ...]) -> None:
+        self._waiting.pop(key, None)
+        if self.book is not None:
+            self.book.free(key)
+
+    @property
+    def slots(self) -> int:
+        return len(self.book) if self.book is not None else 0

@@ -1,0 +1,242 @@
+"""The decode sidecar's half of staged reads (#35; the plan: ``kvxfer.sidecar.staging``, the
+prefill's half: ``kvxfer.sidecar.stage_server``).
+
+``prepare`` decides, for a planned receive, whether it is staged: both sidecars have an
+arena, the read is host memory to host memory with no state blocks, its direct descriptors
+are many and small (``worth_staging``), and its bytes fit a free slot here; the slot is then
+this receive's until ``release``. ``ask`` sends the ``StageRequest`` (the read's claim) and
+waits for its ``Staged`` answer, asking again while the prefill does not know the request
+yet, as a claim does (``receive.claim_verdict``). The receiver then posts the slot-to-slot
+read (``ReadSpec.staged``); the NIXL port scatters the slot into the blocks before it
+reports the read landed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import msgspec
+
+from kvxfer.config import Config
+from kvxfer.errors import ErrorCode, RequestError
+from kvxfer.protocol import RankInfo, Recv, Staged, StageRank, StageRequest
+from kvxfer.sidecar.nixl_port import NixlPort
+from kvxfer.sidecar.peer_book import Peer, PeerBook
+from kvxfer.sidecar.peer_client import PeerClient
+from kvxfer.sidecar.plan import PairRows, StagedRead
+from kvxfer.sidecar.receive import claim_verdict
+from kvxfer.sidecar.staging import SlotBook, StagedPlan, read_pieces, staged_plan, worth_staging
+from kvxfer.topology import BlockPairing, RankPlan
+
+log = logging.getLogger("kvxfer.staging")
+
+BATCH_WINDOW_S = 0.002  # the first receive of a request waits this long at most for its other ranks
+MAX_RUNS_BYTES = 512 << 10  # a StageRequest stays well under the listener's 1 MiB messages
+ROWS_CACHE = 512  # pair_rows kept per (peer registration, local registration, plan)
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """A receive that will be staged: its plan, its slot here, what the prefill is asked."""
+
+    plan: StagedPlan
+    offset: int  # of its slot in this sidecar's arena
+    ranks: list[StageRank]
+    expected: int  # receives of this request on this engine's ranks (one StageRequest for all)
+
+
+@dataclass
+class _Batch:
+    """Receives of one request asking together: (Recv, Prepared, mark, reading_s) each."""
+
+    answer: asyncio.Future[tuple[Staged | None, float]]
+    members: list[tuple[Recv, Prepared, Callable[[str], None], float]] = field(default_factory=list)
+
+
+class Staging:
+    def __init__(self, config: Config, peers: PeerClient, book: PeerBook, nixl: NixlPort,
+                 agent_name: str) -> None:
+        self.config = config
+        self.peer_book = book
+        self.below = config.stage_below_kib << 10
+        self.peers = peers
+        self.nixl = nixl
+        self.agent_name = agent_name
+        self._book: SlotBook | None = None
+        self._rows: dict[tuple[object, ...], tuple[RankInfo, RankInfo, dict[tuple[int, ...], PairRows]]] = {}
+        self.staged = 0  # receives staged, ever
+        self._batches: dict[tuple[object, ...], _Batch] = {}
+        self._tasks: set[asyncio.Task[tuple[Staged | None, float]]] = set()
+        self.fell_back = 0  # prepared, but the prefill had no room: read directly
+
+    @property
+    def book(self) -> SlotBook | None:
+        """This sidecar's arena's slots (None: no arena, or staging off), once the NIXL port started."""
+        if self._book is None and self.nixl.staging[1] and self.below > 0:
+            self._book = SlotBook(self.nixl.staging[1])
+        return self._book
+
+    # ------------------------------------------------------------------ decide
+
+    def prepare(self, key: str, msg: Recv, local: RankInfo, peer: Peer, engine: str, plans: list[RankPlan],
+                pairing: BlockPairing, remaining_s: float) -> Prepared | None:
+        """The receive's staged plan and slot, or None: read it directly."""
+        if (self.book is None or not peer.staging_bytes or not msg.block_ids or msg.state_block_ids
+                or local.mem_type != "DRAM" or any(p.state for p in plans)):
+            return None
+        ranks = peer.engine_ranks(engine)
+        infos = [ranks[(p.remote_pp, p.remote_rank)] for p in plans]
+        if any(i.mem_type != "DRAM" for i in infos):
+            return None
+        remote = {(p.remote_pp, p.remote_rank): (i.regions, i.layout.num_blocks) for p, i in zip(plans, infos,
+                                                                                               strict=True)}
+        legs = read_pieces(plans, pairing, local.regions, local.layout.num_blocks, remote,
+                           list(msg.block_ids),
+                           list(msg.remote_block_ids), self._rows_for(peer, local, plans, infos))
+        plan = staged_plan(legs)
+        if (not worth_staging(plan, self.below, self.config.stage_min_descs)
+                or plan.nbytes * max(1, local.layout.tp_size) > peer.staging_bytes
+                or plan.gather_runs * 16 * max(1, local.layout.tp_size) > MAX_RUNS_BYTES):
+            return None
+        until = time.monotonic() + remaining_s + self.config.settle_timeout_s
+        offset = self.book.alloc(plan.nbytes, key, until)
+        if offset is None:
+            return None
+        stage_ranks = [StageRank(rank=p.remote_rank, pp_rank=p.remote_pp, runs=runs.astype("<i8").tobytes())
+                       for p, runs in zip(plans, plan.remote_runs, strict=True) if len(runs)]
+        return Prepared(plan, offset, stage_ranks, expected=max(1, local.layout.tp_size))
+
+    def _rows_for(self, peer: Peer, local: RankInfo, plans: list[RankPlan],
+                  infos: list[RankInfo]) -> dict[tuple[int, ...], PairRows] | None:
+        """The pair_rows cache of this pair of registrations (None: more than one remote
+        rank's registration is involved, so nothing is cached)."""
+        if len({id(i) for i in infos}) != 1:
+            return None
+        ck = (peer.agent_name, id(local), id(infos[0]))
+        got = self._rows.get(ck)
+        if got is None or got[0] is not local or got[1] is not infos[0]:
+            if len(self._rows) >= ROWS_CACHE:
+                self._rows.clear()
+            got = self._rows[ck] = (local, infos[0], {})
+        return got[2]
+
+    def release(self, key: str) -> None:
+        """The receive ended: its slot here is free (its read settled, or never started)."""
+        if self.book is not None:
+            self.book.free(key)
+
+    def read_after(self, key: str, prepared: Prepared,
+                   task: asyncio.Future[tuple[Staged | None, float]]) -> StagedRead | None:
+        """What ``ask`` ended with: the read of the prefill's slot into this receive's, or
+        None (the prefill had no room: the slot here is freed, read directly). Raises the
+        RequestError that fails the receive (nothing was posted)."""
+        if task.cancelled():
+            raise RequestError(ErrorCode.EXPIRED, "stage request cancelled")
+        err = task.exception()
+        if err is not None:
+            raise err if isinstance(err, RequestError) else RequestError(ErrorCode.TRANSFER_ERROR, repr(err))
+        answer, sent = task.result()
+        offset = self.book.offset(key) if self.book is not None else None
+        if answer is None:
+            self.release(key)
+            return None
+        if offset is None or answer.nbytes != prepared.plan.nbytes:
+            raise RequestError(ErrorCode.TRANSFER_ERROR, "staged answer does not match the request")
+        return StagedRead(local_addr=self.nixl.staging[0] + offset, remote_addr=answer.addr,
+                          nbytes=answer.nbytes,
+                          scatter=prepared.plan.scatter, trust_until=sent + answer.ttl_s)
+
+    # ------------------------------------------------------------------ ask
+
+    async def ask(self, msg: Recv, engine: str, prepared: Prepared, reading_s: float, peer: Peer,
+                  mark: Callable[[str], None]) -> tuple[Staged | None, float]:
+        """The prefill's ``Staged`` answer for this receive (its part of the slot) and when
+        the request that got it was sent (monotonic); (None, 0): it had no room, read
+        directly. Raises RequestError when the read must not happen (lease over, runs
+        refused, no answer).
+
+        The receives of one request on this engine's ranks share one ``StageRequest``: the
+        first waits up to ``BATCH_WINDOW_S`` for the others (each TP rank sends its own
+        ``Recv``, in the same engine step), and the batch goes as soon as all are in."""
+        loop = asyncio.get_running_loop()
+        key = (msg.remote_host, msg.remote_port, engine, msg.remote_req_id or msg.req_id, msg.remote_token,
+               msg.pp_rank)
+        batch = self._batches.get(key)
+        if batch is None:
+            batch = self._batches[key] = _Batch(loop.create_future())
+            loop.call_later(BATCH_WINDOW_S, self._flush, key, batch, engine, peer)
+        offset = sum(p.plan.nbytes for _, p, _, _ in batch.members)
+        batch.members.append((msg, prepared, mark, reading_s))
+        if len(batch.members) >= prepared.expected:
+            self._flush(key, batch, engine, peer)
+        answer, sent = await asyncio.shield(batch.answer)
+        if answer is None:
+            self.fell_back += 1
+            return None, 0.0
+        self.staged += 1
+        return msgspec.structs.replace(answer, addr=answer.addr + offset, nbytes=prepared.plan.nbytes), sent
+
+    def _flush(self, key: tuple[object, ...], batch: _Batch, engine: str, peer: Peer) -> None:
+        if self._batches.get(key) is not batch:
+            return  # (sent already)
+        del self._batches[key]
+
+        def settle(task: asyncio.Task[tuple[Staged | None, float]]) -> None:
+            self._tasks.discard(task)
+            if batch.answer.done():
+                return
+            if task.cancelled():
+                batch.answer.set_exception(RequestError(ErrorCode.EXPIRED, "stage request cancelled"))
+            elif task.exception() is not None:
+                batch.answer.set_exception(task.exception())  # type: ignore[arg-type]
+            else:
+                batch.answer.set_result(task.result())
+
+        task = asyncio.ensure_future(self._ask(batch, engine, peer))
+        self._tasks.add(task)
+        task.add_done_callback(settle)
+
+    async def _ask(self, batch: _Batch, engine: str, peer: Peer) -> tuple[Staged | None, float]:
+        msg = batch.members[0][0]
+        reading_s = max(r for _, _, _, r in batch.members)
+        marks = [m for _, _, m, _ in batch.members]
+        req = StageRequest(seq=0, engine_id=engine, req_id=msg.remote_req_id or msg.req_id,
+                           ranks=[r for _, p, _, _ in batch.members for r in p.ranks],
+                           nbytes=sum(p.plan.nbytes for _, p, _, _ in batch.members),
+                           readers=[f"{m.pp_rank}/{m.tp_rank}" for m, _, _, _ in batch.members],
+                           extend_s=reading_s + self.config.handshake_timeout_s + 1.0,
+                           agent_name=self.agent_name, token=msg.remote_token)
+        timeout = self.config.handshake_timeout_s
+        start = time.monotonic()
+        end, unknown_end = start + max(timeout, reading_s), start + timeout
+        pause = 0.002
+        while True:
+            sent = time.monotonic()
+            for mark in marks:
+                mark("stage_sent")
+            got: Staged = await self.peers.call_peer(msg.remote_host, msg.remote_port, req,
+                                                     max(0.05, end - sent))
+            if got.held == "busy":
+                return None, 0.0
+            if got.held == "refused":
+                raise RequestError(got.code or ErrorCode.TRANSFER_ERROR,
+                                   f"the prefill refused to stage: {got.reason}")
+            moved = (None if msg.remote_generation or not peer.outdated_by(got.generation)
+                     else (peer.generation, got.generation))
+            left = min(end, unknown_end) - time.monotonic()
+            verdict = claim_verdict(got.held, moved=moved, remaining_s=left, pause_s=pause)
+            if verdict.retry_in_s:
+                await asyncio.sleep(verdict.retry_in_s)
+                pause = min(pause * 2, 0.1)
+                continue
+            if verdict.stale_peer:
+                self.peer_book.mark_stale(peer)  # the next receive handshakes again
+            if verdict.refusal is not None:
+                raise verdict.refusal
+            for mark in marks:
+                mark("staged")
+            return got, sent

@@ -1,0 +1,162 @@
+"""The staged read's pure half (kvxfer.sidecar.staging), property-tested against brute force:
+the byte stream both sides agree on moves exactly what the direct read moves, the prefill's
+containment check accepts exactly the runs inside held blocks, slots never overlap."""
+
+from __future__ import annotations
+
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvxfer.sidecar.staging import (
+    SLOT_ALIGN,
+    LegPieces,
+    SlotBook,
+    held_intervals,
+    pieces_of,
+    runs_inside,
+    staged_plan,
+    worth_staging,
+)
+
+LOCAL, REMOTE = 1 << 20, 1 << 22  # base addresses of the simulated memories
+SIZE = 4096
+
+
+@st.composite
+def legs(draw: st.DrawFn) -> list[LegPieces]:
+    """Legs of pieces: local pieces disjoint (a byte is written once), remote ones anywhere
+    (replicated KV reads one remote byte into several places)."""
+    cuts = sorted(draw(st.sets(st.integers(1, SIZE - 1), min_size=1, max_size=40)))
+    bounds = [0, *cuts, SIZE]
+    local = [(a, b - a) for a, b in zip(bounds, bounds[1:], strict=False)]
+    local = draw(st.permutations(local))
+    keep = draw(st.integers(1, len(local)))
+    out, i = [], 0
+    n_legs = draw(st.integers(1, 3))
+    for leg in range(n_legs):
+        take = local[i:keep] if leg == n_legs - 1 else local[i:i + draw(st.integers(0, keep - i))]
+        i += len(take)
+        rem = [draw(st.integers(0, SIZE - n)) for _, n in take]
+        out.append(LegPieces(np.array([LOCAL + a for a, _ in take], dtype=np.int64),
+                             np.array([REMOTE + SIZE * leg + r for r in rem], dtype=np.int64),
+                             np.array([n for _, n in take], dtype=np.int64)))
+    return out
+
+
+def run_staged(legs_: list[LegPieces], remote: np.ndarray) -> np.ndarray:
+    plan = staged_plan(legs_)
+    stream = np.concatenate([remote[a - REMOTE:a - REMOTE + n] for runs in plan.remote_runs for a, n in runs]
+                            or [np.empty(0, np.uint8)])
+    assert len(stream) == plan.nbytes
+    local = np.zeros(SIZE, np.uint8)
+    for a, off, n in plan.scatter:
+        local[a - LOCAL:a - LOCAL + n] = stream[off:off + n]
+    return local
+
+
+@settings(max_examples=300, deadline=None)
+@given(legs(), st.integers(0, 2**31))
+def test_staged_moves_what_the_direct_read_moves(legs_: list[LegPieces], seed: int) -> None:
+    remote = np.random.default_rng(seed).integers(0, 256, SIZE * 3, dtype=np.uint8)
+    want = np.zeros(SIZE, np.uint8)
+    for leg in legs_:
+        for a, r, n in zip(leg.local, leg.remote, leg.length, strict=True):
+            want[a - LOCAL:a - LOCAL + n] = remote[r - REMOTE:r - REMOTE + n]
+    assert np.array_equal(run_staged(legs_, remote), want)
+
+
+@settings(max_examples=200, deadline=None)
+@given(legs())
+def test_runs_are_merged_and_in_remote_order(legs_: list[LegPieces]) -> None:
+    plan = staged_plan(legs_)
+    for runs in plan.remote_runs:
+        starts, ends = runs[:, 0], runs[:, 0] + runs[:, 1]
+        assert (starts[1:] >= starts[:-1]).all()  # sorted by remote address
+        assert not (starts[1:] == ends[:-1]).any()  # touching runs were merged
+    assert plan.scatter[:, 2].sum() == plan.nbytes == sum(int(leg.length.sum()) for leg in legs_)
+    assert plan.gather_runs <= sum(len(x.length) for x in legs_)
+
+
+def test_a_slice_offset_off_by_one_head_moves_other_bytes() -> None:
+    """The property above can fail: a plan one head off is caught by the byte check."""
+    remote = np.random.default_rng(0).integers(0, 256, SIZE * 3, dtype=np.uint8)
+    leg = LegPieces(np.array([LOCAL, LOCAL + 256]), np.array([REMOTE, REMOTE + 512]), np.array([256, 256]))
+    good = run_staged([leg], remote)
+    off = LegPieces(leg.local, leg.remote + 256, leg.length)
+    assert not np.array_equal(run_staged([off], remote), good)
+
+
+def test_pieces_of_follows_the_geometry() -> None:
+    lg = np.array([[1000, 64, 256, 0], [1064, 32, 256, 0]], dtype=np.int64)
+    rg = np.array([[9000, 64, 128, 0], [9064, 32, 128, 0]], dtype=np.int64)
+    p = pieces_of(np.array([0 * 4 + 2, 1 * 4 + 3]), np.array([0 * 8 + 5, 1 * 8 + 7]), lg, rg, 4, 8)
+    assert p.local.tolist() == [1000 + 2 * 256, 1064 + 3 * 256]
+    assert p.remote.tolist() == [9000 + 5 * 128, 9064 + 7 * 128]
+    assert p.length.tolist() == [64, 32]
+
+
+def test_worth_staging() -> None:
+    many_small = staged_plan([LegPieces(np.arange(1000, dtype=np.int64) * 8192,
+                                        np.arange(1000, dtype=np.int64) * 16384,
+                                        np.full(1000, 4096, dtype=np.int64))])
+    assert many_small.direct_descs == 1000
+    assert worth_staging(many_small, 32 << 10)
+    assert not worth_staging(many_small, 4 << 10)  # 4 KiB average is not under 4 KiB
+    assert not worth_staging(many_small, 0)  # off
+    contiguous = staged_plan([LegPieces(np.arange(1000, dtype=np.int64) * 4096,
+                                        np.arange(1000, dtype=np.int64) * 4096,
+                                        np.full(1000, 4096, dtype=np.int64))])
+    assert contiguous.direct_descs == 1
+    assert not worth_staging(contiguous, 32 << 10)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 3), st.integers(1, 64), st.integers(0, 3)), min_size=1, max_size=4),
+       st.sets(st.integers(-2, 9), max_size=6),
+       st.lists(st.tuples(st.integers(0, 2000), st.integers(0, 300)), min_size=1, max_size=8))
+def test_runs_inside_is_containment_in_held_blocks(regs: list[tuple[int, int, int]], blocks: set[int],
+                                                   runs: list[tuple[int, int]]) -> None:
+    nb = 8
+    regions = np.array([(base * 100, blen, blen + gap * 16) for base, blen, gap in regs], dtype=np.int64)
+    mask = np.zeros(4000, dtype=bool)
+    for a, blen, stride in regions:
+        for b in blocks:
+            if 0 <= b < nb:
+                mask[a + b * stride:a + b * stride + blen] = True
+    starts, ends = held_intervals(regions, np.array(sorted(blocks), dtype=np.int64), nb)
+    got = runs_inside(np.array(runs, dtype=np.int64), starts, ends)
+    want = next((i for i, (a, n) in enumerate(runs) if n == 0 or not mask[a:a + n].all()), -1)
+    assert got == want
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.booleans(), st.integers(1, 5 * SLOT_ALIGN), st.integers(0, 30)), max_size=60))
+def test_slots_never_overlap(ops: list[tuple[bool, int, int]]) -> None:
+    book = SlotBook(16 * SLOT_ALIGN)
+    live: dict[int, tuple[int, int]] = {}
+    for i, (alloc, n, pick) in enumerate(ops):
+        if alloc or not live:
+            off = book.alloc(n, i, expires=float(i))
+            if off is not None:
+                size = -(-n // SLOT_ALIGN) * SLOT_ALIGN
+                assert off % SLOT_ALIGN == 0
+                assert off + size <= book.size
+                assert all(off + size <= o or o + s <= off for o, s in live.values())
+                live[i] = (off, size)
+            else:  # no room: no gap of that size anywhere
+                size = -(-n // SLOT_ALIGN) * SLOT_ALIGN
+                edges = sorted(live.values())
+                ends = [(0, 0), *edges]
+                gaps = [b[0] - (a[0] + a[1]) for a, b in zip(ends, [*edges, (book.size, 0)], strict=True)]
+                assert max(gaps) < size
+        else:
+            key = sorted(live)[pick % len(live)]
+            assert book.free(key)
+            assert not book.free(key)
+            del live[key]
+    assert book.used == sum(s for _, s in live.values())
+    book.expire(float(len(ops)))
+    assert len(book) == 0
+    assert book.alloc(book.size, "all", 0.0) == 0
+    assert book.alloc(1, "all", 0.0) is None  # one slot per key
