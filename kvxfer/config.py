@@ -146,7 +146,7 @@ class Config:
                             "Both sidecars need one. Not used with --cuda on.", default=256)
     stage_below_kib: int = _doc("Stage a read when its direct descriptors average under this many "
                                 "KiB (and it has at least --stage-min-descs of them); 0: never stage.",
-                                default=32)
+                                default=8)
     stage_min_descs: int = _doc("Never stage a read of fewer direct descriptors than this (it costs a "
                                 "few ms at most either way, and staging adds a round trip and two "
                                 "copies before the data lands).", default=128)

@@ -10,9 +10,11 @@ replace a live engine's rank nor unregister what it did not register.
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
+from typing import Any
 
 import pytest
 
@@ -190,35 +192,45 @@ def test_a_missing_pipeline_stage_is_refused_not_half_read(factory: SidecarFacto
         d.close()
 
 
+def _hold_rank(endpoint: str, conn: Any) -> None:
+    """A child engine process: register rank 0 of engine "eng", report, then live on."""
+    lay = make_layout(layers=2, num_blocks=16, heads=2, head_dim=32)
+    eng = SyntheticEngine(lay, endpoint, engine_id="eng")
+    eng.start()
+    conn.send(os.getpid())
+    time.sleep(120)
+
+
 def test_a_connection_cannot_take_or_unregister_a_live_engines_rank(factory: SidecarFactory) -> None:
-    """Ownership: the rank belongs to the process that registered it while that process
-    lives; a second registrant of the same (engine, dp, pp, tp) is refused (``rank_taken``)
-    and cannot unregister it. Once the holder dies, the newcomer's registration wins."""
+    """Ownership: the rank belongs to the process that registered it (as the kernel reports
+    the connection's process, never the pid a message claims) while that process lives; a
+    second registrant of the same (engine, dp, pp, tp) is refused (``rank_taken``) and
+    cannot unregister it. Once the holder dies, the newcomer's registration wins."""
+    import multiprocessing as mp
+
     sc = factory.start("own", "--engine-check-s", "0.2")
     lay = make_layout(layers=2, num_blocks=16, heads=2, head_dim=32)
-    holder = subprocess.Popen(["sleep", "60"])  # stands in for the engine process that registered
-    first = SyntheticEngine(lay, sc.endpoint, engine_id="eng")
+    ctx = mp.get_context("spawn")
+    here, there = ctx.Pipe()
+    holder = ctx.Process(target=_hold_rank, args=(sc.endpoint, there), daemon=True)
+    holder.start()
     second = SyntheticEngine(lay, sc.endpoint, engine_id="eng", seed=4)
     try:
-        first.client.ping(60)
-        msg = first.kv.register_message()  # type: ignore[union-attr]
-        import msgspec
-
-        msg = msgspec.structs.replace(msg, engine_id="eng", pid=holder.pid)
-        first.registered = first.client.register(msg)
+        assert here.poll(60), "the holder did not register"
+        holder_pid = here.recv()
         with pytest.raises(RequestError) as ei:
             second.start()
         assert ei.value.code == ErrorCode.RANK_TAKEN, ei.value
-        assert str(holder.pid) in ei.value.reason
+        assert str(holder_pid) in ei.value.reason
         second.client._send(Unregister(tp_rank=0, engine_id="eng"))
         err = second.client.wait_until(lambda a: bool(a.errors), 5.0).errors
         assert [e.code for e in err] == [ErrorCode.NOT_REGISTERED]
         # still registered to the first: a status shows one rank owned by the holder's pid
         out = subprocess.run([sys.executable, "-m", "kvxfer", "status", "--target", sc.control, "--json"],
                              capture_output=True, text=True, timeout=30)
-        assert f'"pid": {holder.pid}' in out.stdout, out.stdout + out.stderr
+        assert f'"pid": {holder_pid}' in out.stdout, out.stdout + out.stderr
         holder.kill()
-        holder.wait()
+        holder.join(10)
         deadline = time.monotonic() + 20
         reg = None
         while reg is None:  # the sidecar notices the holder died and drops its rank; the newcomer wins
@@ -231,7 +243,6 @@ def test_a_connection_cannot_take_or_unregister_a_live_engines_rank(factory: Sid
         assert reg.engine_id == "eng"
     finally:
         holder.kill()
-        first.close()
         second.close()
 
 

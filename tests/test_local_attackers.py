@@ -33,7 +33,7 @@ from kvxfer.memchannel import mem_socket_path
 from kvxfer.memory import SharedKV
 from kvxfer.protocol import RegisterKV
 from kvxfer.sidecar.ownership import Creds, Holder, why_not
-from kvxfer.sidecar.procfs import has_open, lineage
+from kvxfer.sidecar.procfs import has_open, holder, lineage, start_time
 from kvxfer.testing.engine import SyntheticEngine, make_layout
 from kvxfer.testing.procs import SidecarFactory
 
@@ -58,6 +58,20 @@ def test_who_speaks_for_an_engine() -> None:
     assert why_not(Creds(999, 1000), [Holder(Creds(0, 1000))]) == ""  # a rank we cannot see: uid
     assert "uid" in why_not(Creds(0, 0), ranks)
     assert why_not(Creds(999, 0), []) == ""  # nothing registered: nothing to protect
+
+
+def test_a_recycled_ancestor_pid_does_not_speak_for_the_engine() -> None:
+    """The scheduler exited and an unrelated process got its pid: it is not the scheduler."""
+    sched, worker = 100, 101
+    ranks = [Holder(Creds(worker, 1000, "5000"), (worker, sched, 50), ("5000", "4000", "10"))]
+    assert why_not(Creds(sched, 1000, "4000"), ranks) == ""  # the scheduler itself
+    assert "neither a rank's process" in why_not(Creds(sched, 1000, "9000"), ranks)  # its pid, later
+    assert why_not(Creds(sched, 1000), ranks) == ""  # (its start unknown: the pid decides, as before)
+    # the facts come from the kernel: this process and its ancestors, with their start times
+    me = holder(Creds(os.getpid(), os.getuid(), start_time(os.getpid())))
+    assert me.starts[0] == start_time(os.getpid()) != ""
+    assert len(me.starts) == len(me.lineage)
+    assert me.has_ancestor(Creds(os.getppid(), os.getuid(), start_time(os.getppid()))) or os.getppid() == 1
 
 
 def test_the_kernel_facts() -> None:
@@ -345,7 +359,8 @@ def test_the_attackers_socket_credentials_are_its_own() -> None:
 
     a, b = socket.socketpair(socket.AF_UNIX)
     with a, b:
-        assert creds_of(a) == Creds(os.getpid(), os.getuid())
+        assert creds_of(a) == Creds(os.getpid(), os.getuid(), start_time(os.getpid()))
+        assert creds_of(a).start  # (its start time, so a recycled pid is not taken for it)
 
 
 def test_the_engine_socket_reads_a_connections_process_once_and_forgets_it_when_it_closes(
@@ -378,7 +393,7 @@ def test_the_engine_socket_reads_a_connections_process_once_and_forgets_it_when_
                 if len(seen) == 3:
                     break
                 await asyncio.sleep(0.02)
-            assert seen == [Creds(os.getpid(), os.getuid())] * 3
+            assert seen == [Creds(os.getpid(), os.getuid(), start_time(os.getpid()))] * 3
             assert list(server._senders) == [b"w-test"]
             dealer.close(0)
             for _ in range(250):
@@ -395,3 +410,42 @@ def test_the_engine_socket_reads_a_connections_process_once_and_forgets_it_when_
             ctx.term()
 
     asyncio.run(main())
+
+
+# ----------------------------------------------------------------------------- liveness
+
+
+def test_a_rank_lives_as_long_as_the_kernels_pid_not_the_one_it_claims() -> None:
+    """The pid a RegisterKV carries is the engine's in its own PID namespace: another process
+    here (in a container, pid 2 is a kernel thread on the host). The rank is watched by the
+    kernel's pid of its connection; one in another namespace (pid 0) is not watched by pid."""
+    import asyncio
+
+    from kvxfer.protocol import RankInfo, RegisterKV
+    from kvxfer.sidecar.registry import RankRegistry
+    from kvxfer.testing.engine import make_layout
+
+    class Memory:
+        async def register(self, key: object, msg: RegisterKV, holder: object) -> RankInfo:
+            return RankInfo(layout=msg.layout, regions=[])
+
+        async def unregister(self, key: object) -> bool:
+            return True
+
+    async def run() -> None:
+        reg = RankRegistry("e", Memory())
+        lay = make_layout(layers=1, num_blocks=4, heads=1, head_dim=8)
+        me = Creds(os.getpid(), os.getuid(), start_time(os.getpid()))
+        entry, _ = await reg.register(RegisterKV(layout=lay, memory=[], regions=[], pid=2), b"a", Holder(me))
+        assert entry.pid == os.getpid()  # not 2
+        assert reg.dead() == []
+        other_ns = Creds(0, os.getuid())
+        entry, _ = await reg.register(RegisterKV(layout=lay, memory=[], regions=[], pid=4 * 10**6,
+                                                 engine_id="ns"), b"b", Holder(other_ns))
+        assert entry.pid == 0  # not watched by a pid that means nothing here
+        assert reg.dead() == []  # (pid 4,000,000 is no process here: it would have looked dead)
+        entry, _ = await reg.register(RegisterKV(layout=lay, memory=[], regions=[], pid=os.getppid(),
+                                                 engine_id="tcp"), b"c", None)
+        assert entry.pid == os.getppid()  # tcp://: no credentials, the message's pid is all there is
+
+    asyncio.run(run())

@@ -100,7 +100,10 @@ def test_storms_on_every_listener_cost_no_memory_and_no_service(factory: Sidecar
     sides = {}
     for name in ("prefill", "decode"):
         health = free_port()
-        sc = factory.start(name, "--health-target", f"127.0.0.1:{health}", metrics_port=free_port())
+        # (no staging arena: the torch import it starts in the background would land in the
+        # first rounds' RSS; storms never reach a staged read)
+        sc = factory.start(name, "--health-target", f"127.0.0.1:{health}", "--staging-mib", "0",
+                           metrics_port=free_port())
         sides[name] = (sc, health)
     p = SyntheticEngine(LAYOUT, sides["prefill"][0].endpoint, seed=1)
     d = SyntheticEngine(LAYOUT, sides["decode"][0].endpoint, seed=2)

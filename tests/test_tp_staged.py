@@ -15,7 +15,7 @@ import pytest
 from kvxfer.testing.demo import DemoOptions, run_demo
 
 TPS = (1, 2, 4, 8)
-STAGE_ALL = ("--stage-min-descs", "1")  # (small requests, so that the matrix stays quick)
+STAGE_ALL = ("--stage-min-descs", "1", "--stage-below-kib", "1024")  # (small requests: a quick matrix)
 
 
 def staged(**kw: object) -> DemoOptions:
@@ -40,19 +40,19 @@ def test_every_tp_pair_staged_in_nhd(ptp: int, dtp: int) -> None:
 
 
 @pytest.mark.parametrize(("layout", "ptp", "dtp"), [
-    ("LBHNC", 2, 4), ("LBHNC", 4, 1), ("BLHNC", 1, 8), ("BLHNC", 8, 2), ("BLNHC", 2, 1),
+    ("LBHNC", 2, 4), ("BLHNC", 1, 8), ("BLNHC", 8, 2),
 ])
 def test_other_layouts_staged(layout: str, ptp: int, dtp: int) -> None:
     run_staged(staged(prefill_tp=ptp, decode_tp=dtp, kv_layout=layout))
 
 
-@pytest.mark.parametrize(("ptp", "dtp"), [(1, 4), (4, 8), (8, 2)])
+@pytest.mark.parametrize(("ptp", "dtp"), [(1, 4), (8, 2)])
 def test_replicated_heads_staged(ptp: int, dtp: int) -> None:
     """2 KV heads: TP 4 and 8 hold copies of one head on several ranks."""
     run_staged(staged(prefill_tp=ptp, decode_tp=dtp, heads=2))
 
 
-@pytest.mark.parametrize(("ptp", "dtp"), [(2, 1), (1, 4)])
+@pytest.mark.parametrize(("ptp", "dtp"), [(1, 4)])
 def test_mla_staged(ptp: int, dtp: int) -> None:
     run_staged(staged(prefill_tp=ptp, decode_tp=dtp, mla=True, kv_layout="mla", head_dim=64))
 

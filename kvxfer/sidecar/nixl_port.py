@@ -40,7 +40,7 @@ from kvxfer.protocol import DigestItem, RankInfo, RegisterKV
 from kvxfer.sidecar.nixl_agent import create_agent
 from kvxfer.sidecar.nixl_memory import Cleanup, Registrations
 from kvxfer.sidecar.nixl_reads import Reads
-from kvxfer.sidecar.nixl_staging import StagingArena, gather_ranks, new_read
+from kvxfer.sidecar.nixl_staging import StagingArena, gather_ranks, new_read, warm_copies
 from kvxfer.sidecar.nixl_types import Event, NoticeReceived, PollPolicy, ReadRefused, TransferOptions
 from kvxfer.sidecar.ownership import Creds, Holder
 from kvxfer.sidecar.plan import ReadSpec
@@ -122,6 +122,7 @@ class NixlPort:
         return await self._run(lambda: self._remove_peer(name, reason, ErrorCode.PEER_DISCONNECTED))
 
     async def metadata(self) -> bytes:
+        warm_copies(self._arena)  # (a peer is handshaking: staged reads may follow)
         return await self._run(lambda: bytes(self._agent.get_agent_metadata()))
 
     async def cancel(self, req_id: str, code: str, reason: str) -> bool:
@@ -137,8 +138,7 @@ class NixlPort:
 
     async def gather(self, ranks: list[tuple[Hashable, Any]], blocks: list[int], offset: int,
                      nbytes: int) -> None:
-        """Copy runs of held ``blocks`` of these ranks into the staging slot at ``offset``
-        (checked: ``nixl_staging.gather_ranks``)."""
+        """Copy runs of held ``blocks`` into the staging slot at ``offset`` (``gather_ranks``)."""
         await self._run(lambda: gather_ranks(self._regs_().local, self._arena, ranks, blocks, offset, nbytes))
 
     def read(self, spec: ReadSpec) -> None:
@@ -246,6 +246,7 @@ class NixlPort:
         return True
 
     def _add_peer(self, name: str, metadata: bytes, ranks: list[RankInfo], reload: bool) -> str:
+        warm_copies(self._arena)
         if name in self._regs_().peers:
             # Not "disconnected": the loop would drop the peer it is handshaking right now.
             self._remove_peer(name, "peer metadata replaced", ErrorCode.TRANSFER_ERROR)

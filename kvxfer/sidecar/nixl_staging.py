@@ -52,8 +52,6 @@ class StagingArena:
         self.addr = self.buf.ctypes.data
         self.size = size
         self._reg = agent.register_memory([(self.addr, size, 0, "")], "DRAM")
-        # the copies use torch (~1 s to import): now, beside the start, not in the first read
-        threading.Thread(target=_import_torch, name="kvxfer-import", daemon=True).start()
 
     def close(self) -> None:
         with contextlib.suppress(Exception):  # (the agent goes with the process)
@@ -65,6 +63,17 @@ class StagingArena:
 
 
 # ---------------------------------------------------------------------- copies
+
+
+_warming: list[threading.Thread] = []
+
+
+def warm_copies(arena: StagingArena | None) -> None:
+    """The copies use torch (~1 s to import): import it in the background once a peer is
+    known (its first staged read is near), not in that read, nor in every sidecar started."""
+    if arena is not None and not _warming:
+        _warming.append(threading.Thread(target=_import_torch, name="kvxfer-import", daemon=True))
+        _warming[0].start()
 
 
 def _import_torch() -> None:

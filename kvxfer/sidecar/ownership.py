@@ -36,6 +36,7 @@ class Creds:
 
     pid: int  # 0: not visible from this sidecar's PID namespace
     uid: int  # -1: unknown (a tcp:// engine socket: no credentials at all)
+    start: str = ""  # its start time as /proc says ("": unknown): a recycled pid is another process
 
     def __str__(self) -> str:
         return f"pid {self.pid or '?'} uid {self.uid if self.uid >= 0 else '?'}"
@@ -50,6 +51,17 @@ class Holder:
 
     creds: Creds
     lineage: tuple[int, ...] = ()  # its pid, its parent's, ...; () when its pid is unknown
+    starts: tuple[str, ...] = ()  # their start times, when known (the same order)
+
+    def has_ancestor(self, who: Creds) -> bool:
+        """``who`` is this process or one of its ancestors as they were at registration: the
+        same pid, and the same start time where both are known (a process that got an exited
+        ancestor's pid since is not it)."""
+        for i, pid in enumerate(self.lineage):
+            if pid == who.pid:
+                start = self.starts[i] if i < len(self.starts) else ""
+                return not (start and who.start and start != who.start)
+        return False
 
 
 def same_process(a: Creds, b: Creds) -> bool:
@@ -69,7 +81,7 @@ def why_not(sender: Creds, holders: Sequence[Holder], mode: str = "process") -> 
         return f"it runs as uid {sender.uid}, the engine's ranks as uid {uids}"
     if mode == "uid" or sender.pid == 0:
         return ""
-    if any(sender.pid in h.lineage for h in mine):
+    if any(h.has_ancestor(sender) for h in mine):
         return ""
     if any(h.creds.pid == 0 for h in mine):
         return ""  # a rank in another PID namespace: its ancestry cannot be known, uid decides

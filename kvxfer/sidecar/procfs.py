@@ -24,7 +24,7 @@ def creds_of(sock: socket.socket) -> Creds:
         pid, uid, _gid = _CRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _CRED.size))
     except OSError:
         return UNKNOWN
-    return Creds(pid, uid)
+    return Creds(pid, uid, start_time(pid))
 
 
 def creds_of_fd(fd: int) -> Creds:
@@ -51,6 +51,18 @@ def parent_of(pid: int) -> int:
         return 0
 
 
+def start_time(pid: int) -> str:
+    """A process's start time (clock ticks since boot, /proc/<pid>/stat field 22); "" when
+    not visible from here (gone, another PID namespace, no pid)."""
+    if pid <= 0:
+        return ""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as fh:
+            return fh.read().rsplit(b")", 1)[1].split()[19].decode()
+    except (OSError, IndexError):
+        return ""
+
+
 def lineage(pid: int) -> tuple[int, ...]:
     """``pid`` and its ancestors, nearest first, without init (pid 1: everyone's ancestor) unless
     it is ``pid`` itself; () for an unknown pid."""
@@ -67,7 +79,8 @@ def lineage(pid: int) -> tuple[int, ...]:
 
 def holder(creds: Creds) -> Holder:
     """The registering process's facts: its credentials and its ancestry."""
-    return Holder(creds, lineage(creds.pid))
+    chain = lineage(creds.pid)
+    return Holder(creds, chain, tuple(start_time(p) for p in chain))
 
 
 def has_open(pid: int, dev: int, ino: int) -> bool:

@@ -30,7 +30,7 @@ import msgspec
 
 from kvxfer.errors import ErrorCode, RequestError
 from kvxfer.protocol import KVGroup, KVLayout, PoolMemory, RankInfo, RegisterKV, ShmMemory
-from kvxfer.sidecar.ownership import UNKNOWN, Holder, same_process
+from kvxfer.sidecar.ownership import UNKNOWN, Creds, Holder, same_process
 
 log = logging.getLogger("kvxfer.registry")  # (the name operators filter on)
 
@@ -82,6 +82,14 @@ def process_start_time(pid: int) -> str | None:
             return fh.read().rsplit(b")", 1)[1].split()[19].decode()
     except (OSError, IndexError):
         return ""
+
+
+def watched_pid(msg_pid: int, creds: Creds) -> int:
+    """The pid whose life is a rank's: the kernel's for a connection with credentials (0
+    there: another PID namespace, whose pids mean nothing here, so not watched by pid: its
+    memory channel closing says it died), the message's only where there are none (tcp://).
+    A pid a message carries names some other process in another PID namespace."""
+    return creds.pid if creds.uid >= 0 else msg_pid
 
 
 class MemoryPort(Protocol):
@@ -183,7 +191,7 @@ class RankRegistry:
                                    f"pp_size {o.pp_size}; this rank says {lay.tp_size}, {lay.pp_size}")
         old = self.find(key.engine, key.pp, key.tp)
         if old is not None and old.owner != owner and self._alive(old):
-            if old.pid != (msg.pid or -1):
+            if old.pid != (watched_pid(msg.pid, (holder or Holder(UNKNOWN)).creds) or -1):
                 raise RequestError(ErrorCode.RANK_TAKEN, f"rank {key} is registered by live process "
                                    f"{old.pid}; two engines with the same engine id and DP rank? (give "
                                    "each its own)")
@@ -222,7 +230,8 @@ class RankRegistry:
         replaced = key in self._entries
         if replaced:
             self.changes += 1  # its old memory is gone: reads planned against it are stale
-        entry = RankEntry(key=key, info=info, owner=owner, pid=msg.pid, start=process_start_time(msg.pid),
+        pid = watched_pid(msg.pid, holder.creds)
+        entry = RankEntry(key=key, info=info, owner=owner, pid=pid, start=process_start_time(pid),
                           files=[m.path for m in msg.memory if isinstance(m, ShmMemory)],
                           pools=[m.pool for m in msg.memory if isinstance(m, PoolMemory)],
                           registered_unix=time.time(), groups=list(msg.groups or ()), holder=holder)
