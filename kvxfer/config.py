@@ -143,7 +143,9 @@ class Config:
                             "sizes, equal TP > 1 in NHD) is copied by the prefill sidecar into "
                             "its arena, moved as one large transfer into the decode's, and "
                             "copied into the blocks there; reads that do not fit read directly. "
-                            "Both sidecars need one. Not used with --cuda on.", default=256)
+                            "Both sidecars need one. Not used with --cuda on. Off by default "
+                            "until its per-rank "
+                            "costs are fixed (#35): 256 is what the TP matrix ran with.", default=0)
     stage_below_kib: int = _doc("Stage a read when its direct descriptors average under this many "
                                 "KiB (and it has at least --stage-min-descs of them); 0: never stage.",
                                 default=8)

@@ -42,7 +42,7 @@ def _read(agent: object, remote: str, addr: int, n: int) -> bytes:
 
 def test_a_lying_stage_request_copies_nothing_it_was_not_given(factory: SidecarFactory,
                                                                secret_file: str) -> None:
-    ps, p = _engine(factory, "sp", secret_file, 1)
+    ps, p = _engine(factory, "sp", secret_file, 1, "--staging-mib", "16")
     liar = None
     try:
         liar = LyingDecode(p.registered.handshake_port, "stage-liar")  # type: ignore[union-attr]

@@ -15,7 +15,8 @@ import pytest
 from kvxfer.testing.demo import DemoOptions, run_demo
 
 TPS = (1, 2, 4, 8)
-STAGE_ALL = ("--stage-min-descs", "1", "--stage-below-kib", "1024")  # (small requests: a quick matrix)
+# (an arena on; small requests, so staging is forced: a quick matrix)
+STAGE_ALL = ("--staging-mib", "64", "--stage-min-descs", "1", "--stage-below-kib", "1024")
 
 
 def staged(**kw: object) -> DemoOptions:
@@ -59,7 +60,7 @@ def test_mla_staged(ptp: int, dtp: int) -> None:
 
 def test_staging_off_reads_directly() -> None:
     """The same request with staging off (either side) takes the direct path, bytes equal."""
-    for args in (("--stage-below-kib", "0"), ("--staging-mib", "0")):
+    for args in (("--staging-mib", "64", "--stage-below-kib", "0"), ("--staging-mib", "0")):
         res = run_demo(staged(prefill_tp=1, decode_tp=2, extra_serve_args=args))
         assert res["problems"] == []
         assert res["verified"] is True

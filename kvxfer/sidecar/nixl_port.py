@@ -306,9 +306,6 @@ class NixlPort:
                             fut.set_result(fn())
                         except BaseException as e:
                             fut.set_exception(e)
-                        # (progress between commands: in UCX peer mode a peer's READ of our
-                        # memory completes only while we progress, and a staging copy is long)
-                        self._notices()
                     try:
                         item = self._cmds.get_nowait()
                     except queue.Empty:

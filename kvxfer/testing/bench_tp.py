@@ -246,7 +246,7 @@ def run_matrix(quick: bool = False, mode: str = "peer", nixl_threads: int = 2, m
     scale = Scale.of(quick, rounds)
     # engines start from a server that has imported torch and the demo once, not each run
     mp.get_context("forkserver").set_forkserver_preload(["kvxfer.testing.demo", "kvxfer.testing.tensor_kv"])
-    serve_args = ("--nixl-threads", str(nixl_threads), "--verify-sample", "0")
+    serve_args = ("--nixl-threads", str(nixl_threads), "--verify-sample", "0", "--staging-mib", "256")
     t0 = time.monotonic()
     cells = []
     for m, lay, ps in cases:
