@@ -238,3 +238,27 @@ def test_a_slimmed_nixl_wheel_keeps_everything_but_nixl_ep(tmp_path: Path) -> No
         assert sorted(z.namelist()) == ["nixl_cu13-1.5.1.dist-info/RECORD", "nixl_cu13.libs/libucp.so",
                                         "nixl_cu13/__init__.py"]
         assert "nixl_ep" not in z.read("nixl_cu13-1.5.1.dist-info/RECORD").decode()
+
+
+def test_a_size_too_slow_to_finish_in_time_is_skipped_with_its_projection() -> None:
+    """The first GPU run's READs crawled over tcp at 0.07 GB/s, and 512 MiB-1 GiB cells ate
+    the call's budget: a size whose repeat would take longer than ``SLOW_S`` (projected from
+    the size before) is skipped, and says why."""
+    from kvxfer.testing.gpu_xfer import SLOW_S, too_slow
+
+    row: dict[str, Any] = {}
+    assert not too_slow(None, 1 << 30, row)  # nothing to project from
+    assert not too_slow((32 << 20, 0.01), 1 << 30, row)  # 0.32 s projected
+    assert not row
+    assert too_slow((32 << 20, 0.48), 1 << 30, row)  # 0.07 GB/s: 15 s projected
+    assert f"over {SLOW_S:.0f} s" in row["skipped"]
+    assert "0.07 GB/s" in row["skipped"]
+
+
+def test_what_a_gpu_sidecar_sets_for_ucx_never_overrides_the_operator() -> None:
+    from kvxfer.sidecar.nixl_agent import CUDA_UCX_DEFAULTS, cuda_ucx_defaults
+
+    env = {"UCX_CUDA_IPC_ENABLE_GET_ZCOPY": "n"}
+    cuda_ucx_defaults(env)
+    assert env == {**CUDA_UCX_DEFAULTS, "UCX_CUDA_IPC_ENABLE_GET_ZCOPY": "n"}
+    assert CUDA_UCX_DEFAULTS["UCX_CUDA_IPC_ENABLE_GET_ZCOPY"] == "y"

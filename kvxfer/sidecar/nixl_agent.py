@@ -16,6 +16,26 @@ os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
 os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
 
 
+# What a sidecar whose memory is on a GPU sets before UCX reads its configuration (``--cuda``),
+# unless the operator set it: measured by ``make gpu-check`` on one H100 (UCX 1.23, nixl-cu13
+# 1.5.1, two processes on one GPU, no NVLink), benchmarks/gpu_latest.json.
+CUDA_UCX_DEFAULTS = {
+    # UCX's memtype cache only knows allocations it saw being made: IPC-imported VRAM is
+    # classified as host memory and its registration fails (2026-11-22).
+    "UCX_MEMTYPE_CACHE": "n",
+    # Without NVLink UCX leaves cuda_ipc's GET (a READ) off and READs go over tcp: raw NIXL
+    # READs of 32 KiB descriptors moved 0.07 GB/s; with it on, 3.3 GB/s (32 MiB) and 5.5 GB/s
+    # (512 MiB) on engine cudaMalloc memory (2026-11-26).
+    "UCX_CUDA_IPC_ENABLE_GET_ZCOPY": "y",
+}
+
+
+def cuda_ucx_defaults(env: Any) -> None:
+    """``CUDA_UCX_DEFAULTS`` into ``env`` (``os.environ``, or a child's), what is set wins."""
+    for k, v in CUDA_UCX_DEFAULTS.items():
+        env.setdefault(k, v)
+
+
 def import_nixl() -> Any:
     """The NIXL Python API module from whichever single-variant wheel is installed.
 

@@ -37,7 +37,7 @@ from typing import Any, TypeVar
 
 from kvxfer.errors import ErrorCode
 from kvxfer.protocol import DigestItem, RankInfo, RegisterKV
-from kvxfer.sidecar.nixl_agent import create_agent
+from kvxfer.sidecar.nixl_agent import create_agent, cuda_ucx_defaults
 from kvxfer.sidecar.nixl_memory import Cleanup, Registrations
 from kvxfer.sidecar.nixl_reads import Reads
 from kvxfer.sidecar.nixl_staging import StagingArena, gather_ranks, new_read, warm_copies
@@ -270,9 +270,7 @@ class NixlPort:
 
     def _create_agent(self) -> None:
         if self.options.cuda:
-            # UCX's memtype cache only knows allocations it saw being made; IPC-imported
-            # VRAM is classified as host and registration fails. Must be set before UCX init.
-            os.environ.setdefault("UCX_MEMTYPE_CACHE", "n")
+            cuda_ucx_defaults(os.environ)  # (before UCX reads its configuration)
         self._agent = create_agent(self.agent_name, self.options.ucx_error_mode, self.options.num_threads)
         cleanup = Cleanup()
         self._regs = Registrations(self._agent, self._pools, cleanup)

@@ -39,6 +39,7 @@ from typing import Any
 
 from kvxfer.client import RemoteBlocks
 from kvxfer.config import Config
+from kvxfer.sidecar.nixl_agent import cuda_ucx_defaults
 from kvxfer.testing.bench_measure import (
     _concurrency,
     _desc_prep,
@@ -73,8 +74,8 @@ def run_bench(quick: bool = False, mode: str = "peer", device: str = "cpu",
               nixl_threads: int = Config.nixl_threads, kv_layout: str = "LBNHC") -> dict[str, Any]:
     device = resolve_device(device)
     cuda = device.startswith("cuda")
-    if cuda:  # as the sidecar does with --cuda: UCX must not classify IPC-imported VRAM as host
-        os.environ.setdefault("UCX_MEMTYPE_CACHE", "n")
+    if cuda:  # the raw-NIXL agents run with what the sidecars set with --cuda
+        cuda_ucx_defaults(os.environ)
     if kv_layout not in BENCH_LAYOUTS:
         raise ValueError(f"--kv-layout must be one of {', '.join(BENCH_LAYOUTS)}, not {kv_layout!r}")
     outer = kv_layout.startswith("BL")

@@ -37,6 +37,7 @@ from kvxfer.testing.gpu_xfer import (
     _ordinal,
     block_ids,
     fill,
+    too_slow,
     verify,
     vmm_allocation,
     wipe,
@@ -72,10 +73,14 @@ def raw_sweep(kind: str, sizes: list[int], repeats: int, *, device: str, mode: s
         if pair.initiator("verify", 1, src_ids[:1], dst_ids[:1], "LBNHC"):
             raise RuntimeError("raw NIXL: the first block arrived wrong")
         for layout in layouts:
+            last: tuple[int, float] | None = None
             for n in sizes:
                 s, d = src_ids[:n], dst_ids[:n]
                 row: dict[str, Any] = {"layout": layout, "blocks": n, "bytes": n * BLOCK,
                                        "descriptors": n * (1 if layout == "BLNHC" else REGIONS)}
+                if too_slow(last, n * BLOCK, row):
+                    out["rows"].append(row)
+                    continue
                 ts = []
                 for _ in range(repeats):
                     pair.initiator("wipe")
@@ -84,6 +89,7 @@ def raw_sweep(kind: str, sizes: list[int], repeats: int, *, device: str, mode: s
                     if bad:
                         raise RuntimeError(f"raw NIXL READ {layout} {n} blocks: {bad} bytes wrong")
                 row["raw_nixl_gbps"], row["raw_nixl_ms"] = _gbps(n * BLOCK, ts), _ms(ts)
+                last = (n * BLOCK, statistics.median(ts))
                 if copy:
                     cs = []
                     for _ in range(repeats):
@@ -93,23 +99,28 @@ def raw_sweep(kind: str, sizes: list[int], repeats: int, *, device: str, mode: s
                             raise RuntimeError(f"copy {layout} {n} blocks: bytes wrong")
                     row["copy_gbps"], row["copy_ms"] = _gbps(n * BLOCK, cs), _ms(cs)
                 if staging:
-                    tot, parts = [], []
-                    for _ in range(repeats):
-                        pair.initiator("wipe")
-                        t0 = time.perf_counter()
-                        g = pair.target("gather", layout, s)
-                        r, sc = pair.initiator("staged_read", layout, d)
-                        tot.append(time.perf_counter() - t0)
-                        parts.append((g, r, sc))
-                        if pair.initiator("verify", 1, s, d, layout):
-                            raise RuntimeError(f"staged {layout} {n} blocks: bytes wrong")
-                    row["staged_gbps"], row["staged_ms"] = _gbps(n * BLOCK, tot), _ms(tot)
-                    row["staged_parts_ms"] = {k: _ms([p[i] for p in parts])
-                                              for i, k in enumerate(("gather", "read", "scatter"))}
+                    row.update(_staged(pair, layout, s, d, repeats))
                 out["rows"].append(row)
                 if emit:
                     emit(out)
     return out
+
+
+def _staged(pair: Pair, layout: str, s: list[int], d: list[int], repeats: int) -> dict[str, Any]:
+    """The staged variant of one raw cell: gather, one READ, scatter; every repeat verified."""
+    tot, parts = [], []
+    for _ in range(repeats):
+        pair.initiator("wipe")
+        t0 = time.perf_counter()
+        g = pair.target("gather", layout, s)
+        r, sc = pair.initiator("staged_read", layout, d)
+        tot.append(time.perf_counter() - t0)
+        parts.append((g, r, sc))
+        if pair.initiator("verify", 1, s, d, layout):
+            raise RuntimeError(f"staged {layout} {len(s)} blocks: bytes wrong")
+    return {"staged_gbps": _gbps(len(s) * BLOCK, tot), "staged_ms": _ms(tot),
+            "staged_parts_ms": {k: _ms([p[i] for p in parts])
+                                for i, k in enumerate(("gather", "read", "scatter"))}}
 
 
 # --------------------------------------------------------------------------- kvxfer through its sidecars
@@ -254,10 +265,14 @@ def _kvxfer_reads(p: Any, d: Any, ds: Any, nb: int, layout: str, sizes: list[int
     cold = read("cold", pb[:1], db[:1])
     warm = [read(f"warm{i}", pb[:1], db[:1]) for i in range(3)]
     out["first_transfer_ms"] = {"cold": round(cold * 1e3, 3), "warm": _ms(warm)}
+    last: tuple[int, float] | None = None
     for n in sizes:
-        ts = [read(f"s{n}-{r}", pb[:n], db[:n]) for r in range(repeats)]
-        out["rows"].append({"layout": layout, "blocks": n, "bytes": n * BLOCK,
-                            "kvxfer_gbps": _gbps(n * BLOCK, ts), "kvxfer_ms": _ms(ts)})
+        row: dict[str, Any] = {"layout": layout, "blocks": n, "bytes": n * BLOCK}
+        if not too_slow(last, n * BLOCK, row):
+            ts = [read(f"s{n}-{r}", pb[:n], db[:n]) for r in range(repeats)]
+            row.update(kvxfer_gbps=_gbps(n * BLOCK, ts), kvxfer_ms=_ms(ts))
+            last = (n * BLOCK, statistics.median(ts))
+        out["rows"].append(row)
         if emit:
             emit(out)
 
@@ -291,7 +306,8 @@ def table_lines(rows: list[dict[str, Any]]) -> list[str]:
     out = [f"  {'layout':<6} {'size':>9} {'descs':>6} " + " ".join(f"{h:>8}" for h in heads) + "  GB/s"]
     for r in rows:
         out.append(f"  {r['layout']:<6} {r['bytes'] / (1 << 20):>5.0f} MiB {r.get('descriptors', 0):>6} "
-                   f"{g(r, 'kvxfer_gbps')} {g(r, 'raw_nixl_gbps')} {g(r, 'copy_gbps')} {g(r, 'staged_gbps')}")
+                   f"{g(r, 'kvxfer_gbps')} {g(r, 'raw_nixl_gbps')} {g(r, 'copy_gbps')} {g(r, 'staged_gbps')}"
+                   + (f"  (skipped: {r['skipped']})" if r.get("skipped") else ""))
     return out
 
 
@@ -386,7 +402,7 @@ def _dry_vmm(kind: str) -> dict[str, Any]:
 
 KNOBS: list[tuple[str, dict[str, str], dict[str, int]]] = [
     ("baseline", {}, {}),
-    ("UCX_CUDA_IPC_ENABLE_GET_ZCOPY=y", {"UCX_CUDA_IPC_ENABLE_GET_ZCOPY": "y"}, {}),
+    ("UCX_CUDA_IPC_ENABLE_GET_ZCOPY=n", {"UCX_CUDA_IPC_ENABLE_GET_ZCOPY": "n"}, {}),
     ("UCX_MEMTYPE_CACHE=y", {"UCX_MEMTYPE_CACHE": "y"}, {}),
     ("nixl threads 0", {}, {"threads": 0}),
     ("nixl threads 4", {}, {"threads": 4}),
@@ -421,11 +437,11 @@ def stage_knobs(dry: bool, device: str, emit: Callable[[dict[str, Any]], None]) 
             except Exception as e:  # a knob that breaks a lane is a finding, not the stage's end
                 cell["error"] = f"{type(e).__name__}: {e}"[:1500]
             res["cells"].append(cell)
+            res["summary_lines"] = [  # (after each cell: a stage cut at its deadline keeps them)
+                f"  {c['kind']:<7} {c['knob']:<32} kvxfer {c.get('kvxfer_gbps', '-')} "
+                f"raw {c.get('raw_nixl_gbps', '-')}"
+                + (f"  ERROR {c['error'][:120]}" if c.get("error") else "") for c in res["cells"]]
             emit(res)
-    res["summary_lines"] = [
-        f"  {c['kind']:<7} {c['knob']:<32} kvxfer {c.get('kvxfer_gbps', '-')} "
-        f"raw {c.get('raw_nixl_gbps', '-')}"
-        + (f"  ERROR {c['error'][:120]}" if c.get("error") else "") for c in res["cells"]]
     return res
 
 
@@ -459,6 +475,8 @@ def stage_lanes(dry: bool, device: str, emit: Callable[[dict[str, Any]], None],
         f"  {k:<13} {v.get('status', 'ok'):<11} READ via {','.join(v['lanes']['read']) or '?'}; "
         f"WRITE via {','.join(v['lanes']['write']) or '?'}"
         + (f"; verified R={v['read_verified']} W={v.get('write_verified')}" if "read_verified" in v else "")
+        + (f"; 64 MiB READ {v['speed']['read_gbps']} GB/s, WRITE {v['speed']['write_gbps']} GB/s"
+           if v.get("speed") else "")
         + (f"  ({v.get('reason', '')[:100]})" if v.get("reason") else "")
         for k, v in res["kinds"].items()]
     bad = [k for k, v in res["kinds"].items() if v.get("status") in ("failed", "timeout")]

@@ -22,6 +22,7 @@ from typing import Any
 
 import numpy as np
 
+from kvxfer.sidecar.nixl_agent import cuda_ucx_defaults
 from kvxfer.testing.gpu_xfer import (
     BLOCK,
     PIECE,
@@ -238,7 +239,7 @@ class Pair:
         self.kind, self.nb = kind, nb
         env = dict(env or {})
         if kind not in ("dram", "torch_cpu"):
-            env.setdefault("UCX_MEMTYPE_CACHE", "n")  # as kvxfer's sidecars run with --cuda on
+            cuda_ucx_defaults(env)  # as kvxfer's sidecars run with --cuda on
         self.env = env
         tensors: list[Any] = [None, None]
         if kind == "ipc_imported":  # this process plays both engines; the workers import their memory

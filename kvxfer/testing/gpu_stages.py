@@ -40,10 +40,10 @@ STAGES = (
     Stage("tests-ipc", 300, 40, "pytest tests/test_gpu.py -k ipc"),
     Stage("tests-vmm", 300, 40, "pytest tests/test_gpu.py -k vmm"),
     Stage("lanes", 400, 60, "UCX lane of a READ and a WRITE per memory kind (UCX_PROTO_INFO=y)"),
-    Stage("bench-ipc", 420, 120, "engine cudaMalloc + legacy IPC: kvxfer/raw NIXL/copy/staged, 2 MiB-1 GiB"),
-    Stage("bench-vmm_fd", 420, 120, "VMM pools, POSIX fd: kvxfer/raw NIXL/copy/staged, 2 MiB-1 GiB"),
-    Stage("bench-vmm_fabric", 420, 120, "VMM pools, fabric handle: the same, where the machine allows"),
     Stage("knobs", 420, 150, "GET_ZCOPY, MEMTYPE_CACHE, NIXL threads, chunk size, one at a time"),
+    Stage("bench-vmm_fd", 420, 120, "VMM pools, POSIX fd: kvxfer/raw NIXL/copy/staged, 2 MiB-1 GiB"),
+    Stage("bench-ipc", 420, 120, "engine cudaMalloc + legacy IPC: kvxfer/raw NIXL/copy/staged, 2 MiB-1 GiB"),
+    Stage("bench-vmm_fabric", 420, 120, "VMM pools, fabric handle: the same, where the machine allows"),
     Stage("kvxfer-bench", 420, 150, "kvxfer bench --device cuda:0 (the CLI's own comparison)"),
     Stage("pd-throughput", 240, 40, "benchmarks/pd_throughput.py --device cuda:0"),
 )
@@ -237,7 +237,8 @@ def run_stage(ctx: Ctx, stage: Stage, timeout: float, cut_by_budget: bool,
     t0 = time.monotonic()
     started = time.strftime("%Y-%m-%dT%H:%M:%S%z")
     with open(out_path, "wb") as fo, open(err_path, "wb") as fe:
-        p = subprocess.Popen(argv, stdout=fo, stderr=fe, cwd=ctx.repo, env=stage_env(ctx),
+        env = {**stage_env(ctx), "KVXFER_KEEP_LOGS": ctx.path("logs", f"sidecars-{stage.name}")}
+        p = subprocess.Popen(argv, stdout=fo, stderr=fe, cwd=ctx.repo, env=env,
                              start_new_session=True)  # (its own group: killed whole at its deadline)
         timed_out = False
         try:

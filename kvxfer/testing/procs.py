@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import shutil
@@ -115,6 +116,13 @@ class SidecarFactory:
             except subprocess.TimeoutExpired:
                 sc.proc.kill()
                 sc.proc.wait()
+        keep = os.environ.get("KVXFER_KEEP_LOGS")  # (make gpu-check: the sidecars' logs outlive the test)
+        if keep:
+            os.makedirs(keep, exist_ok=True)
+            for sc in self.procs:
+                dest = os.path.join(keep, f"{os.path.basename(self.dir)}-{sc.name}.log")
+                with contextlib.suppress(OSError):
+                    shutil.copyfile(sc.log_path, dest)
         shutil.rmtree(self.dir, ignore_errors=True)
 
     def __enter__(self) -> SidecarFactory:
