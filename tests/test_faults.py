@@ -679,3 +679,32 @@ def test_read_stuck_exits_without_teardown(monkeypatch: pytest.MonkeyPatch) -> N
         assert not sidecar._stop.is_set()  # no graceful stop was started
     finally:
         sidecar._close()
+
+
+def test_a_gpu_sidecar_sets_its_ucx_options_before_ucx_is_loaded(monkeypatch: pytest.MonkeyPatch) -> None:
+    """UCX reads its global options (the memory-type cache among them) once, when libucs is
+    loaded, and the build-info metric loads it while the sidecar is built: set later (as the
+    NIXL thread did), ``UCX_MEMTYPE_CACHE=n`` came too late for IPC-imported VRAM (taken for
+    host memory, its registration fails): the likely cause of the ipc failure on the first GPU
+    run (2026-11-26), which the next GPU run must confirm."""
+    import kvxfer.observe as observe_mod
+    import kvxfer.sidecar.app as sc_mod
+    from kvxfer.config import Config
+
+    env = dict(os.environ)
+    for k in ("UCX_MEMTYPE_CACHE", "UCX_CUDA_IPC_ENABLE_GET_ZCOPY"):
+        env.pop(k, None)
+    monkeypatch.setattr(os, "environ", env)
+    seen: list[tuple[str | None, str | None]] = []
+    real = observe_mod.build_info
+
+    def spy() -> dict[str, str]:
+        seen.append((os.environ.get("UCX_MEMTYPE_CACHE"), os.environ.get("UCX_CUDA_IPC_ENABLE_GET_ZCOPY")))
+        return real()
+
+    monkeypatch.setattr(observe_mod, "build_info", spy)
+    sidecar = sc_mod.Sidecar(Config(engine_socket="ipc:///tmp/kvx-cuda-env-unit.sock", cuda="on"))
+    try:
+        assert seen == [("n", "y")]
+    finally:
+        sidecar._close()

@@ -56,6 +56,7 @@ from kvxfer.sidecar.engines import Advertised, Engines
 from kvxfer.sidecar.holds import Holds
 from kvxfer.sidecar.keepalive import LeaseKeeper
 from kvxfer.sidecar.lifecycle import Lifecycle, LifecycleView
+from kvxfer.sidecar.nixl_agent import cuda_ucx_defaults
 from kvxfer.sidecar.nixl_port import NixlPort
 from kvxfer.sidecar.nixl_types import NoticeReceived, ReadFinished, ReadRefused, ReadStuck, TransferOptions
 from kvxfer.sidecar.operations import Operations, Parts
@@ -87,6 +88,10 @@ def transfer_options(config: Config) -> TransferOptions:
 class Sidecar:
     def __init__(self, config: Config) -> None:
         self.config = config
+        if config.cuda_enabled:
+            # Before anything loads UCX: its global options (the memtype cache among them) are
+            # read once, when libucs is loaded, and kvxfer_build_info loads it (Observer).
+            cuda_ucx_defaults(os.environ)
         self.engine_id = config.resolved_engine_id
         self.agent_name = f"kvxfer-{self.engine_id}-{secrets.token_hex(4)}"
         # how peers are authenticated (secret, host key or --insecure): refused before anything is opened

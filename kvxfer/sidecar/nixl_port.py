@@ -270,7 +270,7 @@ class NixlPort:
 
     def _create_agent(self) -> None:
         if self.options.cuda:
-            cuda_ucx_defaults(os.environ)  # (before UCX reads its configuration)
+            cuda_ucx_defaults(os.environ)  # (the Sidecar set them first, before UCX was loaded)
         self._agent = create_agent(self.agent_name, self.options.ucx_error_mode, self.options.num_threads)
         cleanup = Cleanup()
         self._regs = Registrations(self._agent, self._pools, cleanup)
