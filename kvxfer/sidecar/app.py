@@ -73,6 +73,11 @@ EXIT_STUCK = 3  # a failed read's chunks could not be stopped: restart to fence 
 
 
 def transfer_options(config: Config) -> TransferOptions:
+    """The NIXL port's options; with ``--cuda``, UCX's options for GPU memory are set too,
+    before anything loads UCX (its global options, the memtype cache among them, are read
+    once, when libucs loads, and ``Observer``'s build info loads it): call it first."""
+    if config.cuda_enabled:
+        cuda_ucx_defaults(os.environ)
     return TransferOptions(
         ucx_error_mode=config.ucx_error_mode, num_threads=config.nixl_threads,
         chunk_bytes=config.chunk_mib << 20, max_inflight_chunks=config.max_inflight_chunks,
@@ -88,10 +93,6 @@ def transfer_options(config: Config) -> TransferOptions:
 class Sidecar:
     def __init__(self, config: Config) -> None:
         self.config = config
-        if config.cuda_enabled:
-            # Before anything loads UCX: its global options (the memtype cache among them) are
-            # read once, when libucs is loaded, and kvxfer_build_info loads it (Observer).
-            cuda_ucx_defaults(os.environ)
         self.engine_id = config.resolved_engine_id
         self.agent_name = f"kvxfer-{self.engine_id}-{secrets.token_hex(4)}"
         # how peers are authenticated (secret, host key or --insecure): refused before anything is opened
@@ -116,8 +117,8 @@ class Sidecar:
         # the memory channel (ipc:// engine sockets), listening once the engine socket is ours
         self.pools = (PoolServer(mem_socket_path(config.engine_socket), config.max_pool_bytes)
                       if ipc_path(config.engine_socket) else None)
+        self.nixl = NixlPort(self.agent_name, transfer_options(config), self.pools)  # (before UCX loads)
         self.observer = Observer()
-        self.nixl = NixlPort(self.agent_name, transfer_options(config), self.pools)
         self.registry = RankRegistry(self.engine_id, self.nixl)
         self.lifecycle = Lifecycle()
         self.abandoned = Abandoned()  # what engines gave up on when this sidecar (re)started
