@@ -5,6 +5,13 @@ Sent beside the read (over the peer's kept-open link, before the read is posted,
 round trip overlaps the copy); asked again, briefly, while the prefill does not know the
 request yet (its ``Hold`` may still be on the way); judged by ``receive.claim_verdict``.
 The answer is the claim task's result: None (held), or why the read must not be trusted.
+
+One claim serves every local rank of a request (#35): each rank of a TP > 1 decode engine
+sends its own ``Recv``, and each used to send its own ``LeaseRenew`` for the same request
+(8 at TP 8, each a round trip and a lease extension at the prefill). A rank whose read ends
+within what a claim of its request, still pending or answered "held", extends the lease
+over (``SHARE_SLACK_S`` inside its margin) waits for that claim's answer instead; a claim
+that was refused or failed serves nobody after it.
 """
 
 from __future__ import annotations
@@ -13,6 +20,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from kvxfer.config import Config
 from kvxfer.errors import ErrorCode, RequestError
@@ -24,6 +32,40 @@ from kvxfer.sidecar.receive import claim_verdict
 
 log = logging.getLogger("kvxfer.receiver")
 
+# A rank may share a claim whose extension ends no more than this before its own would have
+# (of the margin a claim adds beyond the read and a handshake timeout, 1 s): ranks of one
+# request arrive milliseconds apart, each with its own deadline.
+SHARE_SLACK_S = 0.5
+ClaimKey = tuple[str, int, str, str, str]  # (host, port, prefill engine, its request id, token)
+
+
+@dataclass
+class _Shared:
+    covers_until: float  # monotonic: the end of the read it was sent for; one ending before
+    # this plus SHARE_SLACK_S keeps all but the slack of the margin its own claim would give
+    answer: asyncio.Future[RequestError | None]
+
+
+def _mirror(src: asyncio.Future[RequestError | None], mark: Callable[[str], None]
+            ) -> asyncio.Future[RequestError | None]:
+    """A future of its own with ``src``'s outcome (a receive's claim task is its own)."""
+    out: asyncio.Future[RequestError | None] = asyncio.get_running_loop().create_future()
+
+    def copy(f: asyncio.Future[RequestError | None]) -> None:
+        if out.done():
+            return
+        if f.cancelled():
+            out.cancel()
+        elif f.exception() is not None:
+            out.set_exception(f.exception())  # type: ignore[arg-type]
+        else:
+            if f.result() is None:
+                mark("claimed")
+            out.set_result(f.result())
+
+    src.add_done_callback(copy)
+    return out
+
 
 class Claims:
     def __init__(self, config: Config, peers: PeerClient, book: PeerBook, observer: Observer,
@@ -33,17 +75,44 @@ class Claims:
         self.book = book
         self.observer = observer
         self.agent_name = agent_name
+        self._shared: dict[ClaimKey, _Shared] = {}
+        self.sent = 0  # claims sent, ever
+        self.shared = 0  # receives that waited for another rank's claim, ever
 
     def start(self, msg: Recv, engine: str, reading_s: float, peer: Peer,
               mark: Callable[[str], None]) -> asyncio.Future[RequestError | None]:
-        """Send the claim now (when a link to the peer is open) and keep at it in a task."""
+        """Send the claim now (when a link to the peer is open) and keep at it in a task,
+        or wait for the answer of a claim of the same request that covers this read."""
+        key: ClaimKey = (msg.remote_host, msg.remote_port, engine, msg.remote_req_id or msg.req_id,
+                         msg.remote_token)
+        now = time.monotonic()
+        got = self._shared.get(key)
+        if got is not None and now + reading_s <= got.covers_until + SHARE_SLACK_S and not (
+                got.answer.done() and (got.answer.cancelled() or got.answer.exception() is not None
+                                       or got.answer.result() is not None)):
+            self.shared += 1
+            mark("claim_shared")
+            return _mirror(got.answer, mark)
+        extend_s = reading_s + self.config.handshake_timeout_s + 1.0
         renew = LeaseRenew(seq=0, engine_id=engine, req_ids=[msg.remote_req_id or msg.req_id],
-                           extend_s=reading_s + self.config.handshake_timeout_s + 1.0,
-                           agent_name=self.agent_name, tokens=[msg.remote_token])
+                           extend_s=extend_s, agent_name=self.agent_name, tokens=[msg.remote_token])
         sent = self.peers.send_renewal(msg.remote_host, msg.remote_port, renew)  # now, before the read
         if sent is not None:
             mark("claim_sent")
-        return asyncio.ensure_future(self._run(msg, reading_s, renew, sent, peer, mark))
+        self.sent += 1
+        task = asyncio.ensure_future(self._run(msg, reading_s, renew, sent, peer, mark))
+        entry = self._shared[key] = _Shared(now + reading_s, task)
+        # forgotten once it can serve nobody: refused at once, else when its cover ends
+        loop = asyncio.get_running_loop()
+        task.add_done_callback(lambda t: loop.call_later(
+            0 if t.cancelled() or t.exception() is not None or t.result() is not None
+            else max(0.0, entry.covers_until + SHARE_SLACK_S - time.monotonic()),
+            self._forget, key, entry))
+        return task
+
+    def _forget(self, key: ClaimKey, entry: _Shared) -> None:
+        if self._shared.get(key) is entry:
+            del self._shared[key]
 
     async def _run(self, msg: Recv, reading_s: float, renew: LeaseRenew, sent: RenewalSent | None, peer: Peer,
                    mark: Callable[[str], None]) -> RequestError | None:
