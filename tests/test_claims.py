@@ -96,3 +96,21 @@ def test_a_refused_claim_is_every_waiting_rank_s_answer_and_nobody_s_after() -> 
     got, sent = asyncio.run(run())
     assert [e.code for e in got] == [ErrorCode.EXPIRED] * 3
     assert sent == 2  # the rank after the refusal asked again
+
+
+def test_after_a_receive_of_the_request_ended_nobody_joins_its_claim() -> None:
+    """A retried load of the same request (a proxy resends the decode with the same
+    kv_transfer_params) must ask the prefill again: the first read's final notice let it
+    release the lease, and a held answer from before would vouch for blocks that may hold
+    another request's KV (tests/test_state_pd.py's retried decode caught exactly that)."""
+    async def run() -> int:
+        peers = FakePeers()
+        c = claims(peers)
+        first = c.start(recv(rank=0), "p", 10.0, FakePeer(), lambda _: None)  # type: ignore[arg-type]
+        peers.release.set()
+        assert await first is None
+        c.ended(recv(rank=0), "p")
+        await c.start(recv(rank=0), "p", 10.0, FakePeer(), lambda _: None)  # type: ignore[arg-type]
+        return len(peers.sent)
+
+    assert asyncio.run(run()) == 2

@@ -10,8 +10,9 @@ One claim serves every local rank of a request (#35): each rank of a TP > 1 deco
 sends its own ``Recv``, and each used to send its own ``LeaseRenew`` for the same request
 (8 at TP 8, each a round trip and a lease extension at the prefill). A rank whose read ends
 within what a claim of its request, still pending or answered "held", extends the lease
-over (``SHARE_SLACK_S`` inside its margin) waits for that claim's answer instead; a claim
-that was refused or failed serves nobody after it.
+over (``SHARE_SLACK_S`` inside its margin) waits for that claim's answer instead, until a
+receive of the request ends (``ended``: the prefill may release once every rank read); a
+claim that was refused or failed serves nobody after it.
 """
 
 from __future__ import annotations
@@ -37,6 +38,10 @@ log = logging.getLogger("kvxfer.receiver")
 # request arrive milliseconds apart, each with its own deadline.
 SHARE_SLACK_S = 0.5
 ClaimKey = tuple[str, int, str, str, str]  # (host, port, prefill engine, its request id, token)
+
+
+def _key(msg: Recv, engine: str) -> ClaimKey:
+    return msg.remote_host, msg.remote_port, engine, msg.remote_req_id or msg.req_id, msg.remote_token
 
 
 @dataclass
@@ -83,8 +88,7 @@ class Claims:
               mark: Callable[[str], None]) -> asyncio.Future[RequestError | None]:
         """Send the claim now (when a link to the peer is open) and keep at it in a task,
         or wait for the answer of a claim of the same request that covers this read."""
-        key: ClaimKey = (msg.remote_host, msg.remote_port, engine, msg.remote_req_id or msg.req_id,
-                         msg.remote_token)
+        key = _key(msg, engine)
         now = time.monotonic()
         got = self._shared.get(key)
         if got is not None and now + reading_s <= got.covers_until + SHARE_SLACK_S and not (
@@ -109,6 +113,12 @@ class Claims:
             else max(0.0, entry.covers_until + SHARE_SLACK_S - time.monotonic()),
             self._forget, key, entry))
         return task
+
+    def ended(self, msg: Recv, engine: str) -> None:
+        """A receive of this request ended (its final ``ReadNotice`` follows): once every rank
+        read, the prefill releases the lease, so no receive may join its claim after one
+        ended (a retried load of the same request must ask the prefill again: "gone")."""
+        self._shared.pop(_key(msg, engine), None)
 
     def _forget(self, key: ClaimKey, entry: _Shared) -> None:
         if self._shared.get(key) is entry:
