@@ -114,3 +114,24 @@ def test_after_a_receive_of_the_request_ended_nobody_joins_its_claim() -> None:
         return len(peers.sent)
 
     assert asyncio.run(run()) == 2
+
+
+def test_a_rank_that_comes_after_the_answer_asks_for_itself() -> None:
+    """An answer vouches for the moment the prefill gave it: the lease may end right after
+    (the prefill engine aborted the request, a drain) and no arithmetic on the cover sees it,
+    so a read posted after the answer must not lean on it (a review's finding: a late rank
+    joined a "held" answer and would have read released blocks)."""
+    async def run() -> tuple[int, Any]:
+        peers = FakePeers()
+        c = claims(peers)
+        first = c.start(recv(rank=0), "p", 10.0, FakePeer(), lambda _: None)  # type: ignore[arg-type]
+        peers.release.set()
+        assert await first is None
+        peers.answer = "gone"  # released in between
+        late = await c.start(recv(rank=1), "p", 10.0, FakePeer(), lambda _: None)  # type: ignore[arg-type]
+        return len(peers.sent), late
+
+    sent, late = asyncio.run(run())
+    assert sent == 2
+    assert late is not None
+    assert late.code == ErrorCode.EXPIRED

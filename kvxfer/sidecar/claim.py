@@ -9,10 +9,12 @@ The answer is the claim task's result: None (held), or why the read must not be 
 One claim serves every local rank of a request (#35): each rank of a TP > 1 decode engine
 sends its own ``Recv``, and each used to send its own ``LeaseRenew`` for the same request
 (8 at TP 8, each a round trip and a lease extension at the prefill). A rank whose read ends
-within what a claim of its request, still pending or answered "held", extends the lease
-over (``SHARE_SLACK_S`` inside its margin) waits for that claim's answer instead, until a
-receive of the request ends (``ended``: the prefill may release once every rank read); a
-claim that was refused or failed serves nobody after it.
+within what a claim of its request extends the lease over (``SHARE_SLACK_S`` inside its
+margin) waits for that claim's answer instead, but only while the claim is unanswered: an
+answer vouches for the moment the prefill gave it, and a read posted after it could follow
+a release (the engine aborted, a drain) that no arithmetic sees; so a rank that comes later
+asks for itself, as every rank did before (a review found the wider window). Ranks of one
+local engine only, of the generation their request names.
 """
 
 from __future__ import annotations
@@ -37,17 +39,20 @@ log = logging.getLogger("kvxfer.receiver")
 # (of the margin a claim adds beyond the read and a handshake timeout, 1 s): ranks of one
 # request arrive milliseconds apart, each with its own deadline.
 SHARE_SLACK_S = 0.5
-ClaimKey = tuple[str, int, str, str, str]  # (host, port, prefill engine, its request id, token)
+# (host, port, prefill engine, its request id, token, its generation, the local engine)
+ClaimKey = tuple[str, int, str, str, str, str, str]
 
 
 def _key(msg: Recv, engine: str) -> ClaimKey:
-    return msg.remote_host, msg.remote_port, engine, msg.remote_req_id or msg.req_id, msg.remote_token
+    return (msg.remote_host, msg.remote_port, engine, msg.remote_req_id or msg.req_id, msg.remote_token,
+            msg.remote_generation, msg.engine_id)
 
 
 @dataclass
 class _Shared:
     covers_until: float  # monotonic: the end of the read it was sent for; one ending before
     # this plus SHARE_SLACK_S keeps all but the slack of the margin its own claim would give
+    # (and its own started ReadNotice extends the lease over it as well)
     answer: asyncio.Future[RequestError | None]
 
 
@@ -91,9 +96,7 @@ class Claims:
         key = _key(msg, engine)
         now = time.monotonic()
         got = self._shared.get(key)
-        if got is not None and now + reading_s <= got.covers_until + SHARE_SLACK_S and not (
-                got.answer.done() and (got.answer.cancelled() or got.answer.exception() is not None
-                                       or got.answer.result() is not None)):
+        if got is not None and not got.answer.done() and now + reading_s <= got.covers_until + SHARE_SLACK_S:
             self.shared += 1
             mark("claim_shared")
             return _mirror(got.answer, mark)
@@ -106,12 +109,7 @@ class Claims:
         self.sent += 1
         task = asyncio.ensure_future(self._run(msg, reading_s, renew, sent, peer, mark))
         entry = self._shared[key] = _Shared(now + reading_s, task)
-        # forgotten once it can serve nobody: refused at once, else when its cover ends
-        loop = asyncio.get_running_loop()
-        task.add_done_callback(lambda t: loop.call_later(
-            0 if t.cancelled() or t.exception() is not None or t.result() is not None
-            else max(0.0, entry.covers_until + SHARE_SLACK_S - time.monotonic()),
-            self._forget, key, entry))
+        task.add_done_callback(lambda _t: self._forget(key, entry))  # (answered: it serves nobody more)
         return task
 
     def ended(self, msg: Recv, engine: str) -> None:
