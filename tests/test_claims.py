@@ -98,7 +98,7 @@ def test_a_refused_claim_is_every_waiting_rank_s_answer_and_nobody_s_after() -> 
     assert sent == 2  # the rank after the refusal asked again
 
 
-def test_after_a_receive_of_the_request_ended_nobody_joins_its_claim() -> None:
+def test_a_retried_load_of_the_request_asks_again() -> None:
     """A retried load of the same request (a proxy resends the decode with the same
     kv_transfer_params) must ask the prefill again: the first read's final notice let it
     release the lease, and a held answer from before would vouch for blocks that may hold
@@ -109,7 +109,6 @@ def test_after_a_receive_of_the_request_ended_nobody_joins_its_claim() -> None:
         first = c.start(recv(rank=0), "p", 10.0, FakePeer(), lambda _: None)  # type: ignore[arg-type]
         peers.release.set()
         assert await first is None
-        c.ended(recv(rank=0), "p")
         await c.start(recv(rank=0), "p", 10.0, FakePeer(), lambda _: None)  # type: ignore[arg-type]
         return len(peers.sent)
 

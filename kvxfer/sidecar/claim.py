@@ -85,9 +85,7 @@ class Claims:
         self.book = book
         self.observer = observer
         self.agent_name = agent_name
-        self._shared: dict[ClaimKey, _Shared] = {}
-        self.sent = 0  # claims sent, ever
-        self.shared = 0  # receives that waited for another rank's claim, ever
+        self._shared: dict[ClaimKey, _Shared] = {}  # unanswered claims, for other ranks to join
 
     def start(self, msg: Recv, engine: str, reading_s: float, peer: Peer,
               mark: Callable[[str], None]) -> asyncio.Future[RequestError | None]:
@@ -97,7 +95,6 @@ class Claims:
         now = time.monotonic()
         got = self._shared.get(key)
         if got is not None and not got.answer.done() and now + reading_s <= got.covers_until + SHARE_SLACK_S:
-            self.shared += 1
             mark("claim_shared")
             return _mirror(got.answer, mark)
         extend_s = reading_s + self.config.handshake_timeout_s + 1.0
@@ -106,17 +103,10 @@ class Claims:
         sent = self.peers.send_renewal(msg.remote_host, msg.remote_port, renew)  # now, before the read
         if sent is not None:
             mark("claim_sent")
-        self.sent += 1
         task = asyncio.ensure_future(self._run(msg, reading_s, renew, sent, peer, mark))
         entry = self._shared[key] = _Shared(now + reading_s, task)
         task.add_done_callback(lambda _t: self._forget(key, entry))  # (answered: it serves nobody more)
         return task
-
-    def ended(self, msg: Recv, engine: str) -> None:
-        """A receive of this request ended (its final ``ReadNotice`` follows): once every rank
-        read, the prefill releases the lease, so no receive may join its claim after one
-        ended (a retried load of the same request must ask the prefill again: "gone")."""
-        self._shared.pop(_key(msg, engine), None)
 
     def _forget(self, key: ClaimKey, entry: _Shared) -> None:
         if self._shared.get(key) is entry:

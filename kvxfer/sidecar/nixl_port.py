@@ -37,7 +37,7 @@ from typing import Any, TypeVar
 
 from kvxfer.errors import ErrorCode
 from kvxfer.protocol import DigestItem, RankInfo, RegisterKV
-from kvxfer.sidecar.nixl_agent import create_agent, cuda_ucx_defaults
+from kvxfer.sidecar.nixl_agent import create_agent
 from kvxfer.sidecar.nixl_memory import Cleanup, Registrations
 from kvxfer.sidecar.nixl_reads import Reads
 from kvxfer.sidecar.nixl_staging import StagingArena, gather_ranks, new_read, warm_copies
@@ -269,8 +269,6 @@ class NixlPort:
         self._reads_().add(rd)
 
     def _create_agent(self) -> None:
-        if self.options.cuda:
-            cuda_ucx_defaults(os.environ)  # (the Sidecar set them first, before UCX was loaded)
         self._agent = create_agent(self.agent_name, self.options.ucx_error_mode, self.options.num_threads)
         cleanup = Cleanup()
         self._regs = Registrations(self._agent, self._pools, cleanup)

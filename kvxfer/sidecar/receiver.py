@@ -424,7 +424,6 @@ class Receiver:
         """The one way a receive ends: the engine first, then counters, then the prefill."""
         del self.recvs[key]
         self.staging.release(key)
-        self.claims.ended(state.msg, state.remote_engine)
         msg = state.msg
         peer = self.book.by_agent(state.peer_agent) if state.peer_agent else None
         if out.ok:
