@@ -55,7 +55,7 @@ from kvxfer.sidecar.engine_server import EngineServer, ipc_path, storm_proof
 from kvxfer.sidecar.engines import Advertised, Engines
 from kvxfer.sidecar.holds import Holds
 from kvxfer.sidecar.keepalive import LeaseKeeper
-from kvxfer.sidecar.lifecycle import Lifecycle, LifecycleView
+from kvxfer.sidecar.lifecycle import Coalesced, Lifecycle, LifecycleView
 from kvxfer.sidecar.nixl_agent import cuda_ucx_defaults
 from kvxfer.sidecar.nixl_port import NixlPort
 from kvxfer.sidecar.nixl_types import NoticeReceived, ReadFinished, ReadRefused, ReadStuck, TransferOptions
@@ -165,9 +165,11 @@ class Sidecar:
         es.on(RegisterKV, lambda ident, msg: self._spawn(self.engines.register(ident, msg, es.sender)))
         es.on(KeepAlive, lambda ident, msg: self._spawn(self.keeper.keepalive(ident, msg)))
         es.on(Unregister, lambda ident, msg: self.engines.unregister(ident, msg, es.sender))
+        gauges = Coalesced(self._gauges)  # (once per loop turn, not once per change)
         self.holds.changed.subscribe(self._holds_changed)
-        self.receiver.changed.subscribe(self._gauges)
-        self.engines.changed.subscribe(self._gauges)
+        self.holds.changed.subscribe(gauges)
+        self.receiver.changed.subscribe(gauges)
+        self.engines.changed.subscribe(gauges)
         self.lifecycle.subscribe(self._lifecycle_changed)
         o = self.observer
         # (read from the metrics thread: lengths and ints only, never an iteration)
@@ -331,7 +333,6 @@ class Sidecar:
         for out in self.holds.take_outbox():
             for ident in out.targets:
                 self.engine_server.send(ident, out.message)
-        self._gauges()
 
     def _gauges(self) -> None:
         """After any change of holds, receives or registrations: what is computed from them."""

@@ -129,8 +129,25 @@ class NixlPort:
         """Fail a read in flight (it reports through ``ReadFinished`` once settled)."""
         return await self._run(lambda: self._reads_().cancel(req_id, code, reason))
 
-    async def notify(self, agent: str, payload: bytes) -> None:
-        await self._run(lambda: self._agent.send_notif(agent, payload))
+    def notify_soon(self, agent: str, payload: bytes) -> None:
+        """Send a notification with no task and no future on the loop: here, when the NIXL
+        thread is outside NIXL with nothing queued (then nothing sent before it can still be
+        waiting), else behind what is queued. A failure is logged (the peer's own fate
+        reports itself through its reads)."""
+
+        def send() -> None:
+            try:
+                self._agent.send_notif(agent, payload)
+            except Exception as e:
+                log.warning("notification to %s not sent: %s", agent, e)
+
+        if self._cmds.empty() and self._thread.is_alive() and self._lock.acquire(blocking=False):
+            try:
+                send()
+            finally:
+                self._lock.release()
+            return
+        self._submit(send)
 
     async def digest(self, key: Hashable, items: list[DigestItem], region0: int = 0,
                      num_regions: int = 0) -> str:

@@ -91,17 +91,16 @@ def done_message(state: RecvState, read: ReadFinished | None) -> Done:
                 trace=None if state.trace is None else sorted(state.trace, key=lambda h: h[1]))
 
 
-async def notify_prefill(nixl: NixlPort, registry: RankRegistry, state: RecvState, ok: bool) -> None:
-    """The read notice for the prefill: every (pp, tp) rank of this engine reads once."""
+def notify_prefill(nixl: NixlPort, registry: RankRegistry, state: RecvState, ok: bool) -> None:
+    """The read notice for the prefill: every (pp, tp) rank of this engine reads once.
+    Sent at once, with no task of its own (one per receive used to cost a task, a future
+    and a turn of the loop)."""
     msg = state.msg
     entry = registry.get(state.local)
     readers = entry.layout.tp_size * entry.layout.pp_size if entry is not None else 0
     notice = ReadNotice(req_id=msg.remote_req_id or msg.req_id, tp_rank=msg.tp_rank, ok=ok, readers=readers,
                         engine_id=state.remote_engine, pp_rank=msg.pp_rank, token=msg.remote_token)
-    try:
-        await nixl.notify(state.peer_agent, encode(notice))
-    except Exception as e:
-        log.warning("read notice for %s to %s not sent: %s", notice.req_id, state.peer_agent, e)
+    nixl.notify_soon(state.peer_agent, encode(notice))
 
 
 def recv_key(req_id: str, tp_rank: int, engine: str = "", pp_rank: int = 0) -> str:
@@ -446,4 +445,4 @@ class Receiver:
         if out.drop_peer:
             self._spawn(self.peers.drop_peer(state.peer_agent, out.error.reason if out.error else ""))
         elif out.notice is not None:
-            self._spawn(notify_prefill(self.nixl, self.registry, state, out.notice))
+            notify_prefill(self.nixl, self.registry, state, out.notice)
