@@ -55,7 +55,7 @@ from kvxfer.sidecar.engine_server import EngineServer, ipc_path, storm_proof
 from kvxfer.sidecar.engines import Advertised, Engines
 from kvxfer.sidecar.holds import Holds
 from kvxfer.sidecar.keepalive import LeaseKeeper
-from kvxfer.sidecar.lifecycle import Coalesced, Lifecycle, LifecycleView
+from kvxfer.sidecar.lifecycle import Lifecycle, LifecycleView
 from kvxfer.sidecar.nixl_agent import cuda_ucx_defaults
 from kvxfer.sidecar.nixl_port import NixlPort
 from kvxfer.sidecar.nixl_types import NoticeReceived, ReadFinished, ReadRefused, ReadStuck, TransferOptions
@@ -88,6 +88,32 @@ def transfer_options(config: Config) -> TransferOptions:
         # NIXL thread stays the only one that drives NIXL)
         inline_bytes=0 if config.cuda_enabled else config.inline_read_kib << 10,
         staging_bytes=config.staging_mib << 20)
+
+
+class Coalesced:
+    """Call ``fn`` once at the end of this loop turn, however many times it was asked for
+    (a round of 64 receives used to recompute the gauges 128 times, each a sum over every
+    receive in flight). Outside a running loop (tests, shutdown) it calls at once."""
+
+    def __init__(self, fn: Callable[[], None]) -> None:
+        self._fn = fn
+        self._due = False
+
+    def __call__(self) -> None:
+        if self._due:
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            self._fn()
+            return
+        self._due = True
+        loop.call_soon(self._run)
+
+    def _run(self) -> None:
+        self._due = False
+        self._fn()
+
 
 
 class Sidecar:
@@ -165,11 +191,9 @@ class Sidecar:
         es.on(RegisterKV, lambda ident, msg: self._spawn(self.engines.register(ident, msg, es.sender)))
         es.on(KeepAlive, lambda ident, msg: self._spawn(self.keeper.keepalive(ident, msg)))
         es.on(Unregister, lambda ident, msg: self.engines.unregister(ident, msg, es.sender))
-        gauges = Coalesced(self._gauges)  # (once per loop turn, not once per change)
         self.holds.changed.subscribe(self._holds_changed)
-        self.holds.changed.subscribe(gauges)
-        self.receiver.changed.subscribe(gauges)
-        self.engines.changed.subscribe(gauges)
+        for part in (self.holds, self.receiver, self.engines):  # (gauges: once per loop turn)
+            part.changed.subscribe(Coalesced(self._gauges))
         self.lifecycle.subscribe(self._lifecycle_changed)
         o = self.observer
         # (read from the metrics thread: lengths and ints only, never an iteration)

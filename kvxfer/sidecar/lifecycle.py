@@ -12,7 +12,6 @@ the state (an async one schedules its own task); they must not raise.
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -110,27 +109,3 @@ class Signal:
         for fn in list(self._subscribers):
             fn()
 
-
-class Coalesced:
-    """Call ``fn`` once at the end of this loop turn, however many times it was asked for
-    (a round of 64 receives used to recompute the gauges 128 times, each a sum over every
-    receive in flight). Outside a running loop (tests, shutdown) it calls at once."""
-
-    def __init__(self, fn: Callable[[], None]) -> None:
-        self._fn = fn
-        self._due = False
-
-    def __call__(self) -> None:
-        if self._due:
-            return
-        try:
-            loop = asyncio.get_running_loop()
-        except RuntimeError:
-            self._fn()
-            return
-        self._due = True
-        loop.call_soon(self._run)
-
-    def _run(self) -> None:
-        self._due = False
-        self._fn()

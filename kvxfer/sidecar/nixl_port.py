@@ -52,6 +52,14 @@ T = TypeVar("T")
 _Command = tuple[Callable[[], Any], concurrent.futures.Future[Any]]
 
 
+def send_notif_logged(nixl_agent: Any, agent: str, payload: bytes) -> None:
+    """(a dead peer reports itself through its reads)"""
+    try:
+        nixl_agent.send_notif(agent, payload)
+    except Exception as e:
+        log.warning("notification to %s not sent: %s", agent, e)
+
+
 class NixlPort:
     def __init__(self, agent_name: str, options: TransferOptions, pools: PoolServer | None = None) -> None:
         self.agent_name = agent_name
@@ -130,24 +138,14 @@ class NixlPort:
         return await self._run(lambda: self._reads_().cancel(req_id, code, reason))
 
     def notify_soon(self, agent: str, payload: bytes) -> None:
-        """Send a notification with no task and no future on the loop: here, when the NIXL
-        thread is outside NIXL with nothing queued (then nothing sent before it can still be
-        waiting), else behind what is queued. A failure is logged (the peer's own fate
-        reports itself through its reads)."""
-
-        def send() -> None:
-            try:
-                self._agent.send_notif(agent, payload)
-            except Exception as e:
-                log.warning("notification to %s not sent: %s", agent, e)
-
+        """Send with no task or future: here if the NIXL thread idles with nothing queued, else queued."""
         if self._cmds.empty() and self._thread.is_alive() and self._lock.acquire(blocking=False):
             try:
-                send()
+                send_notif_logged(self._agent, agent, payload)
             finally:
                 self._lock.release()
-            return
-        self._submit(send)
+        else:
+            self._submit(lambda: send_notif_logged(self._agent, agent, payload))
 
     async def digest(self, key: Hashable, items: list[DigestItem], region0: int = 0,
                      num_regions: int = 0) -> str:
