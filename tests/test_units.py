@@ -253,3 +253,40 @@ def test_lease_extended_while_a_reader_is_reading() -> None:
     assert t.next_expiry() == 5.0
     assert [x.req_id for x in t.expire(5.0)] == ["a"]
     assert not t.extend(("e", "a"), 9.0)
+
+
+def test_gauges_are_coalesced_to_one_call_per_loop_turn() -> None:
+    import asyncio
+
+    from kvxfer.sidecar.app import Coalesced
+
+    calls: list[int] = []
+    c = Coalesced(lambda: calls.append(1))
+    c()  # no running loop: at once
+    assert calls == [1]
+
+    async def turns() -> None:
+        for _ in range(64):
+            c()
+        assert calls == [1]  # not yet: at the end of this turn
+        await asyncio.sleep(0)
+        assert calls == [1, 1]  # once for all 64
+        c()
+        await asyncio.sleep(0)
+        assert calls == [1, 1, 1]
+
+    asyncio.run(turns())
+
+    loop = asyncio.new_event_loop()
+    loop.call_soon(c)
+    loop.call_soon(loop.stop)  # the loop stops, and closes, before the call it scheduled runs
+    loop.run_forever()
+    loop.close()
+    n = len(calls)
+
+    async def next_loop() -> None:
+        c()
+        await asyncio.sleep(0)
+
+    asyncio.run(next_loop())
+    assert len(calls) > n, "a call left scheduled on a closed loop blocked every later one"

@@ -97,23 +97,22 @@ class Coalesced:
 
     def __init__(self, fn: Callable[[], None]) -> None:
         self._fn = fn
-        self._due = False
+        self._due: asyncio.AbstractEventLoop | None = None  # the loop a call is scheduled on
 
     def __call__(self) -> None:
-        if self._due:
-            return
         try:
             loop = asyncio.get_running_loop()
         except RuntimeError:
             self._fn()
             return
-        self._due = True
+        if self._due is loop:  # (a call scheduled on a loop that closed before running it: again)
+            return
+        self._due = loop
         loop.call_soon(self._run)
 
     def _run(self) -> None:
-        self._due = False
+        self._due = None
         self._fn()
-
 
 
 class Sidecar:
