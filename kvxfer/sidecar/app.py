@@ -191,8 +191,9 @@ class Sidecar:
         es.on(KeepAlive, lambda ident, msg: self._spawn(self.keeper.keepalive(ident, msg)))
         es.on(Unregister, lambda ident, msg: self.engines.unregister(ident, msg, es.sender))
         self.holds.changed.subscribe(self._holds_changed)
-        for part in (self.holds, self.receiver, self.engines):  # (gauges: once per loop turn)
-            part.changed.subscribe(Coalesced(self._gauges))
+        gauges = Coalesced(self._gauges)  # (once per loop turn, whichever parts changed)
+        for part in (self.holds, self.receiver, self.engines):
+            part.changed.subscribe(gauges)
         self.lifecycle.subscribe(self._lifecycle_changed)
         o = self.observer
         # (read from the metrics thread: lengths and ints only, never an iteration)

@@ -108,4 +108,3 @@ class Signal:
     def emit(self) -> None:
         for fn in list(self._subscribers):
             fn()
-
