@@ -25,6 +25,11 @@ def test_bench_quick_reports_every_field() -> None:
         assert r["raw_nixl_gbps"] > 0
         assert r["memcpy_gbps"] > 0
     assert [s["inflight"] for s in res["step_overhead"]] == [0, 16]
+    ch = res["engine_channel"]  # (#38: through the sidecar beside a bare pyzmq echo)
+    assert ch["n"] == 200
+    assert ch["kvxfer"]["rtt_p50_us"] > 0
+    assert ch["bare_pyzmq"]["rtt_p50_us"] > 0
+    assert "engine channel" in out.stdout
     assert res["descriptor_prep_ms"][0]["descriptors"] == 10_000 * 64
     # random block ids in the layer-outer layout: one descriptor per (layer, K/V, block)
     assert [r["descriptors"] for r in res["sizes"]] == [64, 8 * 64, 32 * 64]

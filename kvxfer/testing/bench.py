@@ -40,6 +40,7 @@ from typing import Any
 from kvxfer.client import RemoteBlocks
 from kvxfer.config import Config
 from kvxfer.sidecar.nixl_agent import cuda_ucx_defaults
+from kvxfer.testing.bench_channel import engine_channel
 from kvxfer.testing.bench_measure import (
     _concurrency,
     _desc_prep,
@@ -95,6 +96,7 @@ def run_bench(quick: bool = False, mode: str = "peer", device: str = "cpu",
         if not cuda:
             out["layouts"] = _layouts(f, serve, 3 if quick else 5)
         out["step_overhead"] = _step_overhead(f, [0, 16] if quick else [0, 16, 256])
+        out["engine_channel"] = engine_channel(f.start("bench-chan", *serve).endpoint, 200 if quick else 2000)
         out["fan_in"] = _fan_in(f, [1, 2] if quick else [1, 2, 4], serve, device)
         out["verify_cost"] = _verify_cost(f, [1, 8] if quick else [1, 8, 32], 3 if quick else 7, base,
                                           device)

@@ -48,6 +48,12 @@ def print_table(res: dict[str, Any]) -> None:
               f"{r['ratio_vs_memcpy']:>9.2f}")
     print("  step overhead: " + ", ".join(
         f"{s['inflight']} in flight p50 {s['p50_us']} us p99 {s['p99_us']} us" for s in res["step_overhead"]))
+    if res.get("engine_channel"):
+        ch = res["engine_channel"]
+        kv, bare = ch["kvxfer"], ch["bare_pyzmq"]
+        print(f"  engine channel (a {ch['message_bytes']}-byte Ping, n={ch['n']}): one way p50 "
+              f"{kv['one_way_p50_us']} us through the sidecar, {bare['one_way_p50_us']} us bare pyzmq "
+              f"(round trip p99 {kv['rtt_p99_us']} / {bare['rtt_p99_us']} us)")
     print(f"  first transfer (1 block): cold {res['first_transfer_ms_cold']} ms, "
           f"warm {res['first_transfer_ms_warm']} ms")
     fc = res["fixed_cost_us"]
