@@ -139,7 +139,7 @@ class NixlPort:
 
     def notify_soon(self, agent: str, payload: bytes) -> None:
         """Send with no task or future: here if the NIXL thread idles with nothing queued, else queued."""
-        if self._cmds.empty() and self._thread.is_alive() and self._lock.acquire(blocking=False):
+        if self._here():
             try:
                 send_notif_logged(self._agent, agent, payload)
             finally:
@@ -218,17 +218,17 @@ class NixlPort:
         assert self._reads is not None, "NIXL not started"
         return self._reads
 
+    def _here(self) -> bool:
+        """The loop may call NIXL now (holding the lock: release it): no command is queued (those
+        run first; only the loop queues them) and the NIXL thread runs, outside NIXL."""
+        return self._thread.is_alive() and self._cmds.empty() and self._lock.acquire(blocking=False)
+
     def _read_inline(self, spec: ReadSpec) -> bool:
         """Post a small read on the calling thread, with no hand-off to the NIXL thread and
         back; False (nothing done) when the NIXL thread is inside NIXL right now or has
         commands queued, when the read is larger than ``inline_bytes`` (the loop would be
         held for the copy) or when the chunk cap is reached."""
-        if self.options.inline_bytes <= 0 or not self._thread.is_alive() or spec.staged is not None:
-            return False
-        # Commands still queued (a registration, a peer's removal or reload) were submitted
-        # first and must run first: this read then goes behind them. (Only the loop queues
-        # commands, and the loop is here: none can arrive between this check and the post.)
-        if not self._cmds.empty() or not self._lock.acquire(blocking=False):
+        if self.options.inline_bytes <= 0 or spec.staged is not None or not self._here():
             return False
         try:
             regs, reads = self._regs_(), self._reads_()

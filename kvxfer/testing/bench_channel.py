@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import shutil
 import statistics
 import tempfile
 import time
@@ -87,4 +88,5 @@ def engine_channel(endpoint: str, n: int) -> dict[str, Any]:
         proc.join(5)
         if proc.is_alive():
             proc.kill()
+        shutil.rmtree(folder, ignore_errors=True)
     return {"n": len(kv), "message_bytes": len(payload), "kvxfer": _stats(kv), "bare_pyzmq": _stats(raw)}
