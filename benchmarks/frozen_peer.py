@@ -68,6 +68,8 @@ def main() -> None:
     ap.add_argument("--notif", action="store_true", help="send_notif to the peer after the first post")
     ap.add_argument("--memfd", action="store_true", help="memfd-backed buffers, as the sidecar's pools")
     ap.add_argument("--other-thread", action="store_true", help="post from another thread than the warm-up")
+    ap.add_argument("--readd", action="store_true", help="after the resume: release the handles, load the "
+                    "peer again, and read from it (what a re-handshake does)")
     args = ap.parse_args()
     ctx = mp.get_context("fork")
     parent, child = ctx.Pipe()
@@ -128,7 +130,29 @@ def main() -> None:
         _states(a, handles)
         time.sleep(0.005)
     print(f"  bytes written after the reuse and the peer's resume: {int(np.count_nonzero(loc))}")
+    if args.readd:
+        _readd(a, md, handles, post, loc)
     t.kill()
+
+
+def _readd(a: Any, md: bytes, handles: list[Any], post: Any, loc: np.ndarray) -> None:
+    refused = 0
+    for h in handles:
+        try:
+            a.release_xfer_handle(h)
+        except Exception:
+            refused += 1
+    print(f"  release of the {len(handles)} settled handles: {refused} refused")
+    t0 = time.monotonic()
+    a.add_remote_agent(md)
+    h = post(0, SIZE)
+    while (state := a.check_xfer_state(h)) == "PROC" and time.monotonic() - t0 < 5.0:
+        a.get_new_notifs()
+        time.sleep(0.001)
+    a.release_xfer_handle(h)
+    ok = bool((loc == 0xAB).all())
+    print(f"  peer loaded again, one {SIZE >> 20} MiB read: {state} in {time.monotonic() - t0:.3f} s, "
+          f"bytes right: {ok}")
 
 
 if __name__ == "__main__":

@@ -115,6 +115,11 @@ class Config:
     transfer_timeout_s: float = _doc("Default deadline of one receive (handshake included).",
                                      default=30.0)
     handshake_timeout_s: float = _doc("How long a peer handshake may take.", default=5.0)
+    peer_stall_s: float = _doc("A peer sidecar that owes this one an answer (a claim, a keep-alive, "
+                               "a probe while reads from it run) and says nothing for this long is "
+                               "stalled (frozen, wedged): its reads are stopped and settled, they "
+                               "fail peer_stalled, and it is handshaked again, within this long, "
+                               "before its next use. 0: off (wait for each deadline).", default=2.0)
     settle_timeout_s: float = _doc("A failed read is reported once its in-flight NIXL chunks "
                                    "stopped (they could still write into its blocks); if they "
                                    "have not after this long, the sidecar exits (status 3) so "
@@ -196,6 +201,8 @@ class Config:
                      "active_poll_ms", "settle_timeout_s", "max_read_s", "max_lease_s"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be > 0")
+        if self.peer_stall_s < 0:
+            raise ConfigError("peer_stall_s must be >= 0 (0: off)")
         if self.role not in ("prefill", "decode", "both"):
             raise ConfigError(f"role must be prefill, decode or both, not {self.role!r}")
         if not 0 <= self.metrics_port < 65536:

@@ -44,6 +44,7 @@ class ErrorCode(enum.StrEnum):
     RANK_TAKEN = "rank_taken"  # another live engine process registered that (engine, dp, pp, tp) rank
     OUT_OF_MEMORY = "out_of_memory"  # a KV pool larger than the memory available (or --max-pool-bytes)
     UNSUPPORTED = "unsupported"  # not possible on this sidecar (a GPU pool without cuda-bindings or VMM)
+    PEER_STALLED = "peer_stalled"  # the peer owed an answer, silent for --peer-stall-s: reads stopped
 
 
 class KvxferError(Exception):

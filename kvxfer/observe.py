@@ -97,6 +97,8 @@ class Observer:
         self.m_expired = Counter("kvxfer_leases_expired", "Prefill holds whose lease ran out.", registry=r)
         self.m_handshakes = Counter("kvxfer_handshakes", "Peer handshakes, by result.", ["result"],
                                     registry=r)
+        self.m_stalls = Counter("kvxfer_peer_stalls", "Peers dropped as stalled: they owed an answer and "
+                                "said nothing for --peer-stall-s (their reads were stopped).", registry=r)
         self.m_handshake_s = Histogram("kvxfer_handshake_duration_seconds", "Peer handshake duration.",
                                        buckets=TIME_BUCKETS, registry=r)
         self.m_bad = Counter("kvxfer_bad_messages", "Messages refused as malformed or unknown.",
@@ -283,6 +285,11 @@ class Observer:
 
     def peer_dropped(self, peer: str, reason: str) -> None:
         self.emit(Event("peer_disconnected", peer=peer, reason=reason))
+
+    def peer_stalled(self, peer: str, reason: str) -> None:
+        self.m_stalls.inc()
+        log.warning("%s", reason)
+        self.emit(Event("peer_stalled", peer=peer, code="peer_stalled", reason=reason))
 
     def control_denied(self, method: str, code: str, peer: str, reason: str) -> None:
         self.totals.control_denied += 1

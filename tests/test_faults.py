@@ -282,7 +282,8 @@ def test_a_lease_over_while_its_sidecar_was_stopped_is_never_renewed(sidecars: S
     """A prefill sidecar stopped past a lease's end: its engine may free those blocks (a
     silent sidecar's holds are freed at their deadline), so a claim that is answered after it
     resumes must find the lease over, not extend it (even before its expiry timer has run)."""
-    ds = sidecars.start("lstop-d", "--handshake-timeout-s", "5")
+    ds = sidecars.start("lstop-d", "--handshake-timeout-s", "5", "--peer-stall-s", "0")  # (the lease, not
+    # the stall, is what this test judges: tests/test_stalls.py has those)
     ps = sidecars.start("lstop-p", metrics_port=free_port())
     d, p = SyntheticEngine(BIG, ds.endpoint, seed=2), SyntheticEngine(BIG, ps.endpoint, seed=1)
     d.start()
@@ -619,7 +620,9 @@ def test_a_read_that_cannot_settle_exits_3_at_once() -> None:
     on the frozen peer's endpoints or on open handshake sockets."""
     with SidecarFactory() as f:
         ps = f.start("stuck-p", "--handshake-timeout-s", "2")
-        ds = f.start("stuck-d", "--handshake-timeout-s", "2", "--settle-timeout-s", "1")
+        # (--peer-stall-s 0: the last resort, for a read that settles no other way)
+        ds = f.start("stuck-d", "--handshake-timeout-s", "2", "--settle-timeout-s", "1",
+                     "--peer-stall-s", "0")
         lay = make_layout(layers=2, num_blocks=32, heads=2, head_dim=64)
         p, d = SyntheticEngine(lay, ps.endpoint, seed=1), SyntheticEngine(lay, ds.endpoint, seed=2)
         try:

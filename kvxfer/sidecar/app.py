@@ -66,6 +66,7 @@ from kvxfer.sidecar.peer_server import PeerServer
 from kvxfer.sidecar.pool_server import PoolServer
 from kvxfer.sidecar.receiver import Receiver
 from kvxfer.sidecar.registry import RankRegistry
+from kvxfer.sidecar.stall_guard import StallGuard
 from kvxfer.systemd import Notifier
 
 log = logging.getLogger("kvxfer.sidecar")  # (the name operators filter on)
@@ -162,6 +163,7 @@ class Sidecar:
         self.receiver = Receiver(config=config, registry=self.registry, peers=self.peers, book=self.book,
                                  nixl=self.nixl, observer=self.observer, send=self.engine_server.send,
                                  spawn=self._spawn, agent_name=self.agent_name, abandoned=self.abandoned)
+        self.stalls = StallGuard(config, self.peers, self.book, self.receiver.reading_from)
         self.keeper = LeaseKeeper(config, self.peers, self.book, self.engine_server.send, self.agent_name)
         self.engines = Engines(config=config, registry=self.registry, receiver=self.receiver,
                                holds=self.holds, pools=self.pools, abandoned=self.abandoned,
@@ -253,6 +255,8 @@ class Sidecar:
         self._loops = [asyncio.ensure_future(coro) for coro in (
             self.engine_server.serve(), self.peer_server.serve(self.hs_sock), self.holds.run(),
             self._engine_watch_loop())]
+        if self.stalls.enabled:
+            self._loops.append(asyncio.ensure_future(self.stalls.run()))
         if self.systemd.enabled:
             self._loops.append(asyncio.ensure_future(self._systemd_loop()))
         for task in self._loops:

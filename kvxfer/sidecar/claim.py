@@ -134,7 +134,8 @@ class Claims:
                 if not isinstance(e, RequestError):
                     log.exception("claim of %s failed", msg.req_id)
                 why = e.reason if isinstance(e, RequestError) else repr(e)
-                return RequestError(ErrorCode.EXPIRED,
+                stalled = isinstance(e, RequestError) and e.code == ErrorCode.PEER_STALLED
+                return RequestError(ErrorCode.PEER_STALLED if stalled else ErrorCode.EXPIRED,
                                     f"the prefill did not confirm it still holds the blocks: {why}")
             moved = (None if msg.remote_generation or not peer.outdated_by(got.generation)
                      else (peer.generation, got.generation))

@@ -210,8 +210,9 @@ class Registrations:
         self.peers[name] = {info.key: info for info in ranks}
         return name
 
-    def remove_peer(self, name: str, settling: set[str]) -> bool:
-        """Forget a peer now; its lists and NIXL entry go once ``settling`` settled."""
+    def remove_peer(self, name: str, settling: set[str], at_once: bool = False) -> bool:
+        """Forget a peer now; its lists go once ``settling`` settled, and its NIXL entry too
+        (``at_once``: now, which ends the transfers in flight against it)."""
         known = self.peers.pop(name, None) is not None
         pairs = self._take_pairs(lambda key: key[0] == name)
         self._cleanup.after(settling, lambda: self._release_pairs(pairs))
@@ -222,7 +223,11 @@ class Registrations:
             except Exception as e:  # unknown to NIXL already
                 log.debug("remove_remote_agent(%s): %s", name, e)
 
-        self._cleanup.after(settling, forget, peer=name)
+        if at_once:
+            self._cleanup.keep_peer(name)  # (a deferred removal of it must not remove a later load)
+            forget()
+        else:
+            self._cleanup.after(settling, forget, peer=name)
         return known
 
     # ------------------------------------------------------------------ reads

@@ -126,8 +126,13 @@ class NixlPort:
         re-handshaked: its entry is replaced (``reload``: its registrations changed)."""
         return await self._run(lambda: self._add_peer(name, metadata, ranks, reload))
 
-    async def remove_peer(self, name: str, reason: str) -> bool:
-        return await self._run(lambda: self._remove_peer(name, reason, ErrorCode.PEER_DISCONNECTED))
+    async def remove_peer(self, name: str, reason: str, stalled: bool = False) -> bool:
+        """Its reads fail (``peer_disconnected``; ``peer_stalled`` for a stalled peer, whose
+        NIXL entry goes at once: in UCX peer mode the READs of a frozen target never end, and
+        removing it ends them within half a second, with nothing landing after;
+        benchmarks/frozen_peer.py). Otherwise the entry goes once its reads settled."""
+        code = ErrorCode.PEER_STALLED if stalled else ErrorCode.PEER_DISCONNECTED
+        return await self._run(lambda: self._remove_peer(name, reason, code, at_once=stalled))
 
     async def metadata(self) -> bytes:
         warm_copies(self._arena)  # (a peer is handshaking: staged reads may follow)
@@ -267,9 +272,9 @@ class NixlPort:
             self._remove_peer(name, "peer metadata replaced", ErrorCode.TRANSFER_ERROR)
         return self._regs_().add_peer(name, metadata, ranks, reload)
 
-    def _remove_peer(self, name: str, reason: str, code: str) -> bool:
+    def _remove_peer(self, name: str, reason: str, code: str, at_once: bool = False) -> bool:
         settling = self._reads_().fail_where(lambda r: r.peer == name, code, reason)
-        return self._regs_().remove_peer(name, settling)
+        return self._regs_().remove_peer(name, settling, at_once)
 
     def _start_read(self, spec: ReadSpec) -> None:
         """Plan a read and queue it for posting (``started_notice`` goes to the peer right

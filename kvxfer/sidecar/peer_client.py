@@ -14,6 +14,7 @@ listener's secret-derived key (the NIXL metadata it carries is never in clear).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import socket
 import time
@@ -48,6 +49,7 @@ from kvxfer.protocol import (
     encode,
     handshake_reply_decoder,
 )
+from kvxfer.sidecar.liveness import Liveness
 from kvxfer.sidecar.nixl_port import NixlPort
 from kvxfer.sidecar.peer_book import Peer, PeerBook
 from kvxfer.sidecar.registry import RankRegistry
@@ -107,12 +109,13 @@ class PeerLink:
     """One DEALER connection to a peer's handshake listener for small request/reply calls
     (lease renewals: one per read, so no connect per call). Replies are matched by ``seq``."""
 
-    def __init__(self, sock: zmq.asyncio.Socket, secret: bytes = b"") -> None:
+    def __init__(self, sock: zmq.asyncio.Socket, secret: bytes = b"", stall_s: float = 0.0) -> None:
         self.sock = sock
         self.secret = secret  # what every request on this link is signed with (b"": nothing)
         self._seq = 0
         self._waiting: dict[int, asyncio.Future[Any]] = {}
         self.closed = False
+        self.liveness = Liveness(stall_s, time.monotonic())  # what the peer owes, when it last spoke
 
     async def call(self, req: LinkRequest, timeout_s: float) -> Any:
         return await self.answer(self.send(req), timeout_s)
@@ -126,6 +129,7 @@ class PeerLink:
             req = sign_request(self.secret, req)
         fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         self._waiting[seq] = fut
+        self.liveness.asked(seq, time.monotonic())
 
         def sent(f: asyncio.Future[Any]) -> None:  # (pyzmq sends at once and reports in a future)
             e = None if f.cancelled() else f.exception()
@@ -145,17 +149,20 @@ class PeerLink:
                                f"no answer from the peer in {timeout_s}s") from None
         finally:
             self._waiting.pop(seq, None)
+            self.liveness.dropped(seq)  # (answered: gone already; else nobody waits for it now)
 
     async def run(self) -> None:
         """Hand each reply to its caller until closed."""
         try:
             while not self.closed:
                 frames = await self.sock.recv_multipart()
+                self.liveness.heard(time.monotonic())
                 try:
                     reply = handshake_reply_decoder.decode(frames[0])
                 except DECODE_ERRORS:
                     continue
                 if isinstance(reply, LeaseState | Staged):
+                    self.liveness.answered(reply.seq, time.monotonic())
                     fut = self._waiting.get(reply.seq)
                     if fut is not None and not fut.done():
                         fut.set_result(reply)
@@ -168,10 +175,15 @@ class PeerLink:
         finally:
             self.close()
 
-    def close(self) -> None:
+    def close(self, why: RequestError | None = None) -> None:
+        """Close the socket; with ``why``, every call still waiting fails with it at once."""
         if not self.closed:
             self.closed = True
             self.sock.close(0)
+        if why is not None:
+            for fut in self._waiting.values():
+                if not fut.done():
+                    fut.set_exception(RequestError(why.code, why.reason))
 
 
 RenewalSent = tuple[PeerLink, tuple[int, "asyncio.Future[Any]"]]  # PeerClient.send_renewal
@@ -191,6 +203,7 @@ class PeerClient:
         self._links: dict[str, PeerLink] = {}
         self._link_tasks: set[asyncio.Task[None]] = set()
         self._socks: weakref.WeakSet[zmq.asyncio.Socket] = weakref.WeakSet()  # every socket dialed
+        self._stalled: set[str] = set()  # endpoints dropped as stalled and not handshaked since
 
     # ---------------------------------------------------------------- peers
 
@@ -239,6 +252,46 @@ class PeerClient:
             log.debug("remove_peer(%s): %s", agent, e)
         return bool(gone)
 
+    # ---------------------------------------------------------------- stalls (kvxfer.sidecar.liveness)
+
+    def stalled_links(self, now: float) -> list[tuple[str, float]]:
+        """(endpoint, seconds silent) of every link whose peer owes an answer and said
+        nothing for --peer-stall-s."""
+        return [(key, link.liveness.silent_s(now)) for key, link in self._links.items()
+                if not link.closed and link.liveness.stalled(now)]
+
+    def probe_due(self, key: str, now: float) -> bool:
+        """Whether a peer that reads run against should be asked for a sign of life now."""
+        link = self._links.get(key)
+        return link is not None and not link.closed and link.liveness.probe_due(now)
+
+    async def probe(self, host: str, port: int, engine_id: str) -> None:
+        """A renewal of no lease: its answer is the sign of life (no answer: see stalled_links)."""
+        with contextlib.suppress(RequestError):
+            await self.call_peer(host, port, LeaseRenew(seq=0, engine_id=engine_id, req_ids=[],
+                                                        agent_name=self.channel.agent_name),
+                                 2 * self.config.peer_stall_s)
+
+    async def drop_stalled(self, key: str, silent_s: float) -> None:
+        """A stalled peer: the calls waiting on its link fail ``peer_stalled`` now, its reads are
+        stopped and settled at once (``NixlPort.remove_peer``), and it is handshaked again,
+        with --peer-stall-s for an answer, before its next use."""
+        reason = (f"peer {key} owed an answer and said nothing for {silent_s:.1f}s (--peer-stall-s "
+                  f"{self.config.peer_stall_s:g}): stalled; its reads are stopped")
+        self._stalled.add(key)
+        link = self._links.pop(key, None)
+        if link is not None:
+            link.close(RequestError(ErrorCode.PEER_STALLED, reason))
+        self.observer.peer_stalled(key, reason)
+        peer = self.book.get(key)
+        if peer is None:
+            return
+        self.book.drop(peer.agent_name)
+        try:
+            await self.nixl.remove_peer(peer.agent_name, reason, stalled=True)
+        except Exception as e:
+            log.warning("remove_peer(%s): %s", peer.agent_name, e)
+
     # ---------------------------------------------------------------- the handshake
 
     async def _handshake(self, host: str, port: int) -> Peer:
@@ -266,6 +319,7 @@ class PeerClient:
                     ranks={r.key: r for r in infos}, handshake_s=took, connected_unix=time.time(),
                     generation=reply.generation, staging_bytes=reply.staging_bytes)
         self.book.put(peer)
+        self._stalled.discard(key)
         self.observer.handshake(key, True, took)
         log.info("handshake with %s (%s) in %.1f ms", key, peer.engine_id, took * 1e3)
         return peer
@@ -308,6 +362,8 @@ class PeerClient:
     async def _ask(self, sock: zmq.asyncio.Socket, msg: Hello, key: str, start: float,
                    ch: PeerChannel) -> tuple[Any, list[bytes]]:
         timeout_s = self.config.handshake_timeout_s
+        if key in self._stalled and self.config.peer_stall_s:  # (it stalled: fail its requests fast)
+            timeout_s = min(timeout_s, self.config.peer_stall_s)
         await sock.send(encode(msg))
         if not await sock.poll(int(max(0.0, start + timeout_s - time.monotonic()) * 1000)):
             # CurveZMQ gives no answer at all to a mismatched peer: say what it may be
@@ -337,7 +393,7 @@ class PeerClient:
             link = self._links.get(key)  # (another call may have opened one meanwhile: one link each)
         if link is None or link.closed:
             ch = self.channel.toward(addr)
-            link = PeerLink(self._dial(addr, ch), ch.secret)
+            link = PeerLink(self._dial(addr, ch), ch.secret, self.config.peer_stall_s)
             self._links[key] = link
             task = asyncio.ensure_future(link.run())
             self._link_tasks.add(task)

@@ -109,9 +109,10 @@ class Receive:
         if not event.ok:
             err = RequestError(event.code, event.reason, self.req_id)
             disconnected = event.code == ErrorCode.PEER_DISCONNECTED
+            stalled = event.code == ErrorCode.PEER_STALLED  # (dropped already; no notice to it)
             return self._end(Outcome(Exit.READ_FAILED, error=err, read=event,
-                                     notice=None if disconnected else False, drop_peer=disconnected,
-                                     peer_failed=True))
+                                     notice=None if disconnected or stalled else False,
+                                     drop_peer=disconnected, peer_failed=True))
         self._read = event
         return self._after_read()
 

@@ -175,6 +175,10 @@ class Receiver:
     def __len__(self) -> int:
         return len(self.recvs)
 
+    def reading_from(self) -> set[str]:
+        """The peers (host:port) that reads in flight run against."""
+        return {st.peer for st in self.recvs.values() if st.machine.read_in_flight}
+
     # ------------------------------------------------------------------ engine requests
 
     def on_recv(self, ident: bytes, msg: Recv, sender: Creds, draining: bool = False,

@@ -1,0 +1,59 @@
+"""Finds stalled peers and drops them (#37; the judgement is ``kvxfer.sidecar.liveness``).
+
+Every tick (a quarter of --peer-stall-s, at most 0.25 s): a peer whose link owes an answer
+and has been silent for --peer-stall-s is dropped (``PeerClient.drop_stalled``: its waiting
+claims and its reads fail ``peer_stalled``, its reads settle at once, the next request
+handshakes it again); a peer that reads run against, owing nothing and silent for a quarter of
+that, is probed with a renewal of no lease.
+
+Why the claim keeps its word: a read is delivered only once the prefill sidecar answered
+its claim, so a peer that stopped answering never has a read delivered, whatever its
+memory did meanwhile (over RDMA a frozen process's NIC still serves READs: the bytes may
+land, and are still refused). The engine is told only once the read settled, so nothing
+lands in blocks it reuses.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+
+from kvxfer.config import Config
+from kvxfer.sidecar.peer_book import PeerBook
+from kvxfer.sidecar.peer_client import PeerClient
+
+
+class StallGuard:
+    def __init__(self, config: Config, peers: PeerClient, book: PeerBook,
+                 reading_from: Callable[[], set[str]]) -> None:
+        self.config = config
+        self.peers = peers
+        self.book = book
+        self.reading_from = reading_from  # endpoints that reads in flight run against
+        self._probes: set[asyncio.Task[None]] = set()
+
+    @property
+    def enabled(self) -> bool:
+        return self.config.peer_stall_s > 0
+
+    async def run(self) -> None:
+        tick = min(0.25, self.config.peer_stall_s / 4)
+        try:
+            while True:
+                await asyncio.sleep(tick)
+                await self.check(time.monotonic())
+        finally:
+            for task in self._probes:
+                task.cancel()
+
+    async def check(self, now: float) -> None:
+        for key, silent_s in self.peers.stalled_links(now):
+            await self.peers.drop_stalled(key, silent_s)
+        for key in self.reading_from():
+            peer = self.book.get(key)
+            if peer is not None and self.peers.probe_due(key, now):
+                host, _, port = key.rpartition(":")
+                task = asyncio.ensure_future(self.peers.probe(host, int(port), peer.engine_id))
+                self._probes.add(task)
+                task.add_done_callback(self._probes.discard)
