@@ -143,8 +143,9 @@ def test_link_down_for_good_the_decode_sidecar_fences_by_exiting(
     GETs (measured: nothing in 150 s, with or without UCX keepalive tuning), so the read
     cannot settle: after settle_timeout_s the decode sidecar exits with status 3, taking
     its endpoints with it, rather than report a failure that would let the engine reuse
-    blocks a late chunk may still write. Restarted, it serves again."""
-    p, d, ps, ds = start_pair(sidecars, "ns2", decode_args=("--settle-timeout-s", "3"))
+    blocks a late chunk may still write. Restarted, it serves again. (The last resort: with
+    --peer-stall-s on, the silent peer's removal settles them first; the next test.)"""
+    p, d, ps, ds = start_pair(sidecars, "ns2", decode_args=("--settle-timeout-s", "3", "--peer-stall-s", "0"))
     try:
         t0 = warm_then_cut(p, d, deadline_s=1.5)
         try:
@@ -186,15 +187,18 @@ def test_link_down_for_good_the_decode_sidecar_fences_by_exiting(
         d.close()
 
 
+@pytest.mark.parametrize("stall", ["0", "1"])
 def test_a_failed_read_is_reported_only_when_no_late_write_can_land(
-    hosts: None, sidecars: SidecarFactory
+    hosts: None, sidecars: SidecarFactory, stall: str
 ) -> None:
     """The read hits its deadline while the link is down with GETs in flight. Reporting
     Failed then would let the engine reuse the blocks while the prefill side's queued
     responses wait to be retransmitted (measured: they land once the link is back). The
     sidecar reports Failed only when those chunks stopped; the blocks, reused at once by
-    the engine (here: another request's data), stay intact."""
-    p, d, _, ds = start_pair(sidecars, "ns3")
+    the engine (here: another request's data), stay intact. With --peer-stall-s 0 they stop
+    when the link is back; with it on, the silent peer is dropped after --peer-stall-s and
+    the removal of its NIXL entry stops them at once (closes its endpoints), before."""
+    p, d, _, ds = start_pair(sidecars, f"ns3{stall}", decode_args=("--peer-stall-s", stall))
     try:
         t_cut = warm_then_cut(p, d, deadline_s=1.5)
         restore = threading.Timer(3.0, ip, ("-n", NS_D, "link", "set", VETH_D, "up"))
@@ -209,9 +213,15 @@ def test_a_failed_read_is_reported_only_when_no_late_write_can_land(
         d.fill("reused", db)  # what vLLM does next: recompute into the same blocks
         print(f"\nFailed after {took:.2f}s (deadline 1.5s, link back at 3s): {got.failed[0].reason}")
         assert got.failed, "the 120 MiB read over TCP finished before the cut"
-        assert got.failed[0].code == ErrorCode.DEADLINE
+        # (stalled at --peer-stall-s 1, before the deadline: unless the deadline came first)
+        assert got.failed[0].code in ((ErrorCode.DEADLINE,) if stall == "0"
+                                      else (ErrorCode.PEER_STALLED, ErrorCode.DEADLINE))
         assert got.failed[0].block_ids == db
-        assert took > 3.0, "Failed was reported while chunks were still in flight"
+        if stall == "0":
+            assert took > 3.0, "Failed was reported while chunks were still in flight"
+        else:
+            assert took < 3.0, "the stalled peer's chunks were not stopped before the link came back"
+            assert "stalled" in ds.log()
         time.sleep(3)  # anything still queued anywhere has had time to arrive
         assert d.verify("reused", db), "a late NIXL write landed in blocks reused after Failed"
         # and the pair keeps working

@@ -255,10 +255,9 @@ class Sidecar:
         self._loops = [asyncio.ensure_future(coro) for coro in (
             self.engine_server.serve(), self.peer_server.serve(self.hs_sock), self.holds.run(),
             self._engine_watch_loop())]
-        if self.stalls.enabled:
-            self._loops.append(asyncio.ensure_future(self.stalls.run()))
-        if self.systemd.enabled:
-            self._loops.append(asyncio.ensure_future(self._systemd_loop()))
+        for on, coro in ((self.stalls.enabled, self.stalls.run), (self.systemd.enabled, self._systemd_loop)):
+            if on:
+                self._loops.append(asyncio.ensure_future(coro()))
         for task in self._loops:
             task.add_done_callback(self._loop_died)
         self.systemd.ready(self._status_line())
@@ -380,11 +379,9 @@ class Sidecar:
             self._idle.set()
 
     def _read_stuck(self, event: ReadStuck) -> None:
-        # NIXL cannot stop this read's chunks, and reporting it failed would let the
-        # engine reuse blocks they may still write: exit, so the endpoints die with us
-        # (the supervisor restarts the sidecar; connectors see it and fail their loads).
-        # No graceful teardown: it waits on the NIXL thread, the frozen peer's endpoints and
-        # open handshake sockets, and every second of it is a second a late write can land.
+        # NIXL cannot stop this read's chunks (a stalled peer's were stopped before): a failure
+        # reported now would let the engine reuse blocks they may still write, so exit, and the
+        # endpoints die with us (the supervisor restarts us). No teardown: it could block.
         log.critical("read %s from %s still has chunks in flight %.1fs after it failed; exiting "
                      "so that no late write can land in reused blocks", event.req_id, event.peer,
                      event.seconds)

@@ -127,12 +127,10 @@ class NixlPort:
         return await self._run(lambda: self._add_peer(name, metadata, ranks, reload))
 
     async def remove_peer(self, name: str, reason: str, stalled: bool = False) -> bool:
-        """Its reads fail (``peer_disconnected``; ``peer_stalled`` for a stalled peer, whose
-        NIXL entry goes at once: in UCX peer mode the READs of a frozen target never end, and
-        removing it ends them within half a second, with nothing landing after;
-        benchmarks/frozen_peer.py). Otherwise the entry goes once its reads settled."""
+        """Its reads fail; its entry goes once they settled (``stalled``: at once, which ends
+        a frozen target's READs in < 0.5 s with nothing landing after; benchmarks/frozen_peer.py)."""
         code = ErrorCode.PEER_STALLED if stalled else ErrorCode.PEER_DISCONNECTED
-        return await self._run(lambda: self._remove_peer(name, reason, code, at_once=stalled))
+        return await self._run(lambda: self._remove_peer(name, reason, code, stalled))
 
     async def metadata(self) -> bytes:
         warm_copies(self._arena)  # (a peer is handshaking: staged reads may follow)
@@ -162,10 +160,9 @@ class NixlPort:
         await self._run(lambda: gather_ranks(self._regs_().local, self._arena, ranks, blocks, offset, nbytes))
 
     def read(self, spec: ReadSpec) -> None:
-        """Start a read; a ``ReadFinished`` reports its end. A small read is planned, posted
-        and (on one host, where CMA copies inside the call) finished right here; any other
-        goes to the NIXL thread. A read that cannot start raises here (inline) or is reported
-        as a failed ``ReadFinished`` with the reason."""
+        """Start a read; a ``ReadFinished`` reports its end. A small one is planned, posted and
+        (CMA copies inside the call) finished right here, any other on the NIXL thread. One
+        that cannot start raises here (inline) or is reported as a ``ReadRefused``."""
         if self._read_inline(spec):
             return
         fut = self._submit(lambda: self._start_read(spec))
@@ -229,10 +226,8 @@ class NixlPort:
         return self._thread.is_alive() and self._cmds.empty() and self._lock.acquire(blocking=False)
 
     def _read_inline(self, spec: ReadSpec) -> bool:
-        """Post a small read on the calling thread, with no hand-off to the NIXL thread and
-        back; False (nothing done) when the NIXL thread is inside NIXL right now or has
-        commands queued, when the read is larger than ``inline_bytes`` (the loop would be
-        held for the copy) or when the chunk cap is reached."""
+        """Post a small read on the calling thread (no hand-off to the NIXL thread); False,
+        nothing done, unless ``_here()``, at most ``inline_bytes`` and under the chunk cap."""
         if self.options.inline_bytes <= 0 or spec.staged is not None or not self._here():
             return False
         try:
