@@ -14,6 +14,8 @@ long as it uses its pools:
   (same ids, so the engine's registration is valid as it was).
 - ``PoolFree(pool)``: the engine is done with it (the sidecar's own mapping, if a rank is
   registered in it, lives until that rank is unregistered).
+- ``PoolWho()``: answered ``PoolSelf(pid)`` with a pidfd of the sidecar process, the proof of
+  its death the engine's connector waits for before it fails loads the sidecar was reading.
 
 When the connection closes (the engine exited or was killed), the sidecar closes the fds
 of its pools; a registration's own mapping keeps the memory while leases still hold blocks
@@ -86,8 +88,18 @@ class PoolRefused(_PoolMsg, tag="refused"):
     message: str
 
 
-_requests = msgspec.msgpack.Decoder(PoolCreate | PoolAdopt | PoolFree)
-_replies = msgspec.msgpack.Decoder(PoolGranted | PoolRefused)
+class PoolWho(_PoolMsg, tag="who"):
+    """Which process is the sidecar: answered ``PoolSelf`` with a pidfd of it (``SCM_RIGHTS``),
+    which polls readable once that process has exited, in whatever PID namespace either end
+    runs: how an engine proves its sidecar is gone (and can write nothing more) at once."""
+
+
+class PoolSelf(_PoolMsg, tag="self"):
+    pid: int  # in the sidecar's own PID namespace (for logs)
+
+
+_requests = msgspec.msgpack.Decoder(PoolCreate | PoolAdopt | PoolFree | PoolWho)
+_replies = msgspec.msgpack.Decoder(PoolGranted | PoolRefused | PoolSelf)
 _enc = msgspec.msgpack.Encoder()
 
 

@@ -20,6 +20,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+import msgspec
+
 from kvxfer.errors import KvxferError
 from kvxfer.memchannel import (
     _PACKET,
@@ -28,6 +30,8 @@ from kvxfer.memchannel import (
     PoolFree,
     PoolGranted,
     PoolRefused,
+    PoolSelf,
+    PoolWho,
     _enc,
     _PoolMsg,
     _replies,
@@ -165,6 +169,23 @@ class PoolClient:
                 self._call(PoolAdopt(pool=pool.id, size=pool.size, label=pool.label, device=pool.device,
                                      device_uuid=pool.device_uuid), pool.fd)
             return len(self.pools)
+
+    def sidecar_pidfd(self) -> int | None:
+        """A pidfd of the sidecar process (it polls readable once that process exited; the
+        caller owns it); None when the sidecar gives none (an older one, no pidfd there)."""
+        with self._lock:
+            try:
+                with self._socket() as sock:
+                    sock.send(_enc.encode(PoolWho()))
+                    data, fds, _, _ = socket.recv_fds(sock, _PACKET, 1)
+                reply = _replies.decode(data) if data else None
+            except (OSError, KvxferError, msgspec.DecodeError, ValueError):
+                return None
+            if isinstance(reply, PoolSelf) and fds:
+                return fds[0]
+            for fd in fds:
+                os.close(fd)
+            return None
 
     def free(self, pool: Pool) -> None:
         with self._lock:

@@ -113,6 +113,8 @@ def test_overlays_render_and_validate(role: str) -> None:
     assert ports["health"] == 5702
     assert kvx["readinessProbe"]["grpc"] == {"port": 5702, "service": "readiness"}
     assert kvx["livenessProbe"]["grpc"] == {"port": 5702, "service": "liveness"}
+    live = kvx["livenessProbe"]  # (#37: a frozen sidecar is replaced within a few seconds)
+    assert live["periodSeconds"] * live["failureThreshold"] + live["terminationGracePeriodSeconds"] <= 4
     assert kvx["startupProbe"]["grpc"] == {"port": 5702, "service": "readiness"}
     sec = kvx["securityContext"]
     assert sec["capabilities"] == {"drop": ["ALL"], "add": ["IPC_LOCK"]}
@@ -232,6 +234,8 @@ def test_systemd_unit_hardening_leaves_nixl_and_restarts_sane() -> None:
     runtime = "/run/" + unit["RuntimeDirectory"][0]
     assert env["HOME"] == runtime, env
     assert "2" in unit["RestartPreventExitStatus"][0].split()
+    # a frozen sidecar is killed within a few seconds (#37): watchdog, then SIGKILL
+    assert float(unit["WatchdogSec"][0]) + float(unit["TimeoutAbortSec"][0]) <= 3
     # and the daemon does exit 2 on a configuration error (what RestartPreventExitStatus sees)
     bad = subprocess.run([sys.executable, "-m", "kvxfer", "serve", "--engine-socket", "nope"],
                          capture_output=True, text=True, timeout=60, check=False)

@@ -14,12 +14,16 @@ head_dim 128, block size 32). Needs the vLLM CPU environment that `make test` bu
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import signal
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -276,12 +280,37 @@ def under_load(pl: Pipeline, clients: int, during: Callable[[], None]) -> list[T
     return done
 
 
+def judge_freeze(pl: Pipeline, done: list[Timed], t_stop: float, t_end: float, what: str) -> None:
+    """No request failed; every one in flight at the stop or started before ``t_end`` took at
+    most 5 s from the stop or its own start; tokens right on a sample."""
+    assert not [r.error for r in done if r.error is not None][:3]
+    overlapping = [r for r in done if r.t1 > t_stop and r.t0 < t_end]
+    worst = max((r.t1 - max(r.t0, t_stop) for r in overlapping), default=0.0)
+    print(f"\n{what} under 4 clients: {len(done)} requests, {len(overlapping)} overlapping the freeze, "
+          f"slowest {worst:.2f} s (from the stop or its own start)")
+    assert len(overlapping) >= 8, len(overlapping)
+    slow = [(round(r.t0 - t_stop, 2), round(r.t1 - max(r.t0, t_stop), 2)) for r in overlapping
+            if r.t1 - max(r.t0, t_stop) > 5.0]
+    assert not slow, f"(start after the stop, seconds) of requests slower than 5 s: {slow}"
+    for r in [*overlapping[:4], *[r for r in done if r.t0 > t_end + 1.0][:2]]:
+        assert r.got == text_of(pl.baseline(r.text, 4)), r.text
+
+
+def pd_again(pl: Pipeline, moved: Callable[[], bool]) -> None:
+    """P/D requests (tokens checked) until ``moved`` says KV moved again."""
+    end = time.monotonic() + 60
+    while not moved():
+        assert time.monotonic() < end, "P/D did not resume"
+        text = unique(150, 470 + int(time.monotonic()) % 20, "t506")
+        assert text_of(pl.complete(text, 4)[0]) == text_of(pl.baseline(text, 4))
+
+
 def test_a_prefill_sidecar_frozen_under_load_costs_seconds(pipeline: Pipeline) -> None:
     """#37: SIGSTOP of the prefill sidecar for 30 s under 4 clients. Every request in flight
     at the stop or started during it finishes within 5 s of the stop or of its own start
     (the decode sidecar finds the peer stalled after --peer-stall-s and vLLM recomputes the
     load), none fails, the tokens are right, and P/D resumes after SIGCONT. With the old
-    timeouts each waited the whole freeze (30.2 s)."""
+    timeouts each waited the whole freeze (30.04 s measured, --peer-stall-s 0)."""
     if pipeline.block_size:
         pytest.skip("the stall path does not depend on the model shape: run on one shape")
     ps, ds = pipeline.p_sidecar, pipeline.d_sidecar
@@ -300,22 +329,51 @@ def test_a_prefill_sidecar_frozen_under_load_costs_seconds(pipeline: Pipeline) -
 
     released = ps.scrape().get('kvxfer_leases_released_total{reason="read"}', 0.0)
     done = under_load(pipeline, 4, frozen)
-    t_stop, t_cont = freeze
-    assert not [r.error for r in done if r.error is not None][:3]
-    overlapping = [r for r in done if r.t1 > t_stop and r.t0 < t_cont]
-    worst = max((r.t1 - max(r.t0, t_stop) for r in overlapping), default=0.0)
-    print(f"\nprefill sidecar frozen 30 s under 4 clients: {len(done)} requests, {len(overlapping)} "
-          f"overlapping the freeze, slowest {worst:.2f} s (from the stop or its own start)")
-    assert len(overlapping) >= 8, len(overlapping)
-    slow = [(round(r.t0 - t_stop, 2), round(r.t1 - max(r.t0, t_stop), 2)) for r in overlapping
-            if r.t1 - max(r.t0, t_stop) > 5.0]
-    assert not slow, f"(start after the stop, seconds) of requests slower than 5 s: {slow}"
+    judge_freeze(pipeline, done, freeze[0], freeze[1], "prefill sidecar frozen 30 s")
     assert ds.scrape().get("kvxfer_peer_stalls_total", 0) >= 1
-    for r in [*overlapping[:4], *[r for r in done if r.t0 > t_cont + 1.0][:2]]:
-        assert r.got == text_of(pipeline.baseline(r.text, 4)), r.text
-    # P/D resumed: reads of the prefill's blocks again after SIGCONT
-    end = time.monotonic() + 60
-    while ps.scrape().get('kvxfer_leases_released_total{reason="read"}', 0.0) <= released:
-        assert time.monotonic() < end, "no read from the prefill sidecar after it resumed"
-        text = unique(150, 470 + int(time.monotonic()) % 20, "t506")
-        assert text_of(pipeline.complete(text, 4)[0]) == text_of(pipeline.baseline(text, 4))
+    pd_again(pipeline, lambda: ps.scrape().get('kvxfer_leases_released_total{reason="read"}', 0.0) > released)
+
+
+def test_a_decode_sidecar_frozen_under_load_costs_seconds(pipeline: Pipeline, tmp_path: Path) -> None:
+    """#37 part 2: the decode sidecar, run under a watchdog supervisor as the shipped
+    systemd unit asks (``kvxfer.testing.supervise``: WatchdogSec 2, TimeoutAbortSec 1,
+    RestartSec 2), is SIGSTOPped for 30 s under 4 clients. The watchdog kills it, the decode
+    engine's connector fails its loads once the process is proven gone (its pidfd) and vLLM
+    recomputes them; every overlapping request finishes within 5 s; the restarted sidecar
+    serves P/D again. (Without the supervisor a frozen decode sidecar costs the loads'
+    deadline + grace: the engine cannot know it will never write.)"""
+    if pipeline.block_size:
+        pytest.skip("the watchdog path does not depend on the model shape: run on one shape")
+    old = pipeline.d_sidecar
+    assert old is not None
+    old.proc.send_signal(signal.SIGINT)
+    old.proc.wait(30)
+    state = tmp_path / "supervise.jsonl"
+    sv = (sys.executable, "-m", "kvxfer.testing.supervise", "--watchdog-s", "2", "--abort-s", "1",
+          "--restart-s", "2", "--state", str(state), "--")
+    pipeline.d_sidecar = ds = pipeline.sidecars.start(
+        "vllm-d", "--role", "decode", "--handshake-timeout-s", "2", "--transfer-timeout-s", "20",
+        metrics_port=old.metrics_port, prefix=sv)
+    pd_again(pipeline, lambda: ds.scrape().get('kvxfer_transfers_total{result="ok"}', 0.0) >= 1)
+
+    def child() -> int:
+        return int([json.loads(ln) for ln in state.read_text().splitlines()][-1]["pid"])
+
+    freeze: list[float] = []
+
+    def frozen() -> None:
+        pid = child()
+        freeze.append(time.monotonic())
+        os.kill(pid, signal.SIGSTOP)
+        time.sleep(30.0)  # (killed by its watchdog meanwhile, and restarted)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGCONT)
+        freeze.append(time.monotonic())
+
+    first = child()
+    done = under_load(pipeline, 4, frozen)
+    judge_freeze(pipeline, done, freeze[0], freeze[1], "decode sidecar frozen (watchdog-killed)")
+    kinds = [json.loads(ln)["event"] for ln in state.read_text().splitlines()]
+    assert "watchdog" in kinds, kinds
+    assert child() != first
+    pd_again(pipeline, lambda: ds.scrape().get('kvxfer_transfers_total{result="ok"}', 0.0) >= 1)

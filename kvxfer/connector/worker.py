@@ -39,6 +39,7 @@ from kvxfer.client import Drained, SidecarClient
 from kvxfer.connector.layout import Placement, registration_from_tensors
 from kvxfer.connector.settings import ConnectorSettings
 from kvxfer.connector.shm_pool import SharedAllocator
+from kvxfer.connector.sidecar_death import SidecarDeath
 from kvxfer.errors import KvxferError
 from kvxfer.memory import cuda_ipc_memory, cuda_ordinal
 from kvxfer.pool import PoolClient
@@ -115,6 +116,8 @@ class WorkerSide:
         self._abandoned: dict[str, float] = {}  # req id -> deadline: failed / freed at a sidecar restart
         self._reported_failed: set[str] = set()  # metadata can be bound twice in one step
         self._registering = False  # a registration with a restarted sidecar is on its way
+        self.death = SidecarDeath()  # the sidecar's pidfd: proof that it exited
+        self._gone = False  # it exited (proven) and no successor answered yet
         # "kind:req id" -> (event, arrival): Done/Failed/Released that came before their bind()
         self._early: dict[str, tuple[Done | Failed | Released, float]] = {}
         self.early_ttl_s = settings.transfer_timeout_s + settings.lease_s + settings.grace_s
@@ -165,6 +168,7 @@ class WorkerSide:
         self.registered = self.client.register(msg, self.settings.sidecar_timeout_s)
         self._registration = msg
         self._instance = self.registered.agent_name
+        self.death.watch(self.pools)
         log.info("rank %d registered %d bytes with sidecar %s", self.tp_rank,
                  self.registered.bytes_registered, self.settings.sidecar)
         return self.registered
@@ -205,6 +209,8 @@ class WorkerSide:
             return out
         if ev.pongs:
             self._last_pong = now
+        elif self._gone or (now - self._last_pong > self.settings.heartbeat_s and self.death.proven()):
+            self._sidecar_gone(out, now)
         for reg in ev.registered:
             self.registered, self._instance, self._registering = reg, reg.agent_name, False
             log.info("rank %d re-registered with sidecar %s", self.tp_rank, self.settings.sidecar)
@@ -264,16 +270,10 @@ class WorkerSide:
         # would read blocks that are another request's by then. The registration names them
         # (and those of an earlier restart still within their deadline), so the sidecar
         # refuses them until their last deadline has passed (kvxfer.abandoned).
-        now = time.monotonic()
-        self._abandoned = {r: d for r, d in self._abandoned.items() if d > now}
-        self._abandoned.update({r: d for r, (_, d) in self._recvs.items()})
-        self._abandoned.update(self._holds)
-        for req_id, (blocks, _) in list(self._recvs.items()):
-            self._fail(out, req_id, blocks)
-        self._recvs.clear()
+        self._give_up(out, time.monotonic())
         self._early.clear()  # the old sidecar's answers
-        out.finished_sending.update(self._holds)
-        self._holds.clear()
+        self._gone = False
+        now = time.monotonic()
         assert self.client is not None
         assert self._registration is not None
         # Never block the engine step on it: the answer comes back through poll(). Until it
@@ -289,6 +289,29 @@ class WorkerSide:
             self._instance = new_instance  # do not treat the same restart twice
         except KvxferError as e:
             log.error("re-registration with the restarted sidecar not sent: %s", e)
+        self.death.watch(self.pools)
+
+    def _sidecar_gone(self, out: TransferResults, now: float) -> None:
+        """The sidecar process exited (its pidfd says so; ``connector.sidecar_death``): none of
+        its reads can write any more, so its loads fail and its holds are freed now, and so
+        are those bound until a successor answers (it would refuse them: they are named in
+        the re-registration, as at a restart)."""
+        if not self._gone:
+            log.warning("sidecar %s exited: failing %d loads, freeing %d holds now", self.settings.sidecar,
+                        len(self._recvs), len(self._holds))
+            self._gone = True
+        self._give_up(out, now)
+
+    def _give_up(self, out: TransferResults, now: float) -> None:
+        """Fail every load in flight and free every hold, remembering them (``_abandoned``)."""
+        self._abandoned = {r: d for r, d in self._abandoned.items() if d > now}
+        self._abandoned.update({r: d for r, (_, d) in self._recvs.items()})
+        self._abandoned.update(self._holds)
+        for req_id, (blocks, _) in list(self._recvs.items()):
+            self._fail(out, req_id, blocks)
+        self._recvs.clear()
+        out.finished_sending.update(self._holds)
+        self._holds.clear()
 
     def _reregistration(self, now: float) -> Any:
         """Our registration, naming what we gave up on while it was away (RegisterKV.abandoned)."""
@@ -331,6 +354,7 @@ class WorkerSide:
         return out
 
     def shutdown(self) -> None:
+        self.death.close()
         if self.client is not None:
             self.client.close()
             self.client = None

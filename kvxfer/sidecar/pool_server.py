@@ -14,6 +14,7 @@ id is not owning it.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import secrets
@@ -32,6 +33,8 @@ from kvxfer.memchannel import (
     PoolCreate,
     PoolGranted,
     PoolRefused,
+    PoolSelf,
+    PoolWho,
     _enc,
     _PoolMsg,
     _requests,
@@ -121,6 +124,15 @@ class Room:
                                f"on GPU {device}: {e.reason}") from e
 
 
+@functools.cache
+def self_pidfd() -> int:
+    """A pidfd of this process, open for its life (each ``PoolSelf`` reply carries a copy)."""
+    try:
+        return os.pidfd_open(os.getpid())
+    except OSError as e:  # (Linux < 5.3)
+        raise RequestError(ErrorCode.UNSUPPORTED, f"no pidfd here: {e}") from None
+
+
 def _close_all(fds: list[int]) -> None:
     for fd in fds:
         os.close(fd)
@@ -140,24 +152,20 @@ class PoolServer:
         self._thread: threading.Thread | None = None
         self.created = 0
         self.adopted = 0
-        # called (on this server's thread) with the pool ids of a connection that closed, and
-        # its pid: the engine exited or was killed. The only death notice that works when
-        # the engine runs in another PID namespace (a Kubernetes pod's other container).
+        # called (on this server's thread) with the pool ids and pid of a connection that closed:
+        # the engine died. The only death notice across PID namespaces (a pod's other container).
         self.on_closed: Callable[[list[str], int], None] | None = None
         self._shut = False
         self._ino = 0
         self.max_connections = MAX_CONNECTIONS
-        # called (on this server's thread) for each connection closed because the channel held
-        # max_connections: counted and logged by the app's observer
+        # (this thread) for each connection closed because max_connections were held: counted
         self.on_refused: Callable[[int], None] | None = None
 
     # --------------------------------------------------------------- queries (any thread)
 
     def dup(self, pool: str, user: Creds | None = None) -> tuple[int, int, int]:
-        """(a duplicate of the pool's fd, its size, its device: -1 for host memory);
-        RequestError when unknown, or when ``user`` (the process registering it; None: the
-        caller vouches) is not the process that created or handed back the pool. The caller
-        closes the duplicate (its mapping keeps the memory)."""
+        """(a duplicate of the pool's fd for the caller to close, its size, its device: -1 for
+        host); RequestError when unknown or ``user`` (None: the caller vouches) did not make it."""
         with self._lock:
             held = self._pools.get(pool)
             if held is None:
@@ -310,6 +318,8 @@ class PoolServer:
             elif isinstance(msg, PoolAdopt):
                 taken, fds = fds, []  # _adopt owns (keeps or closes) them
                 self._adopt(conn, fileno, Creds(pid, uid), msg, taken)
+            elif isinstance(msg, PoolWho):
+                self._reply(conn, PoolSelf(pid=os.getpid()), self_pidfd())
             else:
                 self._free(fileno, msg.pool)
         except RequestError as e:
