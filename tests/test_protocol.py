@@ -43,7 +43,7 @@ MESSAGES: dict[str, tuple[object, str]] = {
         "99aa7265676973746572656400a144a161cd1000a168cd16440000",
     ),
     "done": (p.Done(req_id="r1", nbytes=1024, seconds=0.5), "96a4646f6e65a27231cd0400cb3fe000000000000000c0"),
-    "failed": (p.Failed(req_id="r1", block_ids=[4, 5], code="deadline", reason="late"), "95a66661696c6564a27231920405a8646561646c696e65a46c617465"),
+    "failed": (p.Failed(req_id="r1", block_ids=[4, 5], code="deadline", reason="late"), "97a66661696c6564a27231920405a8646561646c696e65a46c6174650000"),
     "released": (p.Released(req_id="r1", reason="read", reads=1), "94a872656c6561736564a27231a47265616401"),
     "error": (p.Error(code="malformed", message="bad", req_id="r1"), "94a56572726f72a96d616c666f726d6564a3626164a27231"),
     "pong": (p.Pong(seq=7, engine_id="D", version=1, handshake_host="h", handshake_port=1), "98a4706f6e6707a14401a16801a0a0"),
@@ -150,3 +150,21 @@ def test_compat_hash_tracks_model_signature() -> None:
     same_model_other_rank = msgspec.structs.replace(LAYOUT, tp_rank=0, num_blocks=99)
     assert p.compat_hash(LAYOUT) != p.compat_hash(other)
     assert p.compat_hash(LAYOUT) == p.compat_hash(same_model_other_rank)
+
+
+def test_a_failed_without_its_rank_still_decodes() -> None:
+    """Failed.tp_rank/pp_rank were appended within version 6: the bytes of a sidecar from
+    before them decode (rank 0), and a decoder from before them reads the new bytes."""
+    old = bytes.fromhex("95a66661696c6564a27231920405a8646561646c696e65a46c617465")
+    got = p.sidecar_event_decoder.decode(old)
+    assert got == p.Failed(req_id="r1", block_ids=[4, 5], code="deadline", reason="late")
+    assert (got.tp_rank, got.pp_rank) == (0, 0)
+
+    class OldFailed(msgspec.Struct, array_like=True, tag="failed"):
+        req_id: str
+        block_ids: list[int]
+        code: str
+        reason: str
+
+    new = p.encode(p.Failed(req_id="r1", block_ids=[4], code="c", reason="r", tp_rank=3, pp_rank=1))
+    assert msgspec.msgpack.decode(new, type=OldFailed) == OldFailed("r1", [4], "c", "r")

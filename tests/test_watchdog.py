@@ -81,3 +81,45 @@ def test_a_frozen_sidecar_is_killed_and_its_loads_fail_at_once(tmp_path: Path) -
                 time.sleep(0.05)
         finally:
             ws.shutdown()
+
+
+def test_a_load_refused_to_a_rank_not_registered_yet_fails_in_its_worker_at_once() -> None:
+    """Right after a sidecar restart a rank's Recv can reach the sidecar before the rank's
+    re-registration: the sidecar answers Failed to the socket the Recv came from (the
+    scheduler's). The scheduler passes it to that rank's worker, which used to wait for the
+    load's deadline + settle_s (50 s in the vLLM test that found it)."""
+    from kvxfer.client import Drained
+    from kvxfer.connector.scheduler import SchedulerSide
+    from kvxfer.connector.settings import ConnectorSettings
+    from kvxfer.connector.worker import WorkerSide
+    from kvxfer.protocol import Failed, Pong
+
+    class Client:
+        def __init__(self) -> None:
+            self.pending = Drained()
+
+        def ping(self, _timeout: float) -> Pong:
+            return Pong(seq=0, engine_id="e", version=6, handshake_host="127.0.0.1", handshake_port=1)
+
+        def heartbeat(self) -> None:
+            pass
+
+        def poll(self) -> Drained:
+            out, self.pending = self.pending, Drained()
+            return out
+
+    settings = ConnectorSettings(sidecar="ipc:///nowhere")
+    client = Client()
+    sched = SchedulerSide(settings, tp_size=2, client=client)  # type: ignore[arg-type]
+    sched._loads["load"] = time.monotonic() + 60  # (posted: what update_state_after_alloc records)
+    client.pending.failed += [
+        Failed(req_id="load", block_ids=[5], code="not_registered", reason="x", tp_rank=1),
+        Failed(req_id="release-only", block_ids=[], code="handshake_failed", reason="y")]
+    plan = sched.take_plan()
+    assert plan.refused == {"load": [(0, 1)]}
+    workers = [WorkerSide(settings, rank, 2, "cpu") for rank in (0, 1)]
+    for w in workers:
+        w.bind({"load": ([5], time.monotonic() + 60)}, {}, refused=plan.refused)
+    assert "load" in workers[0]._recvs  # rank 0's Recv is its sidecar's to answer
+    assert workers[1]._failed_now == {"load": [5]}  # rank 1 reports it failed at its next step
+    assert "load" not in workers[1]._recvs

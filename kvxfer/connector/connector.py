@@ -58,10 +58,12 @@ class KvxferConnectorMetadata(KVConnectorMetadata):
     """Per step: receives and holds the scheduler posted, with the engine-side deadlines."""
 
     def __init__(self, recvs: dict[str, tuple[list[int], float]], holds: dict[str, float],
-                 failed: dict[str, list[int]] | None = None) -> None:
+                 failed: dict[str, list[int]] | None = None,
+                 refused: dict[str, list[tuple[int, int]]] | None = None) -> None:
         self.recvs = recvs
         self.holds = holds
         self.failed = failed or {}  # loads the scheduler could not post: fail at once
+        self.refused = refused or {}  # loads the sidecar refused to these (pp, tp) ranks
 
 
 class KvxferStats(KVConnectorStats):
@@ -225,7 +227,7 @@ class KvxferConnector(KVConnectorBase_V1, *_HMA):  # type: ignore[misc]
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         assert self.scheduler is not None
         plan = self.scheduler.take_plan()
-        return KvxferConnectorMetadata(plan.recvs, plan.holds, plan.failed)
+        return KvxferConnectorMetadata(plan.recvs, plan.holds, plan.failed, plan.refused)
 
     def request_finished(self, request: Request, block_ids: Any) -> tuple[bool, dict[str, Any] | None]:
         assert self.scheduler is not None
@@ -295,7 +297,7 @@ class KvxferConnector(KVConnectorBase_V1, *_HMA):  # type: ignore[misc]
             return
         meta = self._get_connector_metadata()
         assert isinstance(meta, KvxferConnectorMetadata)
-        self.worker.bind(meta.recvs, meta.holds, meta.failed)
+        self.worker.bind(meta.recvs, meta.holds, meta.failed, meta.refused)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # whole requests are loaded before they are scheduled (async load)
@@ -327,7 +329,7 @@ class KvxferConnector(KVConnectorBase_V1, *_HMA):  # type: ignore[misc]
         if self.has_connector_metadata():
             meta = self._get_connector_metadata()
             if isinstance(meta, KvxferConnectorMetadata):
-                self.worker.bind(meta.recvs, meta.holds, meta.failed)
+                self.worker.bind(meta.recvs, meta.holds, meta.failed, meta.refused)
         return self.worker.get_transfer_results()
 
     def get_block_ids_with_load_errors(self) -> set[int]:

@@ -52,6 +52,9 @@ class StepPlan:
     recvs: dict[str, tuple[list[int], float]] = field(default_factory=dict)  # id -> (blocks, deadline)
     holds: dict[str, float] = field(default_factory=dict)  # id -> deadline
     failed: dict[str, list[int]] = field(default_factory=dict)  # loads that could not be posted
+    # loads a sidecar refused to a rank not registered with it yet (its Failed came here):
+    # request id -> the (pp, tp) ranks whose worker fails it now
+    refused: dict[str, list[tuple[int, int]]] = field(default_factory=dict)
 
 
 class SchedulerSide:
@@ -78,6 +81,8 @@ class SchedulerSide:
         self._waiting: dict[str, RemoteBlocks] = {}  # ... not given blocks yet: their leases are kept alive
         self._next_keepalive = time.monotonic() + settings.keepalive_period_s
         self._plan = StepPlan()
+        self._loads: dict[str, float] = {}  # loads posted, until their engine-side deadline
+        self._next_prune = 0.0
         self._next_heartbeat = time.monotonic() + settings.heartbeat_s
         self.errors: dict[str, str] = {}  # request id -> why its params were refused
 
@@ -208,6 +213,7 @@ class SchedulerSide:
                     return
                 break  # some ranks were sent: their deadlines settle it (expires_unix bounds them)
         self._plan.recvs[request.request_id] = (local, time.monotonic() + give_up)
+        self._loads[request.request_id] = time.monotonic() + give_up
 
     def _ranks(self) -> list[tuple[int, int]]:
         """(pp, tp) of every worker: each receives into its own memory."""
@@ -308,10 +314,25 @@ class SchedulerSide:
         if self._waiting and now >= self._next_keepalive:
             self._next_keepalive = now + self.settings.keepalive_period_s
             self._keepalive()
-        for ev in drained.failed:  # release-only receives that could not reach the peer
-            log.warning("release of %s on the prefill side failed: [%s] %s", ev.req_id, ev.code, ev.reason)
+        self._refused(drained.failed, now)
         plan, self._plan = self._plan, StepPlan()
         return plan
+
+    def _refused(self, failed: list[Any], now: float) -> None:
+        """Failed receives that came to this socket: a load refused to a rank that had not
+        registered with the sidecar (it restarted, the rank re-registers) goes to that rank's
+        worker, which would wait for its deadline otherwise; else a release-only receive."""
+        if now >= self._next_prune:
+            self._next_prune = now + 1.0
+            self._loads = {r: d for r, d in self._loads.items() if d > now}
+        for ev in failed:
+            if ev.req_id in self._loads:
+                log.warning("KV load of %s refused to rank pp%d/tp%d: [%s] %s", ev.req_id, ev.pp_rank,
+                            ev.tp_rank, ev.code, ev.reason)
+                self._plan.refused.setdefault(ev.req_id, []).append((ev.pp_rank, ev.tp_rank))
+            else:
+                log.warning("release of %s on the prefill side failed: [%s] %s", ev.req_id, ev.code,
+                            ev.reason)
 
     def _keepalive(self) -> None:
         """One KeepAlive per prefill engine for the requests still waiting for blocks here."""

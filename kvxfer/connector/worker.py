@@ -174,22 +174,28 @@ class WorkerSide:
         return self.registered
 
     def bind(self, recvs: dict[str, tuple[list[int], float]], holds: dict[str, float],
-             failed: dict[str, list[int]] | None = None) -> None:
+             failed: dict[str, list[int]] | None = None,
+             refused: dict[str, list[tuple[int, int]]] | None = None) -> None:
         """Record what the scheduler posted this step (from the connector metadata); ``failed``
-        are loads it could not post at all (its sidecar did not take messages)."""
+        are loads it could not post at all (its sidecar did not take messages), ``refused``
+        loads the sidecar refused to these (pp, tp) ranks (not registered with it yet)."""
         self._recvs.update(recvs)
         self._holds.update(holds)
         for req_id, blocks in (failed or {}).items():
             if req_id not in self._failed_now and req_id not in self._reported_failed:
                 self._failed_now[req_id] = blocks
+        me = (self.place.pp_rank, self.tp_rank)
+        for req_id, ranks in (refused or {}).items():
+            if me in ranks and req_id in self._recvs and req_id not in self._reported_failed:
+                self._failed_now[req_id] = self._recvs.pop(req_id)[0]  # (nothing was posted for it)
 
     def get_transfer_results(self) -> TransferResults:
         out = TransferResults()
         if self.client is None:
             return out
         for req_id, blocks in self._failed_now.items():
-            log.warning("KV load of request %s was not posted (sidecar not taking messages); "
-                        "recomputing", req_id)
+            log.warning("KV load of request %s was not posted (sidecar not taking messages) or was "
+                        "refused to this rank; recomputing", req_id)
             self._fail(out, req_id, blocks)
             self._reported_failed.add(req_id)
         self._failed_now.clear()

@@ -158,6 +158,10 @@ class Failed(_Msg, tag="failed"):
     block_ids: BlockIds  # local blocks whose contents are not valid
     code: str
     reason: str
+    # which rank's receive (the scheduler gets the Failed of a rank not registered yet, e.g.
+    # right after a sidecar restart, and passes it to that rank's worker)
+    tp_rank: NonNeg = 0
+    pp_rank: NonNeg = 0
 
 
 class Released(_Msg, tag="released"):

@@ -82,7 +82,8 @@ def local_blocks(msg: Recv) -> list[int]:
 
 def failed_message(msg: Recv, err: RequestError) -> Failed:
     log.warning("request %s failed: [%s] %s", msg.req_id, err.code, err.reason)
-    return Failed(req_id=msg.req_id, block_ids=local_blocks(msg), code=err.code, reason=err.reason)
+    return Failed(req_id=msg.req_id, block_ids=local_blocks(msg), code=err.code, reason=err.reason,
+                  tp_rank=msg.tp_rank, pp_rank=msg.pp_rank)
 
 
 def done_message(state: RecvState, read: ReadFinished | None) -> Done:
