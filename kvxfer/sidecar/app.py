@@ -199,7 +199,8 @@ class Sidecar:
         self.lifecycle.subscribe(self._lifecycle_changed)
         o = self.observer
         # (read from the metrics thread: lengths and ints only, never an iteration)
-        o.g_dlists.set_function(lambda: self.nixl.dlists_prepared)
+        o.g_dlists.set_function(lambda: self.nixl.counts[0])
+        o.g_agents.set_function(lambda: self.nixl.counts[1])
         o.g_inline.set_function(lambda: self.nixl.reads_inline)
         o.g_pools.set_function(lambda: self.pools.stats()[0] if self.pools else 0)
         o.g_pool_bytes.set_function(lambda: self.pools.stats()[1] if self.pools else 0)
@@ -379,9 +380,8 @@ class Sidecar:
             self._idle.set()
 
     def _read_stuck(self, event: ReadStuck) -> None:
-        # NIXL cannot stop this read's chunks (a stalled peer's were stopped before): a failure
-        # reported now would let the engine reuse blocks they may still write, so exit, and the
-        # endpoints die with us (the supervisor restarts us). No teardown: it could block.
+        # NIXL cannot stop this read's chunks: a failure reported now would let the engine reuse
+        # blocks they may still write, so exit (no teardown: it could block); the supervisor restarts us.
         log.critical("read %s from %s still has chunks in flight %.1fs after it failed; exiting "
                      "so that no late write can land in reused blocks", event.req_id, event.peer,
                      event.seconds)

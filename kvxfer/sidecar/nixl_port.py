@@ -106,8 +106,8 @@ class NixlPort:
             self._thread.join(timeout)
 
     @property
-    def dlists_prepared(self) -> int:
-        return self._regs.dlists_prepared if self._regs is not None else 0
+    def counts(self) -> tuple[int, int]:  # (lists prepared, peer agents): ints, for the metrics thread
+        return (self._regs.dlists_prepared, len(self._regs.peers)) if self._regs is not None else (0, 0)
 
     # ------------------------------------------------------------------ commands
 

@@ -1,0 +1,481 @@
+"""A day of faults, nothing left behind (#37 part 3): ``make soak``.
+
+    python benchmarks/soak.py [--minutes 60] [--fault-every 60] [--out benchmarks/soak_latest]
+
+P/D transfers through two real sidecars (synthetic engines, real NIXL, every byte of every
+transfer verified), each sidecar run as deployed: under a watchdog supervisor
+(``kvxfer.testing.supervise``, the shipped systemd unit's WatchdogSec=2, TimeoutAbortSec=1,
+RestartSec=2). Every ``--fault-every`` seconds one fault, drawn at random (seeded):
+kill -9 or SIGSTOP of either sidecar, a synthetic engine restart, the peer dropped by an
+operator (gRPC ``DisconnectPeer``) and so re-handshaked at once, hostile bytes on the engine
+socket and the handshake port, and, where network namespaces can be made (root), a veth
+link cut for a few seconds (the sidecars then run on two "hosts", UCX over TCP).
+
+Recorded per minute: transfers ok / failed, p50 / p99 latency, and of every process (both
+sidecars, this harness with its engines): RSS, open fds, memfd bytes; of each sidecar (its
+metrics): peers, NIXL remote agents, held leases, receives in flight; ``/dev/shm`` bytes.
+
+It fails (exit 1, the reasons in the summary) when a request stays unsettled past its
+deadline + ``--settle-s`` while its decode sidecar lives, when no transfer succeeds within
+``--recover-s`` of a fault, or when a resource grows without bound: its value in the last
+quarter of the run is more than the larger of 1.5x and ``slack`` above its median in the
+second quarter (the first is warm-up). Writes <out>.json, <out>.txt and <out>.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import random
+import signal
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import zmq
+
+from kvxfer.client import RemoteBlocks
+from kvxfer.testing.engine import SyntheticEngine, make_layout
+from kvxfer.testing.procs import SidecarFactory, SidecarProc, free_port
+
+LAYOUT = make_layout(layers=8, num_blocks=512, heads=4, head_dim=64, block_size=16)  # 32 KiB blocks
+NS = (f"kvxsp{os.getpid() % 10000}", f"kvxsd{os.getpid() % 10000}")
+VETH = (f"ksp{os.getpid() % 10000}", f"ksd{os.getpid() % 10000}")
+IPS = ("10.232.7.1", "10.232.7.2")
+SLACK = {"rss_mib": 64, "fds": 16, "memfd_mib": 8, "shm_mib": 8, "peers": 1, "agents": 1,
+         "leases": 8, "inflight": 4}
+
+
+def ip(*args: str) -> bool:
+    return subprocess.run(["ip", *args], capture_output=True, timeout=10, check=False).returncode == 0
+
+
+@dataclass
+class Side:
+    """One sidecar under its supervisor, and its synthetic engine."""
+
+    name: str
+    proc: SidecarProc
+    state: str  # the supervisor's event log
+    engine: SyntheticEngine | None = None
+
+    def child(self) -> int:
+        with open(self.state) as f:
+            return int([json.loads(line) for line in f][-1]["pid"])
+
+    def starts(self) -> int:
+        with open(self.state) as f:
+            return sum(json.loads(line)["event"] == "started" for line in f)
+
+
+@dataclass
+class Minute:
+    ok: int = 0
+    failed: int = 0
+    unsettled: int = 0
+    latencies: list[float] = field(default_factory=list)
+    faults: list[str] = field(default_factory=list)
+
+
+class Soak:
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.rng = random.Random(args.seed)
+        self.f = SidecarFactory()
+        self.netns = args.netns and self._make_hosts()
+        self.sides = {"p": self._start("p"), "d": self._start("d")}
+        self.lock = threading.RLock()  # the engines: the workload, or a fault restarting one
+        self.minutes: list[Minute] = [Minute()]
+        self.samples: list[dict[str, float]] = []
+        self.problems: list[str] = []
+        self.last_ok = time.monotonic()
+        self.stop = threading.Event()
+
+    # ------------------------------------------------------------------ setup
+
+    def _make_hosts(self) -> bool:
+        if not ip("netns", "add", NS[0]):
+            print("soak: no network namespaces here (root?): no link-cut faults", file=sys.stderr)
+            return False
+        ip("netns", "add", NS[1])
+        ip("link", "add", VETH[0], "type", "veth", "peer", "name", VETH[1])
+        for ns, dev, addr in zip(NS, VETH, IPS, strict=True):
+            ip("link", "set", dev, "netns", ns)
+            ip("-n", ns, "addr", "add", f"{addr}/24", "dev", dev)
+            ip("-n", ns, "link", "set", dev, "up")
+            ip("-n", ns, "link", "set", "lo", "up")
+        return True
+
+    def _start(self, which: str) -> Side:
+        state = os.path.join(self.f.dir, f"{which}.supervise")
+        prefix: tuple[str, ...] = (sys.executable, "-m", "kvxfer.testing.supervise", "--watchdog-s", "2",
+                                   "--abort-s", "1", "--restart-s", "2", "--state", state, "--")
+        args = ["--lease-s", "10", "--transfer-timeout-s", "10", "--handshake-timeout-s", "2",
+                "--role", "prefill" if which == "p" else "decode"]
+        env = None
+        if self.netns:
+            i = 0 if which == "p" else 1
+            prefix = ("ip", "netns", "exec", NS[i], *prefix)
+            args += ["--handshake-host", IPS[i], "--insecure"]
+            env = {"UCX_TLS": "tcp", "UCX_NET_DEVICES": "all"}
+        proc = self.f.start(f"soak-{which}", *args, metrics_port=free_port(), env=env, prefix=prefix)
+        return Side(which, proc, state)
+
+    def engine(self, which: str, fresh: bool = False) -> SyntheticEngine:
+        side = self.sides[which]
+        if side.engine is None or fresh:
+            if side.engine is not None:
+                side.engine.close()
+            side.engine = SyntheticEngine(LAYOUT, side.proc.endpoint, seed=1 if which == "p" else 2)
+            side.engine.start()
+        return side.engine
+
+    # ------------------------------------------------------------------ the workload
+
+    def transfer(self, i: int) -> None:
+        """One P/D request: hold on the prefill, receive on the decode, verify every byte."""
+        n = self.rng.randint(1, 8)
+        with self.lock:
+            p, d = self.engine("p"), self.engine("d")
+            reg = p.registered
+            assert reg is not None
+            pb, db = p.allocate(n), d.allocate(n)
+            name = f"soak-{i}"
+            p.fill(name, pb)
+            t0 = time.monotonic()
+            try:
+                p.client.hold(name, pb)
+                where = RemoteBlocks(reg.engine_id, reg.handshake_host, reg.handshake_port, pb)
+                d.client.recv(name, db, where, deadline_s=self.args.deadline_s)
+                done, failed = self._answer(d, name, self.sides["d"].starts())
+                verified = bool(done) and d.verify(name, db)
+            except Exception as e:  # a sidecar gone under the engine's client: failed, not unsettled
+                done, failed, verified = [], [e], False
+            finally:
+                d.free(db)
+                p.free(pb)
+        m = self.minutes[-1]
+        if done and verified:
+            m.ok += 1
+            m.latencies.append(time.monotonic() - t0)
+            self.last_ok = time.monotonic()
+        elif done:
+            self.problems.append(f"{name}: Done but the bytes differ")
+            m.failed += 1
+        elif failed:
+            m.failed += 1
+        else:
+            m.unsettled += 1  # no answer past deadline + settle while the decode sidecar lived
+            self.problems.append(f"{name}: unsettled {self.args.deadline_s + self.args.settle_s:.0f}s "
+                                 "after it was sent, its decode sidecar alive")
+
+    def _answer(self, d: SyntheticEngine, name: str, starts: int) -> tuple[list[Any], list[Any]]:
+        """(Done, Failed) of ``name``; a decode sidecar that died meanwhile fails it (its engine's
+        connector fails such loads once it exited: ``connector.sidecar_death``)."""
+        end = time.monotonic() + self.args.deadline_s + self.args.settle_s
+        while time.monotonic() < end:
+            got = d.client.wait_until(lambda a: any(m.req_id == name for m in [*a.done, *a.failed]), 0.5)
+            done = [m for m in got.done if m.req_id == name]
+            failed = [m for m in got.failed if m.req_id == name]
+            if done or failed:
+                return done, failed
+            if self.sides["d"].starts() != starts or not _alive(self.sides["d"].child()):
+                return [], ["the decode sidecar died"]
+        return [], []
+
+    def work(self) -> None:
+        i = 0
+        while not self.stop.is_set():
+            self.transfer(i)
+            i += 1
+
+    # ------------------------------------------------------------------ faults
+
+    def fault(self) -> str:
+        kinds = ["kill9-p", "kill9-d", "stop-p", "stop-d", "engine-p", "engine-d", "drop-peer", "hostile"]
+        if self.netns:
+            kinds.append("link-cut")
+        kind = self.rng.choice(kinds)
+        which = kind[-1]
+        if kind.startswith(("kill9", "stop")):
+            side = self.sides[which]
+            before = side.starts()
+            os.kill(side.child(), signal.SIGKILL if kind.startswith("kill9") else signal.SIGSTOP)
+            self._restarted(which, before)
+        elif kind.startswith("engine"):
+            with self.lock:
+                self.engine(which, fresh=True)
+        elif kind == "drop-peer":
+            self._drop_peer()
+        elif kind == "hostile":
+            self._hostile()
+        else:
+            ip("-n", NS[1], "link", "set", VETH[1], "down")
+            time.sleep(5.0)
+            ip("-n", NS[1], "link", "set", VETH[1], "up")
+        return kind
+
+    def _restarted(self, which: str, before: int) -> None:
+        """Wait for the supervisor's restart (a frozen sidecar: after its watchdog killed it),
+        then register the engine with the new sidecar, as a connector does."""
+        side = self.sides[which]
+        end = time.monotonic() + 60
+        while side.starts() == before:
+            if time.monotonic() > end:
+                self.problems.append(f"sidecar {which} was not restarted within 60 s")
+                return
+            time.sleep(0.1)
+        with self.lock:
+            eng = self.engine(which)
+            eng.start(timeout=60)
+
+    def _drop_peer(self) -> None:
+        from kvxfer.control.v1 import control_pb2 as pb
+        from kvxfer.control.v1 import control_pb2_grpc as pb_grpc
+
+        reg = self.engine("p").registered
+        assert reg is not None
+        with contextlib.suppress(Exception):
+            import grpc
+
+            with grpc.insecure_channel(self.sides["d"].proc.control) as ch:
+                peer = f"{reg.handshake_host}:{reg.handshake_port}"
+                pb_grpc.ControlStub(ch).DisconnectPeer(pb.DisconnectPeerRequest(endpoint=peer), timeout=5)
+
+    def _hostile(self) -> None:
+        """Garbage on both sidecars' engine sockets and on the prefill's handshake port."""
+        ctx = zmq.Context()
+        try:
+            reg = self.engine("p").registered
+            targets = [s.proc.endpoint for s in self.sides.values()]
+            if reg is not None and not self.netns:
+                targets.append(f"tcp://{reg.handshake_host}:{reg.handshake_port}")
+            for target in targets:
+                sock = ctx.socket(zmq.DEALER)
+                sock.setsockopt(zmq.LINGER, 0)
+                sock.connect(target)
+                for _ in range(50):
+                    with contextlib.suppress(zmq.Again):
+                        sock.send(self.rng.randbytes(self.rng.randint(0, 300)), zmq.NOBLOCK)
+                time.sleep(0.1)
+                sock.close(0)
+        finally:
+            ctx.term()
+
+    def faults(self) -> None:
+        while not self.stop.wait(self.args.fault_every):
+            t0 = time.monotonic()
+            kind = self.fault()
+            self.minutes[-1].faults.append(kind)
+            end = time.monotonic() + self.args.recover_s
+            while self.last_ok < t0 + 0.001 and time.monotonic() < end and not self.stop.is_set():
+                time.sleep(0.1)
+            if self.last_ok < t0 and not self.stop.is_set():
+                self.problems.append(f"no transfer succeeded within {self.args.recover_s:.0f}s of {kind}")
+
+    # ------------------------------------------------------------------ measuring
+
+    def sample(self) -> dict[str, float]:
+        """One reading of every resource (see the module docstring)."""
+        out: dict[str, float] = {"t": time.monotonic()}
+        for which, side in self.sides.items():
+            pid = side.child()
+            out.update({f"{which}.{k}": v for k, v in _proc(pid).items()})
+            metrics = self._scrape(side, 1 if which == "d" else 0)
+            for key, series in (("peers", "kvxfer_peers"), ("agents", "kvxfer_nixl_remote_agents"),
+                                ("leases", "kvxfer_held_leases"), ("inflight", "kvxfer_inflight_requests")):
+                out[f"{which}.{key}"] = metrics.get(series, -1.0)
+        out.update({f"harness.{k}": v for k, v in _proc(os.getpid()).items()})
+        out["shm_mib"] = sum(e.stat().st_size for e in os.scandir("/dev/shm") if e.is_file()) / 2**20
+        return out
+
+    def _scrape(self, side: Side, ns: int) -> dict[str, float]:
+        url = f"http://127.0.0.1:{side.proc.metrics_port}/metrics"
+        code = f"import urllib.request as u; print(u.urlopen({url!r}, timeout=5).read().decode())"
+        cmd = [sys.executable, "-c", code]
+        if self.netns:
+            cmd = ["ip", "netns", "exec", NS[ns], *cmd]
+        try:
+            body = subprocess.run(cmd, capture_output=True, timeout=15, check=True).stdout.decode()
+        except (subprocess.SubprocessError, OSError):
+            return {}
+        got = {}
+        for line in body.splitlines():
+            if line.startswith("kvxfer"):
+                name, _, value = line.rpartition(" ")
+                got[name] = float(value)
+        return got
+
+    def run(self) -> int:
+        self.engine("p")
+        self.engine("d")
+        threads = [threading.Thread(target=fn, daemon=True) for fn in (self.work, self.faults)]
+        for t in threads:
+            t.start()
+        end = time.monotonic() + self.args.minutes * 60
+        try:
+            while time.monotonic() < end:
+                time.sleep(min(60.0, max(0.0, end - time.monotonic())))
+                self.samples.append(self.sample())
+                self._print_minute(len(self.minutes) - 1)
+                self.minutes.append(Minute())
+        finally:
+            self.stop.set()
+            for t in threads:
+                t.join(60)
+        self.minutes.pop()  # (the one begun at the end)
+        self.problems += growth(self.samples)
+        return 1 if self.problems else 0
+
+    def _print_minute(self, i: int) -> None:
+        m, s = self.minutes[i], self.samples[-1]
+        lat = sorted(m.latencies)
+        p50 = lat[len(lat) // 2] * 1e3 if lat else 0.0
+        p99 = lat[int(len(lat) * 0.99)] * 1e3 if lat else 0.0
+        print(f"min {i + 1:3d}: ok {m.ok:5d} failed {m.failed:3d} unsettled {m.unsettled} "
+              f"p50 {p50:6.1f} ms p99 {p99:7.1f} ms | p rss {s['p.rss_mib']:.0f} fds {s['p.fds']:.0f} | "
+              f"d rss {s['d.rss_mib']:.0f} fds {s['d.fds']:.0f} agents {s['d.agents']:.0f} | "
+              f"leases {s['p.leases']:.0f} | faults {','.join(m.faults) or '-'}", flush=True)
+
+    def close(self) -> None:
+        for side in self.sides.values():
+            if side.engine is not None:
+                side.engine.close()
+        self.f.close()
+        if self.netns:
+            for ns in NS:
+                ip("netns", "del", ns)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+def _proc(pid: int) -> dict[str, float]:
+    """RSS (MiB), open fds and memfd bytes (MiB) of a process (-1 when it cannot be read)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            rss = next(int(line.split()[1]) for line in f if line.startswith("VmRSS:")) / 1024
+        fds = os.listdir(f"/proc/{pid}/fd")
+    except (OSError, StopIteration):
+        return {"rss_mib": -1.0, "fds": -1.0, "memfd_mib": -1.0}
+    memfd = 0
+    for fd in fds:
+        with contextlib.suppress(OSError):
+            if os.readlink(f"/proc/{pid}/fd/{fd}").startswith("/memfd:"):
+                memfd += os.stat(f"/proc/{pid}/fd/{fd}").st_size
+    return {"rss_mib": rss, "fds": float(len(fds)), "memfd_mib": memfd / 2**20}
+
+
+def growth(samples: list[dict[str, float]]) -> list[str]:
+    """Resources whose last quarter is above both 1.5x and SLACK over the second quarter's median."""
+    n = len(samples)
+    if n < 8:
+        return []
+    base, last = samples[n // 4:n // 2], samples[3 * n // 4:]
+    out = []
+    for key in samples[0]:
+        kind = key.rsplit(".", 1)[-1]
+        if kind not in SLACK:
+            continue
+        ref = statistics.median(s[key] for s in base)
+        top = max(s[key] for s in last)
+        if ref >= 0 and top > max(1.5 * ref, ref + SLACK[kind]):
+            out.append(f"{key} grew: median {ref:.1f} in the second quarter, {top:.1f} in the last")
+    return out
+
+
+def write(soak: Soak, out: str, code: int) -> None:
+    """<out>.json (every minute and sample), <out>.txt (the summary), <out>.png (the plot)."""
+    rows = []
+    for i, (m, smp) in enumerate(zip(soak.minutes, soak.samples, strict=False)):
+        lat = sorted(m.latencies)
+        rows.append({"minute": i + 1, "ok": m.ok, "failed": m.failed, "unsettled": m.unsettled,
+                     "p50_ms": lat[len(lat) // 2] * 1e3 if lat else None,
+                     "p99_ms": lat[int(len(lat) * 0.99)] * 1e3 if lat else None, "faults": m.faults,
+                     **{k: v for k, v in smp.items() if k != "t"}})
+    doc = {"args": vars(soak.args), "netns": soak.netns, "verdict": "ok" if code == 0 else "failed",
+           "problems": soak.problems, "minutes": rows}
+    with open(out + ".json", "w") as f:
+        json.dump(doc, f, indent=1)
+    ok, failed = sum(r["ok"] for r in rows), sum(r["failed"] for r in rows)
+    faults = [k for r in rows for k in r["faults"]]
+    lines = [f"soak {time.strftime('%Y-%m-%d')}: {len(rows)} minutes, {ok} transfers ok (bytes verified), "
+             f"{failed} failed, {sum(r['unsettled'] for r in rows)} unsettled; {len(faults)} faults "
+             f"({', '.join(f'{k} {faults.count(k)}' for k in sorted(set(faults)))}); "
+             f"{'two hosts (netns, UCX over TCP)' if soak.netns else 'one host (UCX over CMA)'}",
+             f"verdict: {doc['verdict']}", *[f"  {p}" for p in soak.problems[:50]]]
+    if rows:
+        first, last = rows[0], rows[-1]
+        for key in ("p.rss_mib", "p.fds", "p.memfd_mib", "d.rss_mib", "d.fds", "d.memfd_mib", "d.agents",
+                    "p.leases", "harness.rss_mib", "harness.fds", "shm_mib"):
+            lines.append(f"  {key}: minute 1 {first.get(key, -1):.1f}, last {last.get(key, -1):.1f}, "
+                         f"max {max(r.get(key, -1) for r in rows):.1f}")
+    with open(out + ".txt", "w") as f:
+        f.write("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    _plot(rows, out + ".png")
+
+
+def _plot(rows: list[dict[str, Any]], path: str) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    x = [r["minute"] for r in rows]
+    fig, ax = plt.subplots(3, 1, figsize=(10, 9), sharex=True)
+    ax[0].plot(x, [r["ok"] for r in rows], label="ok")
+    ax[0].plot(x, [r["failed"] for r in rows], label="failed")
+    ax[0].set_ylabel("transfers / minute")
+    for r in rows:
+        for k in r["faults"]:
+            ax[0].annotate(k, (r["minute"], 0), fontsize=6, rotation=90)
+    ax[1].plot(x, [r["p50_ms"] or 0 for r in rows], label="p50")
+    ax[1].plot(x, [r["p99_ms"] or 0 for r in rows], label="p99")
+    ax[1].set_ylabel("latency ms")
+    for key in ("p.rss_mib", "d.rss_mib", "harness.rss_mib", "p.fds", "d.fds", "d.agents", "p.leases"):
+        ax[2].plot(x, [r.get(key, -1) for r in rows], label=key)
+    ax[2].set_ylabel("MiB / count")
+    ax[2].set_xlabel("minute")
+    for a in ax:
+        a.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=80)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(prog="python benchmarks/soak.py")
+    ap.add_argument("--minutes", type=float, default=60.0)
+    ap.add_argument("--fault-every", type=float, default=60.0, help="seconds between faults")
+    ap.add_argument("--deadline-s", type=float, default=5.0, help="each transfer's deadline")
+    ap.add_argument("--settle-s", type=float, default=10.0, help="an answer may come this much later")
+    ap.add_argument("--recover-s", type=float, default=45.0, help="a success this soon after each fault")
+    ap.add_argument("--seed", type=int, default=37)
+    ap.add_argument("--netns", action=argparse.BooleanOptionalAction, default=True,
+                    help="two hosts joined by a veth pair, UCX over TCP, link cuts (needs root)")
+    ap.add_argument("--out", default="benchmarks/soak_latest")
+    args = ap.parse_args()
+    soak = Soak(args)
+    try:
+        code = soak.run()
+    finally:
+        soak.close()
+    write(soak, args.out, code)
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())
