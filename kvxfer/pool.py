@@ -180,11 +180,14 @@ class PoolClient:
                     data, fds, _, _ = socket.recv_fds(sock, _PACKET, 1)
                 reply = _replies.decode(data) if data else None
             except (OSError, KvxferError, msgspec.DecodeError, ValueError):
+                self._disconnect()  # (a late reply must not answer the next request)
                 return None
             if isinstance(reply, PoolSelf) and fds:
                 return fds[0]
             for fd in fds:
                 os.close(fd)
+            if reply is None:
+                self._disconnect()
             return None
 
     def free(self, pool: Pool) -> None:

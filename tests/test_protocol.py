@@ -43,7 +43,7 @@ MESSAGES: dict[str, tuple[object, str]] = {
         "99aa7265676973746572656400a144a161cd1000a168cd16440000",
     ),
     "done": (p.Done(req_id="r1", nbytes=1024, seconds=0.5), "96a4646f6e65a27231cd0400cb3fe000000000000000c0"),
-    "failed": (p.Failed(req_id="r1", block_ids=[4, 5], code="deadline", reason="late"), "97a66661696c6564a27231920405a8646561646c696e65a46c6174650000"),
+    "failed": (p.Failed(req_id="r1", block_ids=[4, 5], code="deadline", reason="late"), "97a66661696c6564a27231920405a8646561646c696e65a46c617465ffff"),
     "released": (p.Released(req_id="r1", reason="read", reads=1), "94a872656c6561736564a27231a47265616401"),
     "error": (p.Error(code="malformed", message="bad", req_id="r1"), "94a56572726f72a96d616c666f726d6564a3626164a27231"),
     "pong": (p.Pong(seq=7, engine_id="D", version=1, handshake_host="h", handshake_port=1), "98a4706f6e6707a14401a16801a0a0"),
@@ -158,7 +158,7 @@ def test_a_failed_without_its_rank_still_decodes() -> None:
     old = bytes.fromhex("95a66661696c6564a27231920405a8646561646c696e65a46c617465")
     got = p.sidecar_event_decoder.decode(old)
     assert got == p.Failed(req_id="r1", block_ids=[4, 5], code="deadline", reason="late")
-    assert (got.tp_rank, got.pp_rank) == (0, 0)
+    assert (got.tp_rank, got.pp_rank) == (-1, -1)  # (not said: the scheduler then passes it to nobody)
 
     class OldFailed(msgspec.Struct, array_like=True, tag="failed"):
         req_id: str

@@ -112,9 +112,11 @@ def test_a_load_refused_to_a_rank_not_registered_yet_fails_in_its_worker_at_once
     client = Client()
     sched = SchedulerSide(settings, tp_size=2, client=client)  # type: ignore[arg-type]
     sched._loads["load"] = time.monotonic() + 60  # (posted: what update_state_after_alloc records)
+    sched._loads["old"] = time.monotonic() + 60
     client.pending.failed += [
-        Failed(req_id="load", block_ids=[5], code="not_registered", reason="x", tp_rank=1),
-        Failed(req_id="release-only", block_ids=[], code="handshake_failed", reason="y")]
+        Failed(req_id="load", block_ids=[5], code="not_registered", reason="x", tp_rank=1, pp_rank=0),
+        Failed(req_id="release-only", block_ids=[], code="handshake_failed", reason="y"),
+        Failed(req_id="old", block_ids=[6], code="not_registered", reason="z")]  # (no rank: an older sidecar)
     plan = sched.take_plan()
     assert plan.refused == {"load": [(0, 1)]}
     workers = [WorkerSide(settings, rank, 2, "cpu") for rank in (0, 1)]

@@ -326,7 +326,7 @@ class SchedulerSide:
             self._next_prune = now + 1.0
             self._loads = {r: d for r, d in self._loads.items() if d > now}
         for ev in failed:
-            if ev.req_id in self._loads:
+            if ev.req_id in self._loads and ev.tp_rank >= 0 and ev.pp_rank >= 0:
                 log.warning("KV load of %s refused to rank pp%d/tp%d: [%s] %s", ev.req_id, ev.pp_rank,
                             ev.tp_rank, ev.code, ev.reason)
                 self._plan.refused.setdefault(ev.req_id, []).append((ev.pp_rank, ev.tp_rank))

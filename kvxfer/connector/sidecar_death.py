@@ -9,6 +9,9 @@ process exited, whichever PID namespace each end runs in. The worker then fails 
 and frees its holds at once, without waiting for their deadlines or for the restarted
 sidecar's first answer. Where the sidecar gives no pidfd (no memory channel: a ``tcp://``
 sidecar, CUDA IPC without pools; an older sidecar) nothing changes: the deadlines decide.
+Freeing a dead prefill sidecar's holds at once is safe over any transport: whatever a peer
+may still read of those blocks, it delivers nothing without its claim's answer, which a
+dead sidecar cannot give.
 """
 
 from __future__ import annotations

@@ -159,9 +159,10 @@ class Failed(_Msg, tag="failed"):
     code: str
     reason: str
     # which rank's receive (the scheduler gets the Failed of a rank not registered yet, e.g.
-    # right after a sidecar restart, and passes it to that rank's worker)
-    tp_rank: NonNeg = 0
-    pp_rank: NonNeg = 0
+    # right after a sidecar restart, and passes it to that rank's worker); -1: not said (a
+    # sidecar from before these fields)
+    tp_rank: Annotated[int, Meta(ge=-1)] = -1
+    pp_rank: Annotated[int, Meta(ge=-1)] = -1
 
 
 class Released(_Msg, tag="released"):

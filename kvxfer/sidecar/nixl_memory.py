@@ -225,9 +225,12 @@ class Registrations:
 
         if at_once:
             self._cleanup.keep_peer(name)  # (a deferred removal of it must not remove a later load)
-            forget()
-        else:
-            self._cleanup.after(settling, forget, peer=name)
+            try:
+                self._agent.remove_remote_agent(name)
+                return known
+            except Exception as e:  # (refused with transfers outstanding: once they settled, then)
+                log.warning("remove_remote_agent(%s) refused now (%s): again once its reads settled", name, e)
+        self._cleanup.after(settling, forget, peer=name)
         return known
 
     # ------------------------------------------------------------------ reads

@@ -129,7 +129,8 @@ class PeerLink:
             req = sign_request(self.secret, req)
         fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         self._waiting[seq] = fut
-        self.liveness.asked(seq, time.monotonic())
+        if isinstance(req, LeaseRenew):  # (answered in the listener's loop at once; a StageRequest
+            self.liveness.asked(seq, time.monotonic())  # waits for the prefill's NIXL thread)
 
         def sent(f: asyncio.Future[Any]) -> None:  # (pyzmq sends at once and reports in a future)
             e = None if f.cancelled() else f.exception()
@@ -204,6 +205,7 @@ class PeerClient:
         self._link_tasks: set[asyncio.Task[None]] = set()
         self._socks: weakref.WeakSet[zmq.asyncio.Socket] = weakref.WeakSet()  # every socket dialed
         self._stalled: set[str] = set()  # endpoints dropped as stalled and not handshaked since
+        self._drops: dict[str, int] = {}  # endpoint -> how often dropped as stalled
 
     # ---------------------------------------------------------------- peers
 
@@ -258,7 +260,8 @@ class PeerClient:
         """(endpoint, seconds silent) of every link whose peer owes an answer and said
         nothing for --peer-stall-s."""
         return [(key, link.liveness.silent_s(now)) for key, link in self._links.items()
-                if not link.closed and link.liveness.stalled(now)]
+                if not link.closed and link.liveness.stalled(now)
+                and not link.sock.get(zmq.EVENTS) & zmq.POLLIN]  # (replies not read yet: our loop lagged)
 
     def probe_due(self, key: str, now: float) -> bool:
         """Whether a peer that reads run against should be asked for a sign of life now."""
@@ -276,12 +279,15 @@ class PeerClient:
         """A stalled peer: the calls waiting on its link fail ``peer_stalled`` now, its reads are
         stopped and settled at once (``NixlPort.remove_peer``), and it is handshaked again,
         with --peer-stall-s for an answer, before its next use."""
+        link = self._links.get(key)
+        if link is None or not link.liveness.stalled(time.monotonic()):
+            return  # (it answered while other peers were dropped)
         reason = (f"peer {key} owed an answer and said nothing for {silent_s:.1f}s (--peer-stall-s "
                   f"{self.config.peer_stall_s:g}): stalled; its reads are stopped")
         self._stalled.add(key)
-        link = self._links.pop(key, None)
-        if link is not None:
-            link.close(RequestError(ErrorCode.PEER_STALLED, reason))
+        self._drops[key] = self._drops.get(key, 0) + 1  # (a handshake in flight must not put it back)
+        del self._links[key]
+        link.close(RequestError(ErrorCode.PEER_STALLED, reason))
         self.observer.peer_stalled(key, reason)
         peer = self.book.get(key)
         if peer is None:
@@ -297,6 +303,7 @@ class PeerClient:
     async def _handshake(self, host: str, port: int) -> Peer:
         key = f"{host}:{port}"
         start = time.monotonic()
+        drops = self._drops.get(key, 0)
         try:
             addr = await self._resolve(host, port)
             ch = self.channel.toward(addr)
@@ -311,6 +318,8 @@ class PeerClient:
                 # (the same registrations: NIXL's state stays, reads in flight go on)
                 reload = cached is not None and cached.agent_name == reply.agent_name
                 await self.nixl.add_peer(reply.agent_name, metadata, infos, reload)
+            if self._drops.get(key, 0) != drops:  # dropped as stalled meanwhile: its entry is gone again
+                raise RequestError(ErrorCode.PEER_STALLED, f"{key} was found stalled during the handshake")
         except RequestError as e:
             self.observer.handshake(key, False, time.monotonic() - start, e.reason)
             raise

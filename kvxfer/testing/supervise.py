@@ -58,6 +58,7 @@ class Supervisor:
         env = {**os.environ, "NOTIFY_SOCKET": self.sock.getsockname(),
                "WATCHDOG_USEC": str(int(self.watchdog_s * 1e6))}
         while True:
+            self._drain()  # (a dead child's last WATCHDOG=1 must not arm the next one's watchdog)
             self.child = subprocess.Popen(self.cmd, env=env)
             self.note("started", pid=self.child.pid)
             code = self._watch(self.child)
@@ -65,6 +66,16 @@ class Supervisor:
             if self.stopping or code in (0, 2):
                 return code if code >= 0 else 128 - code
             time.sleep(self.restart_s)
+            if self.stopping:  # (a SIGTERM during the pause)
+                return code if code >= 0 else 128 - code
+
+    def _drain(self) -> None:
+        self.sock.setblocking(False)
+        try:
+            while True:
+                self.sock.recv(4096)
+        except BlockingIOError:
+            pass
 
     def _watch(self, child: subprocess.Popen[bytes]) -> int:
         last = 0.0  # the last READY=1 or WATCHDOG=1 (0: not ready yet, no watchdog)
@@ -74,7 +85,7 @@ class Supervisor:
                 lines = self.sock.recv(4096).decode(errors="replace").splitlines()
             except TimeoutError:
                 lines = []
-            if "READY=1" in lines or "WATCHDOG=1" in lines:
+            if "READY=1" in lines or ("WATCHDOG=1" in lines and last):  # (armed at READY=1)
                 last = time.monotonic()
             if last and time.monotonic() - last > self.watchdog_s and not self.stopping:
                 self.note("watchdog", pid=child.pid, silent_s=round(time.monotonic() - last, 3))
