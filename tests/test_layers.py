@@ -30,6 +30,7 @@ LAYERS: list[tuple[str, list[str]]] = [
         "kvxfer.sidecar.lifecycle", "kvxfer.sidecar.plan", "kvxfer.sidecar.admission",
         "kvxfer.sidecar.validate", "kvxfer.sidecar.receive", "kvxfer.sidecar.nixl_types",
         "kvxfer.sidecar.peer_book", "kvxfer.sidecar.ownership", "kvxfer.sidecar.staging",
+        "kvxfer.sidecar.liveness",
     ]),
     ("ports and memory: the NIXL thread, registrations, pools, metrics", [
         "kvxfer.sidecar.nixl*", "kvxfer.sidecar.registry", "kvxfer.vmm", "kvxfer.pool",
@@ -41,7 +42,7 @@ LAYERS: list[tuple[str, list[str]]] = [
         "kvxfer.sidecar.holds", "kvxfer.sidecar.receiver", "kvxfer.sidecar.engine_server",
         "kvxfer.sidecar.verify", "kvxfer.sidecar.keepalive", "kvxfer.sidecar.engines",
         "kvxfer.sidecar.claim", "kvxfer.control.local", "kvxfer.sidecar.stage_server",
-        "kvxfer.sidecar.staged_reads",
+        "kvxfer.sidecar.staged_reads", "kvxfer.sidecar.stall_guard",
     ]),
     ("engine side: the client and the vLLM connector", ["kvxfer.client", "kvxfer.connector*"]),
     ("app: the daemon, built in order", ["kvxfer.sidecar", "kvxfer.sidecar.operations",

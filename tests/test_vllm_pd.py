@@ -61,6 +61,18 @@ def bs(pl: Pipeline) -> int:
 
 
 
+def up(sc: Any, timeout: float = 60.0) -> Any:
+    """``sc`` once its metrics answer (a sidecar just started)."""
+    end = time.monotonic() + timeout
+    while True:
+        try:
+            sc.scrape()
+            return sc
+        except OSError:
+            assert time.monotonic() < end, f"sidecar {sc.name} did not come up"
+            time.sleep(0.1)
+
+
 def unique(n: int, seed: int, first: str) -> str:
     """A prompt of n tokens starting with a token ``prompt`` never uses (t503..t511), so no
     block of it can hit another test's prefix cache entries."""
@@ -194,6 +206,7 @@ def test_a_corrupted_load_fails_integrity_and_is_recomputed(pipeline: Pipeline) 
     pipeline.d_sidecar = pipeline.sidecars.start(
         "vllm-d", "--role", "decode", "--handshake-timeout-s", "2", "--transfer-timeout-s", "20",
         "--verify-sample", "1", metrics_port=old.metrics_port, env={"KVXFER_TEST_CORRUPT_READS": "1"})
+    up(pipeline.d_sidecar)  # (its engine no longer waits for it: a dead sidecar's loads fail at once)
     corrupted = ""
     for i in range(60):  # until the decode worker re-registered and two loads were verified
         text = prompt(300, 3000 + i)
@@ -227,8 +240,9 @@ def test_prefill_sidecar_killed_then_decode_recomputes_and_recovers(pipeline: Pi
     assert pipeline.d_sidecar.scrape()['kvxfer_transfers_total{result="failed"}'] >= before + 1
     # The prefill sidecar comes back on the same socket; the engine re-registers by itself.
     port = pipeline.p_sidecar.metrics_port
-    pipeline.p_sidecar = pipeline.sidecars.start("vllm-p", "--role", "prefill", "--handshake-timeout-s", "2",
-                                                 metrics_port=port)
+    restarted = pipeline.sidecars.start("vllm-p", "--role", "prefill", "--handshake-timeout-s", "2",
+                                        metrics_port=port)
+    pipeline.p_sidecar = up(restarted)
     text2 = prompt(350, 8)
     want2 = text_of(pipeline.baseline(text2, 8))
     for _ in range(60):  # until the prefill worker noticed the new sidecar and re-registered
