@@ -3,16 +3,21 @@ and the engine's connector, proven by the sidecar's pidfd that it is gone, fails
 and frees its holds at once (never while it might still write), then re-registers with the
 restarted sidecar. The supervisor here is ``kvxfer.testing.supervise``, a stand-in for
 systemd's watchdog (this machine has no systemd); ``deploy/systemd/kvxfer@.service`` asks
-systemd for the same (``WatchdogSec=2``, ``TimeoutAbortSec=1``)."""
+systemd for the same (``WatchdogSec=2``, ``TimeoutAbortSec=1``), and the last test runs a
+transient unit with those settings where systemd is PID 1 (skipped here)."""
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
+
+import pytest
 
 from kvxfer.testing.procs import SidecarFactory
 
@@ -125,3 +130,44 @@ def test_a_load_refused_to_a_rank_not_registered_yet_fails_in_its_worker_at_once
     assert "load" in workers[0]._recvs  # rank 0's Recv is its sidecar's to answer
     assert workers[1]._failed_now == {"load": [5]}  # rank 1 reports it failed at its next step
     assert "load" not in workers[1]._recvs
+
+
+def _systemd() -> bool:
+    return (os.path.isdir("/run/systemd/system") and shutil.which("systemd-run") is not None
+            and os.geteuid() == 0)
+
+
+@pytest.mark.skipif(not _systemd(), reason="no systemd here (PID 1 is not systemd): the stand-in covers it")
+def test_under_systemd_a_frozen_sidecar_is_killed_by_its_watchdog_and_restarted(tmp_path: Path) -> None:
+    """The real supervisor, where the machine has one: the unit's watchdog settings on a
+    transient unit (systemd-run), the sidecar SIGSTOPped, a new main process soon after."""
+    unit = f"kvxfer-watchdog-test-{os.getpid()}"
+
+    def main_pid() -> int:
+        out = subprocess.run(["systemctl", "show", "-p", "MainPID", "--value", unit], capture_output=True,
+                             text=True, check=False).stdout.strip()
+        return int(out or 0)
+
+    props = ["Type=notify", "NotifyAccess=main", "WatchdogSec=2", "WatchdogSignal=SIGABRT",
+             "TimeoutAbortSec=1", "Restart=on-failure", "RestartSec=1"]
+    serve = [sys.executable, "-m", "kvxfer", "serve", "--engine-id", "wd", "--engine-socket",
+             f"ipc://{tmp_path}/e.sock", "--handshake-port", "0", "--control-target", "",
+             "--metrics-port", "0"]
+    args = [a for p in props for a in ("-p", p)]
+    subprocess.run(["systemd-run", "--unit", unit, "--collect", *args, *serve], check=True, timeout=30)
+    try:
+        end = time.monotonic() + 60
+        while (first := main_pid()) == 0:
+            assert time.monotonic() < end, "the sidecar never became the unit's main process"
+            time.sleep(0.2)
+        time.sleep(3.0)  # serving: its pings keep the watchdog quiet
+        assert main_pid() == first
+        os.kill(first, signal.SIGSTOP)
+        t0 = time.monotonic()
+        while main_pid() in (first, 0):
+            assert time.monotonic() - t0 < 30, "the frozen sidecar was not replaced"
+            time.sleep(0.1)
+        took = time.monotonic() - t0
+        assert took < 2 + 1 + 1 + 5, took  # watchdog, abort, RestartSec, a start
+    finally:
+        subprocess.run(["systemctl", "stop", unit], capture_output=True, check=False, timeout=60)
