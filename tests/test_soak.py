@@ -148,10 +148,10 @@ def test_the_soak_growth_rule_flags_a_leak_and_not_noise() -> None:
 
 
 def test_the_soak_runs_and_judges(tmp_path: Path) -> None:
-    """A short ``make soak`` (faults every 6 s, one host): it runs every fault it draws against
+    """A short ``make soak`` (21 s, faults every 5 s, one host): it runs every fault it draws against
     real supervised sidecars, verifies every byte, and finds nothing left behind."""
     out = tmp_path / "soak"
-    run = subprocess.run([sys.executable, "benchmarks/soak.py", "--minutes", "0.5", "--fault-every", "6",
+    run = subprocess.run([sys.executable, "benchmarks/soak.py", "--minutes", "0.35", "--fault-every", "5",
                           "--no-netns", "--out", str(out)], capture_output=True, text=True, timeout=240)
     doc = json.loads((tmp_path / "soak.json").read_text())
     assert run.returncode == 0, (doc["problems"], run.stdout[-2000:])
