@@ -148,15 +148,15 @@ def test_the_soak_growth_rule_flags_a_leak_and_not_noise() -> None:
 
 
 def test_the_soak_runs_and_judges(tmp_path: Path) -> None:
-    """A short ``make soak`` (21 s, faults every 5 s, one host): it runs every fault it draws against
+    """A short ``make soak`` (24 s, faults every 4 s, one host): it runs every fault it draws against
     real supervised sidecars, verifies every byte, and finds nothing left behind."""
     out = tmp_path / "soak"
-    run = subprocess.run([sys.executable, "benchmarks/soak.py", "--minutes", "0.35", "--fault-every", "5",
+    run = subprocess.run([sys.executable, "benchmarks/soak.py", "--minutes", "0.4", "--fault-every", "4",
                           "--no-netns", "--out", str(out)], capture_output=True, text=True, timeout=240)
     doc = json.loads((tmp_path / "soak.json").read_text())
     assert run.returncode == 0, (doc["problems"], run.stdout[-2000:])
     assert doc["verdict"] == "ok"
     (minute,) = doc["minutes"]
     assert minute["ok"] > 100
-    assert len(minute["faults"]) >= 3
+    assert len(minute["faults"]) >= 2
     assert (tmp_path / "soak.txt").read_text().startswith("soak ")
