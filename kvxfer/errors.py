@@ -45,6 +45,7 @@ class ErrorCode(enum.StrEnum):
     OUT_OF_MEMORY = "out_of_memory"  # a KV pool larger than the memory available (or --max-pool-bytes)
     UNSUPPORTED = "unsupported"  # not possible on this sidecar (a GPU pool without cuda-bindings or VMM)
     PEER_STALLED = "peer_stalled"  # the peer owed an answer, silent for --peer-stall-s: reads stopped
+    BUSY = "busy"  # the peer's listener had as many requests waiting as it serves at once: try again
 
 
 class KvxferError(Exception):

@@ -96,7 +96,9 @@ class PeerServer:
         """Answer every request on the handshake listener. A lease renewal (the claim of a
         read in progress: the read's Done waits for it) is answered here and now; every
         other request on its own (at most LISTENER_CONCURRENCY at once), so none queues
-        behind a handshake or a digest waiting on the NIXL thread."""
+        behind a handshake or a digest waiting on the NIXL thread. Past that many, a request
+        is answered "busy" at once: the listener never stops reading, or the renewals behind
+        would go unanswered and the readers would judge this sidecar stalled."""
         slots = asyncio.Semaphore(LISTENER_CONCURRENCY)
 
         async def answer(ident: bytes, request: HandshakeRequest | Exception, addr: str) -> None:
@@ -122,7 +124,12 @@ class PeerServer:
                     with contextlib.suppress(zmq.ZMQError):
                         sock.send_multipart([frames[0].bytes, encode(renewal)], flags=zmq.NOBLOCK)
                     continue
-                await slots.acquire()
+                if slots.locked():
+                    with contextlib.suppress(zmq.ZMQError):
+                        sock.send_multipart([frames[0].bytes, encode(self._busy(request, frames[-1]))],
+                                            flags=zmq.NOBLOCK)
+                    continue
+                await slots.acquire()  # (free: it does not wait)
                 task = asyncio.ensure_future(answer(frames[0].bytes, request, peer_address(frames[-1])))
                 self._tasks.add(task)
                 task.add_done_callback(self._tasks.discard)
@@ -131,6 +138,15 @@ class PeerServer:
                 task.cancel()
 
     # ---------------------------------------------------------------- answers
+
+    def _busy(self, request: HandshakeRequest | Exception, frame: zmq.Frame) -> Staged | Refused:
+        """The answer to a request that finds every slot taken: a staged read reads directly
+        (``busy``), anything else is refused and tried again by its next request."""
+        if isinstance(request, StageRequest):
+            return Staged(seq=request.seq, held="busy")
+        self.observer.handshake_refused(peer_address(frame), ErrorCode.BUSY)
+        why = f"{LISTENER_CONCURRENCY} requests wait for this sidecar's NIXL thread; try again"
+        return Refused(version=PROTOCOL_VERSION, code=ErrorCode.BUSY, reason=why)
 
     def _answer_renewal(self, msg: LeaseRenew, frame: zmq.Frame) -> LeaseState | Refused:
         """The answer to a ``LeaseRenew``, given in the listener's loop."""
