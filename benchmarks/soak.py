@@ -11,7 +11,8 @@ operator (gRPC ``DisconnectPeer``) and so re-handshaked at once, hostile bytes o
 socket and the handshake port, and, where network namespaces can be made (root), a veth
 link cut for a few seconds (the sidecars then run on two "hosts", UCX over TCP).
 
-Recorded per minute: transfers ok / failed, p50 / p99 latency, and of every process (both
+``--inflight`` requests (4) are in flight at once. Recorded per minute: transfers ok /
+failed, p50 / p99 latency (of a batch), and of every process (both
 sidecars, this harness with its engines): RSS, open fds, memfd bytes; of each sidecar (its
 metrics): peers, NIXL remote agents, held leases, receives in flight; ``/dev/shm`` bytes.
 
@@ -139,55 +140,67 @@ class Soak:
     # ------------------------------------------------------------------ the workload
 
     def transfer(self, i: int) -> None:
-        """One P/D request: hold on the prefill, receive on the decode, verify every byte."""
-        n = self.rng.randint(1, 8)
+        """``--inflight`` P/D requests at once: each held on the prefill, received on the
+        decode, every byte verified."""
         with self.lock:
             p, d = self.engine("p"), self.engine("d")
             reg = p.registered
             assert reg is not None
-            pb, db = p.allocate(n), d.allocate(n)
-            name = f"soak-{i}"
-            p.fill(name, pb)
+            batch: dict[str, tuple[list[int], list[int]]] = {}
+            for k in range(self.args.inflight):
+                n = self.rng.randint(1, 8)
+                batch[f"soak-{i}-{k}"] = (p.allocate(n), d.allocate(n))
+                p.fill(f"soak-{i}-{k}", batch[f"soak-{i}-{k}"][0])
+            starts = self.sides["d"].starts()
             t0 = time.monotonic()
             try:
-                p.client.hold(name, pb)
-                where = RemoteBlocks(reg.engine_id, reg.handshake_host, reg.handshake_port, pb)
-                d.client.recv(name, db, where, deadline_s=self.args.deadline_s)
-                done, failed = self._answer(d, name, self.sides["d"].starts())
-                verified = bool(done) and d.verify(name, db)
-            except Exception as e:  # a sidecar gone under the engine's client: failed, not unsettled
-                done, failed, verified = [], [e], False
+                for name, (pb, db) in batch.items():
+                    p.client.hold(name, pb)
+                    where = RemoteBlocks(reg.engine_id, reg.handshake_host, reg.handshake_port, pb)
+                    d.client.recv(name, db, where, deadline_s=self.args.deadline_s)
+                answers, died = self._answers(d, set(batch), starts)
+                outcome = {name: ("died" if died else "unsettled") if name not in answers
+                           else answers[name] if answers[name] != "done"
+                           else "ok" if d.verify(name, batch[name][1]) else "corrupt" for name in batch}
+            except Exception:  # a sidecar gone under the engine's client: failed, not unsettled
+                outcome = dict.fromkeys(batch, "failed")
             finally:
-                d.free(db)
-                p.free(pb)
-        m = self.minutes[-1]
-        if done and verified:
-            m.ok += 1
-            m.latencies.append(time.monotonic() - t0)
-            self.last_ok = time.monotonic()
-        elif done:
-            self.problems.append(f"{name}: Done but the bytes differ")
-            m.failed += 1
-        elif failed:
-            m.failed += 1
-        else:
-            m.unsettled += 1  # no answer past deadline + settle while the decode sidecar lived
-            self.problems.append(f"{name}: unsettled {self.args.deadline_s + self.args.settle_s:.0f}s "
-                                 "after it was sent, its decode sidecar alive")
+                for pb, db in batch.values():
+                    d.free(db)
+                    p.free(pb)
+        self._count(outcome, time.monotonic() - t0)
 
-    def _answer(self, d: SyntheticEngine, name: str, starts: int) -> tuple[list[Any], list[Any]]:
-        """(Done, Failed) of ``name``; a decode sidecar that died meanwhile fails it (its engine's
-        connector fails such loads once it exited: ``connector.sidecar_death``)."""
+    def _count(self, outcome: dict[str, str], took: float) -> None:
+        m = self.minutes[-1]
+        for name, what in outcome.items():
+            if what == "ok":
+                m.ok += 1
+                m.latencies.append(took)
+                self.last_ok = time.monotonic()
+            elif what == "unsettled":  # no answer past deadline + settle while the decode sidecar lived
+                m.unsettled += 1
+                self.problems.append(f"{name}: unsettled {self.args.deadline_s + self.args.settle_s:.0f}s "
+                                     "after it was sent, its decode sidecar alive")
+            else:
+                m.failed += 1
+                if what == "corrupt":
+                    self.problems.append(f"{name}: Done but the bytes differ")
+
+    def _answers(self, d: SyntheticEngine, names: set[str], starts: int) -> tuple[dict[str, str], bool]:
+        """("done" or "failed" by request, whether the decode sidecar died meanwhile: its
+        engine's connector fails the loads left then, once it exited: ``connector.sidecar_death``)."""
         end = time.monotonic() + self.args.deadline_s + self.args.settle_s
-        while time.monotonic() < end:
-            got = d.client.wait_until(lambda a: any(m.req_id == name for m in [*a.done, *a.failed]), 0.5)
-            done = [m for m in got.done if m.req_id == name]
-            failed = [m for m in got.failed if m.req_id == name]
-            if done or failed:
-                return done, failed
-            if self.sides["d"].starts() != starts or not _alive(self.sides["d"].child()):
-                return [], ["the decode sidecar died"]
-        return [], []
+        got: dict[str, str] = {}
+        while time.monotonic() < end and len(got) < len(names):
+            have = frozenset(got)
+            ev = d.client.wait_until(lambda a, h=have: names <= {m.req_id for m in [*a.done, *a.failed]} | h,
+                                     0.5)
+            got |= {m.req_id: "failed" for m in ev.failed if m.req_id in names}
+            got |= {m.req_id: "done" for m in ev.done if m.req_id in names}
+            if len(got) < len(names) and (self.sides["d"].starts() != starts
+                                          or not _alive(self.sides["d"].child())):
+                return got, True
+        return got, False
 
     def work(self) -> None:
         i = 0
@@ -463,6 +476,7 @@ def main() -> int:
     ap.add_argument("--deadline-s", type=float, default=5.0, help="each transfer's deadline")
     ap.add_argument("--settle-s", type=float, default=10.0, help="an answer may come this much later")
     ap.add_argument("--recover-s", type=float, default=45.0, help="a success this soon after each fault")
+    ap.add_argument("--inflight", type=int, default=4, help="requests in flight at once")
     ap.add_argument("--seed", type=int, default=37)
     ap.add_argument("--netns", action=argparse.BooleanOptionalAction, default=True,
                     help="two hosts joined by a veth pair, UCX over TCP, link cuts (needs root)")
