@@ -120,6 +120,11 @@ class Config:
                                "stalled (frozen, wedged): its reads are stopped and settled, they "
                                "fail peer_stalled, and it is handshaked again, within this long, "
                                "before its next use. 0: off (wait for each deadline).", default=2.0)
+    peer_idle_probe_s: float = _doc("A peer sidecar that nothing was asked of for this long is probed "
+                                    "(a renewal of no lease); one that does not answer within "
+                                    "--peer-stall-s is let go: its link, its handshake and its NIXL "
+                                    "agent (a dead or moved-away prefill is otherwise kept until a "
+                                    "read from it fails). 0: off.", default=30.0)
     settle_timeout_s: float = _doc("A failed read is reported once its in-flight NIXL chunks "
                                    "stopped (they could still write into its blocks); if they "
                                    "have not after this long, the sidecar exits (status 3) so "
@@ -201,8 +206,8 @@ class Config:
                      "active_poll_ms", "settle_timeout_s", "max_read_s", "max_lease_s"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be > 0")
-        if self.peer_stall_s < 0:
-            raise ConfigError("peer_stall_s must be >= 0 (0: off)")
+        if self.peer_stall_s < 0 or self.peer_idle_probe_s < 0:
+            raise ConfigError("peer_stall_s and peer_idle_probe_s must be >= 0 (0: off)")
         if self.role not in ("prefill", "decode", "both"):
             raise ConfigError(f"role must be prefill, decode or both, not {self.role!r}")
         if not 0 <= self.metrics_port < 65536:

@@ -190,3 +190,55 @@ def test_a_prefill_sidecar_frozen_mid_read_is_probed_and_costs_stall_s(sidecars:
     finally:
         d.close()
         p.close()
+
+
+# ---------------------------------------------------------------------- peers that went away
+
+
+SMALL = make_layout(layers=4, num_blocks=32, heads=2, head_dim=32)
+
+
+def _read_once(d: SyntheticEngine, ps: SidecarProc, name: str) -> SyntheticEngine:
+    p = SyntheticEngine(SMALL, ps.endpoint, seed=1)
+    p.start()
+    pb, db = p.allocate(4), d.allocate(4)
+    p.fill(name, pb)
+    p.client.hold(name, pb)
+    d.client.recv(name, db, remote_of(p, pb))
+    got = wait_for(d.client, lambda a: bool(a.done or a.failed), timeout=30)
+    assert got.done, got
+    assert d.verify(name, db)
+    d.free(db)
+    return p
+
+
+def test_what_a_decode_keeps_for_a_prefill_that_went_away_is_let_go(sidecars: SidecarFactory) -> None:
+    """A prefill sidecar killed while idle, then replaced: on the same endpoint by a sidecar
+    serving another engine (a replaced pod), it is read from at once (it failed unknown_peer
+    before) and the old NIXL agent goes; on another endpoint, the idle probe finds the old
+    one gone after --peer-idle-probe-s and lets go of its link, handshake and NIXL agent
+    (they were kept until a read from it failed)."""
+    ds = sidecars.start("gone-d", "--peer-stall-s", str(STALL_S), "--peer-idle-probe-s", "1",
+                        metrics_port=free_port())
+    d = SyntheticEngine(SMALL, ds.endpoint, seed=2)
+    d.start()
+    port = free_port()
+    try:
+        for i, where in enumerate(["first", "same endpoint", "another endpoint"]):
+            ps = sidecars.start(f"gone-p{i}", "--handshake-port", str(port if i < 2 else free_port()))
+            p = _read_once(d, ps, f"r{i}")
+            m = ds.scrape()
+            # the same endpoint: the old agent goes with the new handshake; another: both are kept
+            assert m["kvxfer_nixl_remote_agents"] == (2 if i == 2 else 1), (where, m)
+            ps.proc.kill()
+            ps.proc.wait()
+            p.close()
+        t_end = time.monotonic() + 1 + STALL_S + 3  # (probe after 1 s idle, silent for STALL_S)
+        while (m := ds.scrape())["kvxfer_nixl_remote_agents"] and time.monotonic() < t_end:
+            time.sleep(0.1)
+        assert m["kvxfer_nixl_remote_agents"] == 0, m
+        assert m["kvxfer_peers"] == 0, m
+        assert m.get("kvxfer_peer_stalls_total", 0) == 0, m  # (gone, not stalled)
+        assert ds.proc.poll() is None
+    finally:
+        d.close()

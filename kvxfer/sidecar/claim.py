@@ -30,7 +30,8 @@ from kvxfer.errors import ErrorCode, RequestError
 from kvxfer.observe import Event, Observer
 from kvxfer.protocol import LeaseRenew, Recv
 from kvxfer.sidecar.peer_book import Peer, PeerBook
-from kvxfer.sidecar.peer_client import PeerClient, RenewalSent
+from kvxfer.sidecar.peer_client import PeerClient
+from kvxfer.sidecar.peer_link import RenewalSent
 from kvxfer.sidecar.receive import claim_verdict
 
 log = logging.getLogger("kvxfer.receiver")

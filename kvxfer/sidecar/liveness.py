@@ -7,9 +7,11 @@ milliseconds, even loaded, because its loop does nothing slow. A stopped process
 slow network does not (anything heard resets the clock). A peer that owes nothing cannot
 be judged: while reads from it run it is *probed* after ``stall_s / 4`` of silence, so a
 peer that froze after answering a read's claim, whose read now never ends (in UCX peer
-mode a READ completes only once its target progresses), is found as fast.
+mode a READ completes only once its target progresses), is found as fast. A link nothing
+uses is probed too, after --peer-idle-probe-s: a peer that died or moved away then owes an
+answer, and what is kept for it (the link, its book entry, its NIXL agent) is let go.
 
-The link (``peer_client.PeerLink``) feeds it: ``asked`` when a request goes out,
+The link (``peer_link.PeerLink``) feeds it: ``asked`` when a request goes out,
 ``answered`` / ``heard`` when a frame comes in, ``dropped`` when a caller stopped waiting.
 """
 
@@ -50,8 +52,8 @@ class Liveness:
     def stalled(self, now: float) -> bool:
         return self.stall_s > 0 and self.silent_s(now) >= self.stall_s
 
-    def probe_due(self, now: float) -> bool:
-        """Nothing owed, and neither a word from it nor a request to it for stall_s / 4: a
-        probe now makes it owe one (call only while reads from it run)."""
+    def probe_due(self, now: float, after_s: float = 0.0) -> bool:
+        """Nothing owed, and neither a word from it nor a request to it for ``after_s`` (by
+        default stall_s / 4, for a peer that reads run against): a probe now makes it owe one."""
         return (self.stall_s > 0 and not self.owed
-                and now - max(self.heard_at, self.asked_at) >= self.stall_s / 4)
+                and now - max(self.heard_at, self.asked_at) >= (after_s or self.stall_s / 4))

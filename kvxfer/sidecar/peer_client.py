@@ -16,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import socket
 import time
 import weakref
 from dataclasses import dataclass, replace
@@ -42,16 +41,14 @@ from kvxfer.protocol import (
     LeaseState,
     RankInfo,
     Refused,
-    Staged,
-    StageRequest,
     Welcome,
     compat_hash,
     encode,
     handshake_reply_decoder,
 )
-from kvxfer.sidecar.liveness import Liveness
 from kvxfer.sidecar.nixl_port import NixlPort
 from kvxfer.sidecar.peer_book import Peer, PeerBook
+from kvxfer.sidecar.peer_link import LinkRequest, PeerLink, RenewalSent, resolve
 from kvxfer.sidecar.registry import RankRegistry
 from kvxfer.sidecar.validate import validate_rank_info
 from kvxfer.targets import is_loopback
@@ -100,94 +97,6 @@ class PeerChannel:
         if not self.local_only or is_loopback(addr.removeprefix("tcp://")):
             return self
         return replace(self, secret=b"", curve=None)
-
-
-LinkRequest = LeaseRenew | StageRequest  # what a PeerLink carries (answered LeaseState / Staged)
-
-
-class PeerLink:
-    """One DEALER connection to a peer's handshake listener for small request/reply calls
-    (lease renewals: one per read, so no connect per call). Replies are matched by ``seq``."""
-
-    def __init__(self, sock: zmq.asyncio.Socket, secret: bytes = b"", stall_s: float = 0.0) -> None:
-        self.sock = sock
-        self.secret = secret  # what every request on this link is signed with (b"": nothing)
-        self._seq = 0
-        self._waiting: dict[int, asyncio.Future[Any]] = {}
-        self.closed = False
-        self.liveness = Liveness(stall_s, time.monotonic())  # what the peer owes, when it last spoke
-
-    async def call(self, req: LinkRequest, timeout_s: float) -> Any:
-        return await self.answer(self.send(req), timeout_s)
-
-    def send(self, req: LinkRequest) -> tuple[int, asyncio.Future[Any]]:
-        """Send now (not at the caller's next await); ``answer`` waits for the reply."""
-        self._seq += 1
-        seq = self._seq
-        req = msgspec.structs.replace(req, seq=seq)
-        if self.secret:  # signed after the seq is set: the signature covers every field
-            req = sign_request(self.secret, req)
-        fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-        self._waiting[seq] = fut
-        if isinstance(req, LeaseRenew):  # (answered in the listener's loop at once; a StageRequest
-            self.liveness.asked(seq, time.monotonic())  # waits for the prefill's NIXL thread)
-
-        def sent(f: asyncio.Future[Any]) -> None:  # (pyzmq sends at once and reports in a future)
-            e = None if f.cancelled() else f.exception()
-            if e is not None and not fut.done():
-                why = "peer listener not taking messages" if isinstance(e, zmq.Again) else f"peer link: {e}"
-                fut.set_exception(RequestError(ErrorCode.HANDSHAKE_FAILED, why))
-
-        self.sock.send(encode(req), flags=zmq.NOBLOCK).add_done_callback(sent)
-        return seq, fut
-
-    async def answer(self, sent: tuple[int, asyncio.Future[Any]], timeout_s: float) -> Any:
-        seq, fut = sent
-        try:
-            return await asyncio.wait_for(fut, timeout_s)
-        except TimeoutError:
-            raise RequestError(ErrorCode.HANDSHAKE_FAILED,
-                               f"no answer from the peer in {timeout_s}s") from None
-        finally:
-            self._waiting.pop(seq, None)
-            self.liveness.dropped(seq)  # (answered: gone already; else nobody waits for it now)
-
-    async def run(self) -> None:
-        """Hand each reply to its caller until closed."""
-        try:
-            while not self.closed:
-                frames = await self.sock.recv_multipart()
-                self.liveness.heard(time.monotonic())
-                try:
-                    reply = handshake_reply_decoder.decode(frames[0])
-                except DECODE_ERRORS:
-                    continue
-                if isinstance(reply, LeaseState | Staged):
-                    self.liveness.answered(reply.seq, time.monotonic())
-                    fut = self._waiting.get(reply.seq)
-                    if fut is not None and not fut.done():
-                        fut.set_result(reply)
-                elif isinstance(reply, Refused):  # unsigned/refused: fail every waiting call
-                    for fut in self._waiting.values():
-                        if not fut.done():
-                            fut.set_exception(RequestError(reply.code, reply.reason))
-        except (zmq.ZMQError, asyncio.CancelledError):
-            pass
-        finally:
-            self.close()
-
-    def close(self, why: RequestError | None = None) -> None:
-        """Close the socket; with ``why``, every call still waiting fails with it at once."""
-        if not self.closed:
-            self.closed = True
-            self.sock.close(0)
-        if why is not None:
-            for fut in self._waiting.values():
-                if not fut.done():
-                    fut.set_exception(RequestError(why.code, why.reason))
-
-
-RenewalSent = tuple[PeerLink, tuple[int, "asyncio.Future[Any]"]]  # PeerClient.send_renewal
 
 
 class PeerClient:
@@ -263,10 +172,13 @@ class PeerClient:
                 if not link.closed and link.liveness.stalled(now)
                 and not link.sock.get(zmq.EVENTS) & zmq.POLLIN]  # (replies not read yet: our loop lagged)
 
-    def probe_due(self, key: str, now: float) -> bool:
-        """Whether a peer that reads run against should be asked for a sign of life now."""
+    def link_keys(self) -> list[str]:
+        return list(self._links)
+
+    def probe_due(self, key: str, now: float, after_s: float = 0.0) -> bool:
+        """Whether a peer should be asked for a sign of life now (``Liveness.probe_due``)."""
         link = self._links.get(key)
-        return link is not None and not link.closed and link.liveness.probe_due(now)
+        return link is not None and not link.closed and link.liveness.probe_due(now, after_s)
 
     async def probe(self, host: str, port: int, engine_id: str) -> None:
         """A renewal of no lease: its answer is the sign of life (no answer: see stalled_links)."""
@@ -275,20 +187,26 @@ class PeerClient:
                                                         agent_name=self.channel.agent_name),
                                  2 * self.config.peer_stall_s)
 
-    async def drop_stalled(self, key: str, silent_s: float) -> None:
+    async def drop_stalled(self, key: str, silent_s: float, idle: bool = False) -> None:
         """A stalled peer: the calls waiting on its link fail ``peer_stalled`` now, its reads are
         stopped and settled at once (``NixlPort.remove_peer``), and it is handshaked again,
-        with --peer-stall-s for an answer, before its next use."""
+        with --peer-stall-s for an answer, before its next use. ``idle``: no read ran against
+        it (an idle probe went unanswered: it is gone, not stalled)."""
         link = self._links.get(key)
         if link is None or not link.liveness.stalled(time.monotonic()):
             return  # (it answered while other peers were dropped)
         reason = (f"peer {key} owed an answer and said nothing for {silent_s:.1f}s (--peer-stall-s "
-                  f"{self.config.peer_stall_s:g}): stalled; its reads are stopped")
+                  f"{self.config.peer_stall_s:g}): " + ("gone; let go" if idle else
+                                                       "stalled; its reads are stopped"))
         self._stalled.add(key)
         self._drops[key] = self._drops.get(key, 0) + 1  # (a handshake in flight must not put it back)
         del self._links[key]
         link.close(RequestError(ErrorCode.PEER_STALLED, reason))
-        self.observer.peer_stalled(key, reason)
+        if idle:
+            log.info("%s", reason)
+            self.observer.peer_dropped(key, reason)
+        else:
+            self.observer.peer_stalled(key, reason)
         peer = self.book.get(key)
         if peer is None:
             return
@@ -331,6 +249,10 @@ class PeerClient:
         self._stalled.discard(key)
         self.observer.handshake(key, True, took)
         log.info("handshake with %s (%s) in %.1f ms", key, peer.engine_id, took * 1e3)
+        if cached is not None and cached.agent_name != peer.agent_name and self.book.by_agent(
+                cached.agent_name) is None:  # (another process took the endpoint: a restart)
+            with contextlib.suppress(Exception):  # (its NIXL entry goes once its reads settled)
+                await self.nixl.remove_peer(cached.agent_name, f"{key} is served by {peer.agent_name} now")
         return peer
 
     async def _hello(self, sock: zmq.asyncio.Socket, key: str, start: float,
@@ -474,19 +396,4 @@ class PeerClient:
         return sock
 
     async def _resolve(self, host: str, port: int) -> str:
-        """host -> a tcp:// address with an IP literal, resolved off the ZMQ I/O thread.
-
-        ZMQ resolves names inside its I/O thread, so one unresolvable host would stall
-        every socket of the context for the resolver's timeout.
-        """
-        try:
-            infos = await asyncio.wait_for(
-                asyncio.get_running_loop().getaddrinfo(host, port, type=socket.SOCK_STREAM),
-                self.config.handshake_timeout_s)
-        except (OSError, UnicodeError, ValueError, TimeoutError) as e:
-            raise RequestError(ErrorCode.HANDSHAKE_FAILED, f"cannot resolve {host!r}: {e}") from None
-        if not infos:
-            raise RequestError(ErrorCode.HANDSHAKE_FAILED, f"cannot resolve {host!r}")
-        family, _, _, _, sockaddr = infos[0]
-        ip = sockaddr[0]
-        return f"tcp://[{ip}]:{port}" if family == socket.AF_INET6 else f"tcp://{ip}:{port}"
+        return await resolve(host, port, self.config.handshake_timeout_s)

@@ -110,11 +110,13 @@ def recv_key(req_id: str, tp_rank: int, engine: str = "", pp_rank: int = 0) -> s
 
 
 def may_be_stale(err: BaseException, msg: Recv) -> bool:
-    """A plan failed in a way a fresh handshake may cure: ranks missing from it, or (for a
-    request that names no generation, which would have caught it) a layout that no longer
-    matches because the prefill engine re-registered since."""
+    """A plan failed in a way a fresh handshake may cure: ranks missing from it, an engine it
+    does not serve (another sidecar, serving other engines, took over the endpoint: a
+    replaced pod on the same address), or (for a request that names no generation, which
+    would have caught it) a layout that no longer matches because the prefill engine
+    re-registered since."""
     return isinstance(err, RequestError) and (
-        err.code == ErrorCode.NOT_REGISTERED
+        err.code in (ErrorCode.NOT_REGISTERED, ErrorCode.UNKNOWN_PEER)
         or (err.code == ErrorCode.INCOMPATIBLE and not msg.remote_generation))
 
 

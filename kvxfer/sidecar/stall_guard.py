@@ -4,7 +4,9 @@ Every tick (a quarter of --peer-stall-s, at most 0.25 s): a peer whose link owes
 and has been silent for --peer-stall-s is dropped (``PeerClient.drop_stalled``: its waiting
 claims and its reads fail ``peer_stalled``, its reads settle at once, the next request
 handshakes it again); a peer that reads run against, owing nothing and silent for a quarter of
-that, is probed with a renewal of no lease.
+that, is probed with a renewal of no lease; so is any peer after --peer-idle-probe-s with
+nothing asked of it (one that does not answer is let go, counted as a disconnection, not a
+stall: a prefill that was replaced or scaled away).
 
 Why the claim keeps its word: a read is delivered only once the prefill sidecar answered
 its claim, so a peer that stopped answering never has a read delivered, whatever its
@@ -49,10 +51,14 @@ class StallGuard:
 
     async def check(self, now: float) -> None:
         for key, silent_s in self.peers.stalled_links(now):
-            await self.peers.drop_stalled(key, silent_s)
-        for key in self.reading_from():
+            await self.peers.drop_stalled(key, silent_s, idle=key not in self.reading_from())
+        reading, idle_s = self.reading_from(), self.config.peer_idle_probe_s
+        for key in self.peers.link_keys():
+            after_s = 0.0 if key in reading else idle_s  # (0.0: a quarter of --peer-stall-s)
+            if key not in reading and not idle_s:
+                continue
             peer = self.book.get(key)
-            if peer is not None and self.peers.probe_due(key, now):
+            if peer is not None and self.peers.probe_due(key, now, after_s):
                 host, _, port = key.rpartition(":")
                 task = asyncio.ensure_future(self.peers.probe(host, int(port), peer.engine_id))
                 self._probes.add(task)
