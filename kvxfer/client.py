@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import msgspec
 import zmq
 
+from kvxfer.engine_ring import Asking, EngineRing, RingUnavailable
 from kvxfer.errors import ErrorCode, ProtocolError, RequestError, SidecarUnavailable
 from kvxfer.protocol import (
     DECODE_ERRORS,
@@ -38,6 +39,7 @@ from kvxfer.protocol import (
     encode,
     sidecar_event_decoder,
 )
+from kvxfer.ringchannel import RingCorrupt
 
 
 @dataclass(frozen=True)
@@ -79,10 +81,16 @@ class Drained:
         self.registered += other.registered
 
 
+RING_RETRY_S = 5.0  # how often a client without the ring it wants asks again (heartbeats)
+
+
 class SidecarClient:
-    def __init__(self, endpoint: str, *, context: zmq.Context | None = None, send_queue: int = 1000) -> None:
+    def __init__(self, endpoint: str, *, context: zmq.Context | None = None, send_queue: int = 1000,
+                 ring: bool = False) -> None:
         """``send_queue``: messages queued for a sidecar that does not read (frozen, dead)
-        before sends fail with ``SidecarUnavailable`` instead of piling up."""
+        before sends fail with ``SidecarUnavailable`` instead of piling up. ``ring``: talk
+        over an engine ring (``kvxfer.engine_ring``: one wake-up per message) where the
+        sidecar grants one, else, and whenever the ring is lost, over the ZMQ socket."""
         self.endpoint = endpoint
         self._ctx = context or zmq.Context.instance()
         self._sock = self._ctx.socket(zmq.DEALER)
@@ -91,6 +99,30 @@ class SidecarClient:
         self._sock.setsockopt(zmq.IDENTITY, f"w{os.getpid()}-{id(self):x}".encode())
         self._sock.connect(endpoint)
         self._pending: list[SidecarEvent] = []
+        self._early: list[SidecarEvent] = []  # read off the ring by a blocking wait, not yet handed out
+        self.ring: EngineRing | None = None
+        self.ring_error = ""  # why there is no ring ("": there is one, or none was asked for)
+        self._want_ring = ring
+        self._asking: Asking | None = None  # a ring asked for, not granted yet
+        self._asked_at = -RING_RETRY_S
+
+    def _ask_ring(self, wait_s: float = 0.0) -> None:
+        """Ask the sidecar for an engine ring (at most every RING_RETRY_S) and take it once
+        granted; waits up to ``wait_s`` for the answer (0: never blocks)."""
+        now = time.monotonic()
+        try:
+            if self._asking is None and now - self._asked_at >= RING_RETRY_S:
+                self._asked_at = now
+                self._asking = Asking(self.endpoint)
+            if self._asking is not None:
+                self.ring = self._asking.answer(wait_s)
+                if self.ring is not None:
+                    self._asking, self.ring_error = None, ""
+                elif now - self._asked_at > RING_RETRY_S:
+                    self._asking.close()
+                    self._asking, self.ring_error = None, "the sidecar did not answer a ring request"
+        except RingUnavailable as e:
+            self._asking, self.ring_error = None, str(e)
 
     # ------------------------------------------------------------------ blocking (start-up)
 
@@ -102,6 +134,8 @@ class SidecarClient:
         while True:
             ev = self._wait_one(deadline, what="ping")
             if isinstance(ev, Pong) and ev.seq == seq:
+                if self._want_ring and self.ring is None:
+                    self._ask_ring(wait_s=1.0)  # (it answers: a ring now, before the hot path)
                 return ev
             self._pending.append(ev)
 
@@ -128,9 +162,20 @@ class SidecarClient:
 
     def wait(self, timeout: float) -> Drained:
         """Block up to ``timeout`` for at least one event, then drain (tests, tools)."""
-        if not self._pending and self._sock.poll(int(timeout * 1000)) == 0:
-            return Drained()
+        if not self._pending and not self._early and not self._ready():
+            self._poller().poll(int(timeout * 1000))
         return self.poll()
+
+    def _ready(self) -> bool:
+        """Something to take now (never blocks; arms the ring's doorbell when not)."""
+        return bool(self._sock.get(zmq.EVENTS) & zmq.POLLIN) or (self.ring is not None and self.ring.arm())
+
+    def _poller(self, poller: zmq.Poller | None = None) -> zmq.Poller:
+        poller = poller or zmq.Poller()
+        poller.register(self._sock, zmq.POLLIN)
+        if self.ring is not None:
+            poller.register(self.ring.wake, zmq.POLLIN)
+        return poller
 
     def wait_until(self, pred: Callable[[Drained], bool], timeout: float) -> Drained:
         """Collect events until ``pred`` holds for all of them or ``timeout`` passes (tests,
@@ -146,10 +191,10 @@ class SidecarClient:
         """Block up to ``timeout`` until any of ``clients`` has an event, then drain every one
         of them, in order (one process driving several ranks: tests, tools). Waiting on one
         client at a time would leave the others' events unseen until that wait ends."""
-        if not any(c._pending for c in clients):
+        if not any(c._pending or c._early for c in clients) and not any([c._ready() for c in clients]):
             poller = zmq.Poller()
             for c in clients:
-                poller.register(c._sock, zmq.POLLIN)
+                c._poller(poller)
             poller.poll(int(timeout * 1000))
         return [c.poll() for c in clients]
 
@@ -226,18 +271,27 @@ class SidecarClient:
                              remote_tokens=remote_tokens or []))
 
     def heartbeat(self) -> None:
-        """Ask for a Pong without waiting; ``poll`` hands it back in ``Drained.pongs``."""
+        """Ask for a Pong without waiting; ``poll`` hands it back in ``Drained.pongs``. A ring
+        whose sidecar let go of it (it exited) is dropped first: ZMQ reconnects by itself."""
+        if self.ring is not None and not self.ring.alive():
+            self.ring.close()
+            self.ring, self.ring_error = None, "the sidecar closed the ring (it exited or restarted)"
+        elif self._want_ring and self.ring is None:
+            self._ask_ring()
         self._send(Ping(seq=0))
 
     def poll(self) -> Drained:
         """Drain every event that already arrived; never blocks."""
-        events, self._pending = self._pending, []
+        events, self._pending = self._pending + self._early, []
+        self._early = []
         while True:
             try:
                 body = self._sock.recv(zmq.NOBLOCK)
             except zmq.Again:
                 break
             events.append(self._decode(body))
+        if self.ring is not None:
+            events.extend(self._decode(body) for body in self._ring_read())
         out = Drained()
         for ev in events:
             match ev:
@@ -261,14 +315,34 @@ class SidecarClient:
 
     def close(self) -> None:
         self._sock.close(0)
+        if self.ring is not None:
+            self.ring.close()
+        if self._asking is not None:
+            self._asking.close()
 
     # ------------------------------------------------------------------ internals
 
     def _send(self, msg: EngineRequest) -> None:
+        body = encode(msg)
+        ring = self.ring
+        if ring is not None and len(body) <= ring.max_frame:  # (larger ones: a registration, over ZMQ)
+            if not ring.write(body):
+                raise SidecarUnavailable(f"sidecar at {self.endpoint} is not taking messages (its ring "
+                                         "is full)")
+            return
         try:
-            self._sock.send(encode(msg), zmq.NOBLOCK)
+            self._sock.send(body, zmq.NOBLOCK)
         except zmq.Again as e:
             raise SidecarUnavailable(f"sidecar at {self.endpoint} is not accepting messages") from e
+
+    def _ring_read(self) -> list[bytes]:
+        assert self.ring is not None
+        try:
+            return self.ring.read()
+        except RingCorrupt as e:  # (the sidecar's writes cannot be trusted: ZMQ from now on)
+            self.ring.close()
+            self.ring, self.ring_error = None, f"the ring is corrupt: {e}"
+            return []
 
     def _decode(self, body: bytes) -> SidecarEvent:
         try:
@@ -277,10 +351,20 @@ class SidecarClient:
             raise ProtocolError(f"undecodable message from sidecar: {e}") from e
 
     def _wait_one(self, deadline: float, what: str) -> SidecarEvent:
-        remaining = deadline - time.monotonic()
-        if remaining <= 0 or self._sock.poll(int(remaining * 1000)) == 0:
-            raise SidecarUnavailable(f"no {what} answer from {self.endpoint}")
-        return self._decode(self._sock.recv())
+        while True:
+            if not self._early and self.ring is not None:
+                self._early = [self._decode(b) for b in self._ring_read()]
+            if self._early:
+                return self._early.pop(0)
+            try:
+                return self._decode(self._sock.recv(zmq.NOBLOCK))
+            except zmq.Again:
+                pass
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise SidecarUnavailable(f"no {what} answer from {self.endpoint}")
+            if not self._ready():
+                self._poller().poll(int(remaining * 1000))
 
 
 __all__ = ["Drained", "ErrorCode", "RemoteBlocks", "SidecarClient"]

@@ -125,6 +125,8 @@ class Observer:
         self.g_inflight_bytes = Gauge("kvxfer_inflight_bytes", "Bytes of receives in flight.", registry=r)
         self.g_leases = Gauge("kvxfer_held_leases", "Prefill holds waiting for a read.", registry=r)
         self.g_peers = Gauge("kvxfer_peers", "Peers with a completed handshake.", registry=r)
+        self.g_rings = Gauge("kvxfer_engine_rings", "Engine connections talking over an engine ring "
+                             "(shared memory and eventfds) rather than the ZMQ socket.", registry=r)
         self.g_agents = Gauge("kvxfer_nixl_remote_agents", "Peer agents this sidecar reads from (a "
                               "dropped peer whose reads still settle is no longer counted).", registry=r)
         self.g_ready = Gauge("kvxfer_ready", "1 when NIXL is up and the engine socket listens.", registry=r)

@@ -27,7 +27,8 @@ def test_bench_quick_reports_every_field() -> None:
     assert [s["inflight"] for s in res["step_overhead"]] == [0, 16]
     ch = res["engine_channel"]  # (#38: through the sidecar beside a bare pyzmq echo)
     assert ch["n"] == 200
-    assert ch["kvxfer"]["rtt_p50_us"] > 0
+    assert ch["kvxfer"]["rtt_p50_us"] > 0  # (over the engine ring)
+    assert ch["kvxfer_zmq"]["rtt_p50_us"] > 0
     assert ch["bare_pyzmq"]["rtt_p50_us"] > 0
     assert "engine channel" in out.stdout
     assert res["descriptor_prep_ms"][0]["descriptors"] == 10_000 * 64

@@ -34,7 +34,8 @@ LAYERS: list[tuple[str, list[str]]] = [
     ]),
     ("ports and memory: the NIXL thread, registrations, pools, metrics", [
         "kvxfer.sidecar.nixl*", "kvxfer.sidecar.registry", "kvxfer.vmm", "kvxfer.pool",
-        "kvxfer.memchannel", "kvxfer.memory", "kvxfer.sidecar.mapping", "kvxfer.sidecar.pool_server",
+        "kvxfer.memchannel", "kvxfer.ringchannel",
+        "kvxfer.memory", "kvxfer.sidecar.mapping", "kvxfer.sidecar.pool_server",
         "kvxfer.observe", "kvxfer.systemd", "kvxfer.sidecar.procfs", "kvxfer.sidecar.sockdir",
     ]),
     ("I/O shells: peers, holds, receiver, views", [
@@ -43,8 +44,10 @@ LAYERS: list[tuple[str, list[str]]] = [
         "kvxfer.sidecar.verify", "kvxfer.sidecar.keepalive", "kvxfer.sidecar.engines",
         "kvxfer.sidecar.claim", "kvxfer.control.local", "kvxfer.sidecar.stage_server",
         "kvxfer.sidecar.staged_reads", "kvxfer.sidecar.stall_guard",
+        "kvxfer.sidecar.engine_rings",
     ]),
-    ("engine side: the client and the vLLM connector", ["kvxfer.client", "kvxfer.connector*"]),
+    ("engine side: the client and the vLLM connector", ["kvxfer.client", "kvxfer.engine_ring",
+                                                         "kvxfer.connector*"]),
     ("app: the daemon, built in order", ["kvxfer.sidecar", "kvxfer.sidecar.operations",
                                          "kvxfer.sidecar.app"]),
     ("harness: synthetic engines, demo, benchmarks", ["kvxfer.testing*"]),

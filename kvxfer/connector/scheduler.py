@@ -68,7 +68,8 @@ class SchedulerSide:
         self.state_groups: tuple[bool, ...] = ()  # per transferable group: a state (Mamba/GDN) group
         self._hetero_warned: set[str] = set()  # prefill engines of another TP size (state models)
         self.pp_size = pp_size  # each (pp, tp) worker receives its own layers and reports its own Done
-        self.client = client or SidecarClient(settings.sidecar, send_queue=settings.send_queue)
+        self.client = client or SidecarClient(settings.sidecar, send_queue=settings.send_queue,
+                                              ring=settings.engine_channel == "ring")
         pong = self.client.ping(settings.sidecar_timeout_s)
         # This engine's id (vLLM's, "<id>_dp<k>" under DP): its ranks, holds and receives are
         # keyed by it in a sidecar shared with other engines. "": the sidecar's own id.

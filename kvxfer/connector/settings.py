@@ -13,6 +13,9 @@
                                # waiting for local blocks are renewed (0: lease_s / 6)
      "send_queue": 1000,       # messages queued for a sidecar that does not read before
                                # sends fail (the request then recomputes / frees at once)
+     "engine_channel": "ring", # "ring": messages to and from an ipc:// sidecar go through
+                               # shared-memory rings with eventfd doorbells (one wake-up per
+                               # message; ZMQ where none is granted); "zmq": the ZMQ socket only
      "shm_dir": "/dev/shm",    # CPU engines without a memory channel: KV cache files
      "gpu_memory": "ipc",      # GPU engines: "ipc" (the engine allocates, the sidecar opens
                                # a CUDA IPC handle; measured) or "vmm" (the sidecar's CUDA
@@ -51,12 +54,15 @@ class ConnectorSettings:
     heartbeat_s: float = 1.0
     keepalive_s: float = 0.0  # 0: lease_s / 6, as vLLM's NixlConnector heartbeats
     send_queue: int = 1000
+    engine_channel: str = "ring"
     shm_dir: str = "/dev/shm"
     gpu_memory: str = "ipc"
     model_identity: str = ""
     kv_cache_layout: str = ""
 
     def __post_init__(self) -> None:
+        if self.engine_channel not in ("ring", "zmq"):
+            raise ValueError(f"kvxfer: engine_channel must be 'ring' or 'zmq', not {self.engine_channel!r}")
         if self.gpu_memory not in ("ipc", "vmm"):
             raise ValueError(f"kvxfer: gpu_memory must be 'ipc' or 'vmm', not {self.gpu_memory!r}")
         if self.kv_cache_layout and self.kv_cache_layout not in KV_CACHE_LAYOUTS:
@@ -81,6 +87,7 @@ class ConnectorSettings:
             heartbeat_s=float(extra.get("heartbeat_s", cls.heartbeat_s)),
             keepalive_s=float(extra.get("keepalive_s", cls.keepalive_s)),
             send_queue=int(extra.get("send_queue", cls.send_queue)),
+            engine_channel=str(extra.get("engine_channel", cls.engine_channel)),
             shm_dir=str(extra.get("shm_dir", cls.shm_dir)),
             gpu_memory=str(extra.get("gpu_memory", cls.gpu_memory)),
             model_identity=str(extra.get("model_identity", "")),

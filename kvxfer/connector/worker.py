@@ -163,7 +163,7 @@ class WorkerSide:
         )
         if groups:
             msg = msgspec.structs.replace(msg, groups=groups)
-        self.client = SidecarClient(self.settings.sidecar)
+        self.client = SidecarClient(self.settings.sidecar, ring=self.settings.engine_channel == "ring")
         self.client.ping(self.settings.sidecar_timeout_s)
         self.registered = self.client.register(msg, self.settings.sidecar_timeout_s)
         self._registration = msg

@@ -51,6 +51,7 @@ from kvxfer.protocol import (
     Release,
     Unregister,
 )
+from kvxfer.sidecar.engine_rings import EngineRings
 from kvxfer.sidecar.engine_server import EngineServer, ipc_path, storm_proof
 from kvxfer.sidecar.engines import Advertised, Engines
 from kvxfer.sidecar.holds import Holds
@@ -160,6 +161,7 @@ class Sidecar:
                                       authenticated=self.authenticated,
                                       generation=lambda: self.registry.generation(self.agent_name))
         self.engine_server = EngineServer(self.ctx, config.engine_socket, self.observer)
+        self.rings = EngineRings(self.engine_server, self.observer)
         self.receiver = Receiver(config=config, registry=self.registry, peers=self.peers, book=self.book,
                                  nixl=self.nixl, observer=self.observer, send=self.engine_server.send,
                                  spawn=self._spawn, agent_name=self.agent_name, abandoned=self.abandoned)
@@ -251,11 +253,11 @@ class Sidecar:
             loop.add_signal_handler(signal.SIGTERM, self._graceful_stop)  # orchestrator
             if on_hup is not None:
                 loop.add_signal_handler(signal.SIGHUP, on_hup)  # re-read the log level
-        self._print_ready()
+        print_ready(self.config, self.engine_id, self.advertised, self.agent_name)
         assert self.hs_sock is not None, "open() first"
         self._loops = [asyncio.ensure_future(coro) for coro in (
-            self.engine_server.serve(), self.peer_server.serve(self.hs_sock), self.holds.run(),
-            self._engine_watch_loop())]
+            self.engine_server.serve(), self.rings.serve(), self.peer_server.serve(self.hs_sock),
+            self.holds.run(), self._engine_watch_loop())]
         for on, coro in ((self.stalls.enabled, self.stalls.run), (self.systemd.enabled, self._systemd_loop)):
             if on:
                 self._loops.append(asyncio.ensure_future(coro()))
@@ -278,19 +280,9 @@ class Sidecar:
     def request_stop(self) -> None:
         self._stop.set()
 
-    def _print_ready(self) -> None:
-        c = self.config
-        ready = (f"kvxfer {__version__} ready: engine_id={self.engine_id} engine_socket={c.engine_socket} "
-                 f"handshake={self.advertised.host}:{self.advertised.port} agent={self.agent_name} "
-                 f"ucx_error_mode={c.ucx_error_mode} control={c.control_target or '-'} "
-                 f"metrics_port={c.metrics_port or '-'}")
-        if c.log_format == "json":  # (printed whatever the log level)
-            record = logging.LogRecord(log.name, logging.INFO, __file__, 0, ready, None, None)
-            ready = JsonFormatter().format(record)
-        print(ready, file=sys.stderr, flush=True)
-
     def _bind(self) -> None:
         self.engine_server.bind()
+        self.rings.bind()
         if self.pools is not None:
             # the memory channel beside the engine socket: the engine's KV pools, handed over by fd
             loop = asyncio.get_running_loop()
@@ -316,6 +308,7 @@ class Sidecar:
 
     def _close(self) -> None:
         self.peers.close()
+        self.rings.close()
         self.engine_server.close()
         if self.hs_sock is not None:
             self.hs_sock.close(0)
@@ -427,3 +420,15 @@ def hard_exit(code: int) -> None:
         sys.stdout.flush()
         sys.stderr.flush()
     os._exit(code)
+
+
+def print_ready(c: Config, engine_id: str, advertised: Advertised, agent_name: str) -> None:
+    """The one line a starting sidecar prints, whatever the log level (scripts wait for it)."""
+    ready = (f"kvxfer {__version__} ready: engine_id={engine_id} engine_socket={c.engine_socket} "
+             f"handshake={advertised.host}:{advertised.port} agent={agent_name} "
+             f"ucx_error_mode={c.ucx_error_mode} control={c.control_target or '-'} "
+             f"metrics_port={c.metrics_port or '-'}")
+    if c.log_format == "json":  # (printed whatever the log level)
+        record = logging.LogRecord(log.name, logging.INFO, __file__, 0, ready, None, None)
+        ready = JsonFormatter().format(record)
+    print(ready, file=sys.stderr, flush=True)

@@ -125,6 +125,7 @@ class EngineServer:
         self.sender: Creds = UNKNOWN  # who sent the message being handled (the kernel's word)
         self._senders: dict[bytes, tuple[int, Creds]] = {}  # identity -> (its connection's fd, process)
         self._monitor: zmq.asyncio.Socket | None = None
+        self.rings: dict[bytes, Callable[[bytes], bool]] = {}  # ring identity -> its writer (engine_rings)
 
     def on(self, kind: type, handler: Handler) -> None:
         """Hand every message of this type to ``handler(ident, msg)`` (sync, or awaited)."""
@@ -201,6 +202,11 @@ class EngineServer:
     # ---------------------------------------------------------------- messages
 
     def send(self, ident: bytes, msg: Any) -> None:
+        ring = self.rings.get(ident)
+        if ring is not None:  # (an engine ring: kvxfer.sidecar.engine_rings)
+            if not ring(encode(msg)):
+                log.warning("engine ring %r is full or gone; dropped %s", ident, type(msg).__name__)
+            return
         try:
             self.sock.send_multipart([ident, encode(msg)], flags=zmq.NOBLOCK)
         except zmq.Again:
@@ -253,35 +259,54 @@ class EngineServer:
     async def _serve(self) -> None:
         while True:
             frames = await self.sock.recv_multipart(copy=False)
-            self.received_ns = time.monotonic_ns()
-            ident, body = frames[0].bytes, frames[-1].buffer
-            self.sender = self._sender_of(ident, frames[-1])
+            ident = frames[0].bytes
+            sender = self._sender_of(ident, frames[-1])
             if len(frames) != 2:
+                self.sender = sender
                 self._refuse(ident, ErrorCode.MALFORMED, "expected one frame")
                 continue
-            if len(body) > MAX_MESSAGE:
-                self._refuse(ident, ErrorCode.MALFORMED,
-                             f"message of {len(body)} bytes is too large (max {MAX_MESSAGE})")
-                continue
-            try:
-                msg = engine_request_decoder.decode(body)
-            except DECODE_ERRORS as e:
-                code = classify_bad_message(body)
-                log.warning("bad engine message (%s): %s", code, e)
-                self._refuse(ident, code, str(e))
-                continue
-            await self._dispatch(ident, msg)
+            pending = self.deliver(ident, frames[-1].buffer, sender, time.monotonic_ns())
+            if pending is not None:
+                await pending
 
-    async def _dispatch(self, ident: bytes, msg: Any) -> None:
+    def deliver(self, ident: bytes, body: bytes | memoryview, sender: Creds,
+                received_ns: int) -> Awaitable[None] | None:
+        """Check, decode and dispatch one engine message (from the ZMQ socket or an engine
+        ring): what is left to await of an asynchronous handler, if anything."""
+        self.received_ns, self.sender = received_ns, sender
+        if len(body) > MAX_MESSAGE:
+            self._refuse(ident, ErrorCode.MALFORMED,
+                         f"message of {len(body)} bytes is too large (max {MAX_MESSAGE})")
+            return None
+        try:
+            msg = engine_request_decoder.decode(body)
+        except DECODE_ERRORS as e:
+            code = classify_bad_message(body)
+            log.warning("bad engine message (%s): %s", code, e)
+            self._refuse(ident, code, str(e))
+            return None
+        return self._dispatch(ident, msg)
+
+    def _dispatch(self, ident: bytes, msg: Any) -> Awaitable[None] | None:
         handler = self._handlers.get(type(msg))
         try:
             if handler is None:
                 raise RequestError(ErrorCode.UNKNOWN_MESSAGE, f"{type(msg).__name__} is not handled here")
             result = handler(ident, msg)
-            if result is not None:
-                await result
-        except RequestError as e:
-            self.send(ident, Error(code=e.code, message=e.reason, req_id=e.req_id))
         except Exception as e:
-            log.exception("internal error handling %s", type(msg).__name__)
+            self._failed(ident, msg, e)
+            return None
+        return None if result is None else self._finish(ident, msg, result)
+
+    async def _finish(self, ident: bytes, msg: Any, result: Awaitable[None]) -> None:
+        try:
+            await result
+        except Exception as e:
+            self._failed(ident, msg, e)
+
+    def _failed(self, ident: bytes, msg: Any, e: Exception) -> None:
+        if isinstance(e, RequestError):
+            self.send(ident, Error(code=e.code, message=e.reason, req_id=e.req_id))
+        else:
+            log.exception("internal error handling %s", type(msg).__name__, exc_info=e)
             self.send(ident, Error(code=ErrorCode.INTERNAL, message=repr(e)))

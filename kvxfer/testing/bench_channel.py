@@ -1,8 +1,9 @@
 """The engine channel, measured (#38's third target): a ``Ping``'s round trip from an engine's
-client through a real sidecar (its engine socket: ZMQ over ``ipc://``, the sidecar's asyncio
-loop, and back) beside a bare pyzmq DEALER/ROUTER echo over ``ipc://`` in another process, of
-the same bytes, measured in the same run, batch by batch interleaved. One way is reported as
-half the round trip (both directions cross the same kind of socket)."""
+client through a real sidecar and its asyncio loop, over an engine ring (``kvxfer``: shared
+memory and eventfd doorbells, the connector's default) and over the engine socket
+(``kvxfer_zmq``: ZMQ over ``ipc://``), beside a bare pyzmq DEALER/ROUTER echo over ``ipc://``
+in another process, of the same bytes, measured in the same run, batch by batch interleaved.
+One way is reported as half the round trip (both directions cross the same kind of channel)."""
 
 from __future__ import annotations
 
@@ -62,7 +63,8 @@ def engine_channel(endpoint: str, n: int) -> dict[str, Any]:
     zctx = zmq.Context()
     dealer = zctx.socket(zmq.DEALER)
     dealer.setsockopt(zmq.LINGER, 0)
-    client = SidecarClient(endpoint)
+    client = SidecarClient(endpoint, ring=True)
+    over_zmq = SidecarClient(endpoint)
     payload = encode(Ping(seq=1))
     try:
         if not ready.wait(10):
@@ -74,19 +76,26 @@ def engine_channel(endpoint: str, n: int) -> dict[str, Any]:
             dealer.recv()
 
         kv: list[float] = []
+        zq: list[float] = []
         raw: list[float] = []
         _timed(bare, BATCH, [])
-        _timed(client.ping, BATCH, [])
+        _timed(client.ping, BATCH, [])  # (the first ping asks for the ring)
+        _timed(over_zmq.ping, BATCH, [])
+        if client.ring is None:
+            raise RuntimeError(f"no engine ring from {endpoint}: {client.ring_error}")
         for _ in range(max(1, n // BATCH)):
             _timed(bare, BATCH, raw)
             _timed(client.ping, BATCH, kv)
+            _timed(over_zmq.ping, BATCH, zq)
         dealer.send(b"stop")
     finally:
         client.close()
+        over_zmq.close()
         dealer.close(0)
         zctx.term()
         proc.join(5)
         if proc.is_alive():
             proc.kill()
         shutil.rmtree(folder, ignore_errors=True)
-    return {"n": len(kv), "message_bytes": len(payload), "kvxfer": _stats(kv), "bare_pyzmq": _stats(raw)}
+    return {"n": len(kv), "message_bytes": len(payload), "kvxfer": _stats(kv), "kvxfer_zmq": _stats(zq),
+            "bare_pyzmq": _stats(raw)}

@@ -50,10 +50,11 @@ def print_table(res: dict[str, Any]) -> None:
         f"{s['inflight']} in flight p50 {s['p50_us']} us p99 {s['p99_us']} us" for s in res["step_overhead"]))
     if res.get("engine_channel"):
         ch = res["engine_channel"]
-        kv, bare = ch["kvxfer"], ch["bare_pyzmq"]
+        kv, bare, zq = ch["kvxfer"], ch["bare_pyzmq"], ch.get("kvxfer_zmq", {})
         print(f"  engine channel (a {ch['message_bytes']}-byte Ping, n={ch['n']}): one way p50 "
-              f"{kv['one_way_p50_us']} us through the sidecar, {bare['one_way_p50_us']} us bare pyzmq "
-              f"(round trip p99 {kv['rtt_p99_us']} / {bare['rtt_p99_us']} us)")
+              f"{kv['one_way_p50_us']} us through the sidecar over its ring, {zq.get('one_way_p50_us')} us "
+              f"over its ZMQ socket, {bare['one_way_p50_us']} us bare pyzmq (round trip p99 "
+              f"{kv['rtt_p99_us']} / {zq.get('rtt_p99_us')} / {bare['rtt_p99_us']} us)")
     print(f"  first transfer (1 block): cold {res['first_transfer_ms_cold']} ms, "
           f"warm {res['first_transfer_ms_warm']} ms")
     fc = res["fixed_cost_us"]

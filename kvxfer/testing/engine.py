@@ -4,6 +4,7 @@ through ``SidecarClient`` exactly as a worker would drive it."""
 from __future__ import annotations
 
 import hashlib
+import os
 import random
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
@@ -84,7 +85,10 @@ class SyntheticEngine:
 
     def __init__(self, layout: KVLayout, endpoint: str, *, seed: int = 0, device: str = "cpu",
                  kv_layout: str = "", engine_id: str = "", dp_rank: int = 0,
-                 gpu_memory: str = "ipc", contiguous: bool = False, block_outer: bool = False) -> None:
+                 gpu_memory: str = "ipc", contiguous: bool = False, block_outer: bool = False,
+                 engine_channel: str = "") -> None:
+        """``engine_channel``: "ring" or "zmq" (the connector's setting; "": $KVXFER_ENGINE_CHANNEL,
+        else "ring")."""
         self.layout = layout
         self.engine_id = engine_id  # "": the sidecar's; else this rank's engine (a DP rank's "<id>_dp<k>")
         self.dp_rank = dp_rank
@@ -110,7 +114,8 @@ class SyntheticEngine:
             else SharedKV.create(layout, self.pools, block_outer=block_outer) if device == "cpu"
             else CudaKV.create(layout, device, self.pools)
         )
-        self.client = SidecarClient(endpoint)
+        channel = engine_channel or os.environ.get("KVXFER_ENGINE_CHANNEL", "ring")
+        self.client = SidecarClient(endpoint, ring=channel == "ring")
         self._free = list(range(1, layout.num_blocks))
         self.contiguous = contiguous  # hand out runs of consecutive ids (a fresh engine's allocator)
         if not contiguous:

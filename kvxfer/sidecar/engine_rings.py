@@ -1,0 +1,204 @@
+"""Engine rings, the sidecar end (#38; the ring itself: ``kvxfer.ringchannel``).
+
+Listens on ``<engine socket>.ring`` (unix ``SOCK_SEQPACKET``, 0600, in the engine socket's
+private directory, owned under its lock), grants each connection that asks a ring (a memfd
+and two eventfds, passed with ``SCM_RIGHTS``), and then, on the loop, drains the ring at
+every ring of its doorbell and hands each message to ``EngineServer.deliver`` with the
+connection's process as its sender: the same checks, handlers and replies as a message from
+the ZMQ socket. Replies to the ring's identity go back through the ring
+(``EngineServer.rings``). When the connection closes (the engine exited), or the ring turns
+out corrupt (the engine scribbled on it), the ring is dropped and its memory freed.
+"""
+
+from __future__ import annotations
+
+import array
+import asyncio
+import contextlib
+import itertools
+import logging
+import os
+import socket
+import time
+
+import msgspec
+
+from kvxfer.memchannel import map_fd, memfd
+from kvxfer.observe import Observer
+from kvxfer.ringchannel import (
+    Ring,
+    RingCorrupt,
+    RingGranted,
+    RingRefused,
+    clear_doorbell,
+    init_ring,
+    ring_bytes,
+    ring_doorbell,
+    ring_encoder,
+    ring_request_decoder,
+    ring_socket_path,
+)
+from kvxfer.sidecar.engine_server import EngineServer, ipc_path
+from kvxfer.sidecar.ownership import Creds
+from kvxfer.sidecar.procfs import creds_of
+
+log = logging.getLogger("kvxfer.sidecar")
+MAX_RINGS = 256  # rings open at once (one per engine rank connection); past it, refused
+OPEN_TIMEOUT_S = 5.0
+
+
+class EngineRings:
+    def __init__(self, server: EngineServer, observer: Observer, max_rings: int = MAX_RINGS) -> None:
+        self.server = server
+        self.observer = observer
+        self.max_rings = max_rings
+        self.path = ring_socket_path(server.endpoint) if ipc_path(server.endpoint) else ""
+        self.sock: socket.socket | None = None
+        self._conns: set[asyncio.Task[None]] = set()
+        self._numbers = itertools.count(1)
+
+    def __len__(self) -> int:
+        return len(self._conns)
+
+    def bind(self) -> None:
+        """Listen beside the engine socket (its directory was checked private and its lock is
+        held by this process: a file left there by a predecessor is ours to replace)."""
+        if not self.path:
+            return
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.path)
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
+        old = os.umask(0o177)
+        try:
+            sock.bind(self.path)
+        finally:
+            os.umask(old)
+        os.chmod(self.path, 0o600)
+        sock.listen(64)
+        sock.setblocking(False)
+        self.sock = sock
+
+    def close(self) -> None:
+        if self.sock is not None:
+            self.sock.close()
+            self.sock = None
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.path)
+
+    async def serve(self) -> None:
+        """Accept ring connections until cancelled."""
+        if self.sock is None:
+            await asyncio.Event().wait()  # (no ipc:// engine socket: no rings)
+        loop = asyncio.get_running_loop()
+        try:
+            while True:
+                conn, _ = await loop.sock_accept(self.sock)  # type: ignore[arg-type]
+                if len(self._conns) >= self.max_rings:
+                    self._refuse(conn, "busy", f"{self.max_rings} engine rings are open")
+                    self.observer.connection_refused("ring", self.max_rings)
+                    continue
+                task = asyncio.ensure_future(self._serve_conn(conn))
+                self._conns.add(task)
+                task.add_done_callback(self._conns.discard)
+        finally:
+            for task in list(self._conns):
+                task.cancel()
+
+    @staticmethod
+    def _refuse(conn: socket.socket, code: str, why: str) -> None:
+        with contextlib.suppress(OSError):
+            conn.send(ring_encoder.encode(RingRefused(code=code, message=why)))
+        conn.close()
+
+    async def _serve_conn(self, conn: socket.socket) -> None:
+        loop = asyncio.get_running_loop()
+        sender = creds_of(conn)
+        if sender.uid not in (os.getuid(), 0):  # (as the memory channel: the file's 0600 says so too)
+            self._refuse(conn, "unauthorized", "engine rings are for the sidecar's own uid")
+            return
+        try:
+            data = await asyncio.wait_for(loop.sock_recv(conn, 4096), OPEN_TIMEOUT_S)
+            req = ring_request_decoder.decode(data)
+        except (TimeoutError, OSError, msgspec.DecodeError, msgspec.ValidationError) as e:
+            self._refuse(conn, "malformed", f"expected a RingOpen: {e}")
+            return
+        size = ring_bytes(req.capacity)
+        fd = memfd(size, "kvxfer-ring")
+        try:
+            mm = map_fd(fd, size)
+        except BaseException:
+            os.close(fd)
+            raise
+        init_ring(mm)
+        wake, doorbell = (os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC) for _ in range(2))
+        ident = f"ring-{sender.pid}-{next(self._numbers)}".encode()
+        try:
+            conn.sendmsg([ring_encoder.encode(RingGranted(ident=ident.decode(), capacity=req.capacity))],
+                         [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [fd, wake, doorbell]))])
+        except OSError as e:
+            log.warning("engine ring for pid %d not granted: %s", sender.pid, e)
+            for f in (wake, doorbell):
+                os.close(f)
+            mm.close()
+            conn.close()
+            return
+        finally:
+            os.close(fd)  # (the mapping keeps the memory; the engine has its own fd)
+        await self._run_ring(conn, ident, mm, req.capacity, wake, doorbell, sender)
+
+    async def _run_ring(self, conn: socket.socket, ident: bytes, mm: object, capacity: int, wake: int,
+                        doorbell: int, sender: Creds) -> None:
+        loop = asyncio.get_running_loop()
+        out, into = Ring.pair(mm, capacity, engine=False)  # type: ignore[arg-type]
+        broken = loop.create_future()
+
+        def write(body: bytes) -> bool:
+            if not out.write(body):
+                return False
+            ring_doorbell(doorbell)
+            return True
+
+        def drain() -> None:
+            clear_doorbell(wake)
+            try:
+                frames = into.read_all()
+            except RingCorrupt as e:
+                if not broken.done():
+                    broken.set_result(str(e))
+                return
+            now = time.monotonic_ns()
+            for body in frames:
+                pending = self.server.deliver(ident, body, sender, now)
+                if pending is not None:
+                    asyncio.ensure_future(pending)
+
+        self.server.rings[ident] = write
+        self.observer.g_rings.set(len(self.server.rings))
+        loop.add_reader(wake, drain)
+        log.info("engine ring %s open (pid %d, %d KiB each way)", ident.decode(), sender.pid, capacity >> 10)
+        try:
+            drain()  # (anything written before the reader was added)
+            closed = asyncio.ensure_future(self._until_closed(conn))
+            done, _ = await asyncio.wait({closed, broken}, return_when=asyncio.FIRST_COMPLETED)
+            if broken in done:
+                log.warning("engine ring %s dropped: %s", ident.decode(), broken.result())
+            closed.cancel()
+        finally:
+            loop.remove_reader(wake)
+            self.server.rings.pop(ident, None)
+            self.observer.g_rings.set(len(self.server.rings))
+            for f in (wake, doorbell):
+                os.close(f)
+            conn.close()
+            with contextlib.suppress(BufferError):
+                mm.close()  # type: ignore[attr-defined]
+
+    @staticmethod
+    async def _until_closed(conn: socket.socket) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            try:
+                if not await loop.sock_recv(conn, 64):
+                    return
+            except OSError:
+                return

@@ -1,0 +1,214 @@
+"""Engine rings (#38): the engine channel with one wake-up per message.
+
+The ring itself is property-tested against a queue (``kvxfer.ringchannel``); then real
+sidecars: pings and reads over a ring (every byte verified), a ring an engine scribbled on
+is dropped while the sidecar keeps serving, a full ring refuses at once instead of blocking
+the engine, an engine's death frees its ring, and a client whose sidecar restarted goes
+back to ZMQ at its next heartbeat and gets a ring from the new sidecar.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import signal
+import struct
+import time
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvxfer.client import SidecarClient
+from kvxfer.engine_ring import EngineRing, RingUnavailable
+from kvxfer.errors import SidecarUnavailable
+from kvxfer.ringchannel import MIN_CAPACITY, Ring, RingCorrupt, init_ring, ring_bytes, ring_doorbell
+from kvxfer.testing.engine import SyntheticEngine, make_layout
+from kvxfer.testing.procs import SidecarFactory, free_port
+from tests.test_faults import remote_of
+from tests.test_sidecar import wait_for
+
+CAP = MIN_CAPACITY
+
+
+def _rings() -> tuple[Ring, Ring]:
+    mm = mmap.mmap(-1, ring_bytes(CAP))
+    init_ring(mm)
+    engine_out, _ = Ring.pair(mm, CAP, engine=True)
+    _, sidecar_in = Ring.pair(mm, CAP, engine=False)
+    return engine_out, sidecar_in
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.one_of(st.integers(0, CAP // 2), st.just(-1)), max_size=120))
+def test_a_ring_is_a_fifo_that_refuses_only_what_does_not_fit(ops: list[int]) -> None:
+    """Writes of random sizes (-1: the reader drains): every frame comes out once, whole and
+    in order; a write is refused exactly when its frame (and a wrap) does not fit."""
+    out, into = _rings()
+    queue: list[bytes] = []
+    used = 0  # bytes between the reader's head and the writer's tail, wraps included
+    tail = 0
+    for i, n in enumerate(ops):
+        if n < 0:
+            assert into.read_all() == queue
+            queue, used = [], 0
+            continue
+        body = bytes([i % 251]) * n
+        need = 8 + (n + 7) // 8 * 8
+        skip = CAP - tail % CAP if CAP - tail % CAP < need else 0
+        fits = n <= out.max_frame and used + skip + need <= CAP
+        assert out.write(body) == fits
+        if fits:
+            queue.append(body)
+            used += skip + need
+            tail += skip + need
+    assert into.read_all() == queue
+
+
+def test_a_ring_with_impossible_counters_or_lengths_is_corrupt() -> None:
+    out, into = _rings()
+    assert out.write(b"x" * 100)
+    struct.pack_into("<Q", out.mm, out.tail_at, 10 * CAP)  # a tail far past the head
+    with pytest.raises(RingCorrupt):
+        into.read_all()
+    out, into = _rings()
+    assert out.write(b"y" * 16)
+    struct.pack_into("<Q", out.mm, out.data, CAP)  # a frame longer than the ring
+    with pytest.raises(RingCorrupt):
+        into.read_all()
+    mm = mmap.mmap(-1, ring_bytes(CAP))  # no magic: not a ring
+    with pytest.raises(RingCorrupt):
+        Ring.pair(mm, CAP, engine=True)
+
+
+# ---------------------------------------------------------------------- real sidecars
+
+SMALL = make_layout(layers=4, num_blocks=64, heads=2, head_dim=32)
+
+
+def test_reads_over_engine_rings_move_every_byte(sidecars: SidecarFactory) -> None:
+    """Both engines on rings: holds, receives, Done and Released all cross them, and the
+    bytes that arrive are the prefill's (the ZMQ socket carries nothing but the start-up)."""
+    ds = sidecars.start("ring-d", metrics_port=free_port())
+    ps = sidecars.start("ring-p", metrics_port=free_port())
+    d = SyntheticEngine(SMALL, ds.endpoint, seed=2, engine_channel="ring")
+    p = SyntheticEngine(SMALL, ps.endpoint, seed=1, engine_channel="ring")
+    try:
+        d.start()
+        p.start()
+        assert d.client.ring is not None, d.client.ring_error
+        assert p.client.ring is not None, p.client.ring_error
+        assert ds.scrape()["kvxfer_engine_rings"] == 1
+        for i in range(20):
+            pb, db = p.allocate(3), d.allocate(3)
+            p.fill(f"r{i}", pb)
+            p.client.hold(f"r{i}", pb)
+            d.client.recv(f"r{i}", db, remote_of(p, pb))
+            got = wait_for(d.client, lambda a: bool(a.done or a.failed), timeout=20)
+            assert got.done, got
+            assert d.verify(f"r{i}", db)
+            d.free(db)
+            rel = wait_for(p.client, lambda a: bool(a.released), timeout=20)
+            assert rel.released[0].req_id == f"r{i}"
+            p.free(pb)
+        assert d.client._sock.poll(0) == 0  # (nothing came over ZMQ)
+    finally:
+        d.close()
+        p.close()
+
+
+def test_a_scribbled_ring_is_dropped_and_the_sidecar_keeps_serving(sidecars: SidecarFactory) -> None:
+    sc = sidecars.start("ring-bad", metrics_port=free_port())
+    bad = SidecarClient(sc.endpoint, ring=True)
+    good = SidecarClient(sc.endpoint, ring=True)
+    try:
+        bad.ping(20)
+        good.ping(20)
+        assert bad.ring is not None
+        assert good.ring is not None
+        struct.pack_into("<Q", bad.ring.mm, 64, 1 << 62)  # its engine -> sidecar tail
+        ring_doorbell(bad.ring._doorbell)
+        deadline = time.monotonic() + 5
+        while bad.ring.alive() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not bad.ring.alive(), "the sidecar kept a corrupt ring"
+        bad.heartbeat()  # drops the ring: ZMQ from here
+        assert bad.ring is None
+        assert bad.ping(5).seq
+        assert good.ping(5).seq  # the other ring is untouched
+        assert good.ring is not None
+        assert "dropped" in sc.log()
+    finally:
+        bad.close()
+        good.close()
+
+
+def test_a_full_ring_refuses_at_once_and_an_engine_death_frees_its_ring(sidecars: SidecarFactory) -> None:
+    sc = sidecars.start("ring-full", metrics_port=free_port())
+    c = SidecarClient(sc.endpoint, ring=True)
+    c.ping(20)
+    assert c.ring is not None
+    os.kill(sc.proc.pid, signal.SIGSTOP)
+    try:
+        t0, sent = time.monotonic(), 0
+
+        def flood() -> None:
+            nonlocal sent
+            while sent < 1_000_000:
+                c.release(f"req-{sent}-" + "x" * 200)
+                sent += 1
+
+        with pytest.raises(SidecarUnavailable, match="ring"):
+            flood()
+        assert time.monotonic() - t0 < 5.0
+        assert sent > 1000
+    finally:
+        os.kill(sc.proc.pid, signal.SIGCONT)
+    c.close()  # (the engine goes: its connection closes)
+    deadline = time.monotonic() + 10
+    while sc.scrape()["kvxfer_engine_rings"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert sc.scrape()["kvxfer_engine_rings"] == 0
+    after = SidecarClient(sc.endpoint)
+    try:
+        assert after.ping(5).seq  # still serving
+    finally:
+        after.close()
+
+
+def test_a_client_goes_back_to_zmq_when_its_sidecar_restarts_and_gets_a_new_ring(
+        sidecars: SidecarFactory, monkeypatch: pytest.MonkeyPatch) -> None:
+    import kvxfer.client
+
+    monkeypatch.setattr(kvxfer.client, "RING_RETRY_S", 0.2)
+    port = free_port()
+    first = sidecars.start("ring-restart", "--handshake-port", str(port))
+    c = SidecarClient(first.endpoint, ring=True)
+    try:
+        c.ping(20)
+        assert c.ring is not None
+        first.proc.send_signal(signal.SIGINT)
+        first.proc.wait(10)
+        c.heartbeat()
+        assert c.ring is None
+        assert "closed" in c.ring_error
+        second = sidecars.start("ring-restart", "--handshake-port", str(port))
+        pong = c.ping(30)  # over ZMQ, which reconnects by itself
+        assert pong.instance
+        deadline = time.monotonic() + 10
+        while c.ring is None and time.monotonic() < deadline:
+            c.heartbeat()
+            time.sleep(0.25)
+            c.poll()
+        assert c.ring is not None, c.ring_error
+        assert c.ping(5).instance == pong.instance
+        assert second.proc.poll() is None
+    finally:
+        c.close()
+
+
+def test_no_ring_from_a_tcp_engine_socket_or_a_missing_sidecar(tmp_path: os.PathLike[str]) -> None:
+    with pytest.raises(RingUnavailable):
+        EngineRing.open("tcp://127.0.0.1:1")
+    with pytest.raises(RingUnavailable):
+        EngineRing.open(f"ipc://{tmp_path}/none.sock")
