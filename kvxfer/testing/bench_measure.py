@@ -34,6 +34,8 @@ def _timed_read(p: SyntheticEngine, d: SyntheticEngine, reg: Any, name: str, pb:
     ``db`` (Recv sent -> Done received): seconds, and the Done. ``trace``: the Done's trace
     starts with ("engine", Recv sent) and ends with ("engine_done", Done received)."""
     p.client.hold(name, pb, lease_s=120)
+    time.sleep(0.003)  # (the prefill sidecar takes the hold first: in a deployment it is on another
+    # host, long before the decode's Recv; on 2 shared cores its work would be timed as the decode's)
     t0 = time.monotonic_ns()
     d.client.recv(name, db, RemoteBlocks(reg.engine_id, reg.handshake_host, reg.handshake_port, pb,
                                          generation=generation), trace=trace)
