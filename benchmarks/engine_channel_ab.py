@@ -55,9 +55,9 @@ def main() -> int:
                 order = ("ring", "zmq") if r % 2 == 0 else ("zmq", "ring")
                 row = {ch: _fixed_cost(p, ds_[ch], raw, reg, pb, dbs[ch], args.n) for ch in order}
                 out["rounds"].append(row)
-                print(f"round {r}: " + ", ".join(f"{ch} fixed p50 {row[ch]['p50']} us (kvxfer "
-                                                 f"{row[ch]['kvxfer_p50_us']}, raw {row[ch]['raw_nixl_p50_us']})"
-                                                 for ch in order), flush=True)
+                cells = [f"{ch} fixed p50 {row[ch]['p50']} us (kvxfer {row[ch]['kvxfer_p50_us']}, raw "
+                         f"{row[ch]['raw_nixl_p50_us']})" for ch in order]
+                print(f"round {r}: " + ", ".join(cells), flush=True)
         finally:
             if raw is not None:
                 raw.close()

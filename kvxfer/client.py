@@ -130,6 +130,7 @@ class SidecarClient:
         """Wait until the sidecar answers (it may still be starting)."""
         deadline = time.monotonic() + timeout
         seq = int(time.monotonic_ns() & 0xFFFFFFFF)
+        self._ring_alive()  # (a restarted sidecar: over ZMQ, until it grants a new ring)
         self._send(Ping(seq=seq))
         while True:
             ev = self._wait_one(deadline, what="ping")
@@ -143,6 +144,7 @@ class SidecarClient:
         """Register one rank's KV cache; raises RequestError with the sidecar's reason."""
         if not msg.pid:
             msg = msgspec.structs.replace(msg, pid=os.getpid())
+        self._ring_alive()
         self._send(msg)
         deadline = time.monotonic() + timeout
         while True:
@@ -273,12 +275,16 @@ class SidecarClient:
     def heartbeat(self) -> None:
         """Ask for a Pong without waiting; ``poll`` hands it back in ``Drained.pongs``. A ring
         whose sidecar let go of it (it exited) is dropped first: ZMQ reconnects by itself."""
+        if not self._ring_alive() and self._want_ring:
+            self._ask_ring()
+        self._send(Ping(seq=0))
+
+    def _ring_alive(self) -> bool:
+        """Whether a ring is open, dropping one whose sidecar let go of it (it exited)."""
         if self.ring is not None and not self.ring.alive():
             self.ring.close()
             self.ring, self.ring_error = None, "the sidecar closed the ring (it exited or restarted)"
-        elif self._want_ring and self.ring is None:
-            self._ask_ring()
-        self._send(Ping(seq=0))
+        return self.ring is not None
 
     def poll(self) -> Drained:
         """Drain every event that already arrived; never blocks."""
@@ -310,7 +316,13 @@ class SidecarClient:
         return out
 
     def send_raw(self, *frames: bytes) -> None:
-        """Send arbitrary frames (for tests of the sidecar's input validation)."""
+        """Send arbitrary frames (for tests of the sidecar's input validation): one frame
+        over the ring when one is open (it then comes from the connection that registered),
+        else over the ZMQ socket."""
+        if self.ring is not None and len(frames) == 1 and len(frames[0]) <= self.ring.max_frame:
+            if not self.ring.write(frames[0]):
+                raise SidecarUnavailable(f"sidecar at {self.endpoint}: its ring is full")
+            return
         self._sock.send_multipart(list(frames))
 
     def close(self) -> None:

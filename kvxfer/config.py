@@ -125,6 +125,11 @@ class Config:
                                     "--peer-stall-s is let go: its link, its handshake and its NIXL "
                                     "agent (a dead or moved-away prefill is otherwise kept until a "
                                     "read from it fails). 0: off.", default=30.0)
+    lease_word_slots: int = _doc("Slots of this sidecar's lease words (kvxfer.sidecar.lease_words: "
+                                 "16 bytes each, registered with NIXL): a reader proves a lease held "
+                                 "after its read landed with one 16-byte READ instead of waiting for its "
+                                 "claim's round trip. 0: none (every read waits for its claim's answer).",
+                                 default=65536)
     settle_timeout_s: float = _doc("A failed read is reported once its in-flight NIXL chunks "
                                    "stopped (they could still write into its blocks); if they "
                                    "have not after this long, the sidecar exits (status 3) so "
@@ -206,6 +211,8 @@ class Config:
                      "active_poll_ms", "settle_timeout_s", "max_read_s", "max_lease_s"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be > 0")
+        if not 0 <= self.lease_word_slots <= 1 << 24:
+            raise ConfigError("lease_word_slots must be between 0 and 16777216")
         if self.peer_stall_s < 0 or self.peer_idle_probe_s < 0:
             raise ConfigError("peer_stall_s and peer_idle_probe_s must be >= 0 (0: off)")
         if self.role not in ("prefill", "decode", "both"):

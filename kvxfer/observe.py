@@ -125,6 +125,9 @@ class Observer:
         self.g_inflight_bytes = Gauge("kvxfer_inflight_bytes", "Bytes of receives in flight.", registry=r)
         self.g_leases = Gauge("kvxfer_held_leases", "Prefill holds waiting for a read.", registry=r)
         self.g_peers = Gauge("kvxfer_peers", "Peers with a completed handshake.", registry=r)
+        self.m_proofs = Counter("kvxfer_lease_word_proofs_total", "Reads whose lease word was read after "
+                                "they landed, by whether it proved the lease held (else the claim "
+                                "decided).", ["proved"], registry=r)
         self.g_rings = Gauge("kvxfer_engine_rings", "Engine connections talking over an engine ring "
                              "(shared memory and eventfds) rather than the ZMQ socket.", registry=r)
         self.g_agents = Gauge("kvxfer_nixl_remote_agents", "Peer agents this sidecar reads from (a "
@@ -286,6 +289,9 @@ class Observer:
             self.totals.handshake_failures += 1
             self.emit(Event("peer_disconnected", peer=peer, reason=reason))
         self.m_handshakes.labels("ok" if ok else "failed").inc()
+
+    def lease_word(self, proved: bool) -> None:
+        self.m_proofs.labels("yes" if proved else "no").inc()
 
     def peer_dropped(self, peer: str, reason: str) -> None:
         self.emit(Event("peer_disconnected", peer=peer, reason=reason))

@@ -52,9 +52,9 @@ MESSAGES: dict[str, tuple[object, str]] = {
         p.Welcome(version=1, compat_hash="abcd", engine_id="P", agent_name="b",
                   ranks=[p.RankInfo(layout=LAYOUT, regions=[p.RemoteRegion(addr=4096, block_len=64, block_stride=64)])]),
         (
-            "99a777656c636f6d6501a461626364a150a1629196a472616e6bdc0016a66c61796f7574020a1008"
+            "9ba777656c636f6d6501a461626364a150a1629196a472616e6bdc0016a66c61796f7574020a1008"
             "08cc80a862666c6f6174313602c2a34e48440001a0a0000100000000a09195a772726567696f6ecd"
-            "1000404000a44452414da000a0a000"
+            "1000404000a44452414da000a0a0000000"
         ),
     ),
     "refused": (p.Refused(version=1, code="incompatible", reason="no"), "94a77265667573656401ac696e636f6d70617469626c65a26e6f"),
@@ -67,7 +67,7 @@ MESSAGES: dict[str, tuple[object, str]] = {
     "keepalive": (p.KeepAlive(remote_engine_id="P", remote_host="h", remote_port=5700, remote_req_ids=["r1"], req_ids=["d1"]), "97a96b656570616c697665a150a168cd164491a2723191a2643190"),
     "renew": (p.LeaseRenew(seq=3, engine_id="P", req_ids=["r1"], extend_s=2.5, agent_name="a"), "98a572656e657703a15091a27231cb4004000000000000a161a090"),
     "challenge": (p.Challenge(version=4, nonce="n1", agent_name="b"), "94a96368616c6c656e676504a26e31a162"),
-    "leases": (p.LeaseState(seq=3, held=["held", "gone"]), "94a66c65617365730392a468656c64a4676f6e65a0"),
+    "leases": (p.LeaseState(seq=3, held=["held", "gone"]), "95a66c65617365730392a468656c64a4676f6e65a090"),
     "stage": (
         p.StageRequest(seq=3, engine_id="P", req_id="r1", ranks=[p.StageRank(rank=0, runs=bytes(range(16)))],
                        nbytes=64, readers=["0/0"], extend_s=2.5, agent_name="a"),
@@ -168,3 +168,21 @@ def test_a_failed_without_its_rank_still_decodes() -> None:
 
     new = p.encode(p.Failed(req_id="r1", block_ids=[4], code="c", reason="r", tp_rank=3, pp_rank=1))
     assert msgspec.msgpack.decode(new, type=OldFailed) == OldFailed("r1", [4], "c", "r")
+
+
+def test_lease_words_fields_are_appended_within_version_6() -> None:
+    """Welcome.lease_words_addr/slots and LeaseState.published (#38) were appended: a sidecar
+    from before them sends shorter arrays (no words: every read waits for its claim), and
+    one from before them decodes the new bytes."""
+    old = bytes.fromhex("94a66c65617365730392a468656c64a4676f6e65a0")
+    got = p.handshake_reply_decoder.decode(old)
+    assert got == p.LeaseState(seq=3, held=["held", "gone"])
+    assert got.published == []
+
+    class OldLeaseState(msgspec.Struct, array_like=True, tag="leases"):
+        seq: int
+        held: list[str]
+        generation: str = ""
+
+    new = p.encode(p.LeaseState(seq=3, held=["held"], published=[True]))
+    assert msgspec.msgpack.decode(new, type=OldLeaseState) == OldLeaseState(3, ["held"])

@@ -107,7 +107,9 @@ from kvxfer.protocol.peer import (
 # 5: state layers (Mamba/GDN): KVLayout.state_regions/state_bytes/state_kind, num_layers may be
 #    0; Recv.state_block_ids/remote_state_block_ids; digests of a rank's KV and state regions
 # 6: staged reads: StageRequest / Staged on the handshake socket, Welcome.staging_bytes
-#    (and, decodable by any 6: Failed.tp_rank/pp_rank, appended)
+#    (and, decodable by any 6: Failed.tp_rank/pp_rank, appended; Welcome.lease_words_addr/
+#    lease_words_slots and LeaseState.published, appended: a 6 without them makes every read
+#    wait for its claim)
 PROTOCOL_VERSION = 6
 
 

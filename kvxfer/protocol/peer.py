@@ -148,6 +148,8 @@ class Welcome(_Msg, tag="welcome"):
     mac: str = ""  # with a shared secret: proves the answer comes from a holder of it
     generation: str = ""  # the registrations these ranks describe (Pong.generation)
     staging_bytes: NonNeg = 0  # its staging arena (StageRequest): 0, it stages nothing
+    lease_words_addr: NonNeg = 0  # its lease words (kvxfer.sidecar.lease_words) in its NIXL memory
+    lease_words_slots: NonNeg = 0  # 0: none (every read waits for its claim's answer)
 
 
 class Challenge(_Msg, tag="challenge"):
@@ -178,6 +180,9 @@ class LeaseState(_Msg, tag="leases"):
     # the answering sidecar's registration generation now (Welcome.generation): a read planned
     # from a handshake of another generation used stale memory descriptions
     generation: str = ""
+    # per req_id: its lease word is published (kvxfer.sidecar.lease_words): a word read after
+    # the data landed that does not show it means the lease ended during the read
+    published: list[bool] = []
 
 
 class Staged(_Msg, tag="staged"):

@@ -56,6 +56,7 @@ from kvxfer.sidecar.engine_server import EngineServer, ipc_path, storm_proof
 from kvxfer.sidecar.engines import Advertised, Engines
 from kvxfer.sidecar.holds import Holds
 from kvxfer.sidecar.keepalive import LeaseKeeper
+from kvxfer.sidecar.lease_words import LeaseWords
 from kvxfer.sidecar.lifecycle import Lifecycle, LifecycleView
 from kvxfer.sidecar.nixl_agent import cuda_ucx_defaults
 from kvxfer.sidecar.nixl_port import NixlPort
@@ -74,7 +75,7 @@ log = logging.getLogger("kvxfer.sidecar")  # (the name operators filter on)
 EXIT_STUCK = 3  # a failed read's chunks could not be stopped: restart to fence them off
 
 
-def transfer_options(config: Config) -> TransferOptions:
+def transfer_options(config: Config, words: LeaseWords | None = None) -> TransferOptions:
     """The NIXL port's options; with ``--cuda``, UCX's options for GPU memory are set too,
     before anything loads UCX (its global options, the memtype cache among them, are read
     once, when libucs loads, and ``Observer``'s build info loads it): call it first."""
@@ -89,7 +90,8 @@ def transfer_options(config: Config) -> TransferOptions:
         # (posting from the loop's thread is verified on host memory only: with CUDA the
         # NIXL thread stays the only one that drives NIXL)
         inline_bytes=0 if config.cuda_enabled else config.inline_read_kib << 10,
-        staging_bytes=config.staging_mib << 20)
+        staging_bytes=config.staging_mib << 20,
+        lease_words=(words.addr, words.nbytes) if words is not None and not config.cuda_enabled else (0, 0))
 
 
 class Coalesced:
@@ -144,7 +146,9 @@ class Sidecar:
         # the memory channel (ipc:// engine sockets), listening once the engine socket is ours
         self.pools = (PoolServer(mem_socket_path(config.engine_socket), config.max_pool_bytes)
                       if ipc_path(config.engine_socket) else None)
-        self.nixl = NixlPort(self.agent_name, transfer_options(config), self.pools)  # (before UCX loads)
+        # the lease words its readers prove its leases with (kvxfer.sidecar.lease_words)
+        self.words = LeaseWords(config.lease_word_slots) if config.lease_word_slots else None
+        self.nixl = NixlPort(self.agent_name, transfer_options(config, self.words), self.pools)  # (pre-UCX)
         self.observer = Observer()
         self.registry = RankRegistry(self.engine_id, self.nixl)
         self.lifecycle = Lifecycle()
@@ -153,13 +157,15 @@ class Sidecar:
         self.book = PeerBook()
         self.authenticated = Authenticated(secret)
         self.holds = Holds(config, self.registry, self.observer, authenticated=self.authenticated,
-                           abandoned=self.abandoned)
+                           abandoned=self.abandoned, words=self.words)
+        words = (0, 0) if self.words is None or config.cuda_enabled else (self.words.addr, self.words.slots)
         self.peers = PeerClient(config=config, channel=self.channel, dial_ctx=self.dial_ctx, book=self.book,
                                 registry=self.registry, nixl=self.nixl, observer=self.observer)
         self.peer_server = PeerServer(channel=self.channel, registry=self.registry, holds=self.holds,
                                       nixl=self.nixl, observer=self.observer,
                                       authenticated=self.authenticated,
-                                      generation=lambda: self.registry.generation(self.agent_name))
+                                      generation=lambda: self.registry.generation(self.agent_name),
+                                      lease_words=words)
         self.engine_server = EngineServer(self.ctx, config.engine_socket, self.observer)
         self.rings = EngineRings(self.engine_server, self.observer)
         self.receiver = Receiver(config=config, registry=self.registry, peers=self.peers, book=self.book,

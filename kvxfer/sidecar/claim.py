@@ -4,7 +4,9 @@ the blocks while they were read, and extends their lease over the read and its c
 Sent beside the read (over the peer's kept-open link, before the read is posted, so the
 round trip overlaps the copy); asked again, briefly, while the prefill does not know the
 request yet (its ``Hold`` may still be on the way); judged by ``receive.claim_verdict``.
-The answer is the claim task's result: None (held), or why the read must not be trusted.
+The answer is the claim task's result: None (held), ``PUBLISHED`` (held, and the lease's
+word is published: a word read after the landing must show it, ``kvxfer.sidecar.lease_words``)
+or why the read must not be trusted.
 
 One claim serves every local rank of a request (#35): each rank of a TP > 1 decode engine
 sends its own ``Recv``, and each used to send its own ``LeaseRenew`` for the same request
@@ -40,6 +42,15 @@ log = logging.getLogger("kvxfer.receiver")
 # (of the margin a claim adds beyond the read and a handshake timeout, 1 s): ranks of one
 # request arrive milliseconds apart, each with its own deadline.
 SHARE_SLACK_S = 0.5
+
+
+@dataclass(frozen=True)
+class Published:
+    """A claim's answer: held, and the lease's word is published."""
+
+
+PUBLISHED = Published()
+ClaimAnswer = RequestError | Published | None
 # (host, port, prefill engine, its request id, token, its generation, the local engine)
 ClaimKey = tuple[str, int, str, str, str, str, str]
 
@@ -54,15 +65,15 @@ class _Shared:
     covers_until: float  # monotonic: the end of the read it was sent for; one ending before
     # this plus SHARE_SLACK_S keeps all but the slack of the margin its own claim would give
     # (and its own started ReadNotice extends the lease over it as well)
-    answer: asyncio.Future[RequestError | None]
+    answer: asyncio.Future[ClaimAnswer]
 
 
-def _mirror(src: asyncio.Future[RequestError | None], mark: Callable[[str], None]
-            ) -> asyncio.Future[RequestError | None]:
+def _mirror(src: asyncio.Future[ClaimAnswer], mark: Callable[[str], None]
+            ) -> asyncio.Future[ClaimAnswer]:
     """A future of its own with ``src``'s outcome (a receive's claim task is its own)."""
-    out: asyncio.Future[RequestError | None] = asyncio.get_running_loop().create_future()
+    out: asyncio.Future[ClaimAnswer] = asyncio.get_running_loop().create_future()
 
-    def copy(f: asyncio.Future[RequestError | None]) -> None:
+    def copy(f: asyncio.Future[ClaimAnswer]) -> None:
         if out.done():
             return
         if f.cancelled():
@@ -70,7 +81,7 @@ def _mirror(src: asyncio.Future[RequestError | None], mark: Callable[[str], None
         elif f.exception() is not None:
             out.set_exception(f.exception())  # type: ignore[arg-type]
         else:
-            if f.result() is None:
+            if not isinstance(f.result(), RequestError):
                 mark("claimed")
             out.set_result(f.result())
 
@@ -89,7 +100,7 @@ class Claims:
         self._shared: dict[ClaimKey, _Shared] = {}  # unanswered claims, for other ranks to join
 
     def start(self, msg: Recv, engine: str, reading_s: float, peer: Peer,
-              mark: Callable[[str], None]) -> asyncio.Future[RequestError | None]:
+              mark: Callable[[str], None]) -> asyncio.Future[ClaimAnswer]:
         """Send the claim now (when a link to the peer is open) and keep at it in a task,
         or wait for the answer of a claim of the same request that covers this read."""
         key = _key(msg, engine)
@@ -114,7 +125,7 @@ class Claims:
             del self._shared[key]
 
     async def _run(self, msg: Recv, reading_s: float, renew: LeaseRenew, sent: RenewalSent | None, peer: Peer,
-                   mark: Callable[[str], None]) -> RequestError | None:
+                   mark: Callable[[str], None]) -> ClaimAnswer:
         """Ask until an answer is final. An answer may take as long as the read it vouches
         for (a loaded prefill sidecar answers late, not wrongly), and no less than a
         handshake; a Hold still on its way is waited for one handshake timeout."""
@@ -153,6 +164,7 @@ class Claims:
                                          peer=f"{msg.remote_host}:{msg.remote_port}"))
             if verdict.refusal is None:
                 mark("claimed")
+                return PUBLISHED if got.published and got.published[0] else None
             return verdict.refusal
 
     async def generation_moved(self, msg: Recv, peer: Peer) -> bool:

@@ -47,6 +47,7 @@ from kvxfer.protocol import (
     read_notice_decoder,
 )
 from kvxfer.sidecar.admission import admit_hold
+from kvxfer.sidecar.lease_words import LeaseWords, deadline_ms, lease_tag
 from kvxfer.sidecar.lifecycle import Signal
 from kvxfer.sidecar.ownership import Creds, authorize
 from kvxfer.sidecar.registry import RankRegistry
@@ -65,7 +66,7 @@ class Outgoing:
 class Holds:
     def __init__(self, config: Config, registry: RankRegistry, observer: Observer,
                  authenticated: Callable[[str], bool] = lambda agent: True,
-                 abandoned: Abandoned | None = None) -> None:
+                 abandoned: Abandoned | None = None, words: LeaseWords | None = None) -> None:
         self.config = config
         self.registry = registry
         self.observer = observer
@@ -75,6 +76,7 @@ class Holds:
         self.table = LeaseTable()
         self.abandoned = abandoned if abandoned is not None else Abandoned()  # (kvxfer.abandoned)
         self._wakeup = asyncio.Event()
+        self.words = words if words is not None else LeaseWords(1)  # (kvxfer.sidecar.lease_words)
 
     def __len__(self) -> int:
         return len(self.table)
@@ -92,10 +94,11 @@ class Holds:
                    registered=self.registry.engines)
         now = time.monotonic()
         duration = msg.lease_s or self.config.lease_s
-        self.table.add(Lease(req_id=msg.req_id, owner=ident, block_ids=list(msg.block_ids),
-                             expires=now + duration, reads_expected=msg.reads, created=now,
-                             notify_ranks=msg.notify_ranks, engine=engine, duration=duration,
-                             token=msg.token))
+        lease = Lease(req_id=msg.req_id, owner=ident, block_ids=list(msg.block_ids),
+                      expires=now + duration, reads_expected=msg.reads, created=now,
+                      notify_ranks=msg.notify_ranks, engine=engine, duration=duration, token=msg.token)
+        self.table.add(lease)
+        self.words.put(lease.key, lease_tag(engine, msg.req_id, msg.token), deadline_ms(msg.expires_unix))
         self.changed.emit()
         self._wakeup.set()
 
@@ -170,6 +173,7 @@ class Holds:
         """A peer still means to read these requests: extend their leases (by ``extend_s``,
         or each lease's own duration); say which are held, gone, or unknown here."""
         held: list[Any] = []
+        published: list[bool] = []
         for i, rid in enumerate(req.req_ids):
             token = req.tokens[i] if i < len(req.tokens) else ""
             lease = self.lease_for(req.agent_name, req.engine_id, rid, token, "lease_renew")
@@ -179,16 +183,20 @@ class Holds:
                 if gone:
                     self.observer.stray_notice(req.agent_name, rid, "expired_lease")
                 held.append("gone" if gone else "unknown")
+                published.append(False)
                 continue
             self._extend(lease, req.extend_s or lease.duration or self.config.lease_s, req.agent_name,
                          "lease_renew", self.config.max_read_s)
             held.append("held")
-        return LeaseState(seq=req.seq, held=held)
+            published.append(self.words.word(lease.key) is not None)
+        return LeaseState(seq=req.seq, held=held, published=published)
 
     # ------------------------------------------------------------------ endings
 
     def release(self, lease: Lease, reason: str) -> None:
-        """Tell the engine it may reuse the blocks: the holder, or every worker of its engine."""
+        """Tell the engine it may reuse the blocks: the holder, or every worker of its engine
+        (its lease word zeroed first: no reader may take the lease for held after this)."""
+        self.words.clear(lease.key)
         ev = Released(req_id=lease.req_id, reason=reason, reads=lease.reads_seen)  # type: ignore[arg-type]
         self.observer.lease_released(lease.req_id, reason)
         targets = self.registry.owners(lease.engine) if lease.notify_ranks else {lease.owner}

@@ -39,7 +39,7 @@ from kvxfer.errors import ErrorCode
 from kvxfer.protocol import DigestItem, RankInfo, RegisterKV
 from kvxfer.sidecar.nixl_agent import create_agent
 from kvxfer.sidecar.nixl_memory import Cleanup, Registrations
-from kvxfer.sidecar.nixl_reads import Reads
+from kvxfer.sidecar.nixl_reads import ProofScratch, Reads
 from kvxfer.sidecar.nixl_staging import StagingArena, gather_ranks, new_read, warm_copies
 from kvxfer.sidecar.nixl_types import Event, NoticeReceived, PollPolicy, ReadRefused, TransferOptions
 from kvxfer.sidecar.ownership import Creds, Holder
@@ -60,6 +60,19 @@ def send_notif_logged(nixl_agent: Any, agent: str, payload: bytes) -> None:
         log.warning("notification to %s not sent: %s", agent, e)
 
 
+
+def host_extras(agent: Any, options: TransferOptions) -> tuple[ProofScratch | None, StagingArena | None]:
+    """Host memory registered before any handshake (so every Welcome's metadata covers it):
+    the lease words this sidecar publishes, where the words it reads land, and the staging
+    arena (host memory only, for now)."""
+    addr, nbytes = options.lease_words
+    if nbytes:
+        agent.register_memory([(addr, nbytes, 0, "")], "DRAM")
+    host = not options.cuda
+    scratch = ProofScratch(agent, options.proof_slots) if options.proof_slots > 0 and host else None
+    arena = StagingArena(agent, options.staging_bytes) if options.staging_bytes > 0 and host else None
+    return scratch, arena
+
 class NixlPort:
     def __init__(self, agent_name: str, options: TransferOptions, pools: PoolServer | None = None) -> None:
         self.agent_name = agent_name
@@ -74,7 +87,7 @@ class NixlPort:
         self._agent: Any = None
         self._regs: Registrations | None = None
         self._reads: Reads | None = None
-        self._arena: StagingArena | None = None
+        self._arena: StagingArena | None = None  # (and _scratch: ProofScratch | None, host_extras)
         self.staging = (0, 0)  # the staging arena's (address, size) once started; (0, 0): none
         self._handlers: dict[type, Callable[[Any], None]] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -135,6 +148,10 @@ class NixlPort:
     async def metadata(self) -> bytes:
         warm_copies(self._arena)  # (a peer is handshaking: staged reads may follow)
         return await self._run(lambda: bytes(self._agent.get_agent_metadata()))
+
+    async def read_word(self, agent: str, addr: int) -> tuple[int, int] | None:
+        """One lease word of a peer, read now (None: it could not be read in time)."""
+        return await self._run(lambda: self._reads_().read_word(agent, addr))
 
     async def cancel(self, req_id: str, code: str, reason: str) -> bool:
         """Fail a read in flight (it reports through ``ReadFinished`` once settled)."""
@@ -204,13 +221,11 @@ class NixlPort:
         """Deliver an event to its handler on the loop (from the NIXL thread, or from the
         loop itself for a read it posted: then after the current call, never inside it)."""
         handler = self._handlers.get(type(event))
-        if handler is None or self._loop is None:
-            return
-        if threading.get_ident() == self._loop_thread:
+        if handler is not None and self._loop is not None and threading.get_ident() == self._loop_thread:
             self._loop.call_soon(handler, event)
-            return
-        with contextlib.suppress(RuntimeError):  # loop already closed at shutdown
-            self._loop.call_soon_threadsafe(handler, event)
+        elif handler is not None and self._loop is not None:
+            with contextlib.suppress(RuntimeError):  # loop already closed at shutdown
+                self._loop.call_soon_threadsafe(handler, event)
 
     def _regs_(self) -> Registrations:
         assert self._regs is not None, "NIXL not started"
@@ -226,8 +241,7 @@ class NixlPort:
         return self._thread.is_alive() and self._cmds.empty() and self._lock.acquire(blocking=False)
 
     def _read_inline(self, spec: ReadSpec) -> bool:
-        """Post a small read on the calling thread (no hand-off to the NIXL thread); False,
-        nothing done, unless ``_here()``, at most ``inline_bytes`` and under the chunk cap."""
+        """Post a small read here (False, nothing done, unless _here(), small and under the cap)."""
         if self.options.inline_bytes <= 0 or spec.staged is not None or not self._here():
             return False
         try:
@@ -287,10 +301,9 @@ class NixlPort:
         self._agent = create_agent(self.agent_name, self.options.ucx_error_mode, self.options.num_threads)
         cleanup = Cleanup()
         self._regs = Registrations(self._agent, self._pools, cleanup)
-        self._reads = Reads(self._agent, self.options, self._emit, cleanup)
-        if self.options.staging_bytes > 0 and not self.options.cuda:  # (host memory only, for now)
-            self._arena = StagingArena(self._agent, self.options.staging_bytes)
-            self.staging = (self._arena.addr, self._arena.size)
+        self._scratch, self._arena = host_extras(self._agent, self.options)
+        self._reads = Reads(self._agent, self.options, self._emit, cleanup, self._scratch)
+        self.staging = (self._arena.addr, self._arena.size) if self._arena is not None else (0, 0)
         self.backends = ["UCX"]
 
     def _main(self) -> None:
@@ -339,12 +352,10 @@ class NixlPort:
 
     def _notices(self) -> bool:
         """Progress the agent; emit the notifications that arrived."""
-        got = False
-        for agent_name, msgs in self._agent.get_new_notifs().items():
-            for payload in msgs:
-                got = True
-                self._emit(NoticeReceived(str(agent_name), bytes(payload)))
-        return got
+        notes = [(str(a), bytes(m)) for a, msgs in self._agent.get_new_notifs().items() for m in msgs]
+        for agent_name, payload in notes:
+            self._emit(NoticeReceived(agent_name, payload))
+        return bool(notes)
 
     def _shutdown(self) -> None:
         regs, reads = self._regs_(), self._reads_()
@@ -355,6 +366,8 @@ class NixlPort:
             self._unregister(key)
         if self._arena is not None:
             self._arena.close()
+        if self._scratch is not None:
+            self._scratch.close(self._agent)
         # Keep progressing briefly so notifications already sent leave the process.
         end = time.monotonic() + 0.05
         while time.monotonic() < end:

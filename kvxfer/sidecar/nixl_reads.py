@@ -23,6 +23,7 @@ parked and retried, never reused.
 from __future__ import annotations
 
 import collections
+import contextlib
 import ctypes
 import logging
 import time
@@ -36,6 +37,51 @@ from kvxfer.sidecar.nixl_memory import Cleanup, Leg
 from kvxfer.sidecar.nixl_types import Event, ReadFinished, ReadStuck, TransferOptions
 
 log = logging.getLogger("kvxfer.transfer")
+PROOF_WAIT_S = 0.05  # a lease word read still running after this proves nothing (the claim decides)
+
+
+class ProofScratch:
+    """Where lease words land: 16-byte slots of host memory registered with the agent (the
+    NIXL thread's only; a slot whose read was given up is never used again)."""
+
+    def __init__(self, agent: Any, slots: int) -> None:
+        import numpy as np
+
+        self._np = np
+        self.mem = np.zeros(2 * slots, dtype=np.uint64)
+        self.addr = int(self.mem.ctypes.data)
+        self._reg = agent.register_memory([(self.addr, int(self.mem.nbytes), 0, "")], "DRAM")
+        self._free = list(range(slots - 1, -1, -1))
+        self.lost = 0
+
+    def take(self) -> int:
+        return self._free.pop() if self._free else -1
+
+    def give(self, slot: int) -> None:
+        self._free.append(slot)
+
+    def lose(self, slot: int) -> None:
+        self.lost += 1
+
+    def post(self, agent: Any, slot: int, remote_addr: int, peer: str) -> Any:
+        np = self._np
+        self.mem[2 * slot] = 0
+        self.mem[2 * slot + 1] = 0
+        local = np.array([[self.addr + 16 * slot, 16, 0]], dtype=np.int64)
+        remote = np.array([[remote_addr, 16, 0]], dtype=np.int64)
+        handle = agent.initialize_xfer("READ", agent.get_xfer_descs(local, "DRAM"),
+                                       agent.get_xfer_descs(remote, "DRAM"), peer)
+        if agent.transfer(handle) == "ERR":
+            agent.release_xfer_handle(handle)
+            raise RuntimeError("lease word read returned ERR")
+        return handle
+
+    def word(self, slot: int) -> tuple[int, int]:
+        return int(self.mem[2 * slot]), int(self.mem[2 * slot + 1])
+
+    def close(self, agent: Any) -> None:
+        with contextlib.suppress(Exception):
+            agent.deregister_memory(self._reg)
 
 
 @dataclass
@@ -59,6 +105,13 @@ class Read:
     # and the moment after which a landing is not trusted (0: none)
     after_landing: Callable[[], None] | None = None
     trust_until: float = 0.0
+    # its lease word (kvxfer.sidecar.lease_words): read once the data landed, into a slot of
+    # the proof scratch; a word read that fails or lags proves nothing (the claim decides)
+    proof_addr: int = 0
+    proof_handle: Any = None
+    proof_slot: int = -1
+    proof_at: float = 0.0
+    proof_word: tuple[int, int] | None = None
 
     @property
     def all_posted(self) -> bool:
@@ -71,8 +124,9 @@ class Read:
 
 class Reads:
     def __init__(self, agent: Any, options: TransferOptions, emit: Callable[[Event], None],
-                 cleanup: Cleanup) -> None:
+                 cleanup: Cleanup, scratch: ProofScratch | None = None) -> None:
         self._agent = agent
+        self._scratch = scratch
         self._options = options
         self._emit = emit
         self._cleanup = cleanup
@@ -211,12 +265,79 @@ class Reads:
                 self._fail(rd, ErrorCode.TRANSFER_ERROR, "transfer state ERR")
                 return True
         if rd.all_posted and not rd.handles:
+            if rd.proof_addr and not self._prove(rd, now):
+                return progressed  # (its lease word is being read)
             self._landed(rd, now)
             return True
         if now > rd.deadline:
             self._fail(rd, ErrorCode.DEADLINE, f"not finished after {now - rd.started:.3f}s")
             return True
         return progressed
+
+    def _prove(self, rd: Read, now: float) -> bool:
+        """Read the lease word of a read whose data landed; True once nothing more is to be
+        waited for (``rd.proof_word`` set when it was read)."""
+        scratch = self._scratch
+        if scratch is None:
+            rd.proof_addr = 0
+            return True
+        if rd.proof_handle is None:
+            rd.proof_slot = scratch.take()
+            if rd.proof_slot < 0:
+                rd.proof_addr = 0
+                return True
+            try:
+                rd.proof_handle = scratch.post(self._agent, rd.proof_slot, rd.proof_addr, rd.peer)
+            except Exception as e:
+                log.debug("lease word of %s not read: %s", rd.req_id, e)
+                scratch.give(rd.proof_slot)
+                rd.proof_addr = 0
+                return True
+            rd.proof_at = now
+        state = self._state(rd.proof_handle)
+        if state not in ("DONE", "ERR"):
+            if now - rd.proof_at < PROOF_WAIT_S:
+                return False
+            self._drop_proof(rd)  # (it lags: the claim decides)
+            return True
+        if state == "DONE":
+            rd.proof_word = scratch.word(rd.proof_slot)
+        self._release(rd.proof_handle)
+        scratch.give(rd.proof_slot)
+        rd.proof_handle, rd.proof_addr = None, 0
+        return True
+
+    def read_word(self, peer: str, addr: int) -> tuple[int, int] | None:
+        """Read one lease word now, waiting up to PROOF_WAIT_S (None: not read)."""
+        scratch = self._scratch
+        slot = scratch.take() if scratch is not None else -1
+        if scratch is None or slot < 0:
+            return None
+        try:
+            handle = scratch.post(self._agent, slot, addr, peer)
+        except Exception as e:
+            log.debug("lease word at %x of %s not read: %s", addr, peer, e)
+            scratch.give(slot)
+            return None
+        end = time.monotonic() + PROOF_WAIT_S
+        while (state := self._state(handle)) not in ("DONE", "ERR") and time.monotonic() < end:
+            time.sleep(20e-6)
+        self._release(handle)
+        if state not in ("DONE", "ERR"):
+            scratch.lose(slot)
+            return None
+        word = scratch.word(slot) if state == "DONE" else None
+        scratch.give(slot)
+        return word
+
+    def _drop_proof(self, rd: Read) -> None:
+        """Give up a word read in flight: its handle is released, its slot never used again
+        (a late landing could still write it)."""
+        if rd.proof_handle is not None:
+            self._release(rd.proof_handle)
+            if self._scratch is not None:
+                self._scratch.lose(rd.proof_slot)
+        rd.proof_handle, rd.proof_addr = None, 0
 
     def _landed(self, rd: Read, now: float) -> None:
         if rd.trust_until and now > rd.trust_until:
@@ -236,7 +357,7 @@ class Reads:
         del self._reads[rd.req_id]
         trace = () if rd.trace is None else (*rd.trace, ("landed", time.monotonic_ns()))
         self._emit(ReadFinished(rd.req_id, rd.peer, True, rd.nbytes, now - rd.started,
-                                descriptors=rd.descriptors, trace=trace))
+                                descriptors=rd.descriptors, trace=trace, proof=rd.proof_word))
 
     def _fail(self, rd: Read, code: str, reason: str) -> None:
         """Stop posting; report the failure once no chunk of the read can write any more."""
@@ -244,6 +365,7 @@ class Reads:
             return
         rd.failure = (code, reason)
         rd.failed_at = time.monotonic()
+        self._drop_proof(rd)
         rd.leg = len(rd.legs)  # nothing more is posted
         self._settle(rd, rd.failed_at)
 

@@ -212,5 +212,5 @@ def new_read(regs: Registrations, arena: StagingArena | None, spec: ReadSpec, op
     return Read(req_id=spec.req_id, peer=spec.peer, local_rank=spec.local_rank, legs=legs, nbytes=nbytes,
                 deadline=time.monotonic() + spec.deadline_s, started_notice=spec.started_notice,
                 corrupt_at=regs.first_byte(spec) if corrupt else 0, trace=marks,
-                trust_until=st.trust_until if st else 0.0,
+                trust_until=st.trust_until if st else 0.0, proof_addr=0 if st else spec.proof_addr,
                 after_landing=(lambda: scatter(st.local_addr, st.scatter)) if st else None)

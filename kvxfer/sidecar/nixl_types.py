@@ -20,6 +20,8 @@ class TransferOptions:
     expect_read_s: float = 2e-3  # after a claim, poll at busy_poll_s this long (expect_reads)
     inline_bytes: int = 4 << 20  # reads up to this size are posted by the caller itself (NixlPort.read)
     staging_bytes: int = 0  # the staging arena (kvxfer.sidecar.nixl_staging); 0: none
+    lease_words: tuple[int, int] = (0, 0)  # (address, bytes) of this sidecar's lease words, registered
+    proof_slots: int = 4096  # 16-byte landing slots for the lease words this sidecar reads
 
 
 class PollPolicy:
@@ -67,6 +69,7 @@ class ReadFinished:
     reason: str = ""
     descriptors: int = 0
     trace: tuple[tuple[str, int], ...] = ()  # the NIXL thread's hops (traced reads only)
+    proof: tuple[int, int] | None = None  # its lease word, read after it landed (lease_words)
 
 
 @dataclass(frozen=True)

@@ -34,6 +34,7 @@ class Peer:
     generation: str = ""  # its registrations when it answered (Welcome.generation)
     stale: bool = False  # handshake again before the next read (a read failed, ranks missing)
     staging_bytes: int = 0  # its staging arena (Welcome.staging_bytes): 0, it stages nothing
+    lease_words: tuple[int, int] = (0, 0)  # (address, slots) of its lease words: (0, 0), none
 
     def outdated_by(self, generation: str) -> bool:
         """Both generations known and different: this description came from another

@@ -244,7 +244,8 @@ class PeerClient:
         took = time.monotonic() - start
         peer = Peer(endpoint=key, engine_id=reply.engine_id, agent_name=reply.agent_name,
                     ranks={r.key: r for r in infos}, handshake_s=took, connected_unix=time.time(),
-                    generation=reply.generation, staging_bytes=reply.staging_bytes)
+                    generation=reply.generation, staging_bytes=reply.staging_bytes,
+                    lease_words=(reply.lease_words_addr, reply.lease_words_slots))
         self.book.put(peer)
         self._stalled.discard(key)
         self.observer.handshake(key, True, took)

@@ -68,8 +68,10 @@ def peer_address(frame: zmq.Frame) -> str:
 
 class PeerServer:
     def __init__(self, *, channel: PeerChannel, registry: RankRegistry, holds: Holds, nixl: NixlPort,
-                 observer: Observer, authenticated: Authenticated, generation: Callable[[], str]) -> None:
+                 observer: Observer, authenticated: Authenticated, generation: Callable[[], str],
+                 lease_words: tuple[int, int] = (0, 0)) -> None:
         self.channel = channel
+        self.lease_words = lease_words  # (address, slots) advertised in every Welcome
         self.registry = registry
         self.holds = holds
         self.nixl = nixl
@@ -229,7 +231,8 @@ class PeerServer:
         welcome = Welcome(version=PROTOCOL_VERSION, compat_hash=ours, engine_id=self.channel.engine_id,
                           agent_name=self.channel.agent_name, ranks=self.registry.infos(),
                           generation=self._generation(),
-                          staging_bytes=self.nixl.staging[1])
+                          staging_bytes=self.nixl.staging[1], lease_words_addr=self.lease_words[0],
+                          lease_words_slots=self.lease_words[1])
         if secret:
             welcome = sign_welcome(secret, welcome, hello, metadata)
             self.authenticated.add(hello.agent_name)

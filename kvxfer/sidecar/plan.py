@@ -55,6 +55,7 @@ class ReadSpec:
     state_blocks: tuple[list[int], list[int]] = field(default_factory=lambda: ([], []))
     trace: bool = False  # record the NIXL side's hops (Done.trace)
     staged: StagedRead | None = None  # read the peer's staging slot instead (kvxfer.sidecar.staging)
+    proof_addr: int = 0  # the peer's lease word to read once the data landed (0: none; lease_words)
 
     @property
     def num_blocks(self) -> int:

@@ -9,7 +9,8 @@ its peer is dropped, whether the peer is to be handshaked again.
 
 The rules that keep blocks safe live here:
 - a read that landed is reported only once the prefill confirmed its lease held the blocks
-  (the claim); a lease that was over, or a claim that failed, fails the load;
+  (the claim), or its lease word read after the landing proved it (``lease_words``); a lease
+  that was over, or a claim that failed, fails the load;
 - a read that failed is reported only after the NIXL port settled it (its event);
 - a cancelled receive whose read is posted is failed by the port (``cancel`` says so), never
   here, so no late chunk lands after its ``Failed``.
@@ -51,6 +52,7 @@ class Exit(enum.StrEnum):
 class Step(enum.Enum):
     WAIT = "wait"  # nothing to do until the next event
     CHECK = "check"  # landed and claimed: verify a sample (``verifying``), or end (``succeed``)
+    REPROVE = "reprove"  # read its lease word again (``reproved``): the first read did not show it
     END = "end"  # ended: ``outcome`` says what to do
 
 
@@ -80,6 +82,8 @@ class Receive:
         self.outcome: Outcome | None = None
         self._read: ReadFinished | None = None
         self._claim: object = None  # None: no claim; _PENDING; then the refusal or True
+        self._published = False  # the claim said the lease's word is published
+        self._proof: bool | None = None  # its word read after the landing: showed the lease, or not
 
     # ------------------------------------------------------------------ before the read
 
@@ -102,8 +106,11 @@ class Receive:
 
     # ------------------------------------------------------------------ events
 
-    def landed(self, event: ReadFinished) -> Step:
-        """The port's report: landed, or failed and settled."""
+    def landed(self, event: ReadFinished, proof: bool | None = None) -> Step:
+        """The port's report: landed, or failed and settled. ``proof``: what its lease word,
+        read after it landed, showed (``kvxfer.sidecar.lease_words``; None: not read). True:
+        the lease still held, the claim's answer is not waited for (a refusal that came first
+        still fails it). False: once the claim says the word is published, read it again."""
         if self.phase is Phase.ENDED:
             return Step.WAIT
         if not event.ok:
@@ -114,27 +121,48 @@ class Receive:
                                      notice=None if disconnected or stalled else False,
                                      drop_peer=disconnected, peer_failed=True))
         self._read = event
+        self._proof = proof
         return self._after_read()
 
-    def claimed(self, refusal: RequestError | None) -> Step:
-        """The claim's answer: None, the prefill held the blocks; else why the read must not
-        be trusted."""
+    def claimed(self, refusal: RequestError | None, published: bool = False) -> Step:
+        """The claim's answer: None, the prefill held the blocks (``published``: and its lease
+        word is published); else why the read must not be trusted."""
         if self.phase is Phase.ENDED or self._claim is not _PENDING:
             return Step.WAIT
+        self._published = published and refusal is None
         self._claim = True if refusal is None else RequestError(refusal.code, refusal.reason, self.req_id)
-        return self._after_read() if self._read is not None else Step.WAIT
+        if self._read is None or self._proof is True:
+            return Step.WAIT  # (not landed yet; or its lease word proved it, and it went on)
+        return self._after_read()
+
+    def reproved(self, shows: bool) -> Step:
+        """The lease word read again (after the claim said it is published): it shows the
+        lease, or the lease ended during the read (the engine aborted, a drain)."""
+        if self.phase is Phase.ENDED:
+            return Step.WAIT
+        if shows:
+            self._proof = True
+            return Step.CHECK
+        return self._end(Outcome(Exit.CLAIM_REFUSED, error=RequestError(
+            ErrorCode.EXPIRED, "the prefill's lease ended while the blocks were read (its lease word was "
+            "cleared): they may hold another request's KV; not used", self.req_id),
+            read=self._read, notice=False, peer_failed=True))
 
     def verifying(self) -> None:
         """A sample of this read is being digested on both sides."""
         assert self._read is not None, "not landed"
-        assert self._claim is True, "not claimed"
+        assert self._trusted, "not claimed"
         self.phase = Phase.VERIFYING
 
     def succeed(self) -> Step:
         """Landed, claimed, and verified or not sampled (or unverifiable: not a verdict)."""
         assert self._read is not None, "not landed"
-        assert self._claim is True, "not claimed"
+        assert self._trusted, "not claimed"
         return self._end(Outcome(Exit.DONE, read=self._read, notice=True))
+
+    @property
+    def _trusted(self) -> bool:
+        return self._claim is True or (self._proof is True and not isinstance(self._claim, RequestError))
 
     def verified(self, mismatch: RequestError | None) -> Step:
         """The digests' verdict (None: they match, or could not be taken)."""
@@ -160,12 +188,16 @@ class Receive:
     # ------------------------------------------------------------------ internals
 
     def _after_read(self) -> Step:
-        if self._claim is _PENDING:
-            self.phase = Phase.VERIFYING  # (the claim's answer is awaited: drain waits, cancel fails it)
-            return Step.WAIT
         if isinstance(self._claim, RequestError):
             return self._end(Outcome(Exit.CLAIM_REFUSED, error=self._claim, read=self._read, notice=False,
                                      peer_failed=True))
+        if self._proof is True:
+            return Step.CHECK  # (its lease word showed the lease after the landing)
+        self.phase = Phase.VERIFYING  # (drain waits, a cancel fails it)
+        if self._claim is _PENDING:
+            return Step.WAIT  # (the claim's answer is awaited)
+        if self._published and self._proof is False:
+            return Step.REPROVE  # (published, and the word read after the landing did not show it)
         return Step.CHECK
 
     def _end(self, outcome: Outcome) -> Step:

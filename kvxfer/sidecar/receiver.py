@@ -30,7 +30,8 @@ from kvxfer.errors import ErrorCode, RequestError
 from kvxfer.observe import Observer
 from kvxfer.protocol import Done, Failed, ReadNotice, Recv, Staged, encode
 from kvxfer.sidecar.admission import admit_recv, recv_bytes, recv_deadline_s
-from kvxfer.sidecar.claim import Claims
+from kvxfer.sidecar.claim import PUBLISHED, ClaimAnswer, Claims
+from kvxfer.sidecar.lease_words import WORD_BYTES, lease_tag, proves
 from kvxfer.sidecar.lifecycle import Signal
 from kvxfer.sidecar.nixl_port import NixlPort
 from kvxfer.sidecar.nixl_types import ReadFinished, ReadRefused
@@ -61,6 +62,7 @@ class RecvState:
     planned_from: str = ""  # the peer generation the plan came from
     trace: list[tuple[str, int]] | None = None  # (hop, monotonic ns) when the Recv asked for it
     claim_task: asyncio.Future[None] | None = field(default=None, repr=False)
+    proof: tuple[int, int] = (0, 0)  # (tag, address) of its lease word at the peer (lease_words)
 
     def mark(self, hop: str) -> None:
         if self.trace is not None:
@@ -73,6 +75,30 @@ class RecvState:
     @property
     def state(self) -> str:
         return self.machine.phase.value
+
+
+def new_state(owner: bytes, msg: Recv, local: Any, wall: float, timeout_s: float,
+              received_ns: int) -> RecvState:
+    """An admitted receive's state, its deadline never past the engine's own (``local``: the
+    registry entry of the rank whose memory receives)."""
+    now = time.monotonic()
+    nbytes = recv_bytes(local.layout, local.info.block_bytes(attention_only=True), msg)
+    msg = msgspec.structs.replace(msg, deadline_s=recv_deadline_s(msg, wall, timeout_s))
+    state = RecvState(owner=owner, msg=msg, nbytes=nbytes, started=now, deadline=now + msg.deadline_s,
+                      local=local.key, machine=Receive(msg.req_id))
+    if msg.trace:
+        state.trace = [("sidecar", received_ns or time.monotonic_ns())]
+        state.mark("accepted")
+    return state
+
+
+def claim_answer(task: asyncio.Future[ClaimAnswer]) -> tuple[RequestError | None, bool]:
+    """A finished claim: (why the read is not trusted, None if held; its lease word published)."""
+    if task.cancelled() or task.exception() is not None:
+        why = "cancelled" if task.cancelled() else f"failed: {task.exception()!r}"
+        return RequestError(ErrorCode.EXPIRED, f"claim {why}"), False
+    answer = task.result()
+    return (answer if isinstance(answer, RequestError) else None), answer is PUBLISHED
 
 
 def local_blocks(msg: Recv) -> list[int]:
@@ -138,6 +164,19 @@ def plan_for(registry: RankRegistry, state: RecvState, peer: Peer) -> tuple[list
     return plan_read(state.msg, entry.layout, peer.engine_ranks(engine), engine)
 
 
+def proof_of(state: RecvState, peer: Peer) -> tuple[int, int]:
+    """(tag, address of the peer's lease word) that proves this receive's lease (0, 0: none).
+    Only for a request that names the generation its blocks were held under (the connector's
+    always do): one that does not is checked against the generation the claim's answer
+    names, so it waits for that answer."""
+    msg = state.msg
+    if not msg.remote_generation:
+        return 0, 0
+    tag = lease_tag(state.remote_engine, msg.remote_req_id or msg.req_id, msg.remote_token)
+    addr, slots = peer.lease_words
+    return (tag, addr + WORD_BYTES * (tag % slots)) if tag and slots else (0, 0)
+
+
 def read_spec(key: str, state: RecvState, peer: Peer, plans: list[RankPlan], pairing: BlockPairing,
               remaining: float, staged: StagedRead | None) -> ReadSpec:
     """What the NIXL port is asked to read for a receive."""
@@ -151,7 +190,8 @@ def read_spec(key: str, state: RecvState, peer: Peer, plans: list[RankPlan], pai
                     local_blocks=list(msg.block_ids), remote_blocks=list(msg.remote_block_ids), plans=plans,
                     pairing=pairing, deadline_s=remaining,
                     started_notice=encode(started), remote_engine=state.remote_engine,
-                    state_blocks=msg.state_pairs, trace=state.trace is not None, staged=staged)
+                    state_blocks=msg.state_pairs, trace=state.trace is not None, staged=staged,
+                    proof_addr=0 if staged is not None else state.proof[1])
 
 
 class Receiver:
@@ -203,21 +243,12 @@ class Receiver:
                        abandoned=(engine, msg.req_id) in self.abandoned, now_unix=wall,
                        registered=self.registry.describe)
         except RequestError as e:
-            self._send_failed(ident, msg, e)
+            self._send(ident, failed_message(msg, e))
             return
         assert local is not None
-        now = time.monotonic()
-        lay = local.layout
-        nbytes = recv_bytes(lay, local.info.block_bytes(attention_only=True), msg)
-        # (never read past the moment the engine gives up on the load)
-        deadline_s = recv_deadline_s(msg, wall, self.config.transfer_timeout_s)
-        msg = msgspec.structs.replace(msg, deadline_s=deadline_s)
-        self.recvs[key] = state = RecvState(owner=ident, msg=msg, nbytes=nbytes, started=now,
-                                            deadline=now + msg.deadline_s, local=local.key,
-                                            machine=Receive(msg.req_id))
-        if msg.trace:
-            state.trace = [("sidecar", received_ns or time.monotonic_ns())]
-            state.mark("accepted")
+        state = new_state(ident, msg, local, wall, self.config.transfer_timeout_s, received_ns)
+        self.recvs[key] = state
+        msg = state.msg
         self.changed.emit()
         # The hot path: a peer already handshaked (and of the generation the request names)
         # is planned and posted now, in this call, with no task and no await in between.
@@ -304,6 +335,7 @@ class Receiver:
         prefill's copy first, then the read of its slot)."""
         msg = state.msg
         state.peer_agent = peer.agent_name
+        state.proof = proof_of(state, peer)
         state.mark("planned")
         step = state.machine.start(not msg.block_ids and not msg.state_block_ids, remaining)
         if step is Step.END:
@@ -357,14 +389,10 @@ class Receiver:
         state.machine.claimed(None)  # (the copy was taken under the lease, and extended it)
         self._post(key, state, peer, plans, pairing, remaining, staged)
 
-    def _claimed(self, key: str, state: RecvState, task: asyncio.Future[RequestError | None]) -> None:
-        """The claim's answer (its task ended): None, held; else why the read is not trusted."""
-        if self.recvs.get(key) is not state:
-            return
-        refusal = (RequestError(ErrorCode.EXPIRED, "claim cancelled") if task.cancelled()
-                   else task.result() if task.exception() is None
-                   else RequestError(ErrorCode.EXPIRED, f"claim failed: {task.exception()!r}"))
-        self._step(key, state, state.machine.claimed(refusal))
+    def _claimed(self, key: str, state: RecvState, task: asyncio.Future[ClaimAnswer]) -> None:
+        """The claim's answer (its task ended)."""
+        if self.recvs.get(key) is state:
+            self._step(key, state, state.machine.claimed(*claim_answer(task)))
 
     # ------------------------------------------------------------------ NIXL events
 
@@ -380,13 +408,28 @@ class Receiver:
         if state.trace is not None:
             state.trace += event.trace
             state.mark("loop")
-        self._step(event.req_id, state, state.machine.landed(event))
+        proof = None if not event.ok or event.proof is None else proves(event.proof, state.proof[0],
+                                                                        time.time())
+        if proof is not None:
+            self.observer.lease_word(proof)
+        self._step(event.req_id, state, state.machine.landed(event, proof))
+
+    async def _reprove(self, key: str, state: RecvState) -> None:
+        """The lease word again: the claim says it is published, the read after the landing
+        did not show it (the Hold came late, or the lease ended during the read)."""
+        word = await self.nixl.read_word(state.peer_agent, state.proof[1])
+        self.observer.lease_word(shows := word is not None and proves(word, state.proof[0], time.time()))
+        if self.recvs.get(key) is state:
+            self._step(key, state, state.machine.reproved(shows))
 
     # ------------------------------------------------------------------ steps and ends
 
     def _step(self, key: str, state: RecvState, step: Step) -> None:
         """Do what the machine's last transition asks."""
         try:
+            if step is Step.REPROVE:
+                self._spawn(self._reprove(key, state))
+                return
             if step is Step.CHECK:
                 peer = self.book.by_agent(state.peer_agent)
                 if peer is not None and self.verifier.sample(peer):
@@ -401,8 +444,8 @@ class Receiver:
             log.exception("finishing receive %s", state.msg.req_id)
             if self.recvs.get(key) is state:
                 self.recvs.pop(key)
-                self._send_failed(state.owner, state.msg, RequestError(ErrorCode.INTERNAL, repr(e),
-                                                                         state.msg.req_id))
+                err = RequestError(ErrorCode.INTERNAL, repr(e), state.msg.req_id)
+                self._send(state.owner, failed_message(state.msg, err))
                 self.changed.emit()
 
     async def _verify(self, key: str, state: RecvState, peer: Peer) -> None:
@@ -410,9 +453,6 @@ class Receiver:
                                               lambda: plan_for(self.registry, state, peer), peer)
         if self.recvs.get(key) is state:
             self._step(key, state, state.machine.verified(mismatch))
-
-    def _send_failed(self, ident: bytes, msg: Recv, err: RequestError) -> None:
-        self._send(ident, failed_message(msg, err))
 
     def _not_started(self, key: str, err: BaseException, which: RecvState | None = None) -> None:
         """A receive that could not start: its RequestError, or a bug as TRANSFER_ERROR.
@@ -447,7 +487,7 @@ class Receiver:
             self.observer.transfer_failed(msg.req_id, state.peer, msg.tp_rank, err.code, err.reason)
             if out.peer_failed and peer is not None:
                 self.book.read_failed(peer)  # counted; handshake again before the next read
-            self._send_failed(state.owner, msg, err)
+            self._send(state.owner, failed_message(msg, err))
         self.changed.emit()
         if out.drop_peer:
             self._spawn(self.peers.drop_peer(state.peer_agent, out.error.reason if out.error else ""))

@@ -1,0 +1,187 @@
+"""Lease words (#38): a read's lease is proved by one 16-byte READ after the data landed,
+not by waiting for the claim's round trip; and a read whose lease ended while it ran (the
+prefill engine aborted, a drain) is refused, which the claim alone, answered before the
+end, did not catch.
+
+The words and the receive machine's rules are unit-tested; then real sidecars: reads proved
+by their words (every byte verified), and a lease released mid-read refused (shown
+failing with the word check removed: the read was delivered with another request's bytes).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from kvxfer.errors import ErrorCode, RequestError
+from kvxfer.sidecar.lease_words import NO_DEADLINE, LeaseWords, deadline_ms, lease_tag, proves
+from kvxfer.sidecar.nixl_types import ReadFinished
+from kvxfer.sidecar.receive import Exit, Receive, Step
+from kvxfer.testing.engine import SyntheticEngine, make_layout
+from kvxfer.testing.procs import SidecarFactory, free_port
+from tests.test_faults import remote_of
+from tests.test_sidecar import wait_for
+
+LANDED = ReadFinished("r", "peer", True, 1, 0.01)
+
+
+# ---------------------------------------------------------------------- the words
+
+
+def test_a_tag_is_keyed_by_the_token_and_a_word_proves_only_its_own_lease() -> None:
+    a, b = lease_tag("e", "req", "tok-a"), lease_tag("e", "req", "tok-b")
+    assert a
+    assert b
+    assert a != b
+    assert lease_tag("e", "req", "") == 0  # no token: no word
+    now = 1_000_000.0
+    assert proves((a, deadline_ms(now + 10)), a, now)
+    assert not proves((b, deadline_ms(now + 10)), a, now)  # another lease
+    assert not proves((0, 0), a, now)  # cleared
+    assert not proves((a, deadline_ms(now + 1)), a, now)  # its engine frees the blocks too soon
+    assert proves((a, NO_DEADLINE), a, now)
+    assert not proves((a, NO_DEADLINE), 0, now)
+
+
+@given(st.lists(st.tuples(st.sampled_from(["put", "clear"]), st.integers(0, 40)), max_size=80))
+def test_a_word_is_published_while_its_lease_holds_and_never_shows_an_ended_one(ops: list[tuple[str, int]]
+                                                                                 ) -> None:
+    words = LeaseWords(8)  # (few slots: collisions happen)
+    held: dict[int, int] = {}  # key -> tag, of leases whose word was published
+    for op, key in ops:
+        tag = lease_tag("e", f"req-{key}", f"tok-{key}")
+        if op == "put":
+            if key in held:
+                continue
+            if words.put(key, tag, 123):
+                held[key] = tag
+        else:
+            words.clear(key)
+            held.pop(key, None)
+        for k, t in held.items():
+            assert words.word(k) == (t, 123)
+        slots = {int(words.mem[2 * s]) for s in range(words.slots)} - {0}
+        assert slots == set(held.values())  # nothing else is ever visible
+
+
+# ---------------------------------------------------------------------- the rules
+
+
+def test_a_word_that_shows_the_lease_delivers_without_the_claims_answer() -> None:
+    r = Receive("r")
+    r.start(False, 10)
+    assert r.landed(LANDED, proof=True) is Step.CHECK
+    assert r.succeed() is Step.END
+    assert r.outcome is not None
+    assert r.outcome.exit is Exit.DONE
+    assert r.claimed(None, True) is Step.WAIT  # (the late answer changes nothing)
+
+
+def test_a_published_word_gone_after_the_landing_refuses_the_read() -> None:
+    r = Receive("r")
+    r.start(False, 10)
+    assert r.claimed(None, published=True) is Step.WAIT  # answered while the read ran
+    assert r.landed(LANDED, proof=False) is Step.REPROVE
+    assert r.reproved(False) is Step.END
+    assert r.outcome is not None
+    assert r.outcome.exit is Exit.CLAIM_REFUSED
+    assert r.outcome.error is not None
+    assert r.outcome.error.code == ErrorCode.EXPIRED
+    late = Receive("r")  # a Hold that came late: the second read shows the word
+    late.start(False, 10)
+    assert late.landed(LANDED, proof=False) is Step.WAIT
+    assert late.claimed(None, published=True) is Step.REPROVE
+    assert late.reproved(True) is Step.CHECK
+    assert late.succeed() is Step.END
+
+
+def test_without_a_word_the_claim_decides_as_before() -> None:
+    for proof in (None, False):  # not read (old peer, slot taken, read lagged); or not published
+        r = Receive("r")
+        r.start(False, 10)
+        assert r.landed(LANDED, proof=proof) is Step.WAIT
+        assert r.claimed(None, published=False) is Step.CHECK
+    r = Receive("r")
+    r.start(False, 10)
+    r.claimed(RequestError(ErrorCode.EXPIRED, "gone"))
+    assert r.landed(LANDED, proof=True) is Step.END  # a refusal that came first still fails it
+    assert r.outcome is not None
+    assert r.outcome.exit is Exit.CLAIM_REFUSED
+
+
+# ---------------------------------------------------------------------- real sidecars
+
+BIG = make_layout(layers=32, num_blocks=200, heads=8, head_dim=128)  # 2 MiB per block
+SMALL = make_layout(layers=4, num_blocks=64, heads=2, head_dim=32)
+
+
+def test_reads_are_proved_by_their_lease_words(sidecars: SidecarFactory) -> None:
+    ds = sidecars.start("lw-d", metrics_port=free_port())
+    ps = sidecars.start("lw-p")
+    d, p = SyntheticEngine(SMALL, ds.endpoint, seed=2), SyntheticEngine(SMALL, ps.endpoint, seed=1)
+    try:
+        d.start()
+        p.start()
+        for i in range(10):
+            pb, db = p.allocate(2), d.allocate(2)
+            p.fill(f"w{i}", pb)
+            p.client.hold(f"w{i}", pb, token=f"tok-{i}", expires_unix=time.time() + 60)
+            d.client.recv(f"w{i}", db, dataclasses.replace(remote_of(p, pb), token=f"tok-{i}",
+                                                          generation=p.client.ping().generation))
+            got = wait_for(d.client, lambda a: bool(a.done or a.failed))
+            assert got.done, got
+            assert d.verify(f"w{i}", db)
+            d.free(db)
+            wait_for(p.client, lambda a: bool(a.released))
+            p.free(pb)
+        assert ds.scrape().get('kvxfer_lease_word_proofs_total{proved="yes"}', 0) == 10
+    finally:
+        d.close()
+        p.close()
+
+
+def test_a_read_whose_lease_ended_during_it_is_refused(sidecars: SidecarFactory) -> None:
+    """The prefill engine aborts the request while the decode reads it (its lease ends, its
+    blocks are reused at once): the claim had answered "held" when the read began, so it
+    used to be delivered, with the reused blocks' bytes in it. Its lease word, read after
+    the landing, is gone: refused ``expired``. A read that landed before the abort may be
+    delivered, and then holds the original bytes."""
+    ds = sidecars.start("lwe-d", "--chunk-mib", "2", "--max-inflight-chunks", "1", "--verify-sample", "0",
+                        metrics_port=free_port())
+    ps = sidecars.start("lwe-p")
+    d, p = SyntheticEngine(BIG, ds.endpoint, seed=2), SyntheticEngine(BIG, ps.endpoint, seed=1)
+    try:
+        d.start()
+        p.start()
+        d.client.recv("warm", [], remote_of(p, []))
+        wait_for(d.client, lambda a: bool(a.done))
+        generation = p.client.ping().generation  # (as the connector's kv_transfer_params name it)
+        refused = 0
+        for attempt in range(4):
+            name, tok = f"abort-{attempt}", f"tok-{attempt}"
+            pb, db = p.allocate(96), d.allocate(96)  # 192 MiB, 2 MiB at a time
+            p.fill(name, pb)
+            p.client.hold(name, pb, token=tok, expires_unix=time.time() + 60)
+            d.client.recv(name, db, dataclasses.replace(remote_of(p, pb), token=tok, generation=generation),
+                          deadline_s=30)
+            time.sleep(0.02 * (attempt + 1))
+            p.client.release(name)  # the engine aborted: once Released, it reuses the blocks
+            wait_for(p.client, lambda a: bool(a.released))
+            p.fill(f"other-{attempt}", pb)
+            got = wait_for(d.client, lambda a: bool(a.done or a.failed), timeout=30)
+            if got.failed:
+                assert got.failed[0].code == ErrorCode.EXPIRED, got
+                refused += 1
+            else:
+                assert d.verify(name, db), "a read delivered with bytes of the blocks' next use"
+            d.free(db)
+            p.free(pb)
+        print(f"\n{refused} of 4 reads refused (the rest landed before their abort)")
+        assert refused >= 1, "every read landed before its abort: nothing was tested"
+        assert ds.proc.poll() is None
+    finally:
+        d.close()
+        p.close()
