@@ -336,7 +336,7 @@ class SidecarClient:
 
     def _send(self, msg: EngineRequest) -> None:
         body = encode(msg)
-        ring = self.ring
+        ring = self.ring if self._ring_alive() else None  # (a dead sidecar's ring: ZMQ queues for the next)
         if ring is not None and len(body) <= ring.max_frame:  # (larger ones: a registration, over ZMQ)
             if not ring.write(body):
                 raise SidecarUnavailable(f"sidecar at {self.endpoint} is not taking messages (its ring "

@@ -47,6 +47,8 @@ class EngineRing:
         self._out, self._in = Ring.pair(mm, capacity, engine=True)
         self.max_frame = self._out.max_frame
         self.closed = False
+        self._hup = select.poll()  # (the connection: it hangs up when the sidecar lets go)
+        self._hup.register(conn, select.POLLIN | select.POLLHUP)
 
     @classmethod
     def open(cls, endpoint: str, capacity: int = DEFAULT_CAPACITY, timeout_s: float = 2.0) -> EngineRing:
@@ -84,9 +86,7 @@ class EngineRing:
         """Whether the sidecar still holds the ring (its end of the connection is open)."""
         if self.closed:
             return False
-        p = select.poll()
-        p.register(self.conn, select.POLLIN | select.POLLHUP)
-        for _, ev in p.poll(0):
+        for _, ev in self._hup.poll(0):
             if ev & (select.POLLHUP | select.POLLERR):
                 return False
             if ev & select.POLLIN:
@@ -143,7 +143,7 @@ class Asking:
             if len(fds) != 3 or reply.capacity != self.capacity:
                 raise RingUnavailable(f"a ring of {reply.capacity} bytes with {len(fds)} fds, not "
                                       f"{self.capacity}")
-            mm = map_fd(fds[0], ring_bytes(self.capacity))
+            mm = map_fd(fds[0], ring_bytes(self.capacity), populate=False)  # (pages as the ring uses them)
             os.close(fds.pop(0))
             return EngineRing(self.conn, mm, self.capacity, reply.ident, fds[0], fds[1])
         except (OSError, ValueError, RingCorrupt, RingUnavailable) as e:

@@ -190,8 +190,8 @@ def test_a_client_goes_back_to_zmq_when_its_sidecar_restarts_and_gets_a_new_ring
         first.proc.send_signal(signal.SIGINT)
         first.proc.wait(10)
         c.heartbeat()
-        assert c.ring is None
-        assert "closed" in c.ring_error
+        assert c.ring is None  # (dropped: the sidecar let go of it; asked again, none to be had)
+        assert c.ring_error
         second = sidecars.start("ring-restart", "--handshake-port", str(port))
         pong = c.ping(30)  # over ZMQ, which reconnects by itself
         assert pong.instance

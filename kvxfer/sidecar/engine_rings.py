@@ -125,7 +125,7 @@ class EngineRings:
         size = ring_bytes(req.capacity)
         fd = memfd(size, "kvxfer-ring")
         try:
-            mm = map_fd(fd, size)
+            mm = map_fd(fd, size, populate=False)  # (pages as the ring uses them)
         except BaseException:
             os.close(fd)
             raise

@@ -11,6 +11,7 @@ from typing import Any
 import msgspec
 import numpy as np
 
+from kvxfer.auth import new_token
 from kvxfer.client import Drained, RemoteBlocks
 from kvxfer.memory import SharedKV
 from kvxfer.protocol import Done
@@ -33,12 +34,13 @@ def _timed_read(p: SyntheticEngine, d: SyntheticEngine, reg: Any, name: str, pb:
     """Hold ``pb`` on the prefill engine, then time the decode engine's read of them into
     ``db`` (Recv sent -> Done received): seconds, and the Done. ``trace``: the Done's trace
     starts with ("engine", Recv sent) and ends with ("engine_done", Done received)."""
-    p.client.hold(name, pb, lease_s=120)
+    token = new_token()  # (as the connector holds: a token, the engine's deadline, the generation named)
+    p.client.hold(name, pb, lease_s=120, token=token, expires_unix=time.time() + 120)
     time.sleep(0.003)  # (the prefill sidecar takes the hold first: in a deployment it is on another
     # host, long before the decode's Recv; on 2 shared cores its work would be timed as the decode's)
     t0 = time.monotonic_ns()
     d.client.recv(name, db, RemoteBlocks(reg.engine_id, reg.handshake_host, reg.handshake_port, pb,
-                                         generation=generation), trace=trace)
+                                         generation=generation, token=token), trace=trace)
     done = _wait(d, 1).done[0]
     t1 = time.monotonic_ns()
     if trace:
@@ -95,8 +97,9 @@ def _fixed_cost(p: SyntheticEngine, d: SyntheticEngine, raw: RawNixl, reg: Any, 
     sidecar -> engine) and raw NIXL's of the same block, alternated ``n`` times; p50 and p90
     of kvxfer's times minus raw NIXL's median."""
     ks, rs, traces = [], [], []
+    generation = p.client.ping().generation  # (named, as the connector's kv_transfer_params do)
     for i in range(n):
-        took, done = _timed_read(p, d, reg, f"fixed-{i}", pb_all[:1], db_all[:1], trace=True)
+        took, done = _timed_read(p, d, reg, f"fixed-{i}", pb_all[:1], db_all[:1], generation, trace=True)
         ks.append(took)
         traces.append(done.trace or [])
         rs.append(raw.read(pb_all[:1], db_all[:1]))
