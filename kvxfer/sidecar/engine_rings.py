@@ -182,6 +182,10 @@ class EngineRings:
             done, _ = await asyncio.wait({closed, broken}, return_when=asyncio.FIRST_COMPLETED)
             if broken in done:
                 log.warning("engine ring %s dropped: %s", ident.decode(), broken.result())
+            elif closed.exception() is not None:
+                log.warning("engine ring %s dropped: %r", ident.decode(), closed.exception())
+            else:
+                log.info("engine ring %s closed: %s", ident.decode(), closed.result())
             closed.cancel()
         finally:
             loop.remove_reader(wake)
@@ -194,11 +198,11 @@ class EngineRings:
                 mm.close()  # type: ignore[attr-defined]
 
     @staticmethod
-    async def _until_closed(conn: socket.socket) -> None:
+    async def _until_closed(conn: socket.socket) -> str:
         loop = asyncio.get_running_loop()
         while True:
             try:
                 if not await loop.sock_recv(conn, 64):
-                    return
-            except OSError:
-                return
+                    return "the engine closed it"
+            except OSError as e:
+                return f"the engine's connection: {e}"

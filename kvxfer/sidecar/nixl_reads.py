@@ -38,6 +38,7 @@ from kvxfer.sidecar.nixl_types import Event, ReadFinished, ReadStuck, TransferOp
 
 log = logging.getLogger("kvxfer.transfer")
 PROOF_WAIT_S = 0.05  # a lease word read still running after this proves nothing (the claim decides)
+PROOF_SPIN_S = 30e-6  # how long a word read is polled for at once before the next poll period
 
 
 class ProofScratch:
@@ -294,7 +295,12 @@ class Reads:
                 rd.proof_addr = 0
                 return True
             rd.proof_at = now
+            if rd.trace is not None:
+                rd.trace.append(("data_done", time.monotonic_ns()))  # (the word read's post follows)
         state = self._state(rd.proof_handle)
+        spin_until = time.monotonic() + PROOF_SPIN_S  # (16 bytes: waiting here beats a poll period)
+        while state not in ("DONE", "ERR") and time.monotonic() < spin_until:
+            state = self._state(rd.proof_handle)
         if state not in ("DONE", "ERR"):
             if now - rd.proof_at < PROOF_WAIT_S:
                 return False
