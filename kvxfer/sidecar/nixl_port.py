@@ -73,6 +73,42 @@ def host_extras(agent: Any, options: TransferOptions) -> tuple[ProofScratch | No
     arena = StagingArena(agent, options.staging_bytes) if options.staging_bytes > 0 and host else None
     return scratch, arena
 
+
+class LoopEvents:
+    """Delivers what the port reports to the handlers on the loop: from the NIXL thread, on
+    the loop's next turn; from the loop itself (a read it posted), once the port let go of
+    its lock (``deliver_here``, at the end of ``NixlPort.read``: the landing of a small read
+    is handled before the call that posted it returns, not a loop turn later; the loop's
+    next turn at the latest)."""
+
+    def __init__(self) -> None:
+        self.handlers: dict[type, Callable[[Any], None]] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._loop_thread = 0
+        self._here: list[tuple[Callable[[Any], None], Event]] = []
+
+    def attach(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop, self._loop_thread = loop, threading.get_ident()
+
+    def emit(self, event: Event) -> None:
+        handler = self.handlers.get(type(event))
+        if handler is None or self._loop is None:
+            return
+        if threading.get_ident() == self._loop_thread:
+            self._here.append((handler, event))
+            self._loop.call_soon(self.deliver_here)
+            return
+        with contextlib.suppress(RuntimeError):  # loop already closed at shutdown
+            self._loop.call_soon_threadsafe(handler, event)
+
+    def deliver_here(self) -> None:
+        while self._here:
+            handler, event = self._here.pop(0)
+            try:
+                handler(event)
+            except Exception:  # (as the loop would: logged, the next event still delivered)
+                log.exception("handling %s", type(event).__name__)
+
 class NixlPort:
     def __init__(self, agent_name: str, options: TransferOptions, pools: PoolServer | None = None) -> None:
         self.agent_name = agent_name
@@ -89,9 +125,8 @@ class NixlPort:
         self._reads: Reads | None = None
         self._arena: StagingArena | None = None  # (and _scratch: ProofScratch | None, host_extras)
         self.staging = (0, 0)  # the staging arena's (address, size) once started; (0, 0): none
-        self._handlers: dict[type, Callable[[Any], None]] = {}
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._loop_thread = 0
+        self.events = LoopEvents()  # what the port reports, delivered on the loop
+        self._emit = self.events.emit
         self.backends: list[str] = []
         self.reads_inline = 0  # reads planned and posted by the loop itself, ever
         self.poll = PollPolicy(options)
@@ -103,12 +138,11 @@ class NixlPort:
 
     def on(self, kind: type[T], handler: Callable[[T], None]) -> None:
         """Call ``handler(event)`` on the loop for every event of this kind."""
-        self._handlers[kind] = handler
+        self.events.handlers[kind] = handler
 
     async def start(self) -> None:
         """Start the NIXL thread and create the agent (~0.5 s with UCX)."""
-        self._loop = asyncio.get_running_loop()
-        self._loop_thread = threading.get_ident()
+        self.events.attach(asyncio.get_running_loop())
         self._thread.start()
         await asyncio.wrap_future(self._ready)
 
@@ -181,6 +215,7 @@ class NixlPort:
         (CMA copies inside the call) finished right here, any other on the NIXL thread. One
         that cannot start raises here (inline) or is reported as a ``ReadRefused``."""
         if self._read_inline(spec):
+            self.events.deliver_here()  # (its landing, reported before this call returns: no loop turn)
             return
         fut = self._submit(lambda: self._start_read(spec))
 
@@ -216,16 +251,6 @@ class NixlPort:
     def _wake(self) -> None:
         """Make the NIXL thread look now, not at the end of its poll period."""
         self._submit(lambda: None)
-
-    def _emit(self, event: Event) -> None:
-        """Deliver an event to its handler on the loop (from the NIXL thread, or from the
-        loop itself for a read it posted: then after the current call, never inside it)."""
-        handler = self._handlers.get(type(event))
-        if handler is not None and self._loop is not None and threading.get_ident() == self._loop_thread:
-            self._loop.call_soon(handler, event)
-        elif handler is not None and self._loop is not None:
-            with contextlib.suppress(RuntimeError):  # loop already closed at shutdown
-                self._loop.call_soon_threadsafe(handler, event)
 
     def _regs_(self) -> Registrations:
         assert self._regs is not None, "NIXL not started"
