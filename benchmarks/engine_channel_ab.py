@@ -13,12 +13,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 from typing import Any
 
 from kvxfer.client import RemoteBlocks
-from kvxfer.testing.bench_measure import _fixed_cost, _wait
+from kvxfer.testing.bench_measure import _fixed_cost, _wait, ab_round_line, ab_summary
 from kvxfer.testing.bench_targets import RawNixl, _layout
 from kvxfer.testing.engine import SyntheticEngine
 from kvxfer.testing.procs import SidecarFactory
@@ -55,25 +54,14 @@ def main() -> int:
                 order = ("ring", "zmq") if r % 2 == 0 else ("zmq", "ring")
                 row = {ch: _fixed_cost(p, ds_[ch], raw, reg, pb, dbs[ch], args.n) for ch in order}
                 out["rounds"].append(row)
-                cells = [f"{ch} fixed p50 {row[ch]['p50']} us (kvxfer {row[ch]['kvxfer_p50_us']}, raw "
-                         f"{row[ch]['raw_nixl_p50_us']})" for ch in order]
-                print(f"round {r}: " + ", ".join(cells), flush=True)
+                print(ab_round_line(r, row), flush=True)
         finally:
             if raw is not None:
                 raw.close()
             p.close()
             for d in ds_.values():
                 d.close()
-    for ch in ("ring", "zmq"):
-        p50s = [row[ch]["p50"] for row in out["rounds"]]
-        hops: dict[str, list[float]] = {}
-        for row in out["rounds"]:
-            for k, v in row[ch]["hops_us"].items():
-                hops.setdefault(k, []).append(v)
-        out[ch] = {"fixed_p50_median_us": round(statistics.median(p50s), 1), "fixed_p50s_us": p50s,
-                   "hops_median_us": {k: round(statistics.median(v), 1) for k, v in hops.items()}}
-        print(f"{ch}: fixed cost p50 median {out[ch]['fixed_p50_median_us']} us over {len(p50s)} rounds "
-              f"({p50s}); hops {out[ch]['hops_median_us']}")
+    out.update(ab_summary(out["rounds"], ("ring", "zmq")))
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(out, fh, indent=1)

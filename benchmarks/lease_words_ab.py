@@ -14,12 +14,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 from typing import Any
 
 from kvxfer.client import RemoteBlocks
-from kvxfer.testing.bench_measure import _fixed_cost, _wait
+from kvxfer.testing.bench_measure import _fixed_cost, _wait, ab_round_line, ab_summary
 from kvxfer.testing.bench_targets import RawNixl, _layout
 from kvxfer.testing.engine import SyntheticEngine
 from kvxfer.testing.procs import SidecarFactory
@@ -56,25 +55,14 @@ def main() -> int:
                 order = ("words", "claim") if r % 2 == 0 else ("claim", "words")
                 row = {m: _fixed_cost(ps[m], d, raw, regs[m], pbs[m], db, args.n) for m in order}
                 out["rounds"].append(row)
-                cells = [f"{m} fixed p50 {row[m]['p50']} us (kvxfer {row[m]['kvxfer_p50_us']}, raw "
-                         f"{row[m]['raw_nixl_p50_us']})" for m in order]
-                print(f"round {r}: " + ", ".join(cells), flush=True)
+                print(ab_round_line(r, row), flush=True)
         finally:
             if raw is not None:
                 raw.close()
             d.close()
             for p in ps.values():
                 p.close()
-    for m in MODES:
-        p50s = [row[m]["p50"] for row in out["rounds"]]
-        hops: dict[str, list[float]] = {}
-        for row in out["rounds"]:
-            for k, v in row[m]["hops_us"].items():
-                hops.setdefault(k, []).append(v)
-        out[m] = {"fixed_p50_median_us": round(statistics.median(p50s), 1), "fixed_p50s_us": p50s,
-                  "hops_median_us": {k: round(statistics.median(v), 1) for k, v in hops.items()}}
-        print(f"{m}: fixed cost p50 median {out[m]['fixed_p50_median_us']} us over {len(p50s)} rounds "
-              f"({p50s}); hops {out[m]['hops_median_us']}")
+    out.update(ab_summary(out["rounds"], MODES))
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(out, fh, indent=1)

@@ -130,8 +130,7 @@ class SidecarClient:
         """Wait until the sidecar answers (it may still be starting)."""
         deadline = time.monotonic() + timeout
         seq = int(time.monotonic_ns() & 0xFFFFFFFF)
-        self._ring_alive()  # (a restarted sidecar: over ZMQ, until it grants a new ring)
-        self._send(Ping(seq=seq))
+        self._send(Ping(seq=seq))  # (a restarted sidecar's dead ring: over ZMQ, see _send)
         while True:
             ev = self._wait_one(deadline, what="ping")
             if isinstance(ev, Pong) and ev.seq == seq:
@@ -144,7 +143,6 @@ class SidecarClient:
         """Register one rank's KV cache; raises RequestError with the sidecar's reason."""
         if not msg.pid:
             msg = msgspec.structs.replace(msg, pid=os.getpid())
-        self._ring_alive()
         self._send(msg)
         deadline = time.monotonic() + timeout
         while True:

@@ -40,6 +40,7 @@ from kvxfer.ringchannel import (
 )
 from kvxfer.sidecar.engine_server import EngineServer, ipc_path
 from kvxfer.sidecar.ownership import Creds
+from kvxfer.sidecar.pool_server import listen_private, unlink_if_same
 from kvxfer.sidecar.procfs import creds_of
 
 log = logging.getLogger("kvxfer.sidecar")
@@ -54,6 +55,7 @@ class EngineRings:
         self.max_rings = max_rings
         self.path = ring_socket_path(server.endpoint) if ipc_path(server.endpoint) else ""
         self.sock: socket.socket | None = None
+        self._ino = 0  # the socket file this process bound
         self._conns: set[asyncio.Task[None]] = set()
         self._numbers = itertools.count(1)
 
@@ -65,25 +67,14 @@ class EngineRings:
         held by this process: a file left there by a predecessor is ours to replace)."""
         if not self.path:
             return
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(self.path)
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
-        old = os.umask(0o177)
-        try:
-            sock.bind(self.path)
-        finally:
-            os.umask(old)
-        os.chmod(self.path, 0o600)
-        sock.listen(64)
-        sock.setblocking(False)
-        self.sock = sock
+        self.sock, self._ino = listen_private(self.path)
+        self.sock.setblocking(False)
 
     def close(self) -> None:
         if self.sock is not None:
             self.sock.close()
             self.sock = None
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(self.path)
+            unlink_if_same(self.path, self._ino)  # (never a socket this process did not bind)
 
     async def serve(self) -> None:
         """Accept ring connections until cancelled."""

@@ -31,6 +31,8 @@ from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from kvxfer.errors import ErrorCode
 from kvxfer.sidecar.nixl_agent import error_code
 from kvxfer.sidecar.nixl_memory import Cleanup, Leg
@@ -46,9 +48,6 @@ class ProofScratch:
     NIXL thread's only; a slot whose read was given up is never used again)."""
 
     def __init__(self, agent: Any, slots: int) -> None:
-        import numpy as np
-
-        self._np = np
         self.mem = np.zeros(2 * slots, dtype=np.uint64)
         self.addr = int(self.mem.ctypes.data)
         self._reg = agent.register_memory([(self.addr, int(self.mem.nbytes), 0, "")], "DRAM")
@@ -65,7 +64,6 @@ class ProofScratch:
         self.lost += 1
 
     def post(self, agent: Any, slot: int, remote_addr: int, peer: str) -> Any:
-        np = self._np
         self.mem[2 * slot] = 0
         self.mem[2 * slot + 1] = 0
         local = np.array([[self.addr + 16 * slot, 16, 0]], dtype=np.int64)

@@ -192,18 +192,7 @@ class PoolServer:
         directory = os.path.dirname(self.path) or "."
         os.makedirs(directory, mode=0o700, exist_ok=True)
         check_private(directory, f"memory channel {self.path}")  # (else another user could swap it)
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(self.path)
-        s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        old = os.umask(0o177)
-        try:
-            s.bind(self.path)
-        finally:
-            os.umask(old)
-        os.chmod(self.path, 0o600)
-        s.listen(64)
-        self._listener = s
-        self._ino = os.stat(self.path).st_ino
+        self._listener, self._ino = listen_private(self.path)
         self._thread = threading.Thread(target=self._run, name="kvxfer-pools", daemon=True)
         self._thread.start()
 
@@ -436,6 +425,23 @@ class PoolServer:
                     self.on_closed([h.id for h in gone], pid)
                 except Exception:  # never let the notice end the channel
                     log.exception("memory channel: on_closed failed")
+
+
+def listen_private(path: str) -> tuple[socket.socket, int]:
+    """A unix ``SOCK_SEQPACKET`` listener at ``path`` (mode 0600 from the start; a file left
+    there by a predecessor replaced: the caller owns the directory and the socket's lock), and
+    the inode it bound (for ``unlink_if_same``)."""
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    old = os.umask(0o177)
+    try:
+        s.bind(path)
+    finally:
+        os.umask(old)
+    os.chmod(path, 0o600)
+    s.listen(64)
+    return s, os.stat(path).st_ino
 
 
 def unlink_if_same(path: str, ino: int) -> None:

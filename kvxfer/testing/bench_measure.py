@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Iterable
 from typing import Any
 
 import msgspec
@@ -360,4 +361,26 @@ def _desc_prep(block_counts: list[int], mode: str) -> list[dict[str, Any]]:
                         "make_prepped_xfer_ms": round((t3 - t2) * 1e3, 3)})
         finally:
             kv.close()
+    return out
+
+
+def ab_round_line(r: int, row: dict[str, dict[str, Any]]) -> str:
+    """One interleaved A/B round of ``_fixed_cost`` results, arm by arm (benchmarks/*_ab.py)."""
+    return f"round {r}: " + ", ".join(f"{arm} fixed p50 {c['p50']} us (kvxfer {c['kvxfer_p50_us']}, raw "
+                                      f"{c['raw_nixl_p50_us']})" for arm, c in row.items())
+
+
+def ab_summary(rounds: list[dict[str, dict[str, Any]]], arms: Iterable[str]) -> dict[str, Any]:
+    """Per arm: the median of its rounds' fixed-cost p50s, those p50s, and per-hop medians."""
+    out: dict[str, Any] = {}
+    for arm in arms:
+        p50s = [row[arm]["p50"] for row in rounds]
+        hops: dict[str, list[float]] = {}
+        for row in rounds:
+            for k, v in row[arm]["hops_us"].items():
+                hops.setdefault(k, []).append(v)
+        out[arm] = {"fixed_p50_median_us": round(statistics.median(p50s), 1), "fixed_p50s_us": p50s,
+                    "hops_median_us": {k: round(statistics.median(v), 1) for k, v in hops.items()}}
+        print(f"{arm}: fixed cost p50 median {out[arm]['fixed_p50_median_us']} us over {len(p50s)} rounds "
+              f"({p50s}); hops {out[arm]['hops_median_us']}")
     return out
