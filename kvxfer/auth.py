@@ -36,7 +36,7 @@ from typing import Any, TypeVar
 
 import msgspec
 
-from kvxfer.protocol import DigestRequest, Hello, LeaseRenew, StageRequest, Welcome
+from kvxfer.protocol import DigestRequest, Hello, LayerWatch, LeaseRenew, StageRequest, Welcome
 
 CHALLENGE_S = 30.0  # a challenge must be answered within this
 CHALLENGES_MAX = 4096  # outstanding challenges kept (oldest forgotten first)
@@ -115,10 +115,10 @@ def check_welcome(secret: bytes, welcome: Welcome, hello: Hello, metadata: bytes
     return bool(welcome.mac) and hmac.compare_digest(want, welcome.mac)
 
 
-SignedRequest = TypeVar("SignedRequest", DigestRequest, LeaseRenew, StageRequest)
+SignedRequest = TypeVar("SignedRequest", DigestRequest, LeaseRenew, StageRequest, LayerWatch)
 
 
-def _request_mac(secret: bytes, req: DigestRequest | LeaseRenew | StageRequest) -> str:
+def _request_mac(secret: bytes, req: DigestRequest | LeaseRenew | StageRequest | LayerWatch) -> str:
     unsigned = msgspec.structs.replace(req, mac="")
     return _mac(secret, "request", msgspec.msgpack.encode(unsigned))  # tagged by kind
 
@@ -128,7 +128,7 @@ def sign_request(secret: bytes, req: SignedRequest) -> SignedRequest:
     return msgspec.structs.replace(req, mac=_request_mac(secret, req))
 
 
-def check_request(secret: bytes, req: DigestRequest | LeaseRenew | StageRequest) -> bool:
+def check_request(secret: bytes, req: DigestRequest | LeaseRenew | StageRequest | LayerWatch) -> bool:
     return bool(req.mac) and hmac.compare_digest(_request_mac(secret, req), req.mac)
 
 

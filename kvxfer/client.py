@@ -28,6 +28,7 @@ from kvxfer.protocol import (
     Failed,
     Hold,
     KeepAlive,
+    LayersDone,
     Ping,
     Pong,
     Recv,
@@ -211,13 +212,23 @@ class SidecarClient:
         expires_unix: float = 0.0,
         engine_id: str = "",
         token: str = "",
+        streamed: bool = False,
     ) -> None:
         """``token``: the request's capability (``kvxfer.auth.new_token``), which the decode
-        must present (``RemoteBlocks.token``); "" accepts any authenticated peer."""
+        must present (``RemoteBlocks.token``); "" accepts any authenticated peer. ``streamed``
+        (push mode): held before its KV is computed; ``layers_done`` reports its layers."""
         self._send(
             Hold(req_id=req_id, block_ids=list(block_ids), lease_s=lease_s, reads=reads,
-                 notify_ranks=notify_ranks, expires_unix=expires_unix, engine_id=engine_id, token=token)
+                 notify_ranks=notify_ranks, expires_unix=expires_unix, engine_id=engine_id, token=token,
+                 streamed=streamed)
         )
+
+    def layers_done(self, req_ids: list[str], layers: int, *, tp_rank: int = 0, pp_rank: int = 0,
+                    engine_id: str = "") -> None:
+        """Push mode: this rank computed the first ``layers`` layers of its stage for these
+        streamed holds (``LayersDone``)."""
+        self._send(LayersDone(req_ids=req_ids, layers=layers, tp_rank=tp_rank, pp_rank=pp_rank,
+                              engine_id=engine_id))
 
     def release(self, req_id: str, engine_id: str = "") -> None:
         self._send(Release(req_id=req_id, engine_id=engine_id))
@@ -236,9 +247,12 @@ class SidecarClient:
         pp_rank: int = 0,
         state: tuple[Iterable[int], Iterable[int]] = ((), ()),
         trace: bool = False,
+        streamed: bool = False,
     ) -> None:
         """``state``: (local, remote) blocks of state groups (Mamba/GDN), paired one to one.
-        ``trace``: the ``Done`` carries the sidecar's per-hop times (``Done.trace``)."""
+        ``trace``: the ``Done`` carries the sidecar's per-hop times (``Done.trace``).
+        ``streamed`` (push mode): the prefill is still computing; ``remote.req_id`` is the
+        transfer id, ``remote.token`` its capability, ``remote.block_ids`` may be empty."""
         self._send(
             Recv(
                 req_id=req_id,
@@ -260,6 +274,7 @@ class SidecarClient:
                 state_block_ids=list(state[0]) or None,
                 remote_state_block_ids=list(state[1]) or None,
                 trace=trace,
+                streamed=streamed,
             )
         )
 

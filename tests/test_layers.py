@@ -30,7 +30,7 @@ LAYERS: list[tuple[str, list[str]]] = [
         "kvxfer.sidecar.lifecycle", "kvxfer.sidecar.plan", "kvxfer.sidecar.admission",
         "kvxfer.sidecar.validate", "kvxfer.sidecar.receive", "kvxfer.sidecar.nixl_types",
         "kvxfer.sidecar.peer_book", "kvxfer.sidecar.ownership", "kvxfer.sidecar.staging",
-        "kvxfer.sidecar.liveness", "kvxfer.sidecar.lease_words",
+        "kvxfer.sidecar.liveness", "kvxfer.sidecar.lease_words", "kvxfer.sidecar.layer_stream",
     ]),
     ("ports and memory: the NIXL thread, registrations, pools, metrics", [
         "kvxfer.sidecar.nixl*", "kvxfer.sidecar.registry", "kvxfer.vmm", "kvxfer.pool",
@@ -44,7 +44,8 @@ LAYERS: list[tuple[str, list[str]]] = [
         "kvxfer.sidecar.verify", "kvxfer.sidecar.keepalive", "kvxfer.sidecar.engines",
         "kvxfer.sidecar.claim", "kvxfer.control.local", "kvxfer.sidecar.stage_server",
         "kvxfer.sidecar.staged_reads", "kvxfer.sidecar.stall_guard",
-        "kvxfer.sidecar.engine_rings",
+        "kvxfer.sidecar.engine_rings", "kvxfer.sidecar.stream_server", "kvxfer.sidecar.stream_feed",
+        "kvxfer.sidecar.recv_state",
     ]),
     ("engine side: the client and the vLLM connector", ["kvxfer.client", "kvxfer.engine_ring",
                                                          "kvxfer.connector*"]),

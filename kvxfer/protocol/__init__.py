@@ -57,6 +57,7 @@ from kvxfer.protocol.engine import (
     Failed,
     Hold,
     KeepAlive,
+    LayersDone,
     Ping,
     Pong,
     Recv,
@@ -86,6 +87,8 @@ from kvxfer.protocol.peer import (
     HandshakeReply,
     HandshakeRequest,
     Hello,
+    LayersAt,
+    LayerWatch,
     LeaseRenew,
     LeaseState,
     RankInfo,
@@ -110,6 +113,9 @@ from kvxfer.protocol.peer import (
 #    (and, decodable by any 6: Failed.tp_rank/pp_rank, appended; Welcome.lease_words_addr/
 #    lease_words_slots and LeaseState.published, appended: a 6 without them makes every read
 #    wait for its claim)
+#    (and, push mode, decodable by any 6 that knows it: Hold.streamed, Recv.streamed and
+#    Welcome.layer_streams appended; LayersDone (engine -> sidecar) and LayerWatch/LayersAt
+#    (peer) added; a decode sends LayerWatch only to a prefill whose Welcome says layer_streams)
 PROTOCOL_VERSION = 6
 
 
@@ -144,6 +150,9 @@ __all__ = [
     "KVLayout",
     "KVRegion",
     "KeepAlive",
+    "LayerWatch",
+    "LayersAt",
+    "LayersDone",
     "LeaseRenew",
     "LeaseState",
     "MemoryRef",

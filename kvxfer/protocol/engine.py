@@ -57,6 +57,22 @@ class Hold(_Msg, tag="hold"):
     # kv_transfer_params): read notices, renewals and digests of this lease must present it.
     # "": none (an older connector): any authenticated peer may, as before.
     token: Token = ""
+    # Push mode (kvxfer.sidecar.layer_stream): held as soon as the blocks are allocated, before
+    # their KV is computed; the workers report each layer (``LayersDone``) and a decode's
+    # ``LayerWatch`` reads the layers computed so far while the prefill goes on.
+    streamed: bool = False
+
+
+class LayersDone(_Msg, tag="layers"):
+    """Prefill side, push mode: this worker rank computed the first ``layers`` layers of its
+    pipeline stage for these held requests (counted from the stage's first layer; a lower
+    count than one reported before changes nothing)."""
+
+    req_ids: Annotated[list[ReqId], Meta(max_length=4096)]
+    layers: NonNeg
+    tp_rank: NonNeg = 0
+    pp_rank: NonNeg = 0
+    engine_id: EngineId = ""
 
 
 class Release(_Msg, tag="release"):
@@ -102,6 +118,11 @@ class Recv(_Msg, tag="recv"):
     remote_state_block_ids: BlockIds | None = None
     # Ask for the per-hop trace of this receive (``Done.trace``; kvxfer bench's fixed cost)
     trace: bool = False
+    # Push mode: the prefill is still computing (the router sent the request to both at once):
+    # the prefill's blocks, token and generation come from its sidecar's answers to this
+    # sidecar's ``LayerWatch``es (``remote_block_ids`` and the remote state ids may be empty;
+    # ``remote_req_id`` is the shared transfer id), and its layers are read as they are computed.
+    streamed: bool = False
 
     @property
     def state_pairs(self) -> tuple[list[int], list[int]]:
@@ -126,7 +147,7 @@ class KeepAlive(_Msg, tag="keepalive"):
     remote_tokens: Annotated[list[Token], Meta(max_length=4096)] = []  # the leases' capabilities, same order
 
 
-EngineRequest = RegisterKV | Unregister | Hold | Release | Recv | Ping | KeepAlive
+EngineRequest = RegisterKV | Unregister | Hold | Release | Recv | Ping | KeepAlive | LayersDone
 
 
 # --------------------------------------------------------------------------- sidecar -> engine

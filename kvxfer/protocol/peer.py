@@ -107,7 +107,24 @@ class StageRequest(_Msg, tag="stage"):
     token: Token = ""  # the lease's capability (Hold.token)
 
 
-HandshakeRequest = Hello | DigestRequest | LeaseRenew | StageRequest
+class LayerWatch(_Msg, tag="watch"):
+    """Decode sidecar -> prefill sidecar, push mode (``kvxfer.sidecar.layer_stream``): answer
+    with ``LayersAt`` as soon as more than ``have`` layers of this held request are computed
+    (or its lease ended, or after ``wait_s``). It renews the lease like a ``LeaseRenew`` of
+    ``extend_s``. ``token``: the lease's capability (the transfer id both engines were given)."""
+
+    seq: NonNeg
+    engine_id: EngineId  # the prefill engine ("": the only one holding req_id)
+    req_id: ReqId  # the transfer id
+    have: NonNeg  # layers this reader has seen computed (0 at first)
+    token: Token
+    wait_s: Annotated[float, Meta(ge=0, le=60)] = 1.0
+    extend_s: Annotated[float, Meta(ge=0, le=86400)] = 0.0
+    agent_name: str = ""  # the asking sidecar
+    mac: str = ""  # with a shared secret: HMAC of the request (kvxfer.auth)
+
+
+HandshakeRequest = Hello | DigestRequest | LeaseRenew | StageRequest | LayerWatch
 
 
 class RemoteRegion(_Msg, tag="rregion"):
@@ -150,6 +167,7 @@ class Welcome(_Msg, tag="welcome"):
     staging_bytes: NonNeg = 0  # its staging arena (StageRequest): 0, it stages nothing
     lease_words_addr: NonNeg = 0  # its lease words (kvxfer.sidecar.lease_words) in its NIXL memory
     lease_words_slots: NonNeg = 0  # 0: none (every read waits for its claim's answer)
+    layer_streams: bool = False  # it answers LayerWatch (push mode)
 
 
 class Challenge(_Msg, tag="challenge"):
@@ -201,7 +219,26 @@ class Staged(_Msg, tag="staged"):
     generation: str = ""  # as LeaseState.generation
 
 
-HandshakeReply = Welcome | Refused | DigestReply | LeaseState | Challenge | Staged
+class LayersAt(_Msg, tag="layersat"):
+    """The answer to a ``LayerWatch`` (matched by ``seq``). ``held``: "held" (``ready`` of
+    ``total`` model layers computed by every rank holding them, in these blocks), "gone" (its
+    lease ended: released, aborted, expired), "unknown" (not held here, or not yet: its Hold may
+    be on its way; ask again) or "refused" (``code``/``reason``)."""
+
+    seq: NonNeg
+    held: Literal["held", "gone", "unknown", "refused"]
+    ready: NonNeg = 0
+    total: NonNeg = 0
+    block_ids: BlockIds = []
+    state_block_ids: BlockIds = []
+    generation: str = ""  # as LeaseState.generation
+    tp_size: NonNeg = 0  # the prefill engine's TP size
+    engine_id: EngineId = ""  # the prefill engine holding it
+    code: str = ""
+    reason: str = ""
+
+
+HandshakeReply = Welcome | Refused | DigestReply | LeaseState | Challenge | Staged | LayersAt
 
 
 # --------------------------------------------------------------------------- NIXL notification

@@ -44,6 +44,7 @@ from kvxfer.protocol import (
     PROTOCOL_VERSION,
     Hold,
     KeepAlive,
+    LayersDone,
     Ping,
     Pong,
     Recv,
@@ -69,6 +70,7 @@ from kvxfer.sidecar.pool_server import PoolServer
 from kvxfer.sidecar.receiver import Receiver
 from kvxfer.sidecar.registry import RankRegistry
 from kvxfer.sidecar.stall_guard import StallGuard
+from kvxfer.sidecar.stream_server import StreamServer
 from kvxfer.systemd import Notifier
 
 log = logging.getLogger("kvxfer.sidecar")  # (the name operators filter on)
@@ -161,11 +163,14 @@ class Sidecar:
         words = (0, 0) if self.words is None or config.cuda_enabled else (self.words.addr, self.words.slots)
         self.peers = PeerClient(config=config, channel=self.channel, dial_ctx=self.dial_ctx, book=self.book,
                                 registry=self.registry, nixl=self.nixl, observer=self.observer)
+        generation = lambda: self.registry.generation(self.agent_name)  # noqa: E731
+        # push mode's prefill side: held requests whose layers are being computed
+        self.streams = StreamServer(config=config, registry=self.registry, holds=self.holds,
+                                    observer=self.observer, generation=generation)
         self.peer_server = PeerServer(channel=self.channel, registry=self.registry, holds=self.holds,
                                       nixl=self.nixl, observer=self.observer,
-                                      authenticated=self.authenticated,
-                                      generation=lambda: self.registry.generation(self.agent_name),
-                                      lease_words=words)
+                                      authenticated=self.authenticated, generation=generation,
+                                      lease_words=words, streams=self.streams)
         self.engine_server = EngineServer(self.ctx, config.engine_socket, self.observer)
         self.rings = EngineRings(self.engine_server, self.observer)
         self.receiver = Receiver(config=config, registry=self.registry, peers=self.peers, book=self.book,
@@ -193,7 +198,8 @@ class Sidecar:
         es = self.engine_server
         es.on(Ping, lambda ident, msg: es.send(ident, self._pong(msg.seq)))
         # (es.sender: the sending process, as the kernel reported it; who may act for an engine)
-        es.on(Hold, lambda ident, msg: self.holds.hold(ident, msg, self.lifecycle.draining, es.sender))
+        es.on(Hold, lambda ident, msg: self.streams.hold(ident, msg, self.lifecycle.draining, es.sender))
+        es.on(LayersDone, lambda ident, msg: self.streams.on_layers(msg, es.sender))
         es.on(Recv, lambda ident, msg: self.receiver.on_recv(ident, msg, es.sender, self.lifecycle.draining,
                                                              es.received_ns))
         es.on(Release, lambda ident, msg: self.holds.release_request(msg, es.sender))

@@ -135,7 +135,7 @@ class Holds:
             return None
         return lease
 
-    def _extend(self, lease: Lease, by_s: float, agent: str, message: str, cap_s: float) -> None:
+    def extend(self, lease: Lease, by_s: float, agent: str, message: str, cap_s: float) -> None:
         """Keep ``lease`` ``by_s`` more seconds, but never more than ``cap_s`` at once nor past
         ``max_lease_s`` from its hold (no peer can pin blocks for ever)."""
         if by_s > cap_s:
@@ -160,7 +160,7 @@ class Holds:
             return
         if notice.reading_s > 0:
             self.table.note_started(lease.key, (agent, notice.pp_rank, notice.tp_rank))
-            self._extend(lease, notice.reading_s + 1.0, agent, "read_notice", self.config.max_read_s)
+            self.extend(lease, notice.reading_s + 1.0, agent, "read_notice", self.config.max_read_s)
             return
         before = lease.reads_seen
         done = self.table.note_read(lease.key, (agent, notice.pp_rank, notice.tp_rank), notice.readers)
@@ -185,7 +185,7 @@ class Holds:
                 held.append("gone" if gone else "unknown")
                 published.append(False)
                 continue
-            self._extend(lease, req.extend_s or lease.duration or self.config.lease_s, req.agent_name,
+            self.extend(lease, req.extend_s or lease.duration or self.config.lease_s, req.agent_name,
                          "lease_renew", self.config.max_read_s)
             held.append("held")
             published.append(self.words.word(lease.key) is not None)

@@ -35,6 +35,7 @@ class Peer:
     stale: bool = False  # handshake again before the next read (a read failed, ranks missing)
     staging_bytes: int = 0  # its staging arena (Welcome.staging_bytes): 0, it stages nothing
     lease_words: tuple[int, int] = (0, 0)  # (address, slots) of its lease words: (0, 0), none
+    layer_streams: bool = False  # it answers LayerWatch (push mode; Welcome.layer_streams)
 
     def outdated_by(self, generation: str) -> bool:
         """Both generations known and different: this description came from another

@@ -20,6 +20,8 @@ from kvxfer.auth import sign_request
 from kvxfer.errors import ErrorCode, RequestError
 from kvxfer.protocol import (
     DECODE_ERRORS,
+    LayersAt,
+    LayerWatch,
     LeaseRenew,
     LeaseState,
     Refused,
@@ -30,7 +32,8 @@ from kvxfer.protocol import (
 )
 from kvxfer.sidecar.liveness import Liveness
 
-LinkRequest = LeaseRenew | StageRequest  # what a PeerLink carries (answered LeaseState / Staged)
+# what a PeerLink carries (answered LeaseState / Staged / LayersAt)
+LinkRequest = LeaseRenew | StageRequest | LayerWatch
 
 
 class PeerLink:
@@ -90,7 +93,7 @@ class PeerLink:
                     reply = handshake_reply_decoder.decode(frames[0])
                 except DECODE_ERRORS:
                     continue
-                if isinstance(reply, LeaseState | Staged):
+                if isinstance(reply, LeaseState | Staged | LayersAt):
                     self.liveness.answered(reply.seq, time.monotonic())
                     fut = self._waiting.get(reply.seq)
                     if fut is not None and not fut.done():

@@ -31,6 +31,8 @@ from kvxfer.protocol import (
     DigestRequest,
     HandshakeRequest,
     Hello,
+    LayersAt,
+    LayerWatch,
     LeaseRenew,
     LeaseState,
     Refused,
@@ -49,6 +51,7 @@ from kvxfer.sidecar.peer_book import Authenticated
 from kvxfer.sidecar.peer_client import PeerChannel
 from kvxfer.sidecar.registry import RankRegistry
 from kvxfer.sidecar.stage_server import StageServer
+from kvxfer.sidecar.stream_server import StreamServer
 
 log = logging.getLogger("kvxfer.peers")
 
@@ -69,8 +72,9 @@ def peer_address(frame: zmq.Frame) -> str:
 class PeerServer:
     def __init__(self, *, channel: PeerChannel, registry: RankRegistry, holds: Holds, nixl: NixlPort,
                  observer: Observer, authenticated: Authenticated, generation: Callable[[], str],
-                 lease_words: tuple[int, int] = (0, 0)) -> None:
+                 lease_words: tuple[int, int] = (0, 0), streams: StreamServer | None = None) -> None:
         self.channel = channel
+        self.streams = streams  # (push mode: LayerWatch)
         self.lease_words = lease_words  # (address, slots) advertised in every Welcome
         self.registry = registry
         self.holds = holds
@@ -126,6 +130,9 @@ class PeerServer:
                     with contextlib.suppress(zmq.ZMQError):
                         sock.send_multipart([frames[0].bytes, encode(renewal)], flags=zmq.NOBLOCK)
                     continue
+                if isinstance(request, LayerWatch):  # (waits in the stream server, not in a slot)
+                    self._watch(sock, frames[0].bytes, request, frames[-1])
+                    continue
                 if slots.locked():
                     with contextlib.suppress(zmq.ZMQError):
                         sock.send_multipart([frames[0].bytes, encode(self._busy(request, frames[-1]))],
@@ -162,12 +169,29 @@ class PeerServer:
             self.nixl.expect_reads()  # (a claim: the read follows; see NixlPort.expect_reads)
         return state
 
+    def _watch(self, sock: zmq.asyncio.Socket, ident: bytes, msg: LayerWatch, frame: zmq.Frame) -> None:
+        """A decode's ``LayerWatch``: answered by the stream server, now or later."""
+
+        def reply(answer: LayersAt | Refused) -> None:
+            with contextlib.suppress(zmq.ZMQError):
+                sock.send_multipart([ident, encode(answer)], flags=zmq.NOBLOCK)
+
+        why = self._unsigned(msg)
+        if why:
+            reply(self._refuse(peer_address(frame), msg.agent_name or "?", ErrorCode.UNAUTHORIZED, why)[0])
+            return
+        if self.streams is None:
+            reply(LayersAt(seq=msg.seq, held="refused", code=ErrorCode.INCOMPATIBLE,
+                           reason="this sidecar does not serve push mode"))
+            return
+        self.streams.watch(msg, reply)
+
     def _renew(self, msg: LeaseRenew) -> LeaseState:
         """Extend the leases; the answer names this sidecar's generation, so that a reader
         whose request named none still learns that its plan came from stale descriptions."""
         return msgspec.structs.replace(self.holds.renew(msg), generation=self._generation())
 
-    def _unsigned(self, msg: DigestRequest | LeaseRenew | StageRequest) -> str:
+    def _unsigned(self, msg: DigestRequest | LeaseRenew | StageRequest | LayerWatch) -> str:
         """Why a signed request is refused here ("": it is not)."""
         if not self.channel.secret:
             return ""
@@ -232,7 +256,7 @@ class PeerServer:
                           agent_name=self.channel.agent_name, ranks=self.registry.infos(),
                           generation=self._generation(),
                           staging_bytes=self.nixl.staging[1], lease_words_addr=self.lease_words[0],
-                          lease_words_slots=self.lease_words[1])
+                          lease_words_slots=self.lease_words[1], layer_streams=self.streams is not None)
         if secret:
             welcome = sign_welcome(secret, welcome, hello, metadata)
             self.authenticated.add(hello.agent_name)

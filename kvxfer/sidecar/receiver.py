@@ -19,179 +19,46 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
-
-import msgspec
 
 from kvxfer.abandoned import Abandoned
 from kvxfer.config import Config
 from kvxfer.errors import ErrorCode, RequestError
 from kvxfer.observe import Observer
-from kvxfer.protocol import Done, Failed, ReadNotice, Recv, Staged, encode
-from kvxfer.sidecar.admission import admit_recv, recv_bytes, recv_deadline_s
-from kvxfer.sidecar.claim import PUBLISHED, ClaimAnswer, Claims
-from kvxfer.sidecar.lease_words import WORD_BYTES, lease_tag, proves
+from kvxfer.protocol import Recv, Staged
+from kvxfer.sidecar.claim import ClaimAnswer, Claims
+from kvxfer.sidecar.lease_words import proves
 from kvxfer.sidecar.lifecycle import Signal
 from kvxfer.sidecar.nixl_port import NixlPort
 from kvxfer.sidecar.nixl_types import ReadFinished, ReadRefused
 from kvxfer.sidecar.ownership import Creds, authorize
 from kvxfer.sidecar.peer_book import Peer, PeerBook
 from kvxfer.sidecar.peer_client import PeerClient
-from kvxfer.sidecar.plan import ReadSpec, StagedRead
-from kvxfer.sidecar.receive import Outcome, Receive, Step, plan_read
+from kvxfer.sidecar.plan import StagedRead
+from kvxfer.sidecar.receive import Outcome, Step
+from kvxfer.sidecar.recv_state import (
+    RecvState,
+    RejectedRecv,
+    admitted,
+    check_generation,
+    claim_answer,
+    count_end,
+    done_message,
+    failed_message,
+    may_be_stale,
+    notify_prefill,
+    plan_for,
+    proof_of,
+    read_spec,
+    recv_key,
+)
 from kvxfer.sidecar.registry import RankKey, RankRegistry
 from kvxfer.sidecar.staged_reads import Prepared, Staging
+from kvxfer.sidecar.stream_feed import StreamFeed
 from kvxfer.sidecar.verify import Verifier
 from kvxfer.topology import BlockPairing, RankPlan
 
 log = logging.getLogger("kvxfer.receiver")
-
-
-@dataclass
-class RecvState:
-    owner: bytes  # where Done / Failed go
-    msg: Recv
-    nbytes: int  # bytes this rank will receive
-    started: float
-    deadline: float
-    local: RankKey  # the registered rank whose memory receives
-    machine: Receive
-    peer_agent: str = ""
-    remote_engine: str = ""  # the prefill engine it reads, once the plan named it
-    planned_from: str = ""  # the peer generation the plan came from
-    trace: list[tuple[str, int]] | None = None  # (hop, monotonic ns) when the Recv asked for it
-    claim_task: asyncio.Future[None] | None = field(default=None, repr=False)
-    proof: tuple[int, int] = (0, 0)  # (tag, address) of its lease word at the peer (lease_words)
-
-    def mark(self, hop: str) -> None:
-        if self.trace is not None:
-            self.trace.append((hop, time.monotonic_ns()))
-
-    @property
-    def peer(self) -> str:
-        return f"{self.msg.remote_host}:{self.msg.remote_port}"
-
-    @property
-    def state(self) -> str:
-        return self.machine.phase.value
-
-
-def new_state(owner: bytes, msg: Recv, local: Any, wall: float, timeout_s: float,
-              received_ns: int) -> RecvState:
-    """An admitted receive's state, its deadline never past the engine's own (``local``: the
-    registry entry of the rank whose memory receives)."""
-    now = time.monotonic()
-    nbytes = recv_bytes(local.layout, local.info.block_bytes(attention_only=True), msg)
-    msg = msgspec.structs.replace(msg, deadline_s=recv_deadline_s(msg, wall, timeout_s))
-    state = RecvState(owner=owner, msg=msg, nbytes=nbytes, started=now, deadline=now + msg.deadline_s,
-                      local=local.key, machine=Receive(msg.req_id))
-    if msg.trace:
-        state.trace = [("sidecar", received_ns or time.monotonic_ns())]
-        state.mark("accepted")
-    return state
-
-
-def claim_answer(task: asyncio.Future[ClaimAnswer]) -> tuple[RequestError | None, bool]:
-    """A finished claim: (why the read is not trusted, None if held; its lease word published)."""
-    if task.cancelled() or task.exception() is not None:
-        why = "cancelled" if task.cancelled() else f"failed: {task.exception()!r}"
-        return RequestError(ErrorCode.EXPIRED, f"claim {why}"), False
-    answer = task.result()
-    return (answer if isinstance(answer, RequestError) else None), answer is PUBLISHED
-
-
-def local_blocks(msg: Recv) -> list[int]:
-    """Every local block a receive writes (its contents are invalid when it fails)."""
-    return list(msg.block_ids) + msg.state_pairs[0]
-
-
-def failed_message(msg: Recv, err: RequestError) -> Failed:
-    log.warning("request %s failed: [%s] %s", msg.req_id, err.code, err.reason)
-    return Failed(req_id=msg.req_id, block_ids=local_blocks(msg), code=err.code, reason=err.reason,
-                  tp_rank=msg.tp_rank, pp_rank=msg.pp_rank)
-
-
-def done_message(state: RecvState, read: ReadFinished | None) -> Done:
-    return Done(req_id=state.msg.req_id, nbytes=read.nbytes if read else 0,
-                seconds=read.seconds if read else 0.0, descriptors=read.descriptors if read else 0,
-                trace=None if state.trace is None else sorted(state.trace, key=lambda h: h[1]))
-
-
-def notify_prefill(nixl: NixlPort, registry: RankRegistry, state: RecvState, ok: bool) -> None:
-    """The read notice for the prefill: every (pp, tp) rank of this engine reads once.
-    Sent at once, with no task of its own (one per receive used to cost a task, a future
-    and a turn of the loop)."""
-    msg = state.msg
-    entry = registry.get(state.local)
-    readers = entry.layout.tp_size * entry.layout.pp_size if entry is not None else 0
-    notice = ReadNotice(req_id=msg.remote_req_id or msg.req_id, tp_rank=msg.tp_rank, ok=ok, readers=readers,
-                        engine_id=state.remote_engine, pp_rank=msg.pp_rank, token=msg.remote_token)
-    nixl.notify_soon(state.peer_agent, encode(notice))
-
-
-def recv_key(req_id: str, tp_rank: int, engine: str = "", pp_rank: int = 0) -> str:
-    """One receive per (request, local rank): each rank reads its own memory."""
-    return f"{engine}/{pp_rank}/{tp_rank}:{req_id}"
-
-
-def may_be_stale(err: BaseException, msg: Recv) -> bool:
-    """A plan failed in a way a fresh handshake may cure: ranks missing from it, an engine it
-    does not serve (another sidecar, serving other engines, took over the endpoint: a
-    replaced pod on the same address), or (for a request that names no generation, which
-    would have caught it) a layout that no longer matches because the prefill engine
-    re-registered since."""
-    return isinstance(err, RequestError) and (
-        err.code in (ErrorCode.NOT_REGISTERED, ErrorCode.UNKNOWN_PEER)
-        or (err.code == ErrorCode.INCOMPATIBLE and not msg.remote_generation))
-
-
-def check_generation(msg: Recv, peer: Peer) -> None:
-    if peer.outdated_by(msg.remote_generation):
-        raise RequestError(ErrorCode.INCOMPATIBLE, f"the prefill sidecar re-registered since "
-                           f"these blocks were held (generation {msg.remote_generation}, now "
-                           f"{peer.generation}); not reading stale memory")
-
-
-def plan_for(registry: RankRegistry, state: RecvState, peer: Peer) -> tuple[list[RankPlan], BlockPairing]:
-    """Which remote ranks to read and how blocks pair up; names the remote engine."""
-    engine = peer.resolve_engine(state.msg.remote_engine_id)
-    state.remote_engine = engine
-    state.planned_from = peer.generation
-    entry = registry.get(state.local)
-    if entry is None:
-        raise RequestError(ErrorCode.NOT_REGISTERED, f"local rank {state.local} was unregistered")
-    return plan_read(state.msg, entry.layout, peer.engine_ranks(engine), engine)
-
-
-def proof_of(state: RecvState, peer: Peer) -> tuple[int, int]:
-    """(tag, address of the peer's lease word) that proves this receive's lease (0, 0: none).
-    Only for a request that names the generation its blocks were held under (the connector's
-    always do): one that does not is checked against the generation the claim's answer
-    names, so it waits for that answer."""
-    msg = state.msg
-    if not msg.remote_generation:
-        return 0, 0
-    tag = lease_tag(state.remote_engine, msg.remote_req_id or msg.req_id, msg.remote_token)
-    addr, slots = peer.lease_words
-    return (tag, addr + WORD_BYTES * (tag % slots)) if tag and slots else (0, 0)
-
-
-def read_spec(key: str, state: RecvState, peer: Peer, plans: list[RankPlan], pairing: BlockPairing,
-              remaining: float, staged: StagedRead | None) -> ReadSpec:
-    """What the NIXL port is asked to read for a receive."""
-    msg = state.msg
-    # The prefill side must not let its lease run out under a read in progress: the thread
-    # that posts the first chunk tells it right after (it must not delay the read).
-    started = ReadNotice(req_id=msg.remote_req_id or msg.req_id, tp_rank=msg.tp_rank, ok=True,
-                         reading_s=remaining, engine_id=state.remote_engine, pp_rank=msg.pp_rank,
-                         token=msg.remote_token)
-    return ReadSpec(req_id=key, peer=peer.agent_name, local_rank=state.local,
-                    local_blocks=list(msg.block_ids), remote_blocks=list(msg.remote_block_ids), plans=plans,
-                    pairing=pairing, deadline_s=remaining,
-                    started_notice=encode(started), remote_engine=state.remote_engine,
-                    state_blocks=msg.state_pairs, trace=state.trace is not None, staged=staged,
-                    proof_addr=0 if staged is not None else state.proof[1])
 
 
 class Receiver:
@@ -213,6 +80,7 @@ class Receiver:
         self.verifier = Verifier(config, registry, peers, book, nixl, observer)
         self.claims = Claims(config, peers, book, observer, agent_name)
         self.staging = Staging(config, peers, book, nixl, agent_name)
+        self.feed = StreamFeed(config=config, registry=registry, peers=peers, nixl=nixl)  # (push mode)
         self.abandoned = abandoned if abandoned is not None else Abandoned()  # (kvxfer.abandoned)
 
     def __len__(self) -> int:
@@ -234,22 +102,19 @@ class Receiver:
         key = recv_key(msg.req_id, msg.tp_rank, engine, msg.pp_rank)
         if key in self.recvs:
             raise RequestError(ErrorCode.DUPLICATE_REQUEST, "receive already in flight", msg.req_id)
-        local = self.registry.find(engine, msg.pp_rank, msg.tp_rank)
-        if msg.reply_to_rank and local is not None:
-            ident = local.owner
-        wall = time.time()
         try:
-            admit_recv(msg, engine, local.layout if local is not None else None, draining=draining,
-                       abandoned=(engine, msg.req_id) in self.abandoned, now_unix=wall,
-                       registered=self.registry.describe)
-        except RequestError as e:
-            self._send(ident, failed_message(msg, e))
+            gave_up = (engine, msg.req_id) in self.abandoned
+            state = admitted(ident, msg, engine, self.registry, draining, gave_up,
+                             self.config.transfer_timeout_s, received_ns)
+        except RejectedRecv as e:
+            self._send(e.ident, failed_message(msg, e.error))
             return
-        assert local is not None
-        state = new_state(ident, msg, local, wall, self.config.transfer_timeout_s, received_ns)
         self.recvs[key] = state
         msg = state.msg
         self.changed.emit()
+        if msg.streamed:
+            self._spawn(self._handshake_then_read(key, state))
+            return
         # The hot path: a peer already handshaked (and of the generation the request names)
         # is planned and posted now, in this call, with no task and no await in between.
         peer = self.peers.cached_peer(msg.remote_host, msg.remote_port, msg.remote_generation)
@@ -288,6 +153,7 @@ class Receiver:
             return
         if state.machine.read_in_flight and await self.nixl.cancel(key, err.code, err.reason):
             return  # the port reports the read failed once it settled (on_read_finished)
+        await self.feed.settle(key, err)  # (a pre-read of a streamed receive: settled first)
         if self.recvs.get(key) is state:
             self._step(key, state, state.machine.cancelled(err))
 
@@ -304,6 +170,13 @@ class Receiver:
             if self.recvs.get(key) is not state:
                 return  # cancelled or failed while the handshake ran
             state.mark("handshaked")
+            if msg.streamed:  # (push mode: layers read while the prefill computes them: stream_feed)
+                followed = await self.feed.follow(key, state, peer, lambda: self.recvs.get(key) is state)
+                if self.recvs.get(key) is state:
+                    state.msg, state.pre_bytes = followed.msg, followed.pre_bytes
+                    self._start_read(key, state, peer, followed.plans, followed.pairing,
+                                     state.deadline - time.monotonic())
+                return
             check_generation(msg, peer)
             try:
                 plans, pairing = plan_for(self.registry, state, peer)
@@ -398,10 +271,14 @@ class Receiver:
 
     def on_read_refused(self, event: ReadRefused) -> None:
         """The NIXL thread could not start a read it was handed (nothing was posted)."""
+        if self.feed.refused(event):
+            return
         if event.req_id in self.recvs:
             self._not_started(event.req_id, event.error)
 
     def on_read_finished(self, event: ReadFinished) -> None:
+        if self.feed.landed(event):
+            return  # (a streamed receive's pre-read)
         state = self.recvs.get(event.req_id)
         if state is None:
             return  # cancelled meanwhile: already reported
@@ -470,24 +347,12 @@ class Receiver:
         """The one way a receive ends: the engine first, then counters, then the prefill."""
         del self.recvs[key]
         self.staging.release(key)
-        msg = state.msg
-        peer = self.book.by_agent(state.peer_agent) if state.peer_agent else None
         if out.ok:
-            read = out.read
             state.mark("reply")
-            self._send(state.owner, done_message(state, read))
-            if read is not None:
-                self.observer.transfer_done(msg.req_id, state.peer, msg.tp_rank, read.nbytes, read.seconds,
-                                            read.descriptors)
-                if peer is not None:
-                    self.book.read_done(peer, read.nbytes)
-        else:
-            assert out.error is not None
-            err = RequestError(out.error.code, out.error.reason, msg.req_id)
-            self.observer.transfer_failed(msg.req_id, state.peer, msg.tp_rank, err.code, err.reason)
-            if out.peer_failed and peer is not None:
-                self.book.read_failed(peer)  # counted; handshake again before the next read
-            self._send(state.owner, failed_message(msg, err))
+        err = out.error
+        self._send(state.owner, done_message(state, out.read) if err is None else failed_message(
+            state.msg, RequestError(err.code, err.reason, state.msg.req_id)))
+        count_end(self.observer, self.book, state, out)
         self.changed.emit()
         if out.drop_peer:
             self._spawn(self.peers.drop_peer(state.peer_agent, out.error.reason if out.error else ""))

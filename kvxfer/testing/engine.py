@@ -172,6 +172,20 @@ class SyntheticEngine:
         self.kv.blocks()[:, :, self._index(blocks), :] = self._expected(req_id, len(blocks))
         self._sync()
 
+    def fill_layers(self, req_id: str, blocks: Sequence[int], layers: range) -> None:
+        """Write request ``req_id``'s KV of these layers only (of this rank's stage, counted
+        from its first): a prefill computing layer by layer (push mode)."""
+        assert isinstance(self.kv, SharedKV), "host memory only"
+        sel = slice(layers.start, layers.stop)
+        self.kv.blocks()[sel, :, self._index(blocks), :] = self._expected(req_id, len(blocks))[sel]
+
+    def verify_layers(self, req_id: str, blocks: Sequence[int], layers: range) -> bool:
+        """These layers of ``blocks`` hold request ``req_id``'s KV (host memory only)."""
+        assert isinstance(self.kv, SharedKV), "host memory only"
+        sel = slice(layers.start, layers.stop)
+        got = self.kv.blocks()[sel, :, self._index(blocks), :]
+        return bool(np.array_equal(got, self._expected(req_id, len(blocks))[sel]))
+
     def verify(self, req_id: str, blocks: Sequence[int]) -> bool:
         if self.tensors is not None:
             return self.tensors.verify(req_id, blocks)

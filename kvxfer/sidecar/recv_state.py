@@ -1,0 +1,220 @@
+"""A receive's state and the pure-ish helpers the receiver builds its messages with: the
+state of one (request, local rank) receive, its Done / Failed / read notice, its plan, its
+lease word and its ReadSpec (``kvxfer.sidecar.receiver`` drives them)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+
+from kvxfer.errors import ErrorCode, RequestError
+from kvxfer.observe import Observer
+from kvxfer.protocol import Done, Failed, ReadNotice, Recv, encode
+from kvxfer.sidecar.admission import admit_recv, recv_bytes, recv_deadline_s
+from kvxfer.sidecar.claim import PUBLISHED, ClaimAnswer
+from kvxfer.sidecar.lease_words import WORD_BYTES, lease_tag
+from kvxfer.sidecar.nixl_port import NixlPort
+from kvxfer.sidecar.nixl_types import ReadFinished
+from kvxfer.sidecar.peer_book import Peer, PeerBook
+from kvxfer.sidecar.plan import ReadSpec, StagedRead
+from kvxfer.sidecar.receive import Outcome, Receive, plan_read
+from kvxfer.sidecar.registry import RankKey, RankRegistry
+from kvxfer.topology import BlockPairing, RankPlan
+
+log = logging.getLogger("kvxfer.receiver")
+
+@dataclass
+class RecvState:
+    owner: bytes  # where Done / Failed go
+    msg: Recv
+    nbytes: int  # bytes this rank will receive
+    started: float
+    deadline: float
+    local: RankKey  # the registered rank whose memory receives
+    machine: Receive
+    peer_agent: str = ""
+    remote_engine: str = ""  # the prefill engine it reads, once the plan named it
+    planned_from: str = ""  # the peer generation the plan came from
+    trace: list[tuple[str, int]] | None = None  # (hop, monotonic ns) when the Recv asked for it
+    claim_task: asyncio.Future[None] | None = field(default=None, repr=False)
+    proof: tuple[int, int] = (0, 0)  # (tag, address) of its lease word at the peer (lease_words)
+    pre_bytes: int = 0  # push mode: bytes its pre-reads moved before the read the machine follows
+
+    def mark(self, hop: str) -> None:
+        if self.trace is not None:
+            self.trace.append((hop, time.monotonic_ns()))
+
+    @property
+    def peer(self) -> str:
+        return f"{self.msg.remote_host}:{self.msg.remote_port}"
+
+    @property
+    def state(self) -> str:
+        return self.machine.phase.value
+
+
+def new_state(owner: bytes, msg: Recv, local: Any, wall: float, timeout_s: float,
+              received_ns: int) -> RecvState:
+    """An admitted receive's state, its deadline never past the engine's own (``local``: the
+    registry entry of the rank whose memory receives)."""
+    now = time.monotonic()
+    nbytes = recv_bytes(local.layout, local.info.block_bytes(attention_only=True), msg)
+    msg = msgspec.structs.replace(msg, deadline_s=recv_deadline_s(msg, wall, timeout_s))
+    state = RecvState(owner=owner, msg=msg, nbytes=nbytes, started=now, deadline=now + msg.deadline_s,
+                      local=local.key, machine=Receive(msg.req_id))
+    if msg.trace:
+        state.trace = [("sidecar", received_ns or time.monotonic_ns())]
+        state.mark("accepted")
+    return state
+
+
+def claim_answer(task: asyncio.Future[ClaimAnswer]) -> tuple[RequestError | None, bool]:
+    """A finished claim: (why the read is not trusted, None if held; its lease word published)."""
+    if task.cancelled() or task.exception() is not None:
+        why = "cancelled" if task.cancelled() else f"failed: {task.exception()!r}"
+        return RequestError(ErrorCode.EXPIRED, f"claim {why}"), False
+    answer = task.result()
+    return (answer if isinstance(answer, RequestError) else None), answer is PUBLISHED
+
+
+def local_blocks(msg: Recv) -> list[int]:
+    """Every local block a receive writes (its contents are invalid when it fails)."""
+    return list(msg.block_ids) + msg.state_pairs[0]
+
+
+def failed_message(msg: Recv, err: RequestError) -> Failed:
+    log.warning("request %s failed: [%s] %s", msg.req_id, err.code, err.reason)
+    return Failed(req_id=msg.req_id, block_ids=local_blocks(msg), code=err.code, reason=err.reason,
+                  tp_rank=msg.tp_rank, pp_rank=msg.pp_rank)
+
+
+def done_message(state: RecvState, read: ReadFinished | None) -> Done:
+    return Done(req_id=state.msg.req_id, nbytes=(read.nbytes if read else 0) + state.pre_bytes,
+                seconds=read.seconds if read else 0.0, descriptors=read.descriptors if read else 0,
+                trace=None if state.trace is None else sorted(state.trace, key=lambda h: h[1]))
+
+
+def notify_prefill(nixl: NixlPort, registry: RankRegistry, state: RecvState, ok: bool) -> None:
+    """The read notice for the prefill: every (pp, tp) rank of this engine reads once.
+    Sent at once, with no task of its own (one per receive used to cost a task, a future
+    and a turn of the loop)."""
+    msg = state.msg
+    entry = registry.get(state.local)
+    readers = entry.layout.tp_size * entry.layout.pp_size if entry is not None else 0
+    notice = ReadNotice(req_id=msg.remote_req_id or msg.req_id, tp_rank=msg.tp_rank, ok=ok, readers=readers,
+                        engine_id=state.remote_engine, pp_rank=msg.pp_rank, token=msg.remote_token)
+    nixl.notify_soon(state.peer_agent, encode(notice))
+
+
+def recv_key(req_id: str, tp_rank: int, engine: str = "", pp_rank: int = 0) -> str:
+    """One receive per (request, local rank): each rank reads its own memory."""
+    return f"{engine}/{pp_rank}/{tp_rank}:{req_id}"
+
+
+def may_be_stale(err: BaseException, msg: Recv) -> bool:
+    """A plan failed in a way a fresh handshake may cure: ranks missing from it, an engine it
+    does not serve (another sidecar, serving other engines, took over the endpoint: a
+    replaced pod on the same address), or (for a request that names no generation, which
+    would have caught it) a layout that no longer matches because the prefill engine
+    re-registered since."""
+    return isinstance(err, RequestError) and (
+        err.code in (ErrorCode.NOT_REGISTERED, ErrorCode.UNKNOWN_PEER)
+        or (err.code == ErrorCode.INCOMPATIBLE and not msg.remote_generation))
+
+
+def check_generation(msg: Recv, peer: Peer) -> None:
+    if peer.outdated_by(msg.remote_generation):
+        raise RequestError(ErrorCode.INCOMPATIBLE, f"the prefill sidecar re-registered since "
+                           f"these blocks were held (generation {msg.remote_generation}, now "
+                           f"{peer.generation}); not reading stale memory")
+
+
+def plan_for(registry: RankRegistry, state: RecvState, peer: Peer) -> tuple[list[RankPlan], BlockPairing]:
+    """Which remote ranks to read and how blocks pair up; names the remote engine."""
+    engine = peer.resolve_engine(state.msg.remote_engine_id)
+    state.remote_engine = engine
+    state.planned_from = peer.generation
+    entry = registry.get(state.local)
+    if entry is None:
+        raise RequestError(ErrorCode.NOT_REGISTERED, f"local rank {state.local} was unregistered")
+    return plan_read(state.msg, entry.layout, peer.engine_ranks(engine), engine)
+
+
+def proof_of(state: RecvState, peer: Peer) -> tuple[int, int]:
+    """(tag, address of the peer's lease word) that proves this receive's lease (0, 0: none).
+    Only for a request that names the generation its blocks were held under (the connector's
+    always do): one that does not is checked against the generation the claim's answer
+    names, so it waits for that answer."""
+    msg = state.msg
+    if not msg.remote_generation:
+        return 0, 0
+    tag = lease_tag(state.remote_engine, msg.remote_req_id or msg.req_id, msg.remote_token)
+    addr, slots = peer.lease_words
+    return (tag, addr + WORD_BYTES * (tag % slots)) if tag and slots else (0, 0)
+
+
+def read_spec(key: str, state: RecvState, peer: Peer, plans: list[RankPlan], pairing: BlockPairing,
+              remaining: float, staged: StagedRead | None) -> ReadSpec:
+    """What the NIXL port is asked to read for a receive."""
+    msg = state.msg
+    # The prefill side must not let its lease run out under a read in progress: the thread
+    # that posts the first chunk tells it right after (it must not delay the read).
+    started = ReadNotice(req_id=msg.remote_req_id or msg.req_id, tp_rank=msg.tp_rank, ok=True,
+                         reading_s=remaining, engine_id=state.remote_engine, pp_rank=msg.pp_rank,
+                         token=msg.remote_token)
+    return ReadSpec(req_id=key, peer=peer.agent_name, local_rank=state.local,
+                    local_blocks=list(msg.block_ids), remote_blocks=list(msg.remote_block_ids), plans=plans,
+                    pairing=pairing, deadline_s=remaining,
+                    started_notice=encode(started), remote_engine=state.remote_engine,
+                    state_blocks=msg.state_pairs, trace=state.trace is not None, staged=staged,
+                    proof_addr=0 if staged is not None else state.proof[1])
+
+
+
+
+class RejectedRecv(Exception):
+    """A Recv refused at admission: its ``Failed`` goes to ``ident``."""
+
+    def __init__(self, ident: bytes, error: RequestError) -> None:
+        super().__init__(error.reason)
+        self.ident = ident
+        self.error = error
+
+
+def admitted(ident: bytes, msg: Recv, engine: str, registry: RankRegistry, draining: bool, abandoned: bool,
+             timeout_s: float, received_ns: int) -> RecvState:
+    """A Recv's state once admitted (``admission``); RejectedRecv says why not and to whom."""
+    local = registry.find(engine, msg.pp_rank, msg.tp_rank)
+    if msg.reply_to_rank and local is not None:
+        ident = local.owner
+    wall = time.time()
+    try:
+        admit_recv(msg, engine, local.layout if local is not None else None, draining=draining,
+                   abandoned=abandoned, now_unix=wall, registered=registry.describe)
+    except RequestError as e:
+        raise RejectedRecv(ident, e) from None
+    assert local is not None
+    return new_state(ident, msg, local, wall, timeout_s, received_ns)
+
+
+def count_end(observer: Observer, book: PeerBook, state: RecvState, out: Outcome) -> None:
+    """A receive's end, counted: the transfer, and its peer's reads or failures."""
+    msg = state.msg
+    peer = book.by_agent(state.peer_agent) if state.peer_agent else None
+    if out.ok:
+        read = out.read
+        if read is not None:
+            observer.transfer_done(msg.req_id, state.peer, msg.tp_rank, read.nbytes + state.pre_bytes,
+                                   read.seconds, read.descriptors)
+            if peer is not None:
+                book.read_done(peer, read.nbytes + state.pre_bytes)
+        return
+    assert out.error is not None
+    observer.transfer_failed(msg.req_id, state.peer, msg.tp_rank, out.error.code, out.error.reason)
+    if out.peer_failed and peer is not None:
+        book.read_failed(peer)  # counted; handshake again before the next read

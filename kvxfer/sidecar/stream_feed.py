@@ -1,0 +1,216 @@
+"""The decode side of push mode: a streamed receive follows its prefill layer by layer
+(``kvxfer.sidecar.layer_stream`` says how push works and has the pure half).
+
+``follow`` watches the request at the prefill's sidecar (``LayerWatch``; the next watch is
+sent before the layers it answered are read, so one always waits there) and reads the layers
+computed so far (*pre-reads*: no claim, no read notice: each watch's answer renewed the
+lease) until every layer is computed. It returns the receive's Recv completed with what the
+prefill's sidecar said (its blocks, generation, TP size) and the plans of the layers still
+unread, which the receiver reads as any pull read: claimed, proven by the lease word read
+after it landed, reported once. A lease that ended at any moment of the stream fails that
+final proof, so bytes of earlier layers are never trusted alone.
+
+A pre-read is the NIXL port's like any read; its landing comes back here through the
+receiver (``landed``), and a cancel of the receive settles it (``settle``) before the
+engine hears ``Failed``: nothing lands in blocks the engine may reuse.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+
+from kvxfer.config import Config
+from kvxfer.errors import ErrorCode, RequestError
+from kvxfer.protocol import LayersAt, LayerWatch, Recv
+from kvxfer.sidecar.layer_stream import read_ranges, remote_suffix, restrict
+from kvxfer.sidecar.nixl_port import NixlPort
+from kvxfer.sidecar.nixl_types import ReadFinished, ReadRefused
+from kvxfer.sidecar.peer_book import Peer
+from kvxfer.sidecar.peer_client import PeerClient
+from kvxfer.sidecar.plan import ReadSpec
+from kvxfer.sidecar.recv_state import RecvState, plan_for
+from kvxfer.sidecar.registry import RankRegistry
+from kvxfer.topology import BlockPairing, RankPlan
+
+log = logging.getLogger("kvxfer.streams")
+
+WATCH_WAIT_S = 5.0  # a watch waits this long at the prefill for more layers (then it is sent again)
+UNKNOWN_PAUSE_S = 0.002  # the prefill's Hold is not there yet: ask again after this
+
+
+@dataclass(frozen=True)
+class Followed:
+    """A streamed receive once its prefill computed every layer: its Recv completed, and the
+    plans of what is still to read (the last layers, and any state)."""
+
+    msg: Recv
+    plans: list[RankPlan]
+    pairing: BlockPairing
+    pre_read: int  # layers already read (pre-reads)
+    pre_bytes: int
+
+
+class StreamFeed:
+    def __init__(self, *, config: Config, registry: RankRegistry, peers: PeerClient, nixl: NixlPort) -> None:
+        self.config = config
+        self.registry = registry
+        self.peers = peers
+        self.nixl = nixl
+        # pre-read key -> (its receive's key, its landing)
+        self._reads: dict[str, tuple[str, asyncio.Future[ReadFinished]]] = {}
+
+    def in_flight(self, key: str) -> str | None:
+        """The pre-read of receive ``key`` that is in flight (None: none)."""
+        return next((rk for rk, (k, _) in self._reads.items() if k == key), None)
+
+    # ------------------------------------------------------------------ NIXL events (via the receiver)
+
+    def landed(self, event: ReadFinished) -> bool:
+        """A read's landing or failure: True if it was a pre-read (then it is handled here)."""
+        entry = self._reads.pop(event.req_id, None)
+        if entry is None:
+            return False
+        if not entry[1].done():
+            entry[1].set_result(event)
+        return True
+
+    def refused(self, event: ReadRefused) -> bool:
+        entry = self._reads.pop(event.req_id, None)
+        if entry is None:
+            return False
+        if not entry[1].done():
+            entry[1].set_exception(event.error)
+        return True
+
+    async def settle(self, key: str, err: RequestError) -> None:
+        """Cancel the receive's pre-read in flight, and wait until it settled."""
+        rk = self.in_flight(key)
+        if rk is None:
+            return
+        fut = self._reads[rk][1]
+        if await self.nixl.cancel(rk, err.code, err.reason):
+            await asyncio.shield(fut)
+
+    # ------------------------------------------------------------------ following
+
+    async def follow(self, key: str, state: RecvState, peer: Peer, alive: Callable[[], bool]) -> Followed:
+        """Watch and pre-read until every layer is computed (RequestError when the prefill's
+        lease ends, refuses, or the deadline passes first)."""
+        local = self.registry.get(state.local)
+        if local is None:
+            raise RequestError(ErrorCode.NOT_REGISTERED, f"local rank {state.local} was unregistered")
+        engine = peer.resolve_engine(state.msg.remote_engine_id)
+        msg, deadline = state.msg, state.deadline
+
+        def plan(completed: Recv) -> tuple[list[RankPlan], BlockPairing]:
+            state.msg = completed
+            return plan_for(self.registry, state, peer)
+
+        if not peer.layer_streams:
+            raise RequestError(ErrorCode.INCOMPATIBLE, f"prefill sidecar {peer.endpoint} does not serve "
+                               "push mode (an older kvxfer): send it the request first and pull")
+        if msg.state_block_ids:
+            raise RequestError(ErrorCode.INCOMPATIBLE, "push mode moves attention layers only (state "
+                               "groups are pulled: send the request to the prefill first)")
+        host, port = msg.remote_host, msg.remote_port
+        req_id = msg.remote_req_id or msg.req_id
+        have = read = nbytes = 0
+        plans: list[RankPlan] = []
+        pairing: BlockPairing | None = None
+        remote_layouts: dict[int, Any] = {}
+        ans = await self._watch(host, port, engine, req_id, msg.remote_token, 0, deadline)
+        while True:
+            if not alive():
+                raise RequestError(ErrorCode.CANCELLED, "receive ended", msg.req_id)
+            if ans.held == "unknown":
+                await asyncio.sleep(UNKNOWN_PAUSE_S)
+                ans = await self._watch(host, port, engine, req_id, msg.remote_token, have, deadline)
+                continue
+            if ans.held != "held":
+                raise _refusal(ans, msg.req_id)
+            if pairing is None:  # (the first answer names the prefill's blocks)
+                ranks = peer.engine_ranks(ans.engine_id or engine)
+                remote_layouts = {pp: info.layout for (pp, _), info in ranks.items()}
+                same = all(lay.block_size == local.info.layout.block_size for lay in remote_layouts.values())
+                msg = completed(msg, ans, peer, same)
+                plans, pairing = plan(msg)
+            have = ans.ready
+            if have >= ans.total:
+                n_local = local.info.layout.num_regions
+                rest = [p for a, b in read_ranges(read, ans.total)
+                        for p in restrict(plans, (a, b), remote_layouts, n_local, last=b == ans.total)]
+                if read == 0:
+                    rest = plans  # (nothing pre-read: the whole plan, as pull reads it)
+                return Followed(msg, rest, pairing, read, nbytes)
+            sent = self._send_watch(host, port, engine, req_id, msg.remote_token, have)  # (waits there
+            if have > read:  # while the ready layers are read)
+                nbytes += await self._pre_read(key, msg, local, peer, ans.engine_id or engine, plans, pairing,
+                                               remote_layouts, (read, have), deadline)
+                read = have
+            ans = await self._answer(sent, deadline)
+
+    def _send_watch(self, host: str, port: int, engine: str, req_id: str, token: str, have: int) -> Any:
+        watch = LayerWatch(seq=0, engine_id=engine, req_id=req_id, have=have, token=token,
+                           wait_s=WATCH_WAIT_S, agent_name=self.peers.channel.agent_name)
+        return asyncio.ensure_future(self.peers.call_peer(host, port, watch, WATCH_WAIT_S + 5.0))
+
+    async def _answer(self, sent: asyncio.Future[Any], deadline: float) -> LayersAt:
+        try:
+            return await asyncio.wait_for(asyncio.shield(sent), max(0.001, deadline - time.monotonic()))
+        except TimeoutError:
+            sent.cancel()
+            raise RequestError(ErrorCode.DEADLINE, "the prefill computed not every layer before the "
+                               "receive's deadline") from None
+
+    async def _watch(self, host: str, port: int, engine: str, req_id: str, token: str, have: int,
+                     deadline: float) -> LayersAt:
+        return await self._answer(self._send_watch(host, port, engine, req_id, token, have), deadline)
+
+    async def _pre_read(self, key: str, msg: Recv, local: Any, peer: Peer, engine: str,
+                        plans: list[RankPlan], pairing: BlockPairing, remote_layouts: dict[int, Any],
+                        layers: tuple[int, int], deadline: float) -> int:
+        """Read the layers ``[a, b)`` now; wait for them to land (RequestError if they fail)."""
+        n_local = local.info.layout.num_regions
+        cut = [p for a, b in read_ranges(*layers)
+               for p in restrict(plans, (a, b), remote_layouts, n_local, False)]
+        rk = f"{key}#{layers[0]}-{layers[1]}"
+        fut: asyncio.Future[ReadFinished] = asyncio.get_running_loop().create_future()
+        self._reads[rk] = (key, fut)
+        spec = ReadSpec(req_id=rk, peer=peer.agent_name, local_rank=local.key,
+                        local_blocks=list(msg.block_ids), remote_blocks=list(msg.remote_block_ids),
+                        plans=cut, pairing=pairing,
+                        deadline_s=max(0.001, deadline - time.monotonic()), remote_engine=engine)
+        try:
+            self.nixl.read(spec)
+        except Exception:
+            self._reads.pop(rk, None)
+            raise
+        event = await asyncio.shield(fut)
+        if not event.ok:
+            raise RequestError(event.code, f"reading layers {layers[0]}-{layers[1] - 1}: {event.reason}",
+                               msg.req_id)
+        return event.nbytes
+
+
+def completed(msg: Recv, ans: LayersAt, peer: Peer, same_block_size: bool) -> Recv:
+    """The Recv of a streamed receive once the prefill's sidecar named its blocks (a partial
+    prefix hit on the decode reads the suffix; with block sizes that differ, every block)."""
+    remote = remote_suffix(list(ans.block_ids), len(msg.block_ids), same_block_size)
+    return msgspec.structs.replace(msg, remote_block_ids=remote,
+                                   remote_generation=ans.generation or peer.generation,
+                                   remote_tp_size=ans.tp_size or msg.remote_tp_size,
+                                   remote_engine_id=ans.engine_id or msg.remote_engine_id)
+
+
+def _refusal(ans: LayersAt, req_id: str) -> RequestError:
+    if ans.held == "gone":
+        return RequestError(ErrorCode.EXPIRED, "the prefill's lease on this request ended before every "
+                            "layer was computed (aborted, or expired)", req_id)
+    return RequestError(ans.code or ErrorCode.TRANSFER_ERROR, ans.reason or "refused by the prefill", req_id)

@@ -1,0 +1,145 @@
+"""The prefill side of push mode: held requests whose KV is still being computed, and the
+decodes watching them (``kvxfer.sidecar.layer_stream`` has the pure book and the protocol).
+
+An engine's streamed ``Hold`` (sent as soon as its blocks are allocated) starts a request's
+book; its workers' ``LayersDone`` advance it; a decode sidecar's ``LayerWatch`` (on the
+handshake listener, authenticated and bound to the lease's token like every peer request) is
+answered ``LayersAt`` at once when more layers are ready than it has seen, else when they are,
+when the lease ends, or after its ``wait_s``. Watches wait here, not in a listener slot: a
+thousand decodes watching cost no handshake its turn. A watch renews the lease like a claim.
+
+Direction: this shell calls ``Holds`` (same layer) and is called by the app (engine messages)
+and the peer server (watches, with a function that sends the answer).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from kvxfer.config import Config
+from kvxfer.errors import ErrorCode, RequestError
+from kvxfer.leases import Lease
+from kvxfer.observe import Observer
+from kvxfer.protocol import Hold, LayersAt, LayersDone, LayerWatch
+from kvxfer.sidecar.holds import Holds
+from kvxfer.sidecar.layer_stream import LayerBook, LayerKey, stages_of
+from kvxfer.sidecar.ownership import Creds, authorize
+from kvxfer.sidecar.registry import RankRegistry
+
+log = logging.getLogger("kvxfer.streams")
+
+
+@dataclass(eq=False)
+class Watch:
+    """A decode's watch, waiting for more layers."""
+
+    msg: LayerWatch
+    reply: Callable[[LayersAt], None]
+    timer: asyncio.TimerHandle | None = None
+
+
+class StreamServer:
+    def __init__(self, *, config: Config, registry: RankRegistry, holds: Holds, observer: Observer,
+                 generation: Callable[[], str]) -> None:
+        self.config = config
+        self.registry = registry
+        self.holds = holds
+        self.observer = observer
+        self._generation = generation
+        self.book = LayerBook()
+        holds.changed.subscribe(self._leases_changed)
+
+    def __len__(self) -> int:
+        return len(self.book)
+
+    # ------------------------------------------------------------------ the engine
+
+    def hold(self, ident: bytes, msg: Hold, draining: bool, sender: Creds) -> None:
+        """Any Hold: held (``Holds``); a streamed one also starts its book."""
+        self.holds.hold(ident, msg, draining, sender)
+        if not msg.streamed:
+            return
+        engine = self.registry.engine_of(msg.engine_id)
+        stages, tp_size = stages_of([r.layout for r in self.registry.of_engine(engine)])
+        self.book.start((engine, msg.req_id), stages, tp_size)
+
+    def on_layers(self, msg: LayersDone, sender: Creds) -> None:
+        """A worker computed more layers of these requests (RequestError: it does not speak
+        for the engine)."""
+        engine = self.registry.engine_of(msg.engine_id)
+        authorize(sender, self.registry.holders(engine), self.config.engine_ownership, "report layers",
+                  engine, msg.req_ids[0] if msg.req_ids else "")
+        if self.registry.find(engine, msg.pp_rank, msg.tp_rank) is None:
+            raise RequestError(ErrorCode.NOT_REGISTERED, f"rank pp{msg.pp_rank}/tp{msg.tp_rank} of engine "
+                               f"{engine!r} is not registered")
+        for req_id in msg.req_ids:
+            key = (engine, req_id)
+            for watch in self.book.report(key, msg.pp_rank, msg.tp_rank, msg.layers):
+                self._answer(key, watch)
+
+    # ------------------------------------------------------------------ decodes
+
+    def watch(self, msg: LayerWatch, reply: Callable[[LayersAt], None]) -> None:
+        """A decode's watch: answered now, or once more layers are ready (``reply`` sends)."""
+        lease = self.holds.lease_for(msg.agent_name, msg.engine_id, msg.req_id, msg.token, "layer_watch")
+        if lease is None:
+            reply(self._not_held(msg))
+            return
+        key = lease.key
+        if key not in self.book:  # (held, but not streamed: every layer is ready)
+            reply(self._held(msg, lease, None))
+            return
+        self._extend(lease, msg)
+        watch = Watch(msg, reply)
+        if self.book.watch(key, msg.have, watch):
+            self._answer(key, watch)
+            return
+        watch.timer = asyncio.get_running_loop().call_later(msg.wait_s, self._timed_out, key, watch)
+
+    def _timed_out(self, key: LayerKey, watch: Watch) -> None:
+        if self.book.unwatch(key, watch):
+            self._answer(key, watch)
+
+    def _answer(self, key: LayerKey, watch: Watch) -> None:
+        if watch.timer is not None:
+            watch.timer.cancel()
+        lease = self.holds.table.get(key)
+        msg = watch.msg
+        if lease is None:
+            answer = self._not_held(msg)
+        else:
+            self._extend(lease, msg)
+            answer = self._held(msg, lease, key)
+        try:
+            watch.reply(answer)
+        except Exception:
+            log.exception("answering a layer watch failed")
+
+    def _held(self, msg: LayerWatch, lease: Lease, key: LayerKey | None) -> LayersAt:
+        prog = self.book.get(key) if key is not None else None
+        ranks = self.registry.of_engine(lease.engine)
+        stages, tp_size = stages_of([r.layout for r in ranks])
+        total = sum(n for _, n in stages.values())
+        ready = prog.ready if prog is not None else total
+        return LayersAt(seq=msg.seq, held="held", ready=ready, total=total, block_ids=list(lease.block_ids),
+                        generation=self._generation(), tp_size=tp_size, engine_id=lease.engine)
+
+    def _not_held(self, msg: LayerWatch) -> LayersAt:
+        known = self.holds.table.resolve(msg.engine_id, msg.req_id) is not None  # (refused, not ended)
+        gone = not known and self.holds.table.ended(msg.engine_id, msg.req_id)
+        return LayersAt(seq=msg.seq, held="gone" if gone else "unknown", generation=self._generation())
+
+    def _extend(self, lease: Lease, msg: LayerWatch) -> None:
+        self.holds.extend(lease, msg.extend_s or lease.duration or self.config.lease_s, msg.agent_name,
+                          "layer_watch", self.config.max_read_s)
+
+    # ------------------------------------------------------------------ endings
+
+    def _leases_changed(self) -> None:
+        """Leases ended: their books too, and their watchers are told "gone"."""
+        for key in [k for k in self.book.held() if k not in self.holds.table]:
+            for watch in self.book.end(key):
+                self._answer(key, watch)

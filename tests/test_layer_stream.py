@@ -1,0 +1,134 @@
+"""Push mode's pure half (kvxfer.sidecar.layer_stream): the prefill's layer book, the decode's
+read ranges and plans cut to layers. Property-tested."""
+
+from __future__ import annotations
+
+import itertools
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvxfer.protocol import KVLayout
+from kvxfer.sidecar.layer_stream import LayerBook, read_ranges, ready_layers, remote_suffix, restrict
+from kvxfer.topology import plan_stages
+
+
+@given(st.integers(0, 64), st.integers(0, 64))
+def test_read_ranges_cover_exactly_and_are_aligned(have: int, extra: int) -> None:
+    ready = have + extra
+    ranges = read_ranges(have, ready)
+    covered = [layer for a, b in ranges for layer in range(a, b)]
+    assert covered == list(range(have, ready))
+    for a, b in ranges:
+        size = b - a
+        assert size & (size - 1) == 0  # a power of two
+        assert a % size == 0  # aligned to its size
+
+
+def test_read_ranges_of_a_request_are_few() -> None:
+    """Whatever the moments layers became ready, the ranges one request uses are among the
+    aligned runs of 32 layers: at most 63 distinct ones."""
+    seen = set()
+    for cuts in itertools.combinations(range(1, 32), 3):
+        points = [0, *cuts, 32]
+        for a, b in itertools.pairwise(points):
+            seen.update(read_ranges(a, b))
+    assert len(seen) <= 63
+    assert read_ranges(0, 32) == [(0, 32)]
+
+
+def test_ready_layers_waits_for_every_rank_of_a_stage() -> None:
+    stages = {0: (0, 4), 1: (4, 4)}
+    assert ready_layers(stages, 2, {}) == 0
+    assert ready_layers(stages, 2, {(0, 0): 4}) == 0  # tp 1 of stage 0 has computed nothing
+    assert ready_layers(stages, 2, {(0, 0): 4, (0, 1): 2}) == 2
+    assert ready_layers(stages, 2, {(0, 0): 4, (0, 1): 4, (1, 0): 3, (1, 1): 9}) == 7
+    assert ready_layers(stages, 2, {(0, 0): 4, (0, 1): 4, (1, 0): 4, (1, 1): 4}) == 8
+    assert ready_layers({1: (4, 4)}, 1, {(1, 0): 4}) == 0  # (stage 0 missing)
+
+
+def test_layer_book_answers_watchers_when_layers_pass_them() -> None:
+    book = LayerBook()
+    key = ("p", "t1")
+    assert book.report(key, 0, 1, 3) == []  # before its Hold: kept
+    book.start(key, {0: (0, 8)}, 2)
+    assert book.get(key).ready == 0  # rank 0 has reported nothing yet
+    w1, w2 = object(), object()
+    assert book.watch(key, 0, w1) is False
+    assert book.watch(key, 2, w2) is False
+    assert book.report(key, 0, 0, 1) == [w1]  # ready 1: w1 (has 0) sees more, w2 (has 2) not
+    assert book.report(key, 0, 0, 1) == []  # (the same count again changes nothing)
+    assert book.report(key, 0, 0, 5) == [w2]  # ready min(5, 3) = 3
+    assert book.watch(key, 1, object()) is True  # 3 > 1: answered at once
+    w3 = object()
+    assert book.watch(key, 3, w3) is False
+    assert book.unwatch(key, w3) is True
+    assert book.unwatch(key, w3) is False
+    w4 = object()
+    book.watch(key, 3, w4)
+    assert book.end(key) == [w4]
+    assert key not in book
+
+
+def test_a_finished_request_answers_at_once() -> None:
+    book = LayerBook()
+    book.start(("p", "t"), {0: (0, 2)}, 1)
+    book.report(("p", "t"), 0, 0, 2)
+    assert book.watch(("p", "t"), 2, object()) is True
+
+
+def _layout(tp: int, rank: int, layers: int, pp: int = 0, first: int = 0, total: int = 0,
+            parts: int = 2, heads: int = 4) -> KVLayout:
+    heads = 1 if parts == 1 else heads
+    return KVLayout(num_layers=layers, num_blocks=16, block_size=4, num_kv_heads=heads,
+                    local_kv_heads=1 if parts == 1 else max(1, heads // tp), head_dim=8, dtype="float16",
+                    kv_parts=parts,
+                    tp_rank=rank, tp_size=tp, pp_rank=pp, pp_size=2 if total else 1, first_layer=first,
+                    total_layers=total, mla=parts == 1, head_layout="HND")
+
+
+def _pairs(plans: list, n_local: int) -> set[tuple[int, int, int]]:
+    out = set()
+    for plan in plans:
+        lsl, rsl = plan.region_slices(n_local)
+        for li, ri in zip(lsl, rsl, strict=True):
+            out.add((plan.remote_pp, plan.remote_rank, li * 1000 + ri))
+    return out
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.sampled_from([(1, 1), (1, 2), (2, 1), (2, 4), (4, 2)]), st.sampled_from([1, 2]),
+       st.booleans(), st.lists(st.integers(1, 11), min_size=0, max_size=4))
+def test_restricted_plans_partition_the_plan(tps: tuple[int, int], parts: int, pipeline: bool,
+                                             cuts: list[int]) -> None:
+    """Cut at any layers, the restricted plans together pair exactly the regions the whole
+    plan pairs, each once, and each cut only the regions of its layers."""
+    p_tp, d_tp = tps
+    layers = 12
+    local = _layout(d_tp, 0, layers, parts=parts)
+    if pipeline:
+        remote = {0: _layout(p_tp, 0, 5, pp=0, first=0, total=layers, parts=parts),
+                  1: _layout(p_tp, 0, 7, pp=1, first=5, total=layers, parts=parts)}
+    else:
+        remote = {0: _layout(p_tp, 0, layers, parts=parts)}
+    plans = plan_stages(local, remote)
+    n_local = local.num_regions
+    whole = _pairs(plans, n_local)
+    points = sorted({0, layers, *cuts})
+    seen: list[tuple[int, int, int]] = []
+    for a, b in itertools.pairwise(points):
+        for ra, rb in read_ranges(a, b):
+            part = restrict(plans, (ra, rb), remote, n_local, last=rb == layers)
+            got = _pairs(part, n_local)
+            for _pp, _rank, code in got:
+                li = code // 1000
+                assert ra <= li // parts < rb  # only regions of its layers
+            seen += list(got)
+    assert len(seen) == len(set(seen))
+    assert set(seen) == whole
+
+
+def test_remote_suffix_on_a_partial_prefix_hit() -> None:
+    assert remote_suffix([7, 8, 9, 10], 2, True) == [9, 10]
+    assert remote_suffix([7, 8, 9, 10], 4, True) == [7, 8, 9, 10]
+    assert remote_suffix([7, 8, 9, 10], 2, False) == [7, 8, 9, 10]

@@ -1,0 +1,132 @@
+"""Push mode on real sidecars (#36): the decode reads a request's layers while its prefill
+computes them (``kvxfer.sidecar.layer_stream``), real NIXL transfers on shared host memory,
+every byte checked.
+
+The synthetic prefill engine holds its blocks before computing (``Hold.streamed``), writes
+one layer at a time and reports it (``LayersDone``); the decode's Recv is sent at the same
+moment (``Recv.streamed``: the router dispatched to both at once; it knows only the transfer
+id). The decode's blocks hold the first layers before the prefill has computed the last ones:
+the bytes moved while the prefill computed.
+"""
+
+from __future__ import annotations
+
+import time
+
+from kvxfer.client import RemoteBlocks
+from kvxfer.errors import ErrorCode
+from kvxfer.sidecar.stream_feed import WATCH_WAIT_S
+from kvxfer.testing.engine import SyntheticEngine, make_layout
+from kvxfer.testing.procs import SidecarFactory, free_port
+from tests.test_sidecar import wait_for
+
+LAYOUT = make_layout(layers=16, num_blocks=64, heads=4, head_dim=64)  # 16 x 2 x 4 x 64 x 16 x 2 B: 512 KiB/block
+
+
+def streamed_remote(p: SyntheticEngine, transfer_id: str) -> RemoteBlocks:
+    """What a router that dispatched to both at once knows: the prefill sidecar's address,
+    the transfer id (also the request's capability); not its blocks."""
+    reg = p.registered
+    assert reg is not None
+    return RemoteBlocks(reg.engine_id, reg.handshake_host, reg.handshake_port, [], req_id=transfer_id,
+                        token=transfer_id)
+
+
+def compute(p: SyntheticEngine, tid: str, blocks: list[int], layers: range, pause_s: float = 0.0) -> None:
+    """The prefill computes these layers one by one, reporting each."""
+    for layer in layers:
+        p.fill_layers(tid, blocks, range(layer, layer + 1))
+        p.client.layers_done([tid], layer + 1)
+        if pause_s:
+            time.sleep(pause_s)
+
+
+def test_a_streamed_request_is_read_while_its_prefill_computes(sidecars: SidecarFactory) -> None:
+    ds = sidecars.start("push-d", "--verify-sample", "0", metrics_port=free_port())
+    ps = sidecars.start("push-p")
+    d, p = SyntheticEngine(LAYOUT, ds.endpoint, seed=2), SyntheticEngine(LAYOUT, ps.endpoint, seed=1)
+    try:
+        d.start()
+        p.start()
+        for i in range(3):
+            tid = f"push-{i}"
+            pb, db = p.allocate(8), d.allocate(8)
+            p.wipe(pb)
+            d.wipe(db)
+            if i == 1:  # the decode asks first: the prefill's Hold is not there yet
+                d.client.recv(tid, db, streamed_remote(p, tid), streamed=True, deadline_s=30)
+                time.sleep(0.05)
+                p.client.hold(tid, pb, token=tid, streamed=True, expires_unix=time.time() + 60)
+            else:
+                p.client.hold(tid, pb, token=tid, streamed=True, expires_unix=time.time() + 60)
+                d.client.recv(tid, db, streamed_remote(p, tid), streamed=True, deadline_s=30)
+            compute(p, tid, pb, range(0, 10), pause_s=0.02)
+            # before the last layers are computed, the first ones are in the decode's blocks
+            deadline = time.monotonic() + 10
+            while not d.verify_layers(tid, db, range(0, 8)) and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert d.verify_layers(tid, db, range(0, 8)), "the computed layers did not move meanwhile"
+            assert not d.client.poll().done  # (not done: layers 10-15 are not computed yet)
+            compute(p, tid, pb, range(10, 16))
+            got = wait_for(d.client, lambda a: bool(a.done or a.failed), timeout=30)
+            assert got.done, got
+            assert got.done[0].nbytes == 8 * LAYOUT.num_layers * 2 * LAYOUT.region_block_len
+            assert d.verify(tid, db), "bytes differ after the stream"
+            wait_for(p.client, lambda a: bool(a.released))
+            d.free(db)
+            p.free(pb)
+        assert ds.proc.poll() is None
+        assert ps.proc.poll() is None
+    finally:
+        d.close()
+        p.close()
+
+
+def test_a_prefill_that_aborts_mid_stream_fails_the_load(sidecars: SidecarFactory) -> None:
+    """The prefill engine drops the request after some layers (its lease ends): the decode's
+    load fails ``expired`` with every block it was to fill (vLLM recomputes them)."""
+    ds = sidecars.start("pusha-d", "--verify-sample", "0")
+    ps = sidecars.start("pusha-p")
+    d, p = SyntheticEngine(LAYOUT, ds.endpoint, seed=2), SyntheticEngine(LAYOUT, ps.endpoint, seed=1)
+    try:
+        d.start()
+        p.start()
+        tid = "push-abort"
+        pb, db = p.allocate(4), d.allocate(4)
+        p.client.hold(tid, pb, token=tid, streamed=True, expires_unix=time.time() + 60)
+        d.client.recv(tid, db, streamed_remote(p, tid), streamed=True, deadline_s=30)
+        compute(p, tid, pb, range(0, 5))
+        time.sleep(0.1)
+        p.client.release(tid)
+        released = time.monotonic()
+        got = wait_for(d.client, lambda a: bool(a.done or a.failed), timeout=30)
+        # told when the lease ended, not when its watch's wait (5 s) ran out
+        assert time.monotonic() - released < WATCH_WAIT_S / 2
+        assert got.failed, got
+        assert got.failed[0].code == ErrorCode.EXPIRED
+        assert sorted(got.failed[0].block_ids) == sorted(db)
+        assert ds.proc.poll() is None
+    finally:
+        d.close()
+        p.close()
+
+
+def test_a_prefill_that_never_finishes_fails_the_load_at_its_deadline(sidecars: SidecarFactory) -> None:
+    ds = sidecars.start("pushd-d", "--verify-sample", "0")
+    ps = sidecars.start("pushd-p")
+    d, p = SyntheticEngine(LAYOUT, ds.endpoint, seed=2), SyntheticEngine(LAYOUT, ps.endpoint, seed=1)
+    try:
+        d.start()
+        p.start()
+        tid = "push-stuck"
+        pb, db = p.allocate(4), d.allocate(4)
+        p.client.hold(tid, pb, token=tid, streamed=True, expires_unix=time.time() + 60)
+        d.client.recv(tid, db, streamed_remote(p, tid), streamed=True, deadline_s=2)
+        compute(p, tid, pb, range(0, 3))
+        got = wait_for(d.client, lambda a: bool(a.done or a.failed), timeout=30)
+        assert got.failed, got
+        assert got.failed[0].code == ErrorCode.DEADLINE
+        assert ds.proc.poll() is None
+    finally:
+        d.close()
+        p.close()
