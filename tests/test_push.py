@@ -20,7 +20,7 @@ from kvxfer.testing.engine import SyntheticEngine, make_layout
 from kvxfer.testing.procs import SidecarFactory, free_port
 from tests.test_sidecar import wait_for
 
-LAYOUT = make_layout(layers=16, num_blocks=64, heads=4, head_dim=64)  # 16 x 2 x 4 x 64 x 16 x 2 B: 512 KiB/block
+LAYOUT = make_layout(layers=16, num_blocks=64, heads=4, head_dim=64)  # 512 KiB per block
 
 
 def streamed_remote(p: SyntheticEngine, transfer_id: str) -> RemoteBlocks:
