@@ -214,21 +214,17 @@ class SidecarClient:
         token: str = "",
         streamed: bool = False,
     ) -> None:
-        """``token``: the request's capability (``kvxfer.auth.new_token``), which the decode
-        must present (``RemoteBlocks.token``); "" accepts any authenticated peer. ``streamed``
-        (push mode): held before its KV is computed; ``layers_done`` reports its layers."""
+        """``token``: the request's capability (``kvxfer.auth.new_token``), which the decode must
+        present (``RemoteBlocks.token``); "" any authenticated peer. ``streamed``: push mode."""
         self._send(
             Hold(req_id=req_id, block_ids=list(block_ids), lease_s=lease_s, reads=reads,
                  notify_ranks=notify_ranks, expires_unix=expires_unix, engine_id=engine_id, token=token,
                  streamed=streamed)
         )
 
-    def layers_done(self, req_ids: list[str], layers: int, *, tp_rank: int = 0, pp_rank: int = 0,
-                    engine_id: str = "") -> None:
-        """Push mode: this rank computed the first ``layers`` layers of its stage for these
-        streamed holds (``LayersDone``)."""
-        self._send(LayersDone(req_ids=req_ids, layers=layers, tp_rank=tp_rank, pp_rank=pp_rank,
-                              engine_id=engine_id))
+    def layers_done(self, msg: LayersDone) -> None:
+        """Push mode: this rank computed ``msg.layers`` layers of these streamed holds."""
+        self._send(msg)
 
     def release(self, req_id: str, engine_id: str = "") -> None:
         self._send(Release(req_id=req_id, engine_id=engine_id))
@@ -251,8 +247,7 @@ class SidecarClient:
     ) -> None:
         """``state``: (local, remote) blocks of state groups (Mamba/GDN), paired one to one.
         ``trace``: the ``Done`` carries the sidecar's per-hop times (``Done.trace``).
-        ``streamed`` (push mode): the prefill is still computing; ``remote.req_id`` is the
-        transfer id, ``remote.token`` its capability, ``remote.block_ids`` may be empty."""
+        ``streamed`` (push mode): ``remote.req_id`` is the transfer id, no block ids."""
         self._send(
             Recv(
                 req_id=req_id,

@@ -128,6 +128,9 @@ class Observer:
         self.m_proofs = Counter("kvxfer_lease_word_proofs_total", "Reads whose lease word was read after "
                                 "they landed, by whether it proved the lease held (else the claim "
                                 "decided).", ["proved"], registry=r)
+        self.m_stream_layers = Counter("kvxfer_push_layers_total", "Push mode: layers a decode read, by "
+                                       "when: while the prefill still computed (early) or once it had "
+                                       "computed every layer (final).", ["when"], registry=r)
         self.g_rings = Gauge("kvxfer_engine_rings", "Engine connections talking over an engine ring "
                              "(shared memory and eventfds) rather than the ZMQ socket.", registry=r)
         self.g_agents = Gauge("kvxfer_nixl_remote_agents", "Peer agents this sidecar reads from (a "
@@ -289,6 +292,10 @@ class Observer:
             self.totals.handshake_failures += 1
             self.emit(Event("peer_disconnected", peer=peer, reason=reason))
         self.m_handshakes.labels("ok" if ok else "failed").inc()
+
+    def stream_layers(self, early: int, final: int) -> None:
+        self.m_stream_layers.labels("early").inc(early)
+        self.m_stream_layers.labels("final").inc(final)
 
     def lease_word(self, proved: bool) -> None:
         self.m_proofs.labels("yes" if proved else "no").inc()

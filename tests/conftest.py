@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -11,6 +12,11 @@ from kvxfer.auth import new_token
 from kvxfer.client import Drained, RemoteBlocks
 from kvxfer.testing.engine import SyntheticEngine, make_layout
 from kvxfer.testing.procs import SidecarFactory, SidecarProc
+
+# Every vLLM server the tests start skips torch.compile: 17 s to start instead of 40 on 2 cores
+# (about a dozen starts in a full run); requests run ~40% slower, and no test here times them.
+# `make bench-vllm` keeps vLLM's default (its numbers are vLLM's as operators run it).
+os.environ.setdefault("KVXFER_VLLM_SERVE_ARGS", "-O0")
 
 
 @pytest.fixture(scope="module")

@@ -15,12 +15,13 @@ import time
 
 from kvxfer.client import RemoteBlocks
 from kvxfer.errors import ErrorCode
+from kvxfer.protocol import LayersDone
 from kvxfer.sidecar.stream_feed import WATCH_WAIT_S
 from kvxfer.testing.engine import SyntheticEngine, make_layout
 from kvxfer.testing.procs import SidecarFactory, free_port
 from tests.test_sidecar import wait_for
 
-LAYOUT = make_layout(layers=16, num_blocks=64, heads=4, head_dim=64)  # 512 KiB per block
+LAYOUT = make_layout(layers=16, num_blocks=64, heads=4, head_dim=64)  # 256 KiB per block
 
 
 def streamed_remote(p: SyntheticEngine, transfer_id: str) -> RemoteBlocks:
@@ -36,7 +37,7 @@ def compute(p: SyntheticEngine, tid: str, blocks: list[int], layers: range, paus
     """The prefill computes these layers one by one, reporting each."""
     for layer in layers:
         p.fill_layers(tid, blocks, range(layer, layer + 1))
-        p.client.layers_done([tid], layer + 1)
+        p.client.layers_done(LayersDone(req_ids=[tid], layers=layer + 1))
         if pause_s:
             time.sleep(pause_s)
 

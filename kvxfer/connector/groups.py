@@ -235,6 +235,16 @@ def pair_groups(local: Sequence[Sequence[int]], remote: Sequence[Sequence[int]],
     return out
 
 
+def push_pairs(local: Sequence[Sequence[int]]) -> Pairs:
+    """Push mode: the decode's blocks alone (its sidecar learns the prefill's from the prefill's
+    sidecar, and reads into these the suffix of them); one attention group only (``ValueError``:
+    a hybrid model is pulled)."""
+    if len(local) != 1:
+        raise ValueError(f"push mode moves models of one KV cache group, this one has {len(local)}: "
+                         "send the request to the prefill first (pull)")
+    return Pairs([b for b in local[0] if b], [], [], [])
+
+
 def held_blocks(groups: Sequence[Sequence[int]]) -> list[int]:
     """The distinct real blocks of all groups (what the prefill's lease holds)."""
     seen: dict[int, None] = {}

@@ -6,6 +6,11 @@ so vLLM's toy proxy and llm-d's routing sidecar pass them through unchanged. Hos
 name the prefill *sidecar's* handshake endpoint. kvxfer adds ``remote_generation`` (the
 prefill sidecar's registration generation when the blocks were held; optional) and
 ``remote_lease_token`` (the hold's capability: only whoever has it can read or release it).
+
+Push mode (the router sends the request to both engines at once): both get ``transfer_id``
+(unguessable, at most 128 characters: it is the request's capability too); the decode also
+gets the prefill sidecar's ``remote_host`` / ``remote_port`` (and ``remote_engine_id`` and
+``tp_size`` when the router knows them), never ``remote_block_ids``: ``parse_push``.
 """
 
 from __future__ import annotations
@@ -82,3 +87,26 @@ def parse_remote(params: Mapping[str, Any]) -> RemoteBlocks:
         generation=generation,
         token=token,
     )
+
+
+def transfer_id_of(params: Mapping[str, Any] | None) -> str:
+    """A push-mode request's transfer id ("": none, or not usable)."""
+    tid = (params or {}).get("transfer_id")
+    return tid if isinstance(tid, str) and 0 < len(tid) <= 128 else ""
+
+
+def parse_push(params: Mapping[str, Any]) -> RemoteBlocks:
+    """A push-mode decode request's prefill (its sidecar endpoint and the transfer id, which
+    names the request there and is its capability), or InvalidTransferParams."""
+    tid = transfer_id_of(params)
+    if not tid:
+        raise InvalidTransferParams("transfer_id must be a string of 1 to 128 characters")
+    host = params.get("remote_host")
+    if not isinstance(host, str) or not host:
+        raise InvalidTransferParams("remote_host must be a non-empty string")
+    engine = params.get("remote_engine_id") or ""
+    if not isinstance(engine, str):
+        raise InvalidTransferParams("remote_engine_id must be a string")
+    tp_size = _int(params, "tp_size", 1) if "tp_size" in params else 1
+    return RemoteBlocks(engine_id=engine, host=host, port=_int(params, "remote_port", 1, 65535), block_ids=[],
+                        tp_size=tp_size, req_id=tid, token=tid)

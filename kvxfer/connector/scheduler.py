@@ -26,16 +26,17 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
 import zmq
 
 from kvxfer.auth import new_token
 from kvxfer.client import Drained, RemoteBlocks, SidecarClient
-from kvxfer.connector.groups import held_blocks, pair_groups
-from kvxfer.connector.params import InvalidTransferParams, parse_remote
+from kvxfer.connector.groups import held_blocks, pair_groups, push_pairs
+from kvxfer.connector.params import InvalidTransferParams, parse_push, parse_remote, transfer_id_of
+from kvxfer.connector.push import StreamedHolds
 from kvxfer.connector.settings import ConnectorSettings
+from kvxfer.connector.step import StepPlan
 from kvxfer.errors import ErrorCode, KvxferError
 
 SEND_ERRORS = (KvxferError, zmq.ZMQError)
@@ -43,18 +44,6 @@ SEND_ERRORS = (KvxferError, zmq.ZMQError)
 log = logging.getLogger(__name__)
 
 FINISHED_OK = {"FINISHED_STOPPED", "FINISHED_LENGTH_CAPPED"}
-
-
-@dataclass
-class StepPlan:
-    """What this step's connector metadata tells the workers."""
-
-    recvs: dict[str, tuple[list[int], float]] = field(default_factory=dict)  # id -> (blocks, deadline)
-    holds: dict[str, float] = field(default_factory=dict)  # id -> deadline
-    failed: dict[str, list[int]] = field(default_factory=dict)  # loads that could not be posted
-    # loads a sidecar refused to a rank not registered with it yet (its Failed came here):
-    # request id -> the (pp, tp) ranks whose worker fails it now
-    refused: dict[str, list[tuple[int, int]]] = field(default_factory=dict)
 
 
 class SchedulerSide:
@@ -86,6 +75,7 @@ class SchedulerSide:
         self._next_prune = 0.0
         self._next_heartbeat = time.monotonic() + settings.heartbeat_s
         self.errors: dict[str, str] = {}  # request id -> why its params were refused
+        self.push = StreamedHolds(settings, self.client, tp_size, engine_id)  # (push mode, prefill side)
 
     # ---------------------------------------------------------------- decode side
 
@@ -95,8 +85,10 @@ class SchedulerSide:
             return self._remote[req_id]
         if req_id in self.errors:
             return None
+        params = request.kv_transfer_params
         try:
-            remote = parse_remote(request.kv_transfer_params)
+            streamed = self.settings.mode == "push" and params.get("remote_block_ids") is None
+            remote = parse_push(params) if streamed else parse_remote(params)
         except InvalidTransferParams as e:
             self.errors[req_id] = str(e)
             log.warning("request %s: %s; computing the prompt locally", req_id, e)
@@ -181,7 +173,8 @@ class SchedulerSide:
         mine = [list(g) for g in unhashed_block_ids] if hybrid else [list(unhashed_block_ids)]  # type: ignore[arg-type]
         theirs = [list(g) for g in remote.groups] if remote.groups else [list(remote.block_ids)]
         try:
-            pairs = pair_groups(mine, theirs, self.state_groups if hybrid else ())
+            pairs = (push_pairs(mine) if not remote.block_ids and remote.req_id  # (push: parse_push)
+                     else pair_groups(mine, theirs, self.state_groups if hybrid else ()))
         except ValueError as e:
             self.errors[request.request_id] = str(e)
             log.warning("request %s: %s; computing the prompt locally", request.request_id, e)
@@ -198,6 +191,7 @@ class SchedulerSide:
                     pairs.local,
                     RemoteBlocks(remote.engine_id, remote.host, remote.port, pairs.remote, remote.tp_size,
                                  remote.req_id, remote.generation, remote.token),
+                    streamed=not remote.block_ids and bool(remote.req_id),  # (push mode: parse_push)
                     tp_rank=rank,
                     deadline_s=self.settings.transfer_timeout_s,
                     reply_to_rank=True,
@@ -253,6 +247,8 @@ class SchedulerSide:
             return False, {"kvxfer_error": error}
         if not params.get("do_remote_decode"):
             return False, None
+        if self.push.held(req_id):
+            return self.push.finish(request)
         status = getattr(request.status, "name", str(request.status))
         grouped = bool(block_ids) and isinstance(block_ids[0], list | tuple)
         held = held_blocks(block_ids) if grouped else list(block_ids)  # type: ignore[arg-type]
@@ -260,14 +256,18 @@ class SchedulerSide:
             return False, None  # aborted / errored prefill: free at once, nothing held
         give_up = self.settings.lease_s + self.settings.grace_s
         token = new_token()  # only the decode this request's params reach can read or release it
+        lease = req_id
+        if self.settings.mode == "push" and (tid := transfer_id_of(params)):
+            lease = token = tid  # (a push request not streamed: a chunked prompt; read as it is now)
+            self._plan.names[tid] = req_id
         try:
-            self.client.hold(req_id, held, self.settings.lease_s, reads=self.tp_size, notify_ranks=True,
+            self.client.hold(lease, held, self.settings.lease_s, reads=self.tp_size, notify_ranks=True,
                              expires_unix=time.time() + give_up, engine_id=self.local_engine, token=token)
         except SEND_ERRORS as e:
             log.warning("request %s: hold not sent to the sidecar (%s); freeing its blocks, the decode "
                         "will compute the prompt", req_id, e)
             return False, None
-        self._plan.holds[req_id] = time.monotonic() + give_up
+        self._plan.holds[lease] = time.monotonic() + give_up
         return True, {
             "do_remote_prefill": True,
             "do_remote_decode": False,
@@ -284,6 +284,11 @@ class SchedulerSide:
         }
 
     # ---------------------------------------------------------------- per step
+
+    @property
+    def plan(self) -> StepPlan:
+        """This step's plan so far (what the next metadata carries)."""
+        return self._plan
 
     def take_plan(self) -> StepPlan:
         """This step's additions for the workers; also drains what the sidecar told us."""
@@ -336,19 +341,23 @@ class SchedulerSide:
                             ev.reason)
 
     def _keepalive(self) -> None:
-        """One KeepAlive per prefill engine for the requests still waiting for blocks here."""
-        groups: dict[tuple[str, str, int], list[tuple[str, str, str]]] = {}
-        for req_id, r in self._waiting.items():
-            groups.setdefault((r.engine_id, r.host, r.port), []).append((req_id, r.req_id or req_id, r.token))
-        for (engine, host, port), ids in groups.items():
-            for i in range(0, len(ids), 4096):
-                part = ids[i:i + 4096]
-                try:
-                    self.client.keepalive(RemoteBlocks(engine, host, port, []), [r for _, r, _ in part],
-                                          [q for q, _, _ in part], [t for _, _, t in part])
-                except SEND_ERRORS as e:  # the leases may run out; the reads then fail and recompute
-                    log.warning("keep-alive for %d requests not sent: %s", len(part), e)
-                    return
+        send_keepalives(self.client, self._waiting)
 
     def shutdown(self) -> None:
         self.client.close()
+
+
+def send_keepalives(client: SidecarClient, waiting: dict[str, RemoteBlocks]) -> None:
+    """One KeepAlive per prefill engine for the requests still waiting for blocks here."""
+    groups: dict[tuple[str, str, int], list[tuple[str, str, str]]] = {}
+    for req_id, r in waiting.items():
+        groups.setdefault((r.engine_id, r.host, r.port), []).append((req_id, r.req_id or req_id, r.token))
+    for (engine, host, port), ids in groups.items():
+        for i in range(0, len(ids), 4096):
+            part = ids[i:i + 4096]
+            try:
+                client.keepalive(RemoteBlocks(engine, host, port, []), [r for _, r, _ in part],
+                                      [q for q, _, _ in part], [t for _, _, t in part])
+            except SEND_ERRORS as e:  # the leases may run out; the reads then fail and recompute
+                log.warning("keep-alive for %d requests not sent: %s", len(part), e)
+                return

@@ -23,6 +23,9 @@
      "model_identity": "",     # overrides the model identity checked at handshake (default:
                                # architecture, model, revision, dtype, KV cache dtype), e.g.
                                # when P and D load the same weights from different paths
+     "mode": "pull",           # "push": requests a router sends to both engines at once with
+                               # a shared "transfer_id" move layer by layer while the prefill
+                               # computes (README "Push mode"); others, and "pull", as before
      "kv_cache_layout": ""}    # ask vLLM for this KV cache layout (get_required_kvcache_layout):
                                # "BLHNC" / "BLNHC" (block-outermost: one block of every layer
                                # is one run, one descriptor per block between equal TP sizes),
@@ -59,8 +62,11 @@ class ConnectorSettings:
     gpu_memory: str = "ipc"
     model_identity: str = ""
     kv_cache_layout: str = ""
+    mode: str = "pull"
 
     def __post_init__(self) -> None:
+        if self.mode not in ("pull", "push"):
+            raise ValueError(f"kvxfer: mode must be 'pull' or 'push', not {self.mode!r}")
         if self.engine_channel not in ("ring", "zmq"):
             raise ValueError(f"kvxfer: engine_channel must be 'ring' or 'zmq', not {self.engine_channel!r}")
         if self.gpu_memory not in ("ipc", "vmm"):
@@ -92,4 +98,5 @@ class ConnectorSettings:
             gpu_memory=str(extra.get("gpu_memory", cls.gpu_memory)),
             model_identity=str(extra.get("model_identity", "")),
             kv_cache_layout=str(extra.get("kv_cache_layout") or "").upper(),
+            mode=str(extra.get("mode") or cls.mode),
         )

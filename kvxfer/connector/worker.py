@@ -43,7 +43,7 @@ from kvxfer.connector.sidecar_death import SidecarDeath
 from kvxfer.errors import KvxferError
 from kvxfer.memory import cuda_ipc_memory, cuda_ordinal
 from kvxfer.pool import PoolClient
-from kvxfer.protocol import Done, Failed, KVGroup, MemoryRef, Registered, Released
+from kvxfer.protocol import Done, Failed, KVGroup, LayersDone, MemoryRef, Registered, Released
 
 log = logging.getLogger(__name__)
 
@@ -106,6 +106,8 @@ class WorkerSide:
         self.registered: Registered | None = None
         self._recvs: dict[str, tuple[list[int], float]] = {}
         self._holds: dict[str, float] = {}
+        self._names: dict[str, str] = {}  # push mode: lease (transfer) id -> vLLM's request id
+        self._layer_index: dict[str, int] = {}  # layer name -> its place in this stage (registration order)
         self._invalid: set[int] = set()
         self.stats = WorkerStats()
         self._registration: Any = None
@@ -166,6 +168,7 @@ class WorkerSide:
         self.client = SidecarClient(self.settings.sidecar, ring=self.settings.engine_channel == "ring")
         self.client.ping(self.settings.sidecar_timeout_s)
         self.registered = self.client.register(msg, self.settings.sidecar_timeout_s)
+        self._layer_index = {name: i for i, name in enumerate(kv_caches)}
         self._registration = msg
         self._instance = self.registered.agent_name
         self.death.watch(self.pools)
@@ -175,12 +178,14 @@ class WorkerSide:
 
     def bind(self, recvs: dict[str, tuple[list[int], float]], holds: dict[str, float],
              failed: dict[str, list[int]] | None = None,
-             refused: dict[str, list[tuple[int, int]]] | None = None) -> None:
+             refused: dict[str, list[tuple[int, int]]] | None = None,
+             names: dict[str, str] | None = None) -> None:
         """Record what the scheduler posted this step (from the connector metadata); ``failed``
         are loads it could not post at all (its sidecar did not take messages), ``refused``
         loads the sidecar refused to these (pp, tp) ranks (not registered with it yet)."""
         self._recvs.update(recvs)
         self._holds.update(holds)
+        self._names.update(names or {})
         for req_id, blocks in (failed or {}).items():
             if req_id not in self._failed_now and req_id not in self._reported_failed:
                 self._failed_now[req_id] = blocks
@@ -248,7 +253,7 @@ class WorkerSide:
         else:
             if self._holds.pop(event.req_id, None) is None:
                 return False
-            out.finished_sending.add(event.req_id)
+            out.finished_sending.add(self._names.pop(event.req_id, event.req_id))
             self.stats.released += 1
             self.stats.expired += event.reason == "expired"
         return True
@@ -316,7 +321,7 @@ class WorkerSide:
         for req_id, (blocks, _) in list(self._recvs.items()):
             self._fail(out, req_id, blocks)
         self._recvs.clear()
-        out.finished_sending.update(self._holds)
+        out.finished_sending.update(self._names.pop(r, r) for r in self._holds)
         self._holds.clear()
 
     def _reregistration(self, now: float) -> Any:
@@ -352,8 +357,21 @@ class WorkerSide:
                 del self._holds[req_id]
                 log.warning("no release from a silent sidecar for request %s; freeing after its lease",
                             req_id)
-                out.finished_sending.add(req_id)
+                out.finished_sending.add(self._names.pop(req_id, req_id))
                 self.stats.expired += 1
+
+    def save_layer(self, layer_name: str, streamed: list[str]) -> None:
+        """Push mode: this step computed ``layer_name`` ("": every layer) of the requests it
+        streams (decodes read it now: ``LayersDone``). Never raises into vLLM's forward."""
+        index = len(self._layer_index) - 1 if not layer_name else self._layer_index.get(layer_name)
+        if self.client is None or index is None:
+            return
+        msg = LayersDone(req_ids=streamed, layers=index + 1, tp_rank=self.tp_rank,
+                         pp_rank=self.place.pp_rank, engine_id=self.place.engine_id)
+        try:
+            self.client.layers_done(msg)
+        except (KvxferError, zmq.ZMQError) as e:  # (the decode then waits for its deadline and recomputes)
+            log.warning("layer %s not reported to the sidecar: %s", layer_name, e)
 
     def take_invalid_block_ids(self) -> set[int]:
         out, self._invalid = self._invalid, set()

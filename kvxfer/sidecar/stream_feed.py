@@ -28,6 +28,7 @@ import msgspec
 
 from kvxfer.config import Config
 from kvxfer.errors import ErrorCode, RequestError
+from kvxfer.observe import Observer
 from kvxfer.protocol import LayersAt, LayerWatch, Recv
 from kvxfer.sidecar.layer_stream import read_ranges, remote_suffix, restrict
 from kvxfer.sidecar.nixl_port import NixlPort
@@ -58,8 +59,10 @@ class Followed:
 
 
 class StreamFeed:
-    def __init__(self, *, config: Config, registry: RankRegistry, peers: PeerClient, nixl: NixlPort) -> None:
+    def __init__(self, *, config: Config, registry: RankRegistry, peers: PeerClient, nixl: NixlPort,
+                 observer: Observer) -> None:
         self.config = config
+        self.observer = observer
         self.registry = registry
         self.peers = peers
         self.nixl = nixl
@@ -148,6 +151,7 @@ class StreamFeed:
                         for p in restrict(plans, (a, b), remote_layouts, n_local, last=b == ans.total)]
                 if read == 0:
                     rest = plans  # (nothing pre-read: the whole plan, as pull reads it)
+                self.observer.stream_layers(read, ans.total - read)
                 return Followed(msg, rest, pairing, read, nbytes)
             sent = self._send_watch(host, port, engine, req_id, msg.remote_token, have)  # (waits there
             if have > read:  # while the ready layers are read)

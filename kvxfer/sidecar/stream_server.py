@@ -65,6 +65,8 @@ class StreamServer:
         engine = self.registry.engine_of(msg.engine_id)
         stages, tp_size = stages_of([r.layout for r in self.registry.of_engine(engine)])
         self.book.start((engine, msg.req_id), stages, tp_size)
+        log.debug("streamed hold %s of engine %s: %d blocks, layers %s by %d ranks", msg.req_id, engine,
+                  len(msg.block_ids), stages, tp_size)
 
     def on_layers(self, msg: LayersDone, sender: Creds) -> None:
         """A worker computed more layers of these requests (RequestError: it does not speak
@@ -75,6 +77,7 @@ class StreamServer:
         if self.registry.find(engine, msg.pp_rank, msg.tp_rank) is None:
             raise RequestError(ErrorCode.NOT_REGISTERED, f"rank pp{msg.pp_rank}/tp{msg.tp_rank} of engine "
                                f"{engine!r} is not registered")
+        log.debug("layers %d of %s computed by pp%d/tp%d", msg.layers, msg.req_ids, msg.pp_rank, msg.tp_rank)
         for req_id in msg.req_ids:
             key = (engine, req_id)
             for watch in self.book.report(key, msg.pp_rank, msg.tp_rank, msg.layers):

@@ -29,6 +29,18 @@ class SidecarProc:
         with open(self.log_path, errors="replace") as fh:
             return fh.read()
 
+    @property
+    def handshake_endpoint(self) -> tuple[str, int]:
+        """(host, port) its peers dial (a Pong's; what a push-mode router is configured with)."""
+        from kvxfer.client import SidecarClient
+
+        client = SidecarClient(self.endpoint, ring=False)
+        try:
+            pong = client.ping(10.0)
+        finally:
+            client.close()
+        return pong.handshake_host, pong.handshake_port
+
     def scrape(self) -> dict[str, float]:
         """The sidecar's kvxfer_* Prometheus series, by name with labels."""
         body = urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=5).read()

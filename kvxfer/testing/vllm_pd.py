@@ -19,9 +19,11 @@ import subprocess
 import time
 import urllib.error
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
+from kvxfer.auth import new_token
 from kvxfer.testing.procs import SidecarFactory, SidecarProc, free_port
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -219,12 +221,13 @@ class Pipeline:
                  family: str = "", extra_args: tuple[str, ...] = (), connector: str = "kvxfer",
                  decode_sidecar_args: tuple[str, ...] = (), servers: tuple[str, ...] = ("baseline", "prefill",
                                                                                     "decode"),
-                 max_model_len: int = 2048, **model: Any) -> None:
+                 max_model_len: int = 2048, mode: str = "pull", **model: Any) -> None:
         """``model``: config overrides for ``write_model``; ``family``: a tiny model of
         ``FAMILIES`` instead; ``block_size`` 0: vLLM's default; ``extra_args``: for every
         vLLM server; ``connector`` "nixl": the prefill and decode engines use vLLM's own
         NixlConnector instead (side by side; needs ``nixl`` in the vLLM env)."""
         self.connector = connector
+        self.mode = mode  # the kvxfer connectors' "mode" ("push" also serves pull requests)
         self.max_model_len = max_model_len
         self.decode_sidecar_args = decode_sidecar_args
         self.wanted = servers  # which vLLM servers start (a benchmark runs one system at a time)
@@ -279,6 +282,7 @@ class Pipeline:
                 "--max-model-len", str(self.max_model_len), "--seed", "0", "--dtype", "float32"]
         if self.block_size:
             args += ["--block-size", str(self.block_size)]
+        args += os.environ.get("KVXFER_VLLM_SERVE_ARGS", "").split()  # (the tests: -O0, tests/conftest.py)
         args += list(self.extra_args)
         env_extra: dict[str, str] = {}
         if name != "baseline" and self.connector == "nixl":
@@ -291,7 +295,8 @@ class Pipeline:
             cfg = {"kv_connector": "KvxferConnector", "kv_connector_module_path": "kvxfer.connector",
                    "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
                    "kv_connector_extra_config": {"sidecar": sidecar.endpoint, "shm_dir": self.shm_dir,
-                                                 "transfer_timeout_s": 20, "lease_s": 30}}
+                                                 "transfer_timeout_s": 20, "lease_s": 30,
+                                                 "mode": self.mode}}
             args += ["--kv-transfer-config", json.dumps(cfg)]
         env = {**os.environ, "VLLM_TARGET_DEVICE": "cpu", "HF_HUB_OFFLINE": "1",
                "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "PYTHONPATH": REPO,
@@ -341,6 +346,25 @@ class Pipeline:
         returned kv_transfer_params verbatim. Returns (decode response, the params)."""
         params = self.prefill(text)
         return self.decode(text, max_tokens, params, **sampling), params
+
+    def complete_push(self, text: str, max_tokens: int, **sampling: Any) -> dict[str, Any]:
+        """The push-mode proxy: the request goes to the prefill (``max_tokens`` 1) and to the
+        decode at the same moment, both with one new ``transfer_id`` (unguessable: it is the
+        request's capability); the decode's params name the prefill sidecar's endpoint, which a
+        router knows from its configuration. Returns the decode's response."""
+        assert self.p_sidecar is not None
+        tid = new_token()
+        host, port = self.p_sidecar.handshake_endpoint
+        to_p = {"model": self.model, "prompt": text, "max_tokens": 1, "temperature": 0,
+                "kv_transfer_params": {"do_remote_decode": True, "transfer_id": tid}}
+        to_d = {"model": self.model, "prompt": text, "max_tokens": max_tokens, "temperature": 0} | sampling
+        to_d["kv_transfer_params"] = {"do_remote_prefill": True, "transfer_id": tid, "remote_host": host,
+                                      "remote_port": port}
+        with ThreadPoolExecutor(2) as pool:
+            first = pool.submit(_post, f"{self.servers['prefill'].url}/v1/completions", to_p)
+            decoded = pool.submit(_post, f"{self.servers['decode'].url}/v1/completions", to_d)
+            first.result()
+            return decoded.result()
 
     def chat(self, server: str, messages: list[dict[str, str]], max_tokens: int,
              params: dict[str, Any] | None = None) -> dict[str, Any]:

@@ -1,0 +1,22 @@
+"""What one engine step's connector metadata tells the workers (the scheduler builds it).
+vLLM-free."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class StepPlan:
+    """What this step's connector metadata tells the workers."""
+
+    recvs: dict[str, tuple[list[int], float]] = field(default_factory=dict)  # id -> (blocks, deadline)
+    holds: dict[str, float] = field(default_factory=dict)  # id -> deadline
+    failed: dict[str, list[int]] = field(default_factory=dict)  # loads that could not be posted
+    # loads a sidecar refused to a rank not registered with it yet (its Failed came here):
+    # request id -> the (pp, tp) ranks whose worker fails it now
+    refused: dict[str, list[tuple[int, int]]] = field(default_factory=dict)
+    # push mode (prefill): the lease id (the transfer id) -> vLLM's request id, and the
+    # leases whose prompt this step computes (each layer computed is reported)
+    names: dict[str, str] = field(default_factory=dict)
+    streamed: list[str] = field(default_factory=list)
