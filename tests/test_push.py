@@ -13,11 +13,14 @@ from __future__ import annotations
 
 import time
 
+import numpy as np
+
 from kvxfer.client import RemoteBlocks
 from kvxfer.errors import ErrorCode
 from kvxfer.protocol import LayersDone
 from kvxfer.sidecar.stream_feed import WATCH_WAIT_S
 from kvxfer.testing.engine import SyntheticEngine, make_layout
+from kvxfer.testing.pattern import request_pattern
 from kvxfer.testing.procs import SidecarFactory, free_port
 from tests.test_sidecar import wait_for
 
@@ -131,3 +134,62 @@ def test_a_prefill_that_never_finishes_fails_the_load_at_its_deadline(sidecars: 
     finally:
         d.close()
         p.close()
+
+
+def test_a_decode_with_a_partial_prefix_hit_reads_the_suffix(sidecars: SidecarFactory) -> None:
+    """The decode holds the first blocks of the prompt already (its prefix cache): it asks for
+    fewer blocks, and they are filled with the prefill's last blocks, nothing shifted."""
+    ds = sidecars.start("pushs-d", "--verify-sample", "0")
+    ps = sidecars.start("pushs-p")
+    d, p = SyntheticEngine(LAYOUT, ds.endpoint, seed=2), SyntheticEngine(LAYOUT, ps.endpoint, seed=1)
+    try:
+        d.start()
+        p.start()
+        tid = "push-suffix"
+        pb, db = p.allocate(5), d.allocate(2)
+        p.client.hold(tid, pb, token=tid, streamed=True, expires_unix=time.time() + 60)
+        d.client.recv(tid, db, streamed_remote(p, tid), streamed=True, deadline_s=30)
+        compute(p, tid, pb, range(0, LAYOUT.num_layers))
+        got = wait_for(d.client, lambda a: bool(a.done or a.failed), timeout=30)
+        assert got.done, got
+        want = request_pattern(LAYOUT, tid, 5)[:, :, 3:5, :]
+        assert d.kv is not None
+        assert np.array_equal(d.kv.blocks()[:, :, np.asarray(db), :], want), "not the prefill's last blocks"
+    finally:
+        d.close()
+        p.close()
+
+
+def test_watches_waiting_at_a_prefill_take_no_listener_slot(sidecars: SidecarFactory) -> None:
+    """More decodes watch than the listener answers at once (64): they wait in the stream
+    server, and a handshake and a pull read from another decode still go through."""
+    lay = make_layout(layers=2, num_blocks=128, heads=2, head_dim=16)
+    ds, ds2 = sidecars.start("pushw-d", "--verify-sample", "0"), sidecars.start("pushw-d2")
+    ps = sidecars.start("pushw-p")
+    d, d2, p = (SyntheticEngine(lay, s.endpoint, seed=i) for i, s in enumerate((ds, ds2, ps)))
+    try:
+        for e in (d, d2, p):
+            e.start()
+        n = 70
+        for i in range(n):
+            tid = f"pushw-{i}"
+            p.client.hold(tid, p.allocate(1), token=tid, streamed=True, expires_unix=time.time() + 60)
+            d.client.recv(tid, d.allocate(1), streamed_remote(p, tid), streamed=True, deadline_s=30)
+        time.sleep(1.0)  # (every watch waits at the prefill: nothing is computed)
+        pb, db = p.allocate(2), d2.allocate(2)
+        p.fill("pull", pb)
+        p.client.hold("pull", pb, token="tok-pull", expires_unix=time.time() + 60)
+        reg = p.registered
+        assert reg is not None
+        d2.client.recv("pull", db, RemoteBlocks(reg.engine_id, reg.handshake_host, reg.handshake_port, pb,
+                                                token="tok-pull"), deadline_s=10)
+        got = wait_for(d2.client, lambda a: bool(a.done or a.failed), timeout=10)
+        assert got.done, got
+        assert d2.verify("pull", db)
+        for i in range(n):
+            p.client.release(f"pushw-{i}")
+        got = wait_for(d.client, lambda a: len(a.failed) >= n, timeout=20)
+        assert {f.code for f in got.failed} == {ErrorCode.EXPIRED}
+    finally:
+        for e in (d, d2, p):
+            e.close()
