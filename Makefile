@@ -84,12 +84,13 @@ bench-tp: $(STAMP)
 	set -o pipefail; $(BIN)/kvxfer bench --tp-matrix --plot benchmarks/tp_latest.png --json $(BENCH_TP_ARGS) \
 		| tee benchmarks/tp_latest.txt
 
-# Real vllm-cpu engines: one engine, vLLM's NixlConnector P/D and kvxfer P/D, side by side
+# Real vllm-cpu engines: one engine, vLLM's NixlConnector P/D, kvxfer P/D (pull and push), side by side
 # under the same Poisson load (kvxfer/testing/bench_vllm.py; BENCH_VLLM_ARGS, e.g. --rates 1,2)
 bench-vllm: $(STAMP) $(NIXL_VLLM_STAMP)
 	$(BIN)/pip install $(PIP_QUIET) -e '.[bench]'
 	set -o pipefail; KVXFER_VLLM_PYTHON=$(VLLM_CPU_VENV)/bin/python $(BIN)/python -m kvxfer.testing.bench_vllm \
-		--json --plot benchmarks/vllm_latest.png $(BENCH_VLLM_ARGS) | tee benchmarks/vllm_latest.txt
+		--systems one-engine,nixl,kvxfer,kvxfer-push --json --plot benchmarks/vllm_latest.png $(BENCH_VLLM_ARGS) \
+		| tee benchmarks/vllm_latest.txt
 
 # Regenerate the gRPC stubs with the pinned grpcio-tools (the output is committed;
 # tests/test_control.py fails when it is stale).

@@ -9,7 +9,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvxfer.protocol import KVLayout
-from kvxfer.sidecar.layer_stream import LayerBook, read_ranges, ready_layers, remote_suffix, restrict
+from kvxfer.sidecar.layer_stream import (
+    WATCHERS_MAX,
+    LayerBook,
+    read_ranges,
+    ready_layers,
+    remote_suffix,
+    restrict,
+)
 from kvxfer.topology import plan_stages
 
 
@@ -68,6 +75,16 @@ def test_layer_book_answers_watchers_when_layers_pass_them() -> None:
     book.watch(key, 3, w4)
     assert book.end(key) == [w4]
     assert key not in book
+
+
+def test_watchers_of_one_request_are_bounded() -> None:
+    """A peer that sends watch after watch for one request parks at most WATCHERS_MAX of them;
+    the rest are answered at once (with what is ready), never kept."""
+    book = LayerBook()
+    book.start(("p", "t"), {0: (0, 4)}, 1)
+    parked = [book.watch(("p", "t"), 0, object()) for _ in range(WATCHERS_MAX + 10)]
+    assert parked.count(False) == WATCHERS_MAX
+    assert len(book.end(("p", "t"))) == WATCHERS_MAX
 
 
 def test_a_finished_request_answers_at_once() -> None:

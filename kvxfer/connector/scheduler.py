@@ -217,7 +217,8 @@ class SchedulerSide:
     def _release_remote(self, req_id: str, remote: RemoteBlocks) -> None:
         try:
             for pp, rank in self._ranks():
-                self.client.recv(req_id, [], remote, tp_rank=rank, engine_id=self.local_engine, pp_rank=pp)
+                self.client.recv(req_id, [], remote, tp_rank=rank, engine_id=self.local_engine, pp_rank=pp,
+                                 streamed=not remote.block_ids and bool(remote.req_id))  # (push: parse_push)
         except SEND_ERRORS as e:  # the prefill's lease frees it
             log.warning("request %s: release of the prefill blocks not sent: %s", req_id, e)
 

@@ -29,6 +29,7 @@ from kvxfer.topology import RankPlan
 
 LayerKey = tuple[str, str]  # (engine, request id): as leases are keyed
 EARLY_MAX = 4096  # reports kept for requests whose Hold has not arrived yet (oldest dropped)
+WATCHERS_MAX = 64  # watches waiting on one request (a decode has one per local rank); more: answered now
 
 
 # ---------------------------------------------------------------------------- prefill side
@@ -116,7 +117,7 @@ class LayerBook:
         """A reader waits for more than ``have`` layers: True, answer it now (more are ready,
         or all are); False, it waits (``report``/``end``/``unwatch`` give it back)."""
         prog = self._progress[key]
-        if prog.ready > have or prog.ready >= prog.total:
+        if prog.ready > have or prog.ready >= prog.total or len(prog.watchers) >= WATCHERS_MAX:
             return True
         prog.watchers.append((have, waiter))
         return False

@@ -154,7 +154,7 @@ class StreamFeed:
                 self.observer.stream_layers(read, ans.total - read)
                 return Followed(msg, rest, pairing, read, nbytes)
             sent = self._send_watch(host, port, engine, req_id, msg.remote_token, have)  # (waits there
-            if have > read:  # while the ready layers are read)
+            if have > read and msg.block_ids:  # while the ready layers are read)
                 nbytes += await self._pre_read(key, msg, local, peer, ans.engine_id or engine, plans, pairing,
                                                remote_layouts, (read, have), deadline)
                 read = have

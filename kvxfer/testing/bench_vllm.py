@@ -35,10 +35,13 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvxfer.auth import new_token
 from kvxfer.testing.vllm_pd import Pipeline, prompt
 
-SYSTEMS = ("one-engine", "nixl", "kvxfer")
-LABELS = {"one-engine": "one engine", "nixl": "NixlConnector P/D", "kvxfer": "kvxfer P/D"}
+SYSTEMS = ("one-engine", "nixl", "kvxfer", "kvxfer-push")
+LABELS = {"one-engine": "one engine", "nixl": "NixlConnector P/D", "kvxfer": "kvxfer P/D",
+          "kvxfer-push": "kvxfer push P/D"}
+DEFAULT_SYSTEMS = ("one-engine", "nixl", "kvxfer")  # (--systems adds kvxfer-push: make bench-vllm does)
 _TICK = os.sysconf("SC_CLK_TCK")
 MAX_MODEL_LEN = 4352  # 4,000-token prompts + 128 output tokens + BOS, with room
 
@@ -142,6 +145,9 @@ def one_request(pl: Pipeline, system: str, req: Req, t0: float, res: Result) -> 
         if system == "one-engine":
             _stream(pl.servers["baseline"].port, body, 300, t0, res)
             return
+        if system == "kvxfer-push":  # both at once, one transfer id (README "Push mode")
+            _push(pl, body, t0, res)
+            return
         leg = {"max_tokens": 1, "stream": False, "kv_transfer_params": {"do_remote_decode": True}}
         first = _post(pl.servers["prefill"].port, body | leg, 300)
         params = first.get("kv_transfer_params")
@@ -150,6 +156,20 @@ def one_request(pl: Pipeline, system: str, req: Req, t0: float, res: Result) -> 
         _stream(pl.servers["decode"].port, body | {"kv_transfer_params": params}, 300, t0, res)
     except Exception as e:  # reported, and fails the run
         res.error = repr(e)[:300]
+
+
+def _push(pl: Pipeline, body: dict[str, Any], t0: float, res: Result) -> None:
+    """The push-mode proxy: the prefill leg and the decode's stream dispatched together."""
+    assert pl.p_sidecar is not None
+    tid = new_token()
+    host, port = pl.p_handshake
+    to_p = body | {"max_tokens": 1, "stream": False,
+                   "kv_transfer_params": {"do_remote_decode": True, "transfer_id": tid}}
+    first = threading.Thread(target=_post, args=(pl.servers["prefill"].port, to_p, 300))
+    first.start()
+    to_d = {"do_remote_prefill": True, "transfer_id": tid, "remote_host": host, "remote_port": port}
+    _stream(pl.servers["decode"].port, body | {"kv_transfer_params": to_d}, 300, t0, res)
+    first.join()
 
 
 def cpu_seconds(pids: list[int], groups: bool = True) -> float:
@@ -336,7 +356,7 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--prompt-tokens", default="100,4000", help="LO,HI prompt length spread")
     ap.add_argument("--shared-prefix", type=float, default=0.3, help="fraction of prompts sharing a prefix")
     ap.add_argument("--output-tokens", default="32,128", help="LO,HI output length spread (or one number)")
-    ap.add_argument("--systems", default=",".join(SYSTEMS))
+    ap.add_argument("--systems", default=",".join(DEFAULT_SYSTEMS))
     ap.add_argument("--seed", type=int, default=7)
     ap.add_argument("--plot", default="", help="write TTFT and CPU vs rate to this PNG")
     ap.add_argument("--json", action="store_true", help="last line: one JSON object")
@@ -351,7 +371,7 @@ def _run_system(work: str, rnd: int, system: str, rates: list[float], args: argp
     servers = ("baseline",) if system == "one-engine" else ("prefill", "decode")
     pl = Pipeline(os.path.join(work, f"{system}-{rnd}"), max_model_len=MAX_MODEL_LEN,
                   connector="nixl" if system == "nixl" else "kvxfer", servers=servers,
-                  max_position_embeddings=MAX_MODEL_LEN)
+                  mode="push" if system == "kvxfer-push" else "pull", max_position_embeddings=MAX_MODEL_LEN)
     try:
         t = time.monotonic()
         pl.start()

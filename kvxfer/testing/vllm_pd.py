@@ -347,14 +347,23 @@ class Pipeline:
         params = self.prefill(text)
         return self.decode(text, max_tokens, params, **sampling), params
 
+    @property
+    def p_handshake(self) -> tuple[str, int]:
+        """The prefill sidecar's handshake endpoint (what a push-mode router is configured with)."""
+        if self._p_handshake is None:
+            assert self.p_sidecar is not None
+            self._p_handshake = self.p_sidecar.handshake_endpoint
+        return self._p_handshake
+
+    _p_handshake: tuple[str, int] | None = None
+
     def complete_push(self, text: str, max_tokens: int, **sampling: Any) -> dict[str, Any]:
         """The push-mode proxy: the request goes to the prefill (``max_tokens`` 1) and to the
         decode at the same moment, both with one new ``transfer_id`` (unguessable: it is the
         request's capability); the decode's params name the prefill sidecar's endpoint, which a
         router knows from its configuration. Returns the decode's response."""
-        assert self.p_sidecar is not None
         tid = new_token()
-        host, port = self.p_sidecar.handshake_endpoint
+        host, port = self.p_handshake
         to_p = {"model": self.model, "prompt": text, "max_tokens": 1, "temperature": 0,
                 "kv_transfer_params": {"do_remote_decode": True, "transfer_id": tid}}
         to_d = {"model": self.model, "prompt": text, "max_tokens": max_tokens, "temperature": 0} | sampling
