@@ -70,7 +70,7 @@ def one(mode: str, i: int, p: SyntheticEngine, d: SyntheticEngine,
     if mode == "push":
         p.client.hold(tid, pb, token=tid, streamed=True, expires_unix=time.time() + 60)
         d.client.recv(tid, db, RemoteBlocks(reg.engine_id, reg.handshake_host, reg.handshake_port, [],
-                                            req_id=tid, token=tid), streamed=True, deadline_s=30)
+                                            req_id=tid, token=tid), streamed=True, deadline_s=30, trace=True)
         last = compute(p, tid, pb, args.layers, args.layer_ms / 1000, True)
     else:
         last = compute(p, tid, pb, args.layers, args.layer_ms / 1000, False)
@@ -85,7 +85,11 @@ def one(mode: str, i: int, p: SyntheticEngine, d: SyntheticEngine,
     while time.monotonic() < end and not p.client.poll().released:
         time.sleep(0.001)
     p.free(pb)
-    return {"tail_us": (at - last) / 1000, "nbytes": done.nbytes}
+    hops = {}
+    if done.trace:  # (push: from the last layer to each hop of the decode sidecar, then the engine)
+        hops = {name: (ns - last) / 1000 for name, ns in done.trace if ns >= last}
+        hops["engine"] = (at - last) / 1000
+    return {"tail_us": (at - last) / 1000, "nbytes": done.nbytes, "hops": hops}
 
 
 def one_layer_us(p: SyntheticEngine, d: SyntheticEngine, args: argparse.Namespace) -> float:
@@ -124,9 +128,13 @@ def main() -> int:
                 one("push", 1000 + i, p, d, args)
                 one("pull", 1000 + i, p, d, args)
             layer = one_layer_us(p, d, args)
+            hops: dict[str, list[float]] = {}
             for i in range(args.requests):
                 for mode in (("push", "pull") if i % 2 == 0 else ("pull", "push")):
-                    out[mode].append(one(mode, i, p, d, args)["tail_us"])
+                    res = one(mode, i, p, d, args)
+                    out[mode].append(res["tail_us"])
+                    for name, us in res["hops"].items():
+                        hops.setdefault(name, []).append(us)
         finally:
             d.close()
             p.close()
@@ -142,6 +150,10 @@ def main() -> int:
           f"{mib / args.layers * 1024:.0f} KiB): {out['one_layer_us']} us")
     for mode in ("push", "pull"):
         print(f"  {mode}: tail p50 {out[f'{mode}_p50_us']} us, p90 {out[f'{mode}_p90_us']} us")
+    medians = {k: round(statistics.median(v)) for k, v in hops.items()}
+    out["push_hops_us"] = dict(sorted(medians.items(), key=lambda kv: kv[1]))
+    print("  push, after the last layer (median us): "
+          + ", ".join(f"{k} {v}" for k, v in out["push_hops_us"].items()))
     target = out["one_layer_us"] + 300
     verdict = "met" if out["push_p50_us"] <= target else "MISSED"
     print(f"  {verdict}: push tail p50 {out['push_p50_us']} us <= one layer {out['one_layer_us']} us "
