@@ -193,3 +193,33 @@ def test_watches_waiting_at_a_prefill_take_no_listener_slot(sidecars: SidecarFac
     finally:
         for e in (d, d2, p):
             e.close()
+
+
+def test_a_prefill_sidecar_killed_mid_stream_fails_the_load_before_its_deadline(
+        sidecars: SidecarFactory) -> None:
+    """The prefill's sidecar dies while the decode follows it: the load fails (vLLM recomputes)
+    long before its deadline, every block named, and the decode's sidecar goes on serving."""
+    ds = sidecars.start("pushk-d", "--verify-sample", "0", "--handshake-timeout-s", "2")
+    ps = sidecars.start("pushk-p")
+    d, p = SyntheticEngine(LAYOUT, ds.endpoint, seed=2), SyntheticEngine(LAYOUT, ps.endpoint, seed=1)
+    try:
+        d.start()
+        p.start()
+        tid = "push-killed"
+        pb, db = p.allocate(4), d.allocate(4)
+        p.client.hold(tid, pb, token=tid, streamed=True, expires_unix=time.time() + 60)
+        d.client.recv(tid, db, streamed_remote(p, tid), streamed=True, deadline_s=60)
+        compute(p, tid, pb, range(0, 5))
+        time.sleep(0.2)
+        ps.proc.kill()
+        killed = time.monotonic()
+        got = wait_for(d.client, lambda a: bool(a.done or a.failed), timeout=60)
+        assert got.failed, got
+        assert sorted(got.failed[0].block_ids) == sorted(db)
+        print(f"\nfailed {time.monotonic() - killed:.1f} s after the kill: [{got.failed[0].code}] "
+              f"{got.failed[0].reason}")
+        assert time.monotonic() - killed < 8  # (--peer-stall-s 2; a watch alone waits 10 s)
+        assert ds.proc.poll() is None
+    finally:
+        d.close()
+        p.close()

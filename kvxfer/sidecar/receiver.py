@@ -87,8 +87,8 @@ class Receiver:
         return len(self.recvs)
 
     def reading_from(self) -> set[str]:
-        """The peers (host:port) that reads in flight run against."""
-        return {st.peer for st in self.recvs.values() if st.machine.read_in_flight}
+        """The peers (host:port) that reads in flight run against, or streamed receives follow."""
+        return {st.peer for st in self.recvs.values() if st.machine.read_in_flight or st.msg.streamed}
 
     # ------------------------------------------------------------------ engine requests
 

@@ -36,7 +36,7 @@ from kvxfer.sidecar.nixl_types import ReadFinished, ReadRefused
 from kvxfer.sidecar.peer_book import Peer
 from kvxfer.sidecar.peer_client import PeerClient
 from kvxfer.sidecar.plan import ReadSpec
-from kvxfer.sidecar.recv_state import RecvState, plan_for
+from kvxfer.sidecar.recv_state import RecvState, notify_prefill, plan_for
 from kvxfer.sidecar.registry import RankRegistry
 from kvxfer.topology import BlockPairing, RankPlan
 
@@ -116,12 +116,7 @@ class StreamFeed:
             state.msg = completed
             return plan_for(self.registry, state, peer)
 
-        if not peer.layer_streams:
-            raise RequestError(ErrorCode.INCOMPATIBLE, f"prefill sidecar {peer.endpoint} does not serve "
-                               "push mode (an older kvxfer): send it the request first and pull")
-        if msg.state_block_ids:
-            raise RequestError(ErrorCode.INCOMPATIBLE, "push mode moves attention layers only (state "
-                               "groups are pulled: send the request to the prefill first)")
+        streamable(peer, msg)
         host, port = msg.remote_host, msg.remote_port
         req_id = msg.remote_req_id or msg.req_id
         have = read = nbytes = 0
@@ -155,8 +150,8 @@ class StreamFeed:
                 return Followed(msg, rest, pairing, read, nbytes)
             sent = self._send_watch(host, port, engine, req_id, msg.remote_token, have)  # (waits there
             if have > read and msg.block_ids:  # while the ready layers are read)
-                nbytes += await self._pre_read(key, msg, local, peer, ans.engine_id or engine, plans, pairing,
-                                               remote_layouts, (read, have), deadline)
+                nbytes += await self._pre_read(key, state, local, peer, ans.engine_id or engine, plans,
+                                               pairing, remote_layouts, (read, have))
                 read = have
             ans = await self._answer(sent, deadline)
 
@@ -177,10 +172,22 @@ class StreamFeed:
                      deadline: float) -> LayersAt:
         return await self._answer(self._send_watch(host, port, engine, req_id, token, have), deadline)
 
-    async def _pre_read(self, key: str, msg: Recv, local: Any, peer: Peer, engine: str,
+    async def _pre_read(self, key: str, state: RecvState, local: Any, peer: Peer, engine: str,
                         plans: list[RankPlan], pairing: BlockPairing, remote_layouts: dict[int, Any],
-                        layers: tuple[int, int], deadline: float) -> int:
-        """Read the layers ``[a, b)`` now; wait for them to land (RequestError if they fail)."""
+                        layers: tuple[int, int]) -> int:
+        """Read the layers ``[a, b)`` now; wait for them to land (RequestError if they fail: the
+        prefill is told at once, its lease then ends with its readers' notices)."""
+        try:
+            return await self._read_layers(key, state.msg, local, peer, engine, plans, pairing,
+                                           remote_layouts, layers, state.deadline)
+        except RequestError:
+            state.peer_agent = peer.agent_name
+            notify_prefill(self.nixl, self.registry, state, False)
+            raise
+
+    async def _read_layers(self, key: str, msg: Recv, local: Any, peer: Peer, engine: str,
+                           plans: list[RankPlan], pairing: BlockPairing, remote_layouts: dict[int, Any],
+                           layers: tuple[int, int], deadline: float) -> int:
         n_local = local.info.layout.num_regions
         cut = [p for a, b in read_ranges(*layers)
                for p in restrict(plans, (a, b), remote_layouts, n_local, False)]
@@ -201,6 +208,16 @@ class StreamFeed:
             raise RequestError(event.code, f"reading layers {layers[0]}-{layers[1] - 1}: {event.reason}",
                                msg.req_id)
         return event.nbytes
+
+
+def streamable(peer: Peer, msg: Recv) -> None:
+    """RequestError when this receive cannot follow its prefill (it is then recomputed)."""
+    if not peer.layer_streams:
+        raise RequestError(ErrorCode.INCOMPATIBLE, f"prefill sidecar {peer.endpoint} does not serve "
+                           "push mode (an older kvxfer): send it the request first and pull")
+    if msg.state_block_ids:
+        raise RequestError(ErrorCode.INCOMPATIBLE, "push mode moves attention layers only (state "
+                           "groups are pulled: send the request to the prefill first)")
 
 
 def completed(msg: Recv, ans: LayersAt, peer: Peer, same_block_size: bool) -> Recv:
