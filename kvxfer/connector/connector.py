@@ -49,6 +49,7 @@ if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
 log = logging.getLogger(__name__)
@@ -221,9 +222,9 @@ class KvxferConnector(KVConnectorBase_V1, *_HMA):  # type: ignore[misc]
         assert self.scheduler is not None
         if self.scheduler.push.streams(request):  # (push mode, prefill side: held before it is computed)
             ids = blocks.get_block_ids()
-            size = self._vllm_config.cache_config.block_size
-            whole = len(ids) == 1 and len(ids[0]) * size >= request.num_prompt_tokens
-            self.scheduler.push.hold(request, list(ids[0]), whole, self.scheduler.plan)
+            if len(ids) == 1:  # (several KV cache groups: held when it finishes, pulled)
+                size = self._vllm_config.cache_config.block_size
+                self.scheduler.push.allocated(request, list(ids[0]), size)
             return
         unhashed: list[int] | list[list[int]] = []
         if num_external_tokens > 0:
@@ -235,9 +236,18 @@ class KvxferConnector(KVConnectorBase_V1, *_HMA):  # type: ignore[misc]
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         assert self.scheduler is not None
+        preempted = getattr(scheduler_output, "preempted_req_ids", None)
+        self.scheduler.push.scheduled(scheduler_output.num_scheduled_tokens, preempted, self.scheduler.plan)
         plan = self.scheduler.take_plan()
         return KvxferConnectorMetadata(plan.recvs, plan.holds, plan.failed, plan.refused, plan.names,
                                        plan.streamed)
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        """Push mode: a lease that ended before vLLM finished its request is not reported
+        as a finished send yet (vLLM frees only finished requests' blocks)."""
+        if self.scheduler is not None:
+            push = self.scheduler.push
+            connector_output.finished_sending = push.hold_back(connector_output.finished_sending)
 
     def request_finished(self, request: Request, block_ids: Any) -> tuple[bool, dict[str, Any] | None]:
         assert self.scheduler is not None
@@ -315,7 +325,10 @@ class KvxferConnector(KVConnectorBase_V1, *_HMA):  # type: ignore[misc]
     def save_kv_layer(
         self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
     ) -> None:
-        if self.worker is not None and self.has_connector_metadata():  # push mode: report each layer
+        # push mode: report each layer (on a GPU its kernels are only queued here: reported after
+        # the forward, synchronized, by wait_for_save)
+        on_gpu = getattr(kv_layer, "is_cuda", False)
+        if self.worker is not None and self.has_connector_metadata() and not on_gpu:
             meta = self._get_connector_metadata()  # (bound before the forward; start_load_kv may follow it)
             if isinstance(meta, KvxferConnectorMetadata) and meta.streamed:
                 self.worker.save_layer(layer_name, meta.streamed)
@@ -326,6 +339,10 @@ class KvxferConnector(KVConnectorBase_V1, *_HMA):  # type: ignore[misc]
         if self.worker is not None and self.has_connector_metadata():
             meta = self._get_connector_metadata()
             if isinstance(meta, KvxferConnectorMetadata) and meta.streamed:
+                if self.worker.device != "cpu":
+                    import torch
+
+                    torch.cuda.current_stream().synchronize()  # (the layers' kernels have run)
                 self.worker.save_layer("", meta.streamed)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:

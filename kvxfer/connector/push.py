@@ -1,7 +1,21 @@
 """Push mode, the prefill side of the connector (README "Push mode"): a request a router sent
-to both engines at once with a ``transfer_id`` is held as soon as its blocks are allocated,
-before its KV is computed (``Hold.streamed``), so the decode's sidecar reads each layer as
-the workers report it (``WorkerSide.save_layer``). vLLM-free; duck-typed requests.
+to both engines at once with a ``transfer_id`` is held as soon as the step that computes its
+whole prompt is scheduled, before its KV is computed (``Hold.streamed``), so the decode's
+sidecar reads each layer as the workers report it (``WorkerSide.save_layer``). vLLM-free;
+duck-typed requests.
+
+The rules that keep the prefill's blocks safe (found by review):
+- streamed only when this step computes the whole prompt (``num_computed_tokens`` +
+  this step's tokens reach the prompt: a chunk that merely *allocates* the last block is not
+  the last chunk) and only the prompt's blocks are held (never lookahead blocks: the
+  decode's suffix pairing would shift by one);
+- a ``Released`` of a request vLLM has not finished yet (a prefill asked for more than one
+  token, or a preempted one) is held back until it finishes, never handed to vLLM (which
+  asserts the request is finished before it frees blocks);
+- a transfer id already live is not streamed again (a router retry reusing it): the lease
+  is keyed by it, and two requests must never share one;
+- a streamed request preempted by vLLM (its blocks freed without asking) has its lease
+  released at once and is not streamed again.
 """
 
 from __future__ import annotations
@@ -32,22 +46,43 @@ class StreamedHolds:
         self.tp_size = tp_size
         self.local_engine = engine_id
         self._streams: dict[str, str] = {}  # request id -> transfer id (its lease, held)
+        self._pending: dict[str, tuple[Any, list[int]]] = {}  # allocated this step: (request, blocks)
+        self._released: set[str] = set()  # streamed requests whose lease ended before vLLM finished them
+        self._spent: set[str] = set()  # request ids never to stream (again): preempted
 
     def streams(self, request: Any) -> bool:
-        """A push-mode prefill request (``transfer_id``): held as soon as its blocks are."""
+        """A push-mode prefill request (``transfer_id``): held as soon as its prompt is scheduled."""
         params = request.kv_transfer_params
         return (self.settings.mode == "push" and bool(params) and bool(params.get("do_remote_decode"))
                 and bool(transfer_id_of(params)))
 
-    def hold(self, request: Any, block_ids: list[int], whole: bool, plan: StepPlan) -> None:
-        """Push mode: hold the blocks now, before their KV is computed (``Hold.streamed``), when
-        this step computes the whole prompt (``whole``: a chunked prompt is held when it
-        finishes, every layer ready at once). The lease is the transfer id, which is also its
-        token: the decode was given it by the router."""
+    def allocated(self, request: Any, block_ids: list[int], block_size: int) -> None:
+        """Its blocks (the prompt's only: never lookahead ones); held in ``scheduled``."""
+        n = -(-request.num_prompt_tokens // block_size)
+        if request.request_id not in self._streams and request.request_id not in self._spent:
+            self._pending[request.request_id] = (request, list(block_ids[:n]))
+
+    def scheduled(self, num_scheduled: dict[str, int], preempted: set[str] | None, plan: StepPlan) -> None:
+        """The step is scheduled: hold what it computes whole, release what vLLM preempted."""
+        for req_id in preempted or ():
+            tid = self._streams.pop(req_id, None)
+            if tid is not None:
+                self._spent.add(req_id)
+                log.warning("request %s preempted while streamed: its lease is released, the decode "
+                            "recomputes", req_id)
+                self._release(req_id, tid)
+        pending, self._pending = self._pending, {}
+        for req_id, (request, blocks) in pending.items():
+            if request.num_computed_tokens + num_scheduled.get(req_id, 0) >= request.num_prompt_tokens:
+                self._hold(request, blocks, plan)
+
+    def _hold(self, request: Any, block_ids: list[int], plan: StepPlan) -> None:
+        """Hold the blocks now, before their KV is computed (``Hold.streamed``). The lease is
+        the transfer id, which is also its token: the decode was given it by the router."""
         req_id = request.request_id
-        if not whole or req_id in self._streams or not block_ids:
-            return
         tid = transfer_id_of(request.kv_transfer_params)
+        if not block_ids or tid in self._streams.values():
+            return  # (nothing to hold; or its transfer id is live already: never two leases under one)
         give_up = self.settings.lease_s + self.settings.grace_s
         try:
             self.client.hold(tid, block_ids, self.settings.lease_s, reads=self.tp_size, notify_ranks=True,
@@ -63,17 +98,36 @@ class StreamedHolds:
         plan.streamed.append(tid)
 
     def held(self, req_id: str) -> bool:
-        return req_id in self._streams
+        return req_id in self._streams or req_id in self._spent
 
     def finish(self, request: Any) -> tuple[bool, None]:
         """A streamed request ended: its blocks stay until the sidecar says Released (a decode
-        may be reading them); an aborted one is released now, and freed once that is done."""
-        tid = self._streams.pop(request.request_id)
+        may be reading them), unless that came already; an aborted one is released now, and
+        freed once that is done."""
+        req_id = request.request_id
+        self._spent.discard(req_id)
+        tid = self._streams.pop(req_id, None)
+        if tid is None:
+            return False, None  # (preempted: released already, nothing held now)
+        if req_id in self._released:
+            self._released.discard(req_id)
+            return False, None  # (its lease ended while vLLM still ran it: free now)
         status = getattr(request.status, "name", str(request.status))
         if status not in FINISHED_OK:
-            try:
-                self.client.release(tid, engine_id=self.local_engine)
-            except SEND_ERRORS as e:  # (its lease frees it)
-                log.warning("request %s: release not sent: %s", request.request_id, e)
+            self._release(req_id, tid)
         return True, None
 
+    def hold_back(self, finished_sending: set[str] | None) -> set[str] | None:
+        """The workers' finished sends, less those of requests vLLM has not finished (their
+        lease ended early: freed when they finish, by ``finish``)."""
+        if not finished_sending:
+            return finished_sending
+        early = {r for r in finished_sending if r in self._streams}
+        self._released |= early
+        return finished_sending - early
+
+    def _release(self, req_id: str, tid: str) -> None:
+        try:
+            self.client.release(tid, engine_id=self.local_engine)
+        except SEND_ERRORS as e:  # (its lease frees it)
+            log.warning("request %s: release not sent: %s", req_id, e)

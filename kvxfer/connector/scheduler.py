@@ -232,7 +232,7 @@ class SchedulerSide:
         and the params carry the lists as they are (positions matter to the decode)."""
         params = request.kv_transfer_params
         req_id = request.request_id
-        self._remote.pop(req_id, None)
+        remote = self._remote.pop(req_id, None)
         self._waiting.pop(req_id, None)
         error = self.errors.pop(req_id, None)
         if not params:
@@ -241,8 +241,8 @@ class SchedulerSide:
             # Decode request finished before its blocks were allocated (aborted while
             # waiting): nothing was read, so tell the prefill side to release.
             params["do_remote_prefill"] = False
-            with contextlib.suppress(InvalidTransferParams):
-                self._release_remote(req_id, parse_remote(params))
+            with contextlib.suppress(InvalidTransferParams):  # (a push request's: parse_push, kept)
+                self._release_remote(req_id, remote or parse_remote(params))
             return False, ({"kvxfer_error": error} if error else None)
         if error:
             return False, {"kvxfer_error": error}

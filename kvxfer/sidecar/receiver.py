@@ -151,6 +151,7 @@ class Receiver:
         state = self.recvs.get(key)
         if state is None:
             return
+        state.stopping = True  # (before any await: a streamed receive posts no pre-read after this)
         if state.machine.read_in_flight and await self.nixl.cancel(key, err.code, err.reason):
             return  # the port reports the read failed once it settled (on_read_finished)
         await self.feed.settle(key, err)  # (a pre-read of a streamed receive: settled first)
@@ -171,7 +172,8 @@ class Receiver:
                 return  # cancelled or failed while the handshake ran
             state.mark("handshaked")
             if msg.streamed:  # (push mode: layers read while the prefill computes them: stream_feed)
-                followed = await self.feed.follow(key, state, peer, lambda: self.recvs.get(key) is state)
+                followed = await self.feed.follow(key, state, peer,
+                                                  lambda: self.recvs.get(key) is state and not state.stopping)
                 if self.recvs.get(key) is state:
                     state.msg, state.pre_bytes = followed.msg, followed.pre_bytes
                     self._start_read(key, state, peer, followed.plans, followed.pairing,

@@ -44,6 +44,7 @@ class RecvState:
     claim_task: asyncio.Future[None] | None = field(default=None, repr=False)
     proof: tuple[int, int] = (0, 0)  # (tag, address) of its lease word at the peer (lease_words)
     pre_bytes: int = 0  # push mode: bytes its pre-reads moved before the read the machine follows
+    stopping: bool = False  # being cancelled: no new read may be posted for it
 
     def mark(self, hop: str) -> None:
         if self.trace is not None:

@@ -18,6 +18,7 @@ engine hears ``Failed``: nothing lands in blocks the engine may reuse.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Callable
@@ -43,7 +44,8 @@ from kvxfer.topology import BlockPairing, RankPlan
 log = logging.getLogger("kvxfer.streams")
 
 WATCH_WAIT_S = 5.0  # a watch waits this long at the prefill for more layers (then it is sent again)
-UNKNOWN_PAUSE_S = 0.002  # the prefill's Hold is not there yet: ask again after this
+UNKNOWN_PAUSE_S = 0.002  # the prefill's Hold is not there yet: ask again after this, doubling
+UNKNOWN_PAUSE_MAX_S = 0.1  # ... up to this
 
 
 @dataclass(frozen=True)
@@ -93,13 +95,14 @@ class StreamFeed:
         return True
 
     async def settle(self, key: str, err: RequestError) -> None:
-        """Cancel the receive's pre-read in flight, and wait until it settled."""
-        rk = self.in_flight(key)
-        if rk is None:
-            return
-        fut = self._reads[rk][1]
-        if await self.nixl.cancel(rk, err.code, err.reason):
-            await asyncio.shield(fut)
+        """Cancel the receive's pre-reads in flight, and wait until each settled (its landing
+        or failure comes back through ``landed``/``refused`` whether the cancel found it or
+        not). The receive is marked stopping first: none is posted after this."""
+        while (rk := self.in_flight(key)) is not None:
+            fut = self._reads[rk][1]
+            await self.nixl.cancel(rk, err.code, err.reason)
+            with contextlib.suppress(Exception):
+                await asyncio.shield(fut)
 
     # ------------------------------------------------------------------ following
 
@@ -120,20 +123,27 @@ class StreamFeed:
         host, port = msg.remote_host, msg.remote_port
         req_id = msg.remote_req_id or msg.req_id
         have = read = nbytes = 0
+        pause = UNKNOWN_PAUSE_S / 2
         plans: list[RankPlan] = []
         pairing: BlockPairing | None = None
         remote_layouts: dict[int, Any] = {}
+        blocks: list[int] = []
         ans = await self._watch(host, port, engine, req_id, msg.remote_token, 0, deadline)
         while True:
             if not alive():
                 raise RequestError(ErrorCode.CANCELLED, "receive ended", msg.req_id)
-            if ans.held == "unknown":
-                await asyncio.sleep(UNKNOWN_PAUSE_S)
+            if ans.held == "unknown":  # (its Hold is not there yet: ask again, less and less often)
+                pause = min(UNKNOWN_PAUSE_MAX_S, pause * 2)
+                await asyncio.sleep(pause)
                 ans = await self._watch(host, port, engine, req_id, msg.remote_token, have, deadline)
                 continue
             if ans.held != "held":
                 raise _refusal(ans, msg.req_id)
+            if pairing is not None and list(ans.block_ids) != blocks:
+                raise RequestError(ErrorCode.INCOMPATIBLE, "the prefill's blocks for this transfer id "
+                                   "changed while it was read (the id was held again): not used", msg.req_id)
             if pairing is None:  # (the first answer names the prefill's blocks)
+                blocks = list(ans.block_ids)
                 ranks = peer.engine_ranks(ans.engine_id or engine)
                 remote_layouts = {pp: info.layout for (pp, _), info in ranks.items()}
                 same = all(lay.block_size == local.info.layout.block_size for lay in remote_layouts.values())

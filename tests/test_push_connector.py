@@ -1,0 +1,106 @@
+"""Push mode, the prefill side of the connector (kvxfer.connector.push), with a recording
+client and duck-typed requests: when a request is held streamed, with which blocks, and what
+happens to its blocks when its lease ends early, it is preempted, or its transfer id is reused
+(each rule found by review; each test fails without its rule)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+from typing import Any
+
+from kvxfer.connector.push import StreamedHolds
+from kvxfer.connector.settings import ConnectorSettings
+from kvxfer.connector.step import StepPlan
+
+BS = 16
+
+
+@dataclass
+class Client:
+    holds: list[tuple[str, list[int]]] = field(default_factory=list)
+    releases: list[str] = field(default_factory=list)
+
+    def hold(self, req_id: str, blocks: list[int], *a: Any, **kw: Any) -> None:
+        assert kw["streamed"] is True
+        assert kw["token"] == req_id
+        self.holds.append((req_id, list(blocks)))
+
+    def release(self, req_id: str, **kw: Any) -> None:
+        self.releases.append(req_id)
+
+
+def request(rid: str, tid: str, prompt: int, computed: int = 0, status: str = "RUNNING") -> Any:
+    return SimpleNamespace(request_id=rid, num_prompt_tokens=prompt, num_computed_tokens=computed,
+                           kv_transfer_params={"do_remote_decode": True, "transfer_id": tid},
+                           status=SimpleNamespace(name=status))
+
+
+def holds() -> tuple[StreamedHolds, Client]:
+    client = Client()
+    return StreamedHolds(ConnectorSettings(mode="push"), client, 1, "P"), client  # type: ignore[arg-type]
+
+
+def test_only_a_step_that_computes_the_whole_prompt_is_streamed_with_the_prompts_blocks() -> None:
+    push, client = holds()
+    r = request("r1", "t1", prompt=100)
+    assert push.streams(r)
+    push.allocated(r, [1, 2, 3, 4, 5, 6, 7], BS)  # a chunk of 97 tokens allocates all 7 blocks
+    push.scheduled({"r1": 97}, None, StepPlan())
+    assert client.holds == []  # (not the last chunk: its tail is not computed this step)
+    r.num_computed_tokens = 97
+    push.allocated(r, [1, 2, 3, 4, 5, 6, 7, 8], BS)  # (+ a lookahead block)
+    plan = StepPlan()
+    push.scheduled({"r1": 3}, None, plan)
+    assert client.holds == [("t1", [1, 2, 3, 4, 5, 6, 7])]  # the prompt's 7 blocks, not the lookahead one
+    assert plan.streamed == ["t1"]
+    assert plan.names == {"t1": "r1"}
+
+
+def test_a_lease_that_ends_before_vllm_finishes_the_request_is_held_back() -> None:
+    push, _ = holds()
+    r = request("r1", "t1", prompt=20)
+    push.allocated(r, [1, 2], BS)
+    push.scheduled({"r1": 20}, None, StepPlan())
+    # the decode read it while the prefill still decodes (max_tokens > 1): vLLM would assert
+    assert push.hold_back({"r1", "other"}) == {"other"}
+    r.status = SimpleNamespace(name="FINISHED_LENGTH_CAPPED")
+    assert push.finish(r) == (False, None)  # freed at once: its lease is over
+
+
+def test_a_finished_request_keeps_its_blocks_until_released_and_an_aborted_one_is_released() -> None:
+    push, client = holds()
+    a, b = request("a", "ta", prompt=20), request("b", "tb", prompt=20)
+    for r in (a, b):
+        push.allocated(r, [1, 2], BS)
+    push.scheduled({"a": 20, "b": 20}, None, StepPlan())
+    a.status = SimpleNamespace(name="FINISHED_LENGTH_CAPPED")
+    b.status = SimpleNamespace(name="FINISHED_ABORTED")
+    assert push.finish(a) == (True, None)
+    assert push.finish(b) == (True, None)
+    assert client.releases == ["tb"]
+    assert push.hold_back({"a", "b"}) == {"a", "b"}  # (finished: their sends are reported)
+
+
+def test_a_transfer_id_already_live_is_not_streamed_again() -> None:
+    push, client = holds()
+    for rid in ("r1", "r2"):
+        push.allocated(request(rid, "same", prompt=20), [1, 2], BS)
+    push.scheduled({"r1": 20, "r2": 20}, None, StepPlan())
+    assert [h[0] for h in client.holds] == ["same"]
+    assert push.held("r1")
+    assert not push.held("r2")
+
+
+def test_a_preempted_streamed_request_is_released_and_not_streamed_again() -> None:
+    push, client = holds()
+    r = request("r1", "t1", prompt=20)
+    push.allocated(r, [1, 2], BS)
+    push.scheduled({"r1": 20}, None, StepPlan())
+    push.scheduled({}, {"r1"}, StepPlan())  # vLLM freed its blocks
+    assert client.releases == ["t1"]
+    push.allocated(r, [5, 6], BS)
+    push.scheduled({"r1": 20}, None, StepPlan())
+    assert len(client.holds) == 1  # (not held again)
+    r.status = SimpleNamespace(name="FINISHED_LENGTH_CAPPED")
+    assert push.finish(r) == (False, None)
