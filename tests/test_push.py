@@ -14,6 +14,7 @@ from __future__ import annotations
 import time
 
 import numpy as np
+import pytest
 
 from kvxfer.client import RemoteBlocks
 from kvxfer.errors import ErrorCode
@@ -223,3 +224,45 @@ def test_a_prefill_sidecar_killed_mid_stream_fails_the_load_before_its_deadline(
     finally:
         d.close()
         p.close()
+
+
+@pytest.mark.parametrize(("ptp", "dtp"), [(2, 4), (4, 1)])
+def test_push_between_different_tp_sizes(sidecars: SidecarFactory, ptp: int, dtp: int) -> None:
+    """Each decode rank follows the prefill and reads its head slice from the prefill ranks
+    that hold it (pull's TP plans, cut to layers); a layer is ready once every prefill rank
+    computed it (the ranks here compute one after the other). Every byte of every decode rank
+    checked; shown failing with a layer counted ready when rank 0 computed it."""
+    ds = sidecars.start(f"pusht-d{ptp}{dtp}", "--verify-sample", "0")
+    ps = sidecars.start(f"pusht-p{ptp}{dtp}")
+    lay = {"layers": 8, "num_blocks": 32, "heads": 4, "head_dim": 32, "head_layout": "HND"}
+    ds_eng = [SyntheticEngine(make_layout(tp_size=dtp, tp_rank=r, **lay), ds.endpoint, seed=7)  # type: ignore[arg-type]
+              for r in range(dtp)]
+    ps_eng = [SyntheticEngine(make_layout(tp_size=ptp, tp_rank=r, **lay), ps.endpoint, seed=3)  # type: ignore[arg-type]
+              for r in range(ptp)]
+    try:
+        for e in (*ds_eng, *ps_eng):
+            e.start()
+        tid = f"push-tp-{ptp}-{dtp}"
+        pb = ps_eng[0].allocate(3)  # (every rank allocates the same ids, as vLLM's ranks do)
+        for e in ps_eng[1:]:
+            assert e.allocate(3) == pb
+        db = ds_eng[0].allocate(3)
+        for e in ds_eng[1:]:
+            assert e.allocate(3) == db
+        ps_eng[0].client.hold(tid, pb, token=tid, streamed=True, notify_ranks=True,
+                              expires_unix=time.time() + 60)
+        for r, e in enumerate(ds_eng):
+            e.client.recv(tid, db, streamed_remote(ps_eng[0], tid), tp_rank=r, streamed=True, deadline_s=30)
+        for r, e in enumerate(ps_eng):  # (rank after rank: the last lags the others by far)
+            for layer in range(8):
+                e.fill_layers(tid, pb, range(layer, layer + 1))
+                e.client.layers_done(LayersDone(req_ids=[tid], layers=layer + 1, tp_rank=r))
+            time.sleep(0.2)
+        for e in ds_eng:
+            got = wait_for(e.client, lambda a: bool(a.done or a.failed), timeout=30)
+            assert got.done, got
+            assert e.verify(tid, db), f"decode rank {e.layout.tp_rank}: bytes differ"
+        wait_for(ps_eng[0].client, lambda a: bool(a.released))
+    finally:
+        for e in (*ds_eng, *ps_eng):
+            e.close()
