@@ -12,6 +12,7 @@ the bytes moved while the prefill computed.
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import numpy as np
 import pytest
@@ -226,23 +227,29 @@ def test_a_prefill_sidecar_killed_mid_stream_fails_the_load_before_its_deadline(
         p.close()
 
 
-@pytest.mark.parametrize(("ptp", "dtp"), [(2, 4), (4, 1)])
-def test_push_between_different_tp_sizes(sidecars: SidecarFactory, ptp: int, dtp: int) -> None:
+@pytest.mark.parametrize(("kind", "ptp", "dtp"), [("HND", 2, 4), ("HND", 4, 1), ("NHD", 2, 4), ("MLA", 1, 2),
+                                                  ("block-outermost", 2, 2)])
+def test_push_between_different_tp_sizes(sidecars: SidecarFactory, kind: str, ptp: int, dtp: int) -> None:
     """Each decode rank follows the prefill and reads its head slice from the prefill ranks
     that hold it (pull's TP plans, cut to layers); a layer is ready once every prefill rank
     computed it (the ranks here compute one after the other). Every byte of every decode rank
     checked; shown failing with a layer counted ready when rank 0 computed it."""
-    ds = sidecars.start(f"pusht-d{ptp}{dtp}", "--verify-sample", "0")
-    ps = sidecars.start(f"pusht-p{ptp}{dtp}")
-    lay = {"layers": 8, "num_blocks": 32, "heads": 4, "head_dim": 32, "head_layout": "HND"}
-    ds_eng = [SyntheticEngine(make_layout(tp_size=dtp, tp_rank=r, **lay), ds.endpoint, seed=7)  # type: ignore[arg-type]
-              for r in range(dtp)]
-    ps_eng = [SyntheticEngine(make_layout(tp_size=ptp, tp_rank=r, **lay), ps.endpoint, seed=3)  # type: ignore[arg-type]
-              for r in range(ptp)]
+    name = f"{kind[:3].lower()}{ptp}{dtp}"
+    ds = sidecars.start(f"pusht-d{name}", "--verify-sample", "0")
+    ps = sidecars.start(f"pusht-p{name}")
+    lay = {"layers": 8, "num_blocks": 32, "heads": 4, "head_dim": 32, "mla": kind == "MLA",
+           "head_layout": "NHD" if kind == "NHD" else "HND"}
+    outer = kind == "block-outermost"
+
+    def engines(sc: Any, tp: int, seed: int) -> list[SyntheticEngine]:
+        return [SyntheticEngine(make_layout(tp_size=tp, tp_rank=r, **lay), sc.endpoint, seed=seed,  # type: ignore[arg-type]
+                                block_outer=outer) for r in range(tp)]
+
+    ds_eng, ps_eng = engines(ds, dtp, 7), engines(ps, ptp, 3)
     try:
         for e in (*ds_eng, *ps_eng):
             e.start()
-        tid = f"push-tp-{ptp}-{dtp}"
+        tid = f"push-tp-{name}"
         pb = ps_eng[0].allocate(3)  # (every rank allocates the same ids, as vLLM's ranks do)
         for e in ps_eng[1:]:
             assert e.allocate(3) == pb
