@@ -7,7 +7,8 @@ or a buggy client does. Three rounds of one storm on each listener of a prefill 
 sidecar (handshake, engine socket, memory channel, gRPC control, gRPC health, /metrics);
 after each round, engines register within 5 s and a transfer verifies its bytes; across the
 three rounds each sidecar's RSS may grow 32 MiB at most. Before #40 the gRPC servers grew
-15-24 MiB per storm (45-72 MiB in three: still caught; five rounds cost CI 20 s more) and the /metrics server kept a thread per idle connection (it never
+15-24 MiB per storm (45-72 MiB in three: still caught; five rounds cost CI 20 s more) and
+the /metrics server kept a thread per idle connection (it never
 finished a storm in five minutes).
 """
 
@@ -149,7 +150,8 @@ def test_storms_on_every_listener_cost_no_memory_and_no_service(factory: Sidecar
             d.close()
     p.close()
     growth = {name: rss_mib(pid) - base[name] for name, pid in pids.items()}
-    rows.append(f"RSS growth over {ROUNDS} rounds: " + ", ".join(f"{n} {g:+.1f} MiB" for n, g in growth.items()))
+    rows.append(f"RSS growth over {ROUNDS} rounds: "
+                + ", ".join(f"{n} {g:+.1f} MiB" for n, g in growth.items()))
     print("\n".join(rows))
     assert all(g <= RSS_BUDGET_MIB for g in growth.values()), rows
     for name, (sc, _) in sides.items():  # the caps were hit, counted and said
