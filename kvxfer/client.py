@@ -19,7 +19,7 @@ import msgspec
 import zmq
 
 from kvxfer.engine_ring import Asking, EngineRing, RingUnavailable
-from kvxfer.errors import ErrorCode, ProtocolError, RequestError, SidecarUnavailable
+from kvxfer.errors import ErrorCode, KvxferError, ProtocolError, RequestError, SidecarUnavailable
 from kvxfer.protocol import (
     DECODE_ERRORS,
     Done,
@@ -82,6 +82,9 @@ class Drained:
         self.registered += other.registered
 
 
+# What sending to the sidecar may raise (it is not taking messages, or the socket failed):
+# an engine catches these, never lets them into vLLM's step
+SEND_ERRORS = (KvxferError, zmq.ZMQError)
 RING_RETRY_S = 5.0  # how often a client without the ring it wants asks again (heartbeats)
 
 

@@ -11,7 +11,9 @@ the bytes moved while the prefill computed.
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -23,7 +25,7 @@ from kvxfer.protocol import LayersDone
 from kvxfer.sidecar.stream_feed import WATCH_WAIT_S
 from kvxfer.testing.engine import SyntheticEngine, make_layout
 from kvxfer.testing.pattern import request_pattern
-from kvxfer.testing.procs import SidecarFactory, free_port
+from kvxfer.testing.procs import SidecarFactory, SidecarProc, free_port
 from tests.test_sidecar import wait_for
 
 LAYOUT = make_layout(layers=16, num_blocks=64, heads=4, head_dim=64)  # 256 KiB per block
@@ -38,6 +40,33 @@ def streamed_remote(p: SyntheticEngine, transfer_id: str) -> RemoteBlocks:
                         token=transfer_id)
 
 
+Pair = tuple[SidecarProc, SidecarProc, SyntheticEngine, SyntheticEngine]
+
+
+@contextlib.contextmanager
+def pair(sidecars: SidecarFactory, name: str, *decode_args: str, metrics: bool = False) -> Iterator[Pair]:
+    """A decode and a prefill sidecar (``<name>-d``, ``<name>-p``), an engine registered with
+    each; the engines are closed on leaving."""
+    ds = sidecars.start(f"{name}-d", "--verify-sample", "0", *decode_args,
+                        **({"metrics_port": free_port()} if metrics else {}))
+    ps = sidecars.start(f"{name}-p")
+    d, p = SyntheticEngine(LAYOUT, ds.endpoint, seed=2), SyntheticEngine(LAYOUT, ps.endpoint, seed=1)
+    try:
+        d.start()
+        p.start()
+        yield ds, ps, d, p
+    finally:
+        d.close()
+        p.close()
+
+
+def stream(p: SyntheticEngine, d: SyntheticEngine, tid: str, pb: list[int], db: list[int],
+           deadline_s: float = 30) -> None:
+    """The router's push dispatch: the prefill holds before computing, the decode follows."""
+    p.client.hold(tid, pb, token=tid, streamed=True, expires_unix=time.time() + 60)
+    d.client.recv(tid, db, streamed_remote(p, tid), streamed=True, deadline_s=deadline_s)
+
+
 def compute(p: SyntheticEngine, tid: str, blocks: list[int], layers: range, pause_s: float = 0.0) -> None:
     """The prefill computes these layers one by one, reporting each."""
     for layer in layers:
@@ -48,12 +77,7 @@ def compute(p: SyntheticEngine, tid: str, blocks: list[int], layers: range, paus
 
 
 def test_a_streamed_request_is_read_while_its_prefill_computes(sidecars: SidecarFactory) -> None:
-    ds = sidecars.start("push-d", "--verify-sample", "0", metrics_port=free_port())
-    ps = sidecars.start("push-p")
-    d, p = SyntheticEngine(LAYOUT, ds.endpoint, seed=2), SyntheticEngine(LAYOUT, ps.endpoint, seed=1)
-    try:
-        d.start()
-        p.start()
+    with pair(sidecars, "push", metrics=True) as (ds, ps, d, p):
         for i in range(3):
             tid = f"push-{i}"
             pb, db = p.allocate(8), d.allocate(8)
@@ -64,8 +88,7 @@ def test_a_streamed_request_is_read_while_its_prefill_computes(sidecars: Sidecar
                 time.sleep(0.05)
                 p.client.hold(tid, pb, token=tid, streamed=True, expires_unix=time.time() + 60)
             else:
-                p.client.hold(tid, pb, token=tid, streamed=True, expires_unix=time.time() + 60)
-                d.client.recv(tid, db, streamed_remote(p, tid), streamed=True, deadline_s=30)
+                stream(p, d, tid, pb, db)
             compute(p, tid, pb, range(0, 10), pause_s=0.02)
             # before the last layers are computed, the first ones are in the decode's blocks
             deadline = time.monotonic() + 10
@@ -83,24 +106,15 @@ def test_a_streamed_request_is_read_while_its_prefill_computes(sidecars: Sidecar
             p.free(pb)
         assert ds.proc.poll() is None
         assert ps.proc.poll() is None
-    finally:
-        d.close()
-        p.close()
 
 
 def test_a_prefill_that_aborts_mid_stream_fails_the_load(sidecars: SidecarFactory) -> None:
     """The prefill engine drops the request after some layers (its lease ends): the decode's
     load fails ``expired`` with every block it was to fill (vLLM recomputes them)."""
-    ds = sidecars.start("pusha-d", "--verify-sample", "0")
-    ps = sidecars.start("pusha-p")
-    d, p = SyntheticEngine(LAYOUT, ds.endpoint, seed=2), SyntheticEngine(LAYOUT, ps.endpoint, seed=1)
-    try:
-        d.start()
-        p.start()
+    with pair(sidecars, "pusha") as (ds, ps, d, p):
         tid = "push-abort"
         pb, db = p.allocate(4), d.allocate(4)
-        p.client.hold(tid, pb, token=tid, streamed=True, expires_unix=time.time() + 60)
-        d.client.recv(tid, db, streamed_remote(p, tid), streamed=True, deadline_s=30)
+        stream(p, d, tid, pb, db)
         compute(p, tid, pb, range(0, 5))
         time.sleep(0.1)
         p.client.release(tid)
@@ -112,54 +126,33 @@ def test_a_prefill_that_aborts_mid_stream_fails_the_load(sidecars: SidecarFactor
         assert got.failed[0].code == ErrorCode.EXPIRED
         assert sorted(got.failed[0].block_ids) == sorted(db)
         assert ds.proc.poll() is None
-    finally:
-        d.close()
-        p.close()
 
 
 def test_a_prefill_that_never_finishes_fails_the_load_at_its_deadline(sidecars: SidecarFactory) -> None:
-    ds = sidecars.start("pushd-d", "--verify-sample", "0")
-    ps = sidecars.start("pushd-p")
-    d, p = SyntheticEngine(LAYOUT, ds.endpoint, seed=2), SyntheticEngine(LAYOUT, ps.endpoint, seed=1)
-    try:
-        d.start()
-        p.start()
+    with pair(sidecars, "pushd") as (ds, ps, d, p):
         tid = "push-stuck"
         pb, db = p.allocate(4), d.allocate(4)
-        p.client.hold(tid, pb, token=tid, streamed=True, expires_unix=time.time() + 60)
-        d.client.recv(tid, db, streamed_remote(p, tid), streamed=True, deadline_s=2)
+        stream(p, d, tid, pb, db, deadline_s=2)
         compute(p, tid, pb, range(0, 3))
         got = wait_for(d.client, lambda a: bool(a.done or a.failed), timeout=30)
         assert got.failed, got
         assert got.failed[0].code == ErrorCode.DEADLINE
         assert ds.proc.poll() is None
-    finally:
-        d.close()
-        p.close()
 
 
 def test_a_decode_with_a_partial_prefix_hit_reads_the_suffix(sidecars: SidecarFactory) -> None:
     """The decode holds the first blocks of the prompt already (its prefix cache): it asks for
     fewer blocks, and they are filled with the prefill's last blocks, nothing shifted."""
-    ds = sidecars.start("pushs-d", "--verify-sample", "0")
-    ps = sidecars.start("pushs-p")
-    d, p = SyntheticEngine(LAYOUT, ds.endpoint, seed=2), SyntheticEngine(LAYOUT, ps.endpoint, seed=1)
-    try:
-        d.start()
-        p.start()
+    with pair(sidecars, "pushs") as (ds, ps, d, p):
         tid = "push-suffix"
         pb, db = p.allocate(5), d.allocate(2)
-        p.client.hold(tid, pb, token=tid, streamed=True, expires_unix=time.time() + 60)
-        d.client.recv(tid, db, streamed_remote(p, tid), streamed=True, deadline_s=30)
+        stream(p, d, tid, pb, db)
         compute(p, tid, pb, range(0, LAYOUT.num_layers))
         got = wait_for(d.client, lambda a: bool(a.done or a.failed), timeout=30)
         assert got.done, got
         want = request_pattern(LAYOUT, tid, 5)[:, :, 3:5, :]
         assert d.kv is not None
         assert np.array_equal(d.kv.blocks()[:, :, np.asarray(db), :], want), "not the prefill's last blocks"
-    finally:
-        d.close()
-        p.close()
 
 
 def test_watches_waiting_at_a_prefill_take_no_listener_slot(sidecars: SidecarFactory) -> None:
@@ -175,8 +168,7 @@ def test_watches_waiting_at_a_prefill_take_no_listener_slot(sidecars: SidecarFac
         n = 70
         for i in range(n):
             tid = f"pushw-{i}"
-            p.client.hold(tid, p.allocate(1), token=tid, streamed=True, expires_unix=time.time() + 60)
-            d.client.recv(tid, d.allocate(1), streamed_remote(p, tid), streamed=True, deadline_s=30)
+            stream(p, d, tid, p.allocate(1), d.allocate(1))
         time.sleep(1.0)  # (every watch waits at the prefill: nothing is computed)
         pb, db = p.allocate(2), d2.allocate(2)
         p.fill("pull", pb)
@@ -201,16 +193,10 @@ def test_a_prefill_sidecar_killed_mid_stream_fails_the_load_before_its_deadline(
         sidecars: SidecarFactory) -> None:
     """The prefill's sidecar dies while the decode follows it: the load fails (vLLM recomputes)
     long before its deadline, every block named, and the decode's sidecar goes on serving."""
-    ds = sidecars.start("pushk-d", "--verify-sample", "0", "--handshake-timeout-s", "2")
-    ps = sidecars.start("pushk-p")
-    d, p = SyntheticEngine(LAYOUT, ds.endpoint, seed=2), SyntheticEngine(LAYOUT, ps.endpoint, seed=1)
-    try:
-        d.start()
-        p.start()
+    with pair(sidecars, "pushk", "--handshake-timeout-s", "2") as (ds, ps, d, p):
         tid = "push-killed"
         pb, db = p.allocate(4), d.allocate(4)
-        p.client.hold(tid, pb, token=tid, streamed=True, expires_unix=time.time() + 60)
-        d.client.recv(tid, db, streamed_remote(p, tid), streamed=True, deadline_s=60)
+        stream(p, d, tid, pb, db, deadline_s=60)
         compute(p, tid, pb, range(0, 5))
         time.sleep(0.2)
         ps.proc.kill()
@@ -222,9 +208,6 @@ def test_a_prefill_sidecar_killed_mid_stream_fails_the_load_before_its_deadline(
               f"{got.failed[0].reason}")
         assert time.monotonic() - killed < 8  # (--peer-stall-s 2; a watch alone waits 10 s)
         assert ds.proc.poll() is None
-    finally:
-        d.close()
-        p.close()
 
 
 @pytest.mark.parametrize(("kind", "ptp", "dtp"), [("HND", 2, 4), ("HND", 4, 1), ("NHD", 2, 4), ("MLA", 1, 2),

@@ -24,16 +24,10 @@ import logging
 import time
 from typing import Any
 
-import zmq
-
-from kvxfer.client import SidecarClient
+from kvxfer.client import SEND_ERRORS, SidecarClient
 from kvxfer.connector.params import transfer_id_of
 from kvxfer.connector.settings import ConnectorSettings
-from kvxfer.connector.step import StepPlan
-from kvxfer.errors import KvxferError
-
-SEND_ERRORS = (KvxferError, zmq.ZMQError)
-FINISHED_OK = {"FINISHED_STOPPED", "FINISHED_LENGTH_CAPPED"}
+from kvxfer.connector.step import FINISHED_OK, StepPlan
 
 log = logging.getLogger(__name__)
 

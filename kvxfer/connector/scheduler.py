@@ -28,22 +28,16 @@ import logging
 import time
 from typing import Any
 
-import zmq
-
 from kvxfer.auth import new_token
-from kvxfer.client import Drained, RemoteBlocks, SidecarClient
+from kvxfer.client import SEND_ERRORS, Drained, RemoteBlocks, SidecarClient
 from kvxfer.connector.groups import held_blocks, pair_groups, push_pairs
 from kvxfer.connector.params import InvalidTransferParams, parse_push, parse_remote, transfer_id_of
 from kvxfer.connector.push import StreamedHolds
 from kvxfer.connector.settings import ConnectorSettings
-from kvxfer.connector.step import StepPlan
-from kvxfer.errors import ErrorCode, KvxferError
-
-SEND_ERRORS = (KvxferError, zmq.ZMQError)
+from kvxfer.connector.step import FINISHED_OK, StepPlan
+from kvxfer.errors import ErrorCode
 
 log = logging.getLogger(__name__)
-
-FINISHED_OK = {"FINISHED_STOPPED", "FINISHED_LENGTH_CAPPED"}
 
 
 class SchedulerSide:

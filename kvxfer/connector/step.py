@@ -5,6 +5,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+# a request finished with these statuses has its prefill blocks held for a decode
+FINISHED_OK = {"FINISHED_STOPPED", "FINISHED_LENGTH_CAPPED"}
+
 
 @dataclass
 class StepPlan:

@@ -33,9 +33,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
-import zmq
 
-from kvxfer.client import Drained, SidecarClient
+from kvxfer.client import SEND_ERRORS, Drained, SidecarClient
 from kvxfer.connector.layout import Placement, registration_from_tensors
 from kvxfer.connector.settings import ConnectorSettings
 from kvxfer.connector.shm_pool import SharedAllocator
@@ -212,7 +211,7 @@ class WorkerSide:
                 self._next_heartbeat = now + self.settings.heartbeat_s
                 self.client.heartbeat()
             ev = self.client.poll()
-        except (KvxferError, zmq.ZMQError) as e:  # never into vLLM's step: the deadlines below still run
+        except SEND_ERRORS as e:  # never into vLLM's step: the deadlines below still run
             log.warning("sidecar %s: %s", self.settings.sidecar, e)
             ev = Drained()
         if any(p.instance and p.instance != self._instance for p in ev.pongs):
@@ -370,7 +369,7 @@ class WorkerSide:
                          pp_rank=self.place.pp_rank, engine_id=self.place.engine_id)
         try:
             self.client.layers_done(msg)
-        except (KvxferError, zmq.ZMQError) as e:  # (the decode then waits for its deadline and recomputes)
+        except SEND_ERRORS as e:  # (the decode then waits for its deadline and recomputes)
             log.warning("layer %s not reported to the sidecar: %s", layer_name, e)
 
     def take_invalid_block_ids(self) -> set[int]:

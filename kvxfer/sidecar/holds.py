@@ -29,7 +29,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from kvxfer.abandoned import Abandoned
 from kvxfer.auth import same_token
@@ -135,6 +135,13 @@ class Holds:
             return None
         return lease
 
+    def absent(self, engine: str, req_id: str) -> Literal["gone", "unknown"]:
+        """What a peer asking for a lease ``lease_for`` did not give it is told: "gone" (it
+        ended here: released, aborted, expired) or "unknown" (never held here, not yet, or
+        refused to that peer: a refusal looks like no lease at all)."""
+        known = self.table.resolve(engine, req_id) is not None  # (refused, not ended)
+        return "gone" if not known and self.table.ended(engine, req_id) else "unknown"
+
     def extend(self, lease: Lease, by_s: float, agent: str, message: str, cap_s: float) -> None:
         """Keep ``lease`` ``by_s`` more seconds, but never more than ``cap_s`` at once nor past
         ``max_lease_s`` from its hold (no peer can pin blocks for ever)."""
@@ -178,11 +185,9 @@ class Holds:
             token = req.tokens[i] if i < len(req.tokens) else ""
             lease = self.lease_for(req.agent_name, req.engine_id, rid, token, "lease_renew")
             if lease is None:
-                known = self.table.resolve(req.engine_id, rid) is not None  # (refused, not ended)
-                gone = not known and self.table.ended(req.engine_id, rid)
-                if gone:
+                held.append(absent := self.absent(req.engine_id, rid))
+                if absent == "gone":
                     self.observer.stray_notice(req.agent_name, rid, "expired_lease")
-                held.append("gone" if gone else "unknown")
                 published.append(False)
                 continue
             self.extend(lease, req.extend_s or lease.duration or self.config.lease_s, req.agent_name,

@@ -152,10 +152,9 @@ class StreamFeed:
             have = ans.ready
             if have >= ans.total:
                 n_local = local.info.layout.num_regions
-                rest = [p for a, b in read_ranges(read, ans.total)
-                        for p in restrict(plans, (a, b), remote_layouts, n_local, last=b == ans.total)]
-                if read == 0:
-                    rest = plans  # (nothing pre-read: the whole plan, as pull reads it)
+                rest = plans if read == 0 else [  # (nothing pre-read: the whole plan, as pull reads it)
+                    p for a, b in read_ranges(read, ans.total)
+                    for p in restrict(plans, (a, b), remote_layouts, n_local, last=b == ans.total)]
                 self.observer.stream_layers(read, ans.total - read)
                 return Followed(msg, rest, pairing, read, nbytes)
             sent = self._send_watch(host, port, engine, req_id, msg.remote_token, have)  # (waits there

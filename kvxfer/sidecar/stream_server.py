@@ -131,9 +131,8 @@ class StreamServer:
                         generation=self._generation(), tp_size=tp_size, engine_id=lease.engine)
 
     def _not_held(self, msg: LayerWatch) -> LayersAt:
-        known = self.holds.table.resolve(msg.engine_id, msg.req_id) is not None  # (refused, not ended)
-        gone = not known and self.holds.table.ended(msg.engine_id, msg.req_id)
-        return LayersAt(seq=msg.seq, held="gone" if gone else "unknown", generation=self._generation())
+        return LayersAt(seq=msg.seq, held=self.holds.absent(msg.engine_id, msg.req_id),
+                        generation=self._generation())
 
     def _extend(self, lease: Lease, msg: LayerWatch) -> None:
         self.holds.extend(lease, msg.extend_s or lease.duration or self.config.lease_s, msg.agent_name,
