@@ -96,6 +96,8 @@ class Soak:
         self.samples: list[dict[str, float]] = []
         self.problems: list[str] = []
         self.last_ok = time.monotonic()
+        self.started = time.monotonic()
+        self.fault_log: list[tuple[float, str]] = []  # (when it began, the fault): named in problems
         self.stop = threading.Event()
 
     # ------------------------------------------------------------------ setup
@@ -159,6 +161,8 @@ class Soak:
                     where = RemoteBlocks(reg.engine_id, reg.handshake_host, reg.handshake_port, pb)
                     d.client.recv(name, db, where, deadline_s=self.args.deadline_s)
                 answers, died = self._answers(d, set(batch), starts)
+                if not died and len(answers) < len(batch):
+                    self.problems.append(self._diagnose(set(batch) - set(answers)))
                 outcome = {name: ("died" if died else "unsettled") if name not in answers
                            else answers[name] if answers[name] != "done"
                            else "ok" if d.verify(name, batch[name][1]) else "corrupt" for name in batch}
@@ -168,9 +172,38 @@ class Soak:
                 for pb, db in batch.values():
                     d.free(db)
                     p.free(pb)
-        self._count(outcome, time.monotonic() - t0)
+        self._count(outcome, t0, time.monotonic() - t0)
 
-    def _count(self, outcome: dict[str, str], took: float) -> None:
+    def _when(self, t0: float) -> str:
+        """When a request was sent, and the faults begun within 30 s before it or after."""
+        near = [f"{kind} at {t - self.started:.1f}s" for t, kind in self.fault_log if t0 - 30 < t]
+        return f"sent at {t0 - self.started:.1f}s (faults near: {', '.join(near) or 'none'})"
+
+    def _diagnose(self, names: set[str]) -> str:
+        """What the decode sidecar says of unanswered requests, and its log's last lines (an
+        unsettled request is a bug to find: the CI output is all there is of it)."""
+        from kvxfer.control.v1 import control_pb2 as pb
+        from kvxfer.control.v1 import control_pb2_grpc as pb_grpc
+
+        said = []
+        for which in ("d", "p"):
+            try:
+                import grpc
+
+                with grpc.insecure_channel(self.sides[which].proc.control) as ch:
+                    st = pb_grpc.ControlStub(ch).GetStatus(pb.GetStatusRequest(), timeout=5)
+                said.append(f"{which}: {len(st.transfers)} transfers " + "; ".join(
+                    f"{t.request_id} {t.state} age {t.age_s:.1f}s" for t in st.transfers
+                    if t.request_id in names) + f", {len(st.leases)} leases, {len(st.ranks)} ranks")
+            except Exception as e:  # (diagnostics only)
+                said.append(f"{which}: no status ({e!r})")
+        try:
+            tail = self.sides["d"].proc.log().splitlines()[-15:]
+        except OSError as e:
+            tail = [repr(e)]
+        return f"unanswered {sorted(names)}: " + " | ".join(said) + "\n  d log: " + "\n    ".join(tail)
+
+    def _count(self, outcome: dict[str, str], t0: float, took: float) -> None:
         m = self.minutes[-1]
         for name, what in outcome.items():
             if what == "ok":
@@ -180,7 +213,7 @@ class Soak:
             elif what == "unsettled":  # no answer past deadline + settle while the decode sidecar lived
                 m.unsettled += 1
                 self.problems.append(f"{name}: unsettled {self.args.deadline_s + self.args.settle_s:.0f}s "
-                                     "after it was sent, its decode sidecar alive")
+                                     f"after it was sent, its decode sidecar alive; {self._when(t0)}")
             else:
                 m.failed += 1
                 if what == "corrupt":
@@ -210,11 +243,13 @@ class Soak:
 
     # ------------------------------------------------------------------ faults
 
-    def fault(self) -> str:
+    def rng_kind(self) -> str:
         kinds = ["kill9-p", "kill9-d", "stop-p", "stop-d", "engine-p", "engine-d", "drop-peer", "hostile"]
         if self.netns:
             kinds.append("link-cut")
-        kind = self.rng.choice(kinds)
+        return self.rng.choice(kinds)
+
+    def fault(self, kind: str) -> None:
         which = kind[-1]
         if kind.startswith(("kill9", "stop")):
             side = self.sides[which]
@@ -232,7 +267,6 @@ class Soak:
             ip("-n", NS[1], "link", "set", VETH[1], "down")
             time.sleep(5.0)
             ip("-n", NS[1], "link", "set", VETH[1], "up")
-        return kind
 
     def _restarted(self, which: str, before: int) -> None:
         """Wait for the supervisor's restart (a frozen sidecar: after its watchdog killed it),
@@ -284,7 +318,9 @@ class Soak:
     def faults(self) -> None:
         while not self.stop.wait(self.args.fault_every):
             t0 = time.monotonic()
-            kind = self.fault()
+            kind = self.rng_kind()
+            self.fault_log.append((t0, kind))
+            self.fault(kind)
             self.minutes[-1].faults.append(kind)
             end = time.monotonic() + self.args.recover_s
             while self.last_ok < t0 + 0.001 and time.monotonic() < end and not self.stop.is_set():
