@@ -149,3 +149,29 @@ def test_remote_suffix_on_a_partial_prefix_hit() -> None:
     assert remote_suffix([7, 8, 9, 10], 2, True) == [9, 10]
     assert remote_suffix([7, 8, 9, 10], 4, True) == [7, 8, 9, 10]
     assert remote_suffix([7, 8, 9, 10], 2, False) == [7, 8, 9, 10]
+
+
+def test_a_read_cut_to_some_layers_counts_only_their_regions_toward_the_inline_cap() -> None:
+    """Push mode's last read of one layer is small and posted by the loop itself; its request
+    (every layer) is not: ``read_bound`` counts what the plans name (kvxfer.sidecar.nixl_port)."""
+    import dataclasses
+
+    from kvxfer.protocol import RankInfo, RemoteRegion
+    from kvxfer.sidecar.nixl_port import read_bound
+    from kvxfer.sidecar.plan import ReadSpec
+    from kvxfer.testing.engine import make_layout
+    from kvxfer.topology import BlockPairing, RankPlan
+
+    lay = make_layout(layers=4, num_blocks=8, heads=2, head_dim=8, block_size=4)
+    regions = [RemoteRegion(addr=4096 * (i + 1), block_len=100 + i, block_stride=1024)
+               for i in range(lay.num_regions)]
+    info = RankInfo(layout=lay, regions=regions)
+    whole = RankPlan(remote_rank=0, segments=())
+    spec = ReadSpec(req_id="r", peer="p", local_rank=(0, 0), local_blocks=[1, 2, 3], remote_blocks=[4, 5, 6],
+                    plans=[whole], pairing=BlockPairing(1, False), deadline_s=1.0)
+    assert read_bound(spec, info) == 3 * sum(r.block_len for r in regions)
+    cut = dataclasses.replace(whole, local_region0=2, remote_region0=2, num_regions=2)
+    assert read_bound(dataclasses.replace(spec, plans=[cut]), info) == 3 * (102 + 103)
+    off_by_one = dataclasses.replace(cut, local_region0=3)
+    assert read_bound(dataclasses.replace(spec, plans=[off_by_one]), info) == 3 * (103 + 104)
+    assert read_bound(dataclasses.replace(spec, plans=[cut, whole]), info) == 3 * sum(r.block_len for r in regions)

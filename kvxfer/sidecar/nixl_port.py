@@ -61,17 +61,42 @@ def send_notif_logged(nixl_agent: Any, agent: str, payload: bytes) -> None:
 
 
 
-def host_extras(agent: Any, options: TransferOptions) -> tuple[ProofScratch | None, StagingArena | None]:
+def host_extras(agent: Any, options: TransferOptions, name: str = "") -> tuple[ProofScratch | None,
+                                                                               StagingArena | None]:
     """Host memory registered before any handshake (so every Welcome's metadata covers it):
-    the lease words this sidecar publishes, where the words it reads land, and the staging
-    arena (host memory only, for now)."""
+    the lease words this sidecar publishes, where the words it reads land (with an agent of
+    their own, ``name``-words, that copies inline: ``ProofScratch``), and the staging arena
+    (host memory only, for now)."""
     addr, nbytes = options.lease_words
     if nbytes:
         agent.register_memory([(addr, nbytes, 0, "")], "DRAM")
     host = not options.cuda
-    scratch = ProofScratch(agent, options.proof_slots) if options.proof_slots > 0 and host else None
+    scratch = None
+    if options.proof_slots > 0 and host:
+        inline = None
+        if name and options.num_threads > 0:  # (without worker threads the main agent copies inline)
+            try:
+                inline = create_agent(f"{name}-words", options.ucx_error_mode, 0)
+            except Exception as e:
+                log.warning("no agent of their own for lease word reads (%s): the main agent reads them", e)
+        scratch = ProofScratch(agent, options.proof_slots, inline)
     arena = StagingArena(agent, options.staging_bytes) if options.staging_bytes > 0 and host else None
     return scratch, arena
+
+
+def read_bound(spec: ReadSpec, info: RankInfo) -> int:
+    """At most how many bytes a read moves into its local rank: its blocks times a block's
+    bytes, or, when every plan names its regions (cut to some layers: a streamed receive's
+    reads, ``layer_stream.restrict``), only those regions' share of a block. Decides which
+    reads the loop posts itself: push mode's last read of one layer is small, its request not."""
+    per_block = info.block_bytes()
+    if spec.plans and all(p.num_regions and not p.state for p in spec.plans):
+        n = info.layout.num_regions
+        regions = info.regions[:n]
+        cut = sum(regions[i].block_len for p in spec.plans
+                  for i in range(p.local_region0, min(n, p.local_region0 + p.num_regions)))
+        per_block = min(per_block, cut)
+    return spec.num_blocks * per_block
 
 
 class LoopEvents:
@@ -272,7 +297,7 @@ class NixlPort:
         try:
             regs, reads = self._regs_(), self._reads_()
             local = regs.local.get(spec.local_rank)
-            if local is None or spec.num_blocks * local.block_bytes > self.options.inline_bytes or reads.full:
+            if local is None or read_bound(spec, local.info) > self.options.inline_bytes or reads.full:
                 return False
             self._start_read(spec)
             self.reads_inline += 1
@@ -304,10 +329,15 @@ class NixlPort:
         if name in self._regs_().peers:
             # Not "disconnected": the loop would drop the peer it is handshaking right now.
             self._remove_peer(name, "peer metadata replaced", ErrorCode.TRANSFER_ERROR)
-        return self._regs_().add_peer(name, metadata, ranks, reload)
+        added = self._regs_().add_peer(name, metadata, ranks, reload)
+        if self._scratch is not None:
+            self._scratch.add_peer(name, metadata)
+        return added
 
     def _remove_peer(self, name: str, reason: str, code: str, at_once: bool = False) -> bool:
         settling = self._reads_().fail_where(lambda r: r.peer == name, code, reason)
+        if self._scratch is not None:
+            self._scratch.remove_peer(name)
         return self._regs_().remove_peer(name, settling, at_once)
 
     def _start_read(self, spec: ReadSpec) -> None:
@@ -326,7 +356,7 @@ class NixlPort:
         self._agent = create_agent(self.agent_name, self.options.ucx_error_mode, self.options.num_threads)
         cleanup = Cleanup()
         self._regs = Registrations(self._agent, self._pools, cleanup)
-        self._scratch, self._arena = host_extras(self._agent, self.options)
+        self._scratch, self._arena = host_extras(self._agent, self.options, self.agent_name)
         self._reads = Reads(self._agent, self.options, self._emit, cleanup, self._scratch)
         self.staging = (self._arena.addr, self._arena.size) if self._arena is not None else (0, 0)
         self.backends = ["UCX"]
@@ -392,7 +422,7 @@ class NixlPort:
         if self._arena is not None:
             self._arena.close()
         if self._scratch is not None:
-            self._scratch.close(self._agent)
+            self._scratch.close()
         # Keep progressing briefly so notifications already sent leave the process.
         end = time.monotonic() + 0.05
         while time.monotonic() < end:

@@ -44,14 +44,24 @@ PROOF_SPIN_S = 30e-6  # how long a word read is polled for at once before the ne
 
 
 class ProofScratch:
-    """Where lease words land: 16-byte slots of host memory registered with the agent (the
-    NIXL thread's only; a slot whose read was given up is never used again)."""
+    """Where lease words land: 16-byte slots of host memory registered with the agent that
+    reads them (the NIXL thread's only; a slot whose read was given up is never used again).
 
-    def __init__(self, agent: Any, slots: int) -> None:
+    That agent is one of its own, without UCX worker threads (``inline``): a word read then
+    copies inside ``transfer()`` (~20 µs here) where the main agent, whose worker threads
+    copy the large reads in parallel, handed it to a worker and learnt of its end only at
+    its next poll (~0.9 ms after the data landed, measured in push mode's tail). It loads
+    every peer the main agent loads (``add_peer``/``remove_peer``); without it (no second
+    agent could be made) the main agent reads the words."""
+
+    def __init__(self, agent: Any, slots: int, inline: Any = None) -> None:
+        self.agent = inline if inline is not None else agent
+        self.inline = inline is not None
         self.mem = np.zeros(2 * slots, dtype=np.uint64)
         self.addr = int(self.mem.ctypes.data)
-        self._reg = agent.register_memory([(self.addr, int(self.mem.nbytes), 0, "")], "DRAM")
+        self._reg = self.agent.register_memory([(self.addr, int(self.mem.nbytes), 0, "")], "DRAM")
         self._free = list(range(slots - 1, -1, -1))
+        self._peers: set[str] = set()  # loaded into the inline agent
         self.lost = 0
 
     def take(self) -> int:
@@ -63,11 +73,32 @@ class ProofScratch:
     def lose(self, slot: int) -> None:
         self.lost += 1
 
-    def post(self, agent: Any, slot: int, remote_addr: int, peer: str) -> Any:
+    def add_peer(self, name: str, metadata: bytes) -> None:
+        """The main agent loaded ``name``: the inline agent loads it too (a failure only
+        leaves its words unread: the claim decides)."""
+        if not self.inline:
+            return
+        self.remove_peer(name)  # (its metadata replaced)
+        try:
+            self.agent.add_remote_agent(metadata)
+            self._peers.add(name)
+        except Exception as e:
+            log.info("lease words of %s will not be read inline: %s", name, e)
+
+    def remove_peer(self, name: str) -> None:
+        if name in self._peers:
+            self._peers.discard(name)
+            with contextlib.suppress(Exception):  # (a word read in flight: its handle was released)
+                self.agent.remove_remote_agent(name)
+
+    def post(self, slot: int, remote_addr: int, peer: str) -> Any:
+        if self.inline and peer not in self._peers:
+            raise RuntimeError(f"{peer} is not loaded for lease word reads")
         self.mem[2 * slot] = 0
         self.mem[2 * slot + 1] = 0
         local = np.array([[self.addr + 16 * slot, 16, 0]], dtype=np.int64)
         remote = np.array([[remote_addr, 16, 0]], dtype=np.int64)
+        agent = self.agent
         handle = agent.initialize_xfer("READ", agent.get_xfer_descs(local, "DRAM"),
                                        agent.get_xfer_descs(remote, "DRAM"), peer)
         if agent.transfer(handle) == "ERR":
@@ -75,12 +106,29 @@ class ProofScratch:
             raise RuntimeError("lease word read returned ERR")
         return handle
 
+    def state(self, handle: Any) -> str:
+        try:
+            return str(self.agent.check_xfer_state(handle))
+        except Exception:
+            return "ERR"
+
+    def release(self, handle: Any) -> bool:
+        """False: the backend refused (still active); the caller must never touch it again."""
+        try:
+            self.agent.release_xfer_handle(handle)
+            return True
+        except Exception as e:
+            log.debug("lease word handle release refused: %s", e)
+            return False
+
     def word(self, slot: int) -> tuple[int, int]:
         return int(self.mem[2 * slot]), int(self.mem[2 * slot + 1])
 
-    def close(self, agent: Any) -> None:
+    def close(self) -> None:
+        for name in list(self._peers):
+            self.remove_peer(name)
         with contextlib.suppress(Exception):
-            agent.deregister_memory(self._reg)
+            self.agent.deregister_memory(self._reg)
 
 
 @dataclass
@@ -286,7 +334,7 @@ class Reads:
                 rd.proof_addr = 0
                 return True
             try:
-                rd.proof_handle = scratch.post(self._agent, rd.proof_slot, rd.proof_addr, rd.peer)
+                rd.proof_handle = scratch.post(rd.proof_slot, rd.proof_addr, rd.peer)
             except Exception as e:
                 log.debug("lease word of %s not read: %s", rd.req_id, e)
                 scratch.give(rd.proof_slot)
@@ -295,10 +343,10 @@ class Reads:
             rd.proof_at = now
             if rd.trace is not None:
                 rd.trace.append(("data_done", time.monotonic_ns()))  # (the word read's post follows)
-        state = self._state(rd.proof_handle)
+        state = scratch.state(rd.proof_handle)
         spin_until = time.monotonic() + PROOF_SPIN_S  # (16 bytes: waiting here beats a poll period)
         while state not in ("DONE", "ERR") and time.monotonic() < spin_until:
-            state = self._state(rd.proof_handle)
+            state = scratch.state(rd.proof_handle)
         if state not in ("DONE", "ERR"):
             if now - rd.proof_at < PROOF_WAIT_S:
                 return False
@@ -306,8 +354,10 @@ class Reads:
             return True
         if state == "DONE":
             rd.proof_word = scratch.word(rd.proof_slot)
-        self._release(rd.proof_handle)
-        scratch.give(rd.proof_slot)
+        if scratch.release(rd.proof_handle):
+            scratch.give(rd.proof_slot)
+        else:
+            scratch.lose(rd.proof_slot)
         rd.proof_handle, rd.proof_addr = None, 0
         return True
 
@@ -318,16 +368,15 @@ class Reads:
         if scratch is None or slot < 0:
             return None
         try:
-            handle = scratch.post(self._agent, slot, addr, peer)
+            handle = scratch.post(slot, addr, peer)
         except Exception as e:
             log.debug("lease word at %x of %s not read: %s", addr, peer, e)
             scratch.give(slot)
             return None
         end = time.monotonic() + PROOF_WAIT_S
-        while (state := self._state(handle)) not in ("DONE", "ERR") and time.monotonic() < end:
+        while (state := scratch.state(handle)) not in ("DONE", "ERR") and time.monotonic() < end:
             time.sleep(20e-6)
-        self._release(handle)
-        if state not in ("DONE", "ERR"):
+        if not scratch.release(handle) or state not in ("DONE", "ERR"):
             scratch.lose(slot)
             return None
         word = scratch.word(slot) if state == "DONE" else None
@@ -337,10 +386,9 @@ class Reads:
     def _drop_proof(self, rd: Read) -> None:
         """Give up a word read in flight: its handle is released, its slot never used again
         (a late landing could still write it)."""
-        if rd.proof_handle is not None:
-            self._release(rd.proof_handle)
-            if self._scratch is not None:
-                self._scratch.lose(rd.proof_slot)
+        if rd.proof_handle is not None and self._scratch is not None:
+            self._scratch.release(rd.proof_handle)
+            self._scratch.lose(rd.proof_slot)
         rd.proof_handle, rd.proof_addr = None, 0
 
     def _landed(self, rd: Read, now: float) -> None:
