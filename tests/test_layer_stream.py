@@ -174,4 +174,5 @@ def test_a_read_cut_to_some_layers_counts_only_their_regions_toward_the_inline_c
     assert read_bound(dataclasses.replace(spec, plans=[cut]), info) == 3 * (102 + 103)
     off_by_one = dataclasses.replace(cut, local_region0=3)
     assert read_bound(dataclasses.replace(spec, plans=[off_by_one]), info) == 3 * (103 + 104)
-    assert read_bound(dataclasses.replace(spec, plans=[cut, whole]), info) == 3 * sum(r.block_len for r in regions)
+    both = dataclasses.replace(spec, plans=[cut, whole])
+    assert read_bound(both, info) == 3 * sum(r.block_len for r in regions)

@@ -80,6 +80,20 @@ def test_a_word_that_shows_the_lease_delivers_without_the_claims_answer() -> Non
     assert r.claimed(None, True) is Step.WAIT  # (the late answer changes nothing)
 
 
+def test_a_refusal_after_the_word_proved_the_read_changes_nothing_while_it_is_verified() -> None:
+    """A read proved by its word and sampled for --verify-sample, whose claim (sent after the
+    post) is refused meanwhile (the lease ended after the landing): the verdict still ends it
+    Done (it used to trip an assertion and fail INTERNAL, found by review)."""
+    r = Receive("r")
+    r.start(False, 10)
+    assert r.landed(LANDED, proof=True) is Step.CHECK
+    r.verifying()
+    assert r.claimed(RequestError(ErrorCode.EXPIRED, "gone")) is Step.WAIT
+    assert r.verified(None) is Step.END
+    assert r.outcome is not None
+    assert r.outcome.exit is Exit.DONE
+
+
 def test_a_published_word_gone_after_the_landing_refuses_the_read() -> None:
     r = Receive("r")
     r.start(False, 10)

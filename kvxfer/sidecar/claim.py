@@ -1,12 +1,13 @@
 """The claim: before a read's ``Done`` goes out, the prefill sidecar confirms it still held
 the blocks while they were read, and extends their lease over the read and its check.
 
-Sent beside the read (over the peer's kept-open link, before the read is posted, so the
-round trip overlaps the copy); asked again, briefly, while the prefill does not know the
-request yet (its ``Hold`` may still be on the way); judged by ``receive.claim_verdict``.
-The answer is the claim task's result: None (held), ``PUBLISHED`` (held, and the lease's
-word is published: a word read after the landing must show it, ``kvxfer.sidecar.lease_words``)
-or why the read must not be trusted.
+Sent beside the read (over the peer's kept-open link, right after the read is posted, so
+the round trip overlaps the copy; not at all for a small read that landed and was proved by
+its lease word inside the post: ``Receiver._claim_and_post``); asked again, briefly, while
+the prefill does not know the request yet (its ``Hold`` may still be on the way); judged
+by ``receive.claim_verdict``. The answer is the claim task's result: None (held),
+``PUBLISHED`` (held, and the lease's word is published: a word read after the landing must
+show it, ``kvxfer.sidecar.lease_words``) or why the read must not be trusted.
 
 One claim serves every local rank of a request (#35): each rank of a TP > 1 decode engine
 sends its own ``Recv``, and each used to send its own ``LeaseRenew`` for the same request
@@ -112,7 +113,7 @@ class Claims:
         extend_s = reading_s + self.config.handshake_timeout_s + 1.0
         renew = LeaseRenew(seq=0, engine_id=engine, req_ids=[msg.remote_req_id or msg.req_id],
                            extend_s=extend_s, agent_name=self.agent_name, tokens=[msg.remote_token])
-        sent = self.peers.send_renewal(msg.remote_host, msg.remote_port, renew)  # now, before the read
+        sent = self.peers.send_renewal(msg.remote_host, msg.remote_port, renew)  # now, beside the read
         if sent is not None:
             mark("claim_sent")
         task = asyncio.ensure_future(self._run(msg, reading_s, renew, sent, peer, mark))

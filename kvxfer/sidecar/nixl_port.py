@@ -79,7 +79,11 @@ def host_extras(agent: Any, options: TransferOptions, name: str = "") -> tuple[P
                 inline = create_agent(f"{name}-words", options.ucx_error_mode, 0)
             except Exception as e:
                 log.warning("no agent of their own for lease word reads (%s): the main agent reads them", e)
-        scratch = ProofScratch(agent, options.proof_slots, inline)
+        try:
+            scratch = ProofScratch(agent, options.proof_slots, inline)
+        except Exception as e:  # (its memory not registered with it: the main agent reads the words)
+            log.warning("lease word reads by the main agent: %s", e)
+            scratch = ProofScratch(agent, options.proof_slots)
     arena = StagingArena(agent, options.staging_bytes) if options.staging_bytes > 0 and host else None
     return scratch, arena
 

@@ -62,6 +62,7 @@ class ProofScratch:
         self._reg = self.agent.register_memory([(self.addr, int(self.mem.nbytes), 0, "")], "DRAM")
         self._free = list(range(slots - 1, -1, -1))
         self._peers: set[str] = set()  # loaded into the inline agent
+        self._zombies: list[Any] = []  # handles whose release was refused: retried (``retry``)
         self.lost = 0
 
     def take(self) -> int:
@@ -79,6 +80,8 @@ class ProofScratch:
         if not self.inline:
             return
         self.remove_peer(name)  # (its metadata replaced)
+        if name in self._peers:
+            return  # (still loaded: the same process, agent names are per process: its words did not move)
         try:
             self.agent.add_remote_agent(metadata)
             self._peers.add(name)
@@ -86,10 +89,14 @@ class ProofScratch:
             log.info("lease words of %s will not be read inline: %s", name, e)
 
     def remove_peer(self, name: str) -> None:
+        """Unload ``name`` from the inline agent; refused (a word read still in flight), it
+        stays loaded, and is unloaded by a later ``remove_peer`` or ``add_peer``."""
         if name in self._peers:
-            self._peers.discard(name)
-            with contextlib.suppress(Exception):  # (a word read in flight: its handle was released)
+            try:
                 self.agent.remove_remote_agent(name)
+                self._peers.discard(name)
+            except Exception as e:
+                log.debug("lease word agent kept %s loaded: %s", name, e)
 
     def post(self, slot: int, remote_addr: int, peer: str) -> Any:
         if self.inline and peer not in self._peers:
@@ -113,13 +120,25 @@ class ProofScratch:
             return "ERR"
 
     def release(self, handle: Any) -> bool:
-        """False: the backend refused (still active); the caller must never touch it again."""
+        """False: the backend refused (still active): parked and retried (``retry``), its slot
+        must never be used again."""
         try:
             self.agent.release_xfer_handle(handle)
             return True
         except Exception as e:
             log.debug("lease word handle release refused: %s", e)
+            self._zombies.append(handle)
             return False
+
+    def retry(self) -> None:
+        """Release the parked handles that the backend lets go of now."""
+        if self._zombies:
+            handles, self._zombies = self._zombies, []
+            for handle in handles:
+                with contextlib.suppress(Exception):
+                    self.agent.release_xfer_handle(handle)
+                    continue
+                self._zombies.append(handle)
 
     def word(self, slot: int) -> tuple[int, int]:
         return int(self.mem[2 * slot]), int(self.mem[2 * slot + 1])
@@ -216,6 +235,8 @@ class Reads:
             parked, self._zombies = self._zombies, []
             for handle in parked:
                 self._release(handle)
+        if self._scratch is not None:
+            self._scratch.retry()
         return progressed
 
     def cancel(self, req_id: str, code: str, reason: str) -> bool:

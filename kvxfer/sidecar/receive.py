@@ -129,10 +129,12 @@ class Receive:
         word is published); else why the read must not be trusted."""
         if self.phase is Phase.ENDED or self._claim is not _PENDING:
             return Step.WAIT
+        if self._read is not None and self._proof is True:
+            return Step.WAIT  # (its lease word proved it after the landing: the answer is moot)
         self._published = published and refusal is None
         self._claim = True if refusal is None else RequestError(refusal.code, refusal.reason, self.req_id)
-        if self._read is None or self._proof is True:
-            return Step.WAIT  # (not landed yet; or its lease word proved it, and it went on)
+        if self._read is None:
+            return Step.WAIT  # (not landed yet)
         return self._after_read()
 
     def reproved(self, shows: bool) -> Step:

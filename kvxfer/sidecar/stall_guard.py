@@ -8,11 +8,13 @@ that, is probed with a renewal of no lease; so is any peer after --peer-idle-pro
 nothing asked of it (one that does not answer is let go, counted as a disconnection, not a
 stall: a prefill that was replaced or scaled away).
 
-Why the claim keeps its word: a read is delivered only once the prefill sidecar answered
-its claim, so a peer that stopped answering never has a read delivered, whatever its
-memory did meanwhile (over RDMA a frozen process's NIC still serves READs: the bytes may
-land, and are still refused). The engine is told only once the read settled, so nothing
-lands in blocks it reuses.
+Why a stalled peer's reads are safe: a read is delivered only once the prefill sidecar
+answered its claim, or once the lease's word, read after the data landed, showed the lease
+with the prefill *engine's* own deadline more than 2 s away (``lease_words``: the engine
+frees held blocks by itself only past that deadline, frozen sidecar or not). So a peer that
+stopped answering has a read delivered only while its engine still keeps the blocks (over
+RDMA a frozen process's NIC still serves READs: such bytes are right), and never after. The
+engine is told only once the read settled, so nothing lands in blocks it reuses.
 """
 
 from __future__ import annotations
