@@ -290,3 +290,18 @@ def test_gauges_are_coalesced_to_one_call_per_loop_turn() -> None:
 
     asyncio.run(next_loop())
     assert len(calls) > n, "a call left scheduled on a closed loop blocked every later one"
+
+
+def test_bench_vllm_buckets_ttft_by_prompt_length() -> None:
+    """#36's table by prompt length (``make bench-vllm``): every request in the bucket its
+    prompt falls in, failed ones and those shorter than the first bucket left out."""
+    from kvxfer.testing.bench_vllm import Result, Run, by_length
+
+    run = Run("kvxfer-push", 1.0)
+    cases = [(0.05, 150, ""), (0.07, 999, ""), (0.2, 2500, ""), (0.1, 1000, ""), (0.3, 5000, "boom"),
+             (0.01, 50, "")]
+    run.results = {i: Result(ttft_s=t, prompt_len=n, error=e) for i, (t, n, e) in enumerate(cases)}
+    got = by_length([run], [100, 1000, 2000])["kvxfer-push"]
+    assert {k: v["n"] for k, v in got.items()} == {"100-999": 2, "1000-1999": 1, "2000+": 1}
+    assert got["100-999"]["ttft_p50_ms"] == 50.0  # (pct: the lower of two)
+    assert got["2000+"]["ttft_p99_ms"] == 200.0

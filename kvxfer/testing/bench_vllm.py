@@ -61,6 +61,7 @@ class Result:
     tokens: str = ""
     n_out: int = 0
     error: str = ""
+    prompt_len: int = 0  # the prompt's length in words (what ``prompt`` makes tokens of)
 
 
 @dataclass
@@ -234,7 +235,7 @@ def drive(pl: Pipeline, system: str, rate: float, reqs: list[Req]) -> Run:
         delay = start + req.arrival - time.perf_counter()
         if delay > 0:
             time.sleep(delay)
-        res = run.results.setdefault(req.rid, Result())
+        res = run.results.setdefault(req.rid, Result(prompt_len=len(req.text.split())))
         t = threading.Thread(target=one_request, args=(pl, system, req, time.perf_counter(), res))
         t.start()
         threads.append(t)
@@ -292,6 +293,35 @@ def table(runs: list[Run]) -> dict[str, dict[str, dict[str, Any]]]:
                 for g in rows[0]["cpu_s_per_request"]}
             out.setdefault(system, {})[str(rate)] = row
     return out
+
+
+def by_length(runs: list[Run], edges: list[int]) -> dict[str, dict[str, dict[str, Any]]]:
+    """TTFT p50 / p99 per system and prompt length bucket (``edges``: ascending bucket starts,
+    every round and rate pooled): #36's table by prompt length."""
+    out: dict[str, dict[str, dict[str, Any]]] = {}
+    for run in runs:
+        for r in run.results.values():
+            if r.error or r.prompt_len < edges[0]:
+                continue
+            i = max(k for k, e in enumerate(edges) if r.prompt_len >= e)
+            label = f"{edges[i]}-{edges[i + 1] - 1}" if i + 1 < len(edges) else f"{edges[i]}+"
+            out.setdefault(run.system, {}).setdefault(label, {"ttft": []})["ttft"].append(r.ttft_s)
+    for cells in out.values():
+        for cell in cells.values():
+            ttft = cell.pop("ttft")
+            cell.update(n=len(ttft), ttft_p50_ms=round(pct(ttft, 0.5) * 1e3, 1),
+                        ttft_p99_ms=round(pct(ttft, 0.99) * 1e3, 1))
+    return out
+
+
+def _print_by_length(rows: dict[str, dict[str, dict[str, Any]]], edges: list[int]) -> None:
+    labels = [f"{a}-{b - 1}" for a, b in zip(edges, edges[1:], strict=False)] + [f"{edges[-1]}+"]
+    print("TTFT p50 / p99 ms by prompt length (words; every rate and round pooled; n requests):")
+    print(f"  {'system':>18} " + " ".join(f"{lab:>22}" for lab in labels))
+    for system, cells in rows.items():
+        vals = [f"{c['ttft_p50_ms']:.1f} / {c['ttft_p99_ms']:.1f} (n={c['n']})" if (c := cells.get(lab))
+                else "-" for lab in labels]
+        print(f"  {LABELS[system]:>18} " + " ".join(f"{v:>22}" for v in vals))
 
 
 def targets(summary: dict[str, dict[str, dict[str, Any]]]) -> list[str]:
@@ -354,6 +384,8 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--requests", type=int, default=24, help="requests per rate and round")
     ap.add_argument("--rounds", type=int, default=3, help="rounds; each runs every system once")
     ap.add_argument("--prompt-tokens", default="100,4000", help="LO,HI prompt length spread")
+    ap.add_argument("--length-buckets", default="100,1000,2000,3000",
+                    help="prompt lengths where the TTFT-by-length table's buckets start")
     ap.add_argument("--shared-prefix", type=float, default=0.3, help="fraction of prompts sharing a prefix")
     ap.add_argument("--output-tokens", default="32,128", help="LO,HI output length spread (or one number)")
     ap.add_argument("--systems", default=",".join(DEFAULT_SYSTEMS))
@@ -447,6 +479,10 @@ def main(argv: list[str] | None = None) -> int:
     by_rid, mismatched, problems = _compare_tokens(runs)
     summary = table(runs)
     _print_summary(summary, args.rounds, setup)
+    edges = sorted(int(e) for e in args.length_buckets.split(",") if e)
+    lengths = by_length(runs, edges) if edges else {}
+    if lengths:
+        _print_by_length(lengths, edges)
     verdicts = targets(summary)
     for line in verdicts:
         print(f"  target {line}")
@@ -460,7 +496,8 @@ def main(argv: list[str] | None = None) -> int:
     if not problems:  # (kept when something failed: the servers' logs are there)
         shutil.rmtree(work, ignore_errors=True)
     if args.json:
-        print(json.dumps({"setup": setup, "workdir": work, "summary": summary, "targets": verdicts,
+        print(json.dumps({"setup": setup, "workdir": work, "summary": summary, "by_length": lengths,
+                          "targets": verdicts,
                           "runs": [summarise(r) for r in runs], "requests": len(by_rid),
                           "identical": len(by_rid) - len(mismatched), "problems": problems}))
     return 1 if problems else 0
