@@ -210,6 +210,43 @@ def test_a_prefill_sidecar_killed_mid_stream_fails_the_load_before_its_deadline(
         assert ds.proc.poll() is None
 
 
+def test_a_decode_sidecar_killed_mid_stream_lets_the_prefill_free_its_blocks(
+        sidecars: SidecarFactory) -> None:
+    """The decode's sidecar dies while it follows a stream: no watch renews the prefill's
+    lease any more, so it ends at its time (``Released``: the prefill engine frees the blocks,
+    never sooner while reads could run) and the prefill serves the next decode as before."""
+    with pair(sidecars, "pushdk") as (ds, ps, d, p):
+        tid = "push-decode-killed"
+        pb, db = p.allocate(4), d.allocate(4)
+        p.client.hold(tid, pb, lease_s=2, token=tid, streamed=True, expires_unix=time.time() + 60)
+        d.client.recv(tid, db, streamed_remote(p, tid), streamed=True, deadline_s=60)
+        compute(p, tid, pb, range(0, 5))
+        deadline = time.monotonic() + 10
+        while not d.verify_layers(tid, db, range(0, 5)) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert d.verify_layers(tid, db, range(0, 5)), "the decode was not following the stream"
+        ds.proc.kill()
+        killed = time.monotonic()
+        assert not p.client.poll().released  # (not at once: it was being read)
+        got = wait_for(p.client, lambda a: any(r.req_id == tid for r in a.released), timeout=20)
+        print(f"\nreleased {time.monotonic() - killed:.1f} s after the decode's sidecar was killed")
+        assert [r.req_id for r in got.released] == [tid]
+        assert time.monotonic() - killed < 2 + WATCH_WAIT_S  # (its lease, renewed by the last watch)
+        ds2 = sidecars.start("pushdk-d2", "--verify-sample", "0")
+        d2 = SyntheticEngine(LAYOUT, ds2.endpoint, seed=3)
+        try:
+            d2.start()
+            tid2, db2 = "push-after", d2.allocate(4)
+            stream(p, d2, tid2, pb, db2)
+            compute(p, tid2, pb, range(LAYOUT.num_layers))
+            done = wait_for(d2.client, lambda a: bool(a.done or a.failed), timeout=30)
+            assert done.done, done
+            assert d2.verify(tid2, db2)
+        finally:
+            d2.close()
+        assert ps.proc.poll() is None
+
+
 @pytest.mark.parametrize(("kind", "ptp", "dtp"), [("HND", 2, 4), ("HND", 4, 1), ("NHD", 2, 4), ("MLA", 1, 2),
                                                   ("block-outermost", 2, 2)])
 def test_push_between_different_tp_sizes(sidecars: SidecarFactory, kind: str, ptp: int, dtp: int) -> None:
