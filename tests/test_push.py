@@ -247,6 +247,25 @@ def test_a_decode_sidecar_killed_mid_stream_lets_the_prefill_free_its_blocks(
         assert ps.proc.poll() is None
 
 
+def test_a_decode_that_reads_nothing_releases_the_prefill(sidecars: SidecarFactory) -> None:
+    """A decode with a full local prefix hit, or one whose request was aborted before it got
+    blocks, sends an empty streamed Recv (the connector's ``_release_remote``): the prefill's
+    lease ends as soon as its layers are computed (not at its expiry: ``lease_s`` 30), and
+    the decode's engine gets a ``Done`` of nothing."""
+    with pair(sidecars, "pushe") as (ds, ps, d, p):
+        tid = "push-empty"
+        pb = p.allocate(4)
+        p.client.hold(tid, pb, lease_s=30, token=tid, streamed=True, expires_unix=time.time() + 60)
+        d.client.recv(tid, [], streamed_remote(p, tid), streamed=True, deadline_s=30)
+        compute(p, tid, pb, range(LAYOUT.num_layers))
+        done = wait_for(d.client, lambda a: bool(a.done or a.failed), timeout=20)
+        assert done.done, done
+        assert done.done[0].nbytes == 0
+        released = time.monotonic()
+        wait_for(p.client, lambda a: any(r.req_id == tid for r in a.released), timeout=10)
+        assert time.monotonic() - released < 5
+
+
 @pytest.mark.parametrize(("kind", "ptp", "dtp"), [("HND", 2, 4), ("HND", 4, 1), ("NHD", 2, 4), ("MLA", 1, 2),
                                                   ("block-outermost", 2, 2)])
 def test_push_between_different_tp_sizes(sidecars: SidecarFactory, kind: str, ptp: int, dtp: int) -> None:
