@@ -131,6 +131,9 @@ class Observer:
         self.m_stream_layers = Counter("kvxfer_push_layers_total", "Push mode: layers a decode read, by "
                                        "when: while the prefill still computed (early) or once it had "
                                        "computed every layer (final).", ["when"], registry=r)
+        self.m_watches = Counter("kvxfer_push_watches_total", "Push mode, prefill side: layer watches "
+                                 "received, by whether the lease they name was held yet (no: the watch "
+                                 "waits for its Hold).", ["held"], registry=r)
         self.g_rings = Gauge("kvxfer_engine_rings", "Engine connections talking over an engine ring "
                              "(shared memory and eventfds) rather than the ZMQ socket.", registry=r)
         self.g_agents = Gauge("kvxfer_nixl_remote_agents", "Peer agents this sidecar reads from (a "
@@ -296,6 +299,9 @@ class Observer:
     def stream_layers(self, early: int, final: int) -> None:
         self.m_stream_layers.labels("early").inc(early)
         self.m_stream_layers.labels("final").inc(final)
+
+    def layer_watch(self, held: bool) -> None:
+        self.m_watches.labels("yes" if held else "no").inc()
 
     def lease_word(self, proved: bool) -> None:
         self.m_proofs.labels("yes" if proved else "no").inc()

@@ -247,6 +247,34 @@ def test_a_decode_sidecar_killed_mid_stream_lets_the_prefill_free_its_blocks(
         assert ps.proc.poll() is None
 
 
+def test_a_watch_that_comes_before_its_hold_waits_for_it(sidecars: SidecarFactory) -> None:
+    """The decode asks before the prefill holds (dispatched first; a prompt computed in chunks
+    is held only once it finished, as pull holds it): its watch waits at the prefill for the
+    Hold and is answered by it, not asked again and again (it used to be, every 2 ms backing
+    off to 100 ms: 10 and more watches over a second, each a round trip)."""
+    ds = sidecars.start("pushlh-d", "--verify-sample", "0")
+    ps = sidecars.start("pushlh-p", metrics_port=free_port())
+    d, p = SyntheticEngine(LAYOUT, ds.endpoint, seed=2), SyntheticEngine(LAYOUT, ps.endpoint, seed=1)
+    try:
+        d.start()
+        p.start()
+        tid = "push-late-hold"
+        pb, db = p.allocate(4), d.allocate(4)
+        d.client.recv(tid, db, streamed_remote(p, tid), streamed=True, deadline_s=30)
+        time.sleep(1.0)
+        assert not d.client.poll().done
+        p.fill(tid, pb)  # (computed in chunks, held whole once finished: every layer ready)
+        p.client.hold(tid, pb, token=tid, expires_unix=time.time() + 60)
+        got = wait_for(d.client, lambda a: bool(a.done or a.failed), timeout=20)
+        assert got.done, got
+        assert d.verify(tid, db)
+        early = ps.scrape().get('kvxfer_push_watches_total{held="no"}', 0.0)
+        assert 1 <= early <= 2, f"{early} watches asked before the hold"
+    finally:
+        d.close()
+        p.close()
+
+
 def test_a_decode_that_reads_nothing_releases_the_prefill(sidecars: SidecarFactory) -> None:
     """A decode with a full local prefix hit, or one whose request was aborted before it got
     blocks, sends an empty streamed Recv (the connector's ``_release_remote``): the prefill's

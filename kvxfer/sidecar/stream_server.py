@@ -7,6 +7,10 @@ handshake listener, authenticated and bound to the lease's token like every peer
 answered ``LayersAt`` at once when more layers are ready than it has seen, else when they are,
 when the lease ends, or after its ``wait_s``. Watches wait here, not in a listener slot: a
 thousand decodes watching cost no handshake its turn. A watch renews the lease like a claim.
+A watch for a lease not held yet (the decode was dispatched first; a prompt computed in
+chunks is held only once it finished) waits for its ``Hold`` the same way (``EARLY_MAX`` at
+once), so the decode learns of it when it comes, not at its next ask (it used to ask again
+every 2 ms, backing off to 100 ms: up to 100 ms lost per request after a chunked prefill).
 
 Direction: this shell calls ``Holds`` (same layer) and is called by the app (engine messages)
 and the peer server (watches, with a function that sends the answer).
@@ -30,6 +34,7 @@ from kvxfer.sidecar.ownership import Creds, authorize
 from kvxfer.sidecar.registry import RankRegistry
 
 log = logging.getLogger("kvxfer.streams")
+EARLY_MAX = 1024  # watches waiting, in all, for leases not held yet; more: answered "unknown" at once
 
 
 @dataclass(eq=False)
@@ -50,6 +55,8 @@ class StreamServer:
         self.observer = observer
         self._generation = generation
         self.book = LayerBook()
+        self._early: dict[str, list[Watch]] = {}  # by request id: watches for leases not held yet
+        self._n_early = 0
         holds.changed.subscribe(self._leases_changed)
 
     def __len__(self) -> int:
@@ -58,15 +65,17 @@ class StreamServer:
     # ------------------------------------------------------------------ the engine
 
     def hold(self, ident: bytes, msg: Hold, draining: bool, sender: Creds) -> None:
-        """Any Hold: held (``Holds``); a streamed one also starts its book."""
+        """Any Hold: held (``Holds``); a streamed one also starts its book; watches that came
+        before it are watched now."""
         self.holds.hold(ident, msg, draining, sender)
-        if not msg.streamed:
-            return
-        engine = self.registry.engine_of(msg.engine_id)
-        stages, tp_size = stages_of([r.layout for r in self.registry.of_engine(engine)])
-        self.book.start((engine, msg.req_id), stages, tp_size)
-        log.debug("streamed hold %s of engine %s: %d blocks, layers %s by %d ranks", msg.req_id, engine,
-                  len(msg.block_ids), stages, tp_size)
+        if msg.streamed:
+            engine = self.registry.engine_of(msg.engine_id)
+            stages, tp_size = stages_of([r.layout for r in self.registry.of_engine(engine)])
+            self.book.start((engine, msg.req_id), stages, tp_size)
+            log.debug("streamed hold %s of engine %s: %d blocks, layers %s by %d ranks", msg.req_id, engine,
+                      len(msg.block_ids), stages, tp_size)
+        if msg.req_id in self._early:
+            self._hold_came(msg.req_id)
 
     def on_layers(self, msg: LayersDone, sender: Creds) -> None:
         """A worker computed more layers of these requests (RequestError: it does not speak
@@ -88,8 +97,10 @@ class StreamServer:
     def watch(self, msg: LayerWatch, reply: Callable[[LayersAt], None]) -> None:
         """A decode's watch: answered now, or once more layers are ready (``reply`` sends)."""
         lease = self.holds.lease_for(msg.agent_name, msg.engine_id, msg.req_id, msg.token, "layer_watch")
+        self.observer.layer_watch(lease is not None)
         if lease is None:
-            reply(self._not_held(msg))
+            if not self._park_early(msg, reply):
+                reply(self._not_held(msg))
             return
         key = lease.key
         if key not in self.book:  # (held, but not streamed: every layer is ready)
@@ -101,6 +112,38 @@ class StreamServer:
             self._answer(key, watch)
             return
         watch.timer = asyncio.get_running_loop().call_later(msg.wait_s, self._timed_out, key, watch)
+
+    def _park_early(self, msg: LayerWatch, reply: Callable[[LayersAt], None]) -> bool:
+        """Keep a watch for a lease not held here yet (and never ended here) until its Hold
+        comes (``_hold_came``: then it is watched again, token and all) or its wait ends."""
+        if msg.wait_s <= 0 or self._n_early >= EARLY_MAX:
+            return False
+        if self.holds.absent(msg.engine_id, msg.req_id) != "unknown":
+            return False
+        watch = Watch(msg, reply)
+        watch.timer = asyncio.get_running_loop().call_later(msg.wait_s, self._early_timed_out, watch)
+        self._early.setdefault(msg.req_id, []).append(watch)
+        self._n_early += 1
+        return True
+
+    def _early_timed_out(self, watch: Watch) -> None:
+        waiting = self._early.get(watch.msg.req_id, [])
+        if watch in waiting:
+            waiting.remove(watch)
+            self._n_early -= 1
+            if not waiting:
+                del self._early[watch.msg.req_id]
+            watch.reply(self._not_held(watch.msg))
+
+    def _hold_came(self, req_id: str) -> None:
+        for watch in self._early.pop(req_id, []):
+            self._n_early -= 1
+            if watch.timer is not None:
+                watch.timer.cancel()
+            try:
+                self.watch(watch.msg, watch.reply)
+            except Exception:
+                log.exception("answering a layer watch failed")
 
     def _timed_out(self, key: LayerKey, watch: Watch) -> None:
         if self.book.unwatch(key, watch):

@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvxfer.auth import new_token
+from kvxfer.testing.bench_vllm_report import by_length, pct, print_by_length
 from kvxfer.testing.vllm_pd import Pipeline, prompt
 
 SYSTEMS = ("one-engine", "nixl", "kvxfer", "kvxfer-push", "nixl-push")
@@ -275,13 +276,6 @@ def drive(pl: Pipeline, system: str, rate: float, reqs: list[Req]) -> Run:
     return run
 
 
-def pct(xs: list[float], q: float) -> float:
-    if not xs:
-        return float("nan")
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))]
-
-
 def summarise(run: Run) -> dict[str, Any]:
     ok = [r for r in run.results.values() if not r.error]
     ttft = [r.ttft_s for r in ok]
@@ -319,35 +313,6 @@ def table(runs: list[Run]) -> dict[str, dict[str, dict[str, Any]]]:
                 for g in rows[0]["cpu_s_per_request"]}
             out.setdefault(system, {})[str(rate)] = row
     return out
-
-
-def by_length(runs: list[Run], edges: list[int]) -> dict[str, dict[str, dict[str, Any]]]:
-    """TTFT p50 / p99 per system and prompt length bucket (``edges``: ascending bucket starts,
-    every round and rate pooled): #36's table by prompt length."""
-    out: dict[str, dict[str, dict[str, Any]]] = {}
-    for run in runs:
-        for r in run.results.values():
-            if r.error or r.prompt_len < edges[0]:
-                continue
-            i = max(k for k, e in enumerate(edges) if r.prompt_len >= e)
-            label = f"{edges[i]}-{edges[i + 1] - 1}" if i + 1 < len(edges) else f"{edges[i]}+"
-            out.setdefault(run.system, {}).setdefault(label, {"ttft": []})["ttft"].append(r.ttft_s)
-    for cells in out.values():
-        for cell in cells.values():
-            ttft = cell.pop("ttft")
-            cell.update(n=len(ttft), ttft_p50_ms=round(pct(ttft, 0.5) * 1e3, 1),
-                        ttft_p99_ms=round(pct(ttft, 0.99) * 1e3, 1))
-    return out
-
-
-def _print_by_length(rows: dict[str, dict[str, dict[str, Any]]], edges: list[int]) -> None:
-    labels = [f"{a}-{b - 1}" for a, b in zip(edges, edges[1:], strict=False)] + [f"{edges[-1]}+"]
-    print("TTFT p50 / p99 ms by prompt length (words; every rate and round pooled; n requests):")
-    print(f"  {'system':>18} " + " ".join(f"{lab:>22}" for lab in labels))
-    for system, cells in rows.items():
-        vals = [f"{c['ttft_p50_ms']:.1f} / {c['ttft_p99_ms']:.1f} (n={c['n']})" if (c := cells.get(lab))
-                else "-" for lab in labels]
-        print(f"  {LABELS[system]:>18} " + " ".join(f"{v:>22}" for v in vals))
 
 
 def targets(summary: dict[str, dict[str, dict[str, Any]]]) -> list[str]:
@@ -508,7 +473,7 @@ def main(argv: list[str] | None = None) -> int:
     edges = sorted(int(e) for e in args.length_buckets.split(",") if e)
     lengths = by_length(runs, edges) if edges else {}
     if lengths:
-        _print_by_length(lengths, edges)
+        print_by_length(lengths, edges, LABELS)
     verdicts = targets(summary)
     for line in verdicts:
         print(f"  target {line}")
