@@ -43,6 +43,14 @@ PROOF_WAIT_S = 0.05  # a lease word read still running after this proves nothing
 PROOF_SPIN_S = 30e-6  # how long a word read is polled for at once before the next poll period
 
 
+def xfer_state(agent: Any, handle: Any) -> str:
+    """A transfer's state on ``agent`` ("ERR" when NIXL raises: a handle it no longer knows)."""
+    try:
+        return str(agent.check_xfer_state(handle))
+    except Exception:
+        return "ERR"
+
+
 class ProofScratch:
     """Where lease words land: 16-byte slots of host memory registered with the agent that
     reads them (the NIXL thread's only; a slot whose read was given up is never used again).
@@ -114,10 +122,7 @@ class ProofScratch:
         return handle
 
     def state(self, handle: Any) -> str:
-        try:
-            return str(self.agent.check_xfer_state(handle))
-        except Exception:
-            return "ERR"
+        return xfer_state(self.agent, handle)
 
     def release(self, handle: Any) -> bool:
         """False: the backend refused (still active): parked and retried (``retry``), its slot
@@ -466,10 +471,7 @@ class Reads:
         return True
 
     def _state(self, handle: Any) -> str:
-        try:
-            return str(self._agent.check_xfer_state(handle))
-        except Exception:
-            return "ERR"
+        return xfer_state(self._agent, handle)
 
     def _release(self, handle: Any) -> None:
         try:
