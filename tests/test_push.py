@@ -250,26 +250,39 @@ def test_a_decode_sidecar_killed_mid_stream_lets_the_prefill_free_its_blocks(
 def test_a_watch_that_comes_before_its_hold_waits_for_it(sidecars: SidecarFactory) -> None:
     """The decode asks before the prefill holds (dispatched first; a prompt computed in chunks
     is held only once it finished, as pull holds it): its watch waits at the prefill for the
-    Hold and is answered by it, not asked again and again (it used to be, every 2 ms backing
-    off to 100 ms: 10 and more watches over a second, each a round trip)."""
+    Hold and is answered by it (well before its 5 s wait ends), not asked again and again (it
+    used to be, every 2 ms backing off to 100 ms: 10 and more watches over a second). Both a
+    plain Hold (every layer ready) and a streamed one (the layers follow)."""
     ds = sidecars.start("pushlh-d", "--verify-sample", "0")
     ps = sidecars.start("pushlh-p", metrics_port=free_port())
     d, p = SyntheticEngine(LAYOUT, ds.endpoint, seed=2), SyntheticEngine(LAYOUT, ps.endpoint, seed=1)
     try:
         d.start()
         p.start()
-        tid = "push-late-hold"
-        pb, db = p.allocate(4), d.allocate(4)
-        d.client.recv(tid, db, streamed_remote(p, tid), streamed=True, deadline_s=30)
-        time.sleep(1.0)
-        assert not d.client.poll().done
-        p.fill(tid, pb)  # (computed in chunks, held whole once finished: every layer ready)
-        p.client.hold(tid, pb, token=tid, expires_unix=time.time() + 60)
-        got = wait_for(d.client, lambda a: bool(a.done or a.failed), timeout=20)
-        assert got.done, got
-        assert d.verify(tid, db)
-        early = ps.scrape().get('kvxfer_push_watches_total{held="no"}', 0.0)
-        assert 1 <= early <= 2, f"{early} watches asked before the hold"
+        for streamed in (False, True):
+            before = ps.scrape().get('kvxfer_push_watches_total{held="no"}', 0.0)
+            tid = f"push-late-hold-{streamed}"
+            pb, db = p.allocate(4), d.allocate(4)
+            d.client.recv(tid, db, streamed_remote(p, tid), streamed=True, deadline_s=30)
+            time.sleep(1.0)
+            assert not d.client.poll().done
+            held = time.monotonic()
+            if streamed:
+                p.client.hold(tid, pb, token=tid, streamed=True, expires_unix=time.time() + 60)
+                compute(p, tid, pb, range(LAYOUT.num_layers))
+            else:  # (computed in chunks, held whole once finished: every layer ready)
+                p.fill(tid, pb)
+                p.client.hold(tid, pb, token=tid, expires_unix=time.time() + 60)
+            got = wait_for(d.client, lambda a: bool(a.done or a.failed), timeout=20)
+            assert got.done, got
+            assert d.verify(tid, db)
+            # answered by the Hold: its parked wait (4 s left) did not run out first
+            assert time.monotonic() - held < 2.5
+            early = ps.scrape().get('kvxfer_push_watches_total{held="no"}', 0.0) - before
+            assert early == 1, f"{early} watches asked before the hold"
+            wait_for(p.client, lambda a, t=tid: any(r.req_id == t for r in a.released))
+            d.free(db)
+            p.free(pb)
     finally:
         d.close()
         p.close()

@@ -20,8 +20,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
+
+import msgspec
 
 from kvxfer.config import Config
 from kvxfer.errors import ErrorCode, RequestError
@@ -35,6 +38,8 @@ from kvxfer.sidecar.registry import RankRegistry
 
 log = logging.getLogger("kvxfer.streams")
 EARLY_MAX = 1024  # watches waiting, in all, for leases not held yet; more: answered "unknown" at once
+EARLY_PER_AGENT = 256  # ... of them from one decode sidecar (one peer cannot take every place)
+EARLY_WAIT_MAX_S = 5.0  # the longest a watch waits for its Hold, and then for layers, in all
 
 
 @dataclass(eq=False)
@@ -44,6 +49,7 @@ class Watch:
     msg: LayerWatch
     reply: Callable[[LayersAt], None]
     timer: asyncio.TimerHandle | None = None
+    parked_until: float = 0.0  # (a watch that came before its Hold: its wait ends then, in all)
 
 
 class StreamServer:
@@ -57,6 +63,7 @@ class StreamServer:
         self.book = LayerBook()
         self._early: dict[str, list[Watch]] = {}  # by request id: watches for leases not held yet
         self._n_early = 0
+        self._early_by_agent: dict[str, int] = {}
         holds.changed.subscribe(self._leases_changed)
 
     def __len__(self) -> int:
@@ -96,10 +103,15 @@ class StreamServer:
 
     def watch(self, msg: LayerWatch, reply: Callable[[LayersAt], None]) -> None:
         """A decode's watch: answered now, or once more layers are ready (``reply`` sends)."""
+        self._watch(msg, reply, first=True)
+
+    def _watch(self, msg: LayerWatch, reply: Callable[[LayersAt], None], first: bool) -> None:
+        """``first``: as it came (else woken by a Hold: never parked twice, never counted twice)."""
         lease = self.holds.lease_for(msg.agent_name, msg.engine_id, msg.req_id, msg.token, "layer_watch")
-        self.observer.layer_watch(lease is not None)
+        if first:
+            self.observer.layer_watch(lease is not None)
         if lease is None:
-            if not self._park_early(msg, reply):
+            if not (first and self._park_early(msg, reply)):
                 reply(self._not_held(msg))
             return
         key = lease.key
@@ -114,34 +126,54 @@ class StreamServer:
         watch.timer = asyncio.get_running_loop().call_later(msg.wait_s, self._timed_out, key, watch)
 
     def _park_early(self, msg: LayerWatch, reply: Callable[[LayersAt], None]) -> bool:
-        """Keep a watch for a lease not held here yet (and never ended here) until its Hold
-        comes (``_hold_came``: then it is watched again, token and all) or its wait ends."""
+        """Keep a watch for a lease not held here at all yet (not refused to it, not ended) until
+        its Hold comes (``_hold_came``: then it is watched again, token and all, for what is
+        left of its wait) or its wait ends (``EARLY_WAIT_MAX_S`` at most)."""
+        agent = msg.agent_name
         if msg.wait_s <= 0 or self._n_early >= EARLY_MAX:
             return False
-        if self.holds.absent(msg.engine_id, msg.req_id) != "unknown":
+        if self._early_by_agent.get(agent, 0) >= EARLY_PER_AGENT:
             return False
-        watch = Watch(msg, reply)
-        watch.timer = asyncio.get_running_loop().call_later(msg.wait_s, self._early_timed_out, watch)
+        if self.holds.table.resolve(msg.engine_id, msg.req_id) is not None:
+            return False  # (held, and refused to this peer: answered as before)
+        if self.holds.absent(msg.engine_id, msg.req_id) != "unknown":
+            return False  # (ended here)
+        wait = min(msg.wait_s, EARLY_WAIT_MAX_S)
+        watch = Watch(msg, reply, parked_until=time.monotonic() + wait)
+        watch.timer = asyncio.get_running_loop().call_later(wait, self._early_timed_out, watch)
         self._early.setdefault(msg.req_id, []).append(watch)
         self._n_early += 1
+        self._early_by_agent[agent] = self._early_by_agent.get(agent, 0) + 1
         return True
+
+    def _unpark(self, watch: Watch) -> None:
+        self._n_early -= 1
+        agent = watch.msg.agent_name
+        self._early_by_agent[agent] -= 1
+        if not self._early_by_agent[agent]:
+            del self._early_by_agent[agent]
 
     def _early_timed_out(self, watch: Watch) -> None:
         waiting = self._early.get(watch.msg.req_id, [])
         if watch in waiting:
             waiting.remove(watch)
-            self._n_early -= 1
+            self._unpark(watch)
             if not waiting:
                 del self._early[watch.msg.req_id]
-            watch.reply(self._not_held(watch.msg))
+            try:
+                watch.reply(self._not_held(watch.msg))
+            except Exception:
+                log.exception("answering a layer watch failed")
 
     def _hold_came(self, req_id: str) -> None:
+        now = time.monotonic()
         for watch in self._early.pop(req_id, []):
-            self._n_early -= 1
+            self._unpark(watch)
             if watch.timer is not None:
                 watch.timer.cancel()
+            left = msgspec.structs.replace(watch.msg, wait_s=max(0.0, watch.parked_until - now))
             try:
-                self.watch(watch.msg, watch.reply)
+                self._watch(left, watch.reply, first=False)
             except Exception:
                 log.exception("answering a layer watch failed")
 
