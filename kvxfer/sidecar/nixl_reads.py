@@ -51,6 +51,26 @@ def xfer_state(agent: Any, handle: Any) -> str:
         return "ERR"
 
 
+def release_or_park(agent: Any, handle: Any, parked: list[Any]) -> bool:
+    """Release a transfer handle; one the backend refuses (still active) is parked in
+    ``parked``, to be released again later and never touched otherwise (False)."""
+    try:
+        agent.release_xfer_handle(handle)
+        return True
+    except Exception as e:
+        log.debug("xfer handle release deferred: %s", e)
+        parked.append(handle)
+        return False
+
+
+def release_parked(agent: Any, parked: list[Any]) -> list[Any]:
+    """Release again the handles parked by ``release_or_park``; what is still refused."""
+    still: list[Any] = []
+    for handle in parked:
+        release_or_park(agent, handle, still)
+    return still
+
+
 class ProofScratch:
     """Where lease words land: 16-byte slots of host memory registered with the agent that
     reads them (the NIXL thread's only; a slot whose read was given up is never used again).
@@ -127,23 +147,12 @@ class ProofScratch:
     def release(self, handle: Any) -> bool:
         """False: the backend refused (still active): parked and retried (``retry``), its slot
         must never be used again."""
-        try:
-            self.agent.release_xfer_handle(handle)
-            return True
-        except Exception as e:
-            log.debug("lease word handle release refused: %s", e)
-            self._zombies.append(handle)
-            return False
+        return release_or_park(self.agent, handle, self._zombies)
 
     def retry(self) -> None:
         """Release the parked handles that the backend lets go of now."""
         if self._zombies:
-            handles, self._zombies = self._zombies, []
-            for handle in handles:
-                with contextlib.suppress(Exception):
-                    self.agent.release_xfer_handle(handle)
-                    continue
-                self._zombies.append(handle)
+            self._zombies = release_parked(self.agent, self._zombies)
 
     def word(self, slot: int) -> tuple[int, int]:
         return int(self.mem[2 * slot]), int(self.mem[2 * slot + 1])
@@ -237,9 +246,7 @@ class Reads:
         for rd in list(self._reads.values()):
             progressed |= self._check(rd, now)
         if self._zombies:
-            parked, self._zombies = self._zombies, []
-            for handle in parked:
-                self._release(handle)
+            self._zombies = release_parked(self._agent, self._zombies)
         if self._scratch is not None:
             self._scratch.retry()
         return progressed
@@ -474,8 +481,4 @@ class Reads:
         return xfer_state(self._agent, handle)
 
     def _release(self, handle: Any) -> None:
-        try:
-            self._agent.release_xfer_handle(handle)
-        except Exception as e:  # still active in the backend: park it, never touch it again
-            log.debug("xfer handle release deferred: %s", e)
-            self._zombies.append(handle)
+        release_or_park(self._agent, handle, self._zombies)  # (still active: parked, never touched again)

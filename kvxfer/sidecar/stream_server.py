@@ -62,8 +62,7 @@ class StreamServer:
         self._generation = generation
         self.book = LayerBook()
         self._early: dict[str, list[Watch]] = {}  # by request id: watches for leases not held yet
-        self._n_early = 0
-        self._early_by_agent: dict[str, int] = {}
+        self._early_by_agent: dict[str, int] = {}  # how many of them each decode sidecar sent
         holds.changed.subscribe(self._leases_changed)
 
     def __len__(self) -> int:
@@ -130,24 +129,21 @@ class StreamServer:
         its Hold comes (``_hold_came``: then it is watched again, token and all, for what is
         left of its wait) or its wait ends (``EARLY_WAIT_MAX_S`` at most)."""
         agent = msg.agent_name
-        if msg.wait_s <= 0 or self._n_early >= EARLY_MAX:
+        if msg.wait_s <= 0 or sum(self._early_by_agent.values()) >= EARLY_MAX:
             return False
         if self._early_by_agent.get(agent, 0) >= EARLY_PER_AGENT:
             return False
-        if self.holds.table.resolve(msg.engine_id, msg.req_id) is not None:
-            return False  # (held, and refused to this peer: answered as before)
-        if self.holds.absent(msg.engine_id, msg.req_id) != "unknown":
-            return False  # (ended here)
+        table = self.holds.table
+        if table.resolve(msg.engine_id, msg.req_id) is not None or table.ended(msg.engine_id, msg.req_id):
+            return False  # (held, and refused to this peer; or ended here: answered as before)
         wait = min(msg.wait_s, EARLY_WAIT_MAX_S)
         watch = Watch(msg, reply, parked_until=time.monotonic() + wait)
         watch.timer = asyncio.get_running_loop().call_later(wait, self._early_timed_out, watch)
         self._early.setdefault(msg.req_id, []).append(watch)
-        self._n_early += 1
         self._early_by_agent[agent] = self._early_by_agent.get(agent, 0) + 1
         return True
 
     def _unpark(self, watch: Watch) -> None:
-        self._n_early -= 1
         agent = watch.msg.agent_name
         self._early_by_agent[agent] -= 1
         if not self._early_by_agent[agent]:
