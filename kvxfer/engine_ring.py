@@ -106,6 +106,8 @@ class EngineRing:
         for fd in (self._doorbell, self.wake):
             os.close(fd)
         self.conn.close()
+        self._out.release()
+        self._in.release()
         with contextlib.suppress(BufferError):  # (a view of it is alive: freed with the last one)
             self.mm.close()
 

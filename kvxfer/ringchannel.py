@@ -30,6 +30,13 @@ against the capacity: an engine that scribbles over its ring breaks its own ring
 payload is stored before the tail that publishes it) and on the eventfd system calls
 between a doorbell and the drain it causes.
 
+The counters are read and written whole, through a ``memoryview`` cast to ``Q``: one
+aligned 8-byte load or store each, which x86-64 (and ARM64) never tear. ``struct.pack_into``
+is not that: it zeroes the field and then stores it a byte at a time, so the other end could
+read a tail of 0 or a part of one. It did, once in a few thousand bursts under load: the
+sidecar took the ring for corrupt and dropped it with the messages in it (found by CI's
+``kvxfer bench --quick`` and soak smoke, requests that never got an answer).
+
 This module is what both ends need (messages, layout, the ring itself); it keeps no
 sockets and imports neither end.
 """
@@ -111,12 +118,14 @@ class Ring:
         if _Q.unpack_from(mm, 0)[0] != MAGIC:
             raise RingCorrupt("not a ring (bad magic)")
         self.mm = mm
+        self._words = memoryview(mm)[:HEADER].cast("Q")  # (the counters: whole 8-byte loads and stores)
         self.tail_at, self.head_at = counters
+        self._tail_i, self._head_i = self.tail_at // 8, self.head_at // 8
         self.data = data
         self.capacity = capacity
         self.max_frame = capacity // 2 - 8  # larger messages go another way (the ZMQ socket)
-        self._tail = _Q.unpack_from(mm, self.tail_at)[0]  # (the producer's own copy)
-        self._head = _Q.unpack_from(mm, self.head_at)[0]  # (the consumer's own copy)
+        self._tail = self._words[self._tail_i]  # (the producer's own copy)
+        self._head = self._words[self._head_i]  # (the consumer's own copy)
 
     @classmethod
     def pair(cls, mm: mmap.mmap, capacity: int, engine: bool) -> tuple[Ring, Ring]:
@@ -134,7 +143,7 @@ class Ring:
             return False
         need = 8 + _pad(n)
         tail, cap = self._tail, self.capacity
-        head = _Q.unpack_from(self.mm, self.head_at)[0]
+        head = self._words[self._head_i]
         if not 0 <= tail - head <= cap:
             raise RingCorrupt(f"head {head} and tail {tail} are {tail - head} bytes apart (capacity {cap})")
         pos = tail % cap
@@ -148,18 +157,18 @@ class Ring:
         _Q.pack_into(self.mm, at, n)
         self.mm[at + 8:at + 8 + n] = payload
         self._tail = tail + skip + need
-        _Q.pack_into(self.mm, self.tail_at, self._tail)  # (publishes the frame: stored after it)
+        self._words[self._tail_i] = self._tail  # (publishes the frame: stored after it)
         return True
 
     # ------------------------------------------------------------------ the consumer
 
     def pending(self) -> bool:
         """Whether a frame is waiting (no system call)."""
-        return _Q.unpack_from(self.mm, self.tail_at)[0] != self._head
+        return self._words[self._tail_i] != self._head
 
     def read_all(self) -> list[bytes]:
         """Every frame published so far, copied out; RingCorrupt if the ring cannot be right."""
-        tail, head, cap = _Q.unpack_from(self.mm, self.tail_at)[0], self._head, self.capacity
+        tail, head, cap = self._words[self._tail_i], self._head, self.capacity
         if not 0 <= tail - head <= cap:
             raise RingCorrupt(f"tail {tail} is {tail - head} bytes past head {head} (capacity {cap})")
         out = []
@@ -176,8 +185,12 @@ class Ring:
             out.append(self.mm[at:at + n])
             head += need
         self._head = head
-        _Q.pack_into(self.mm, self.head_at, head)
+        self._words[self._head_i] = head
         return out
+
+    def release(self) -> None:
+        """Let go of the view of the counters (the mapping can then be closed)."""
+        self._words.release()
 
 
 def ring_doorbell(fd: int) -> None:

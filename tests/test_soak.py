@@ -158,5 +158,7 @@ def test_the_soak_runs_and_judges(tmp_path: Path) -> None:
     assert doc["verdict"] == "ok"
     (minute,) = doc["minutes"]
     assert minute["ok"] > 100
-    assert len(minute["faults"]) >= 2
+    # (a fault ends when its sidecar is back: a frozen one waits for its watchdog, ~10 s on a
+    # slow machine, so 24 s may hold only one; each fault's recovery is checked by the soak)
+    assert len(minute["faults"]) >= 1
     assert (tmp_path / "soak.txt").read_text().startswith("soak ")

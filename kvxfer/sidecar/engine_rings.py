@@ -185,6 +185,8 @@ class EngineRings:
             for f in (wake, doorbell):
                 os.close(f)
             conn.close()
+            out.release()
+            into.release()
             with contextlib.suppress(BufferError):
                 mm.close()  # type: ignore[attr-defined]
 
