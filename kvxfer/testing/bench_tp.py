@@ -32,7 +32,6 @@ reported, never asserted in tests. The models (``MODELS``) and the default cases
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import statistics
 import time
 from dataclasses import dataclass
@@ -247,8 +246,6 @@ def run_matrix(quick: bool = False, mode: str = "peer", nixl_threads: int = 2, m
     else:
         cases = default_cases(models or tuple(MODELS), layouts, pairs)
     scale = Scale.of(quick, rounds)
-    # engines start from a server that has imported torch and the demo once, not each run
-    mp.get_context("forkserver").set_forkserver_preload(["kvxfer.testing.demo", "kvxfer.testing.tensor_kv"])
     serve_args = ("--nixl-threads", str(nixl_threads), "--verify-sample", "0", "--staging-mib", "256")
     t0 = time.monotonic()
     cells = []

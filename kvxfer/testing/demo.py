@@ -292,14 +292,20 @@ def _req_name(i: int) -> str:
     return "warmup" if i == 0 else f"req-{i - 1}"
 
 
-def run_demo(opts: DemoOptions, start_method: str = "spawn") -> dict[str, Any]:
+PRELOAD = ["kvxfer.testing.demo", "kvxfer.testing.tensor_kv"]
+
+
+def run_demo(opts: DemoOptions, start_method: str = "forkserver") -> dict[str, Any]:
     """Run the whole pipeline; returns the summary (``verified`` tells if every byte matched).
     Raises ``ValueError`` for impossible block sizes and ``MemoryError`` for pools larger than
     this machine's available memory, before anything starts. ``start_method``: how the engine
-    processes start (``forkserver`` with preloaded modules saves a torch import per run when
-    many runs follow each other, as in ``kvxfer bench --tp-matrix``)."""
+    processes start (``forkserver``: forked from a server that imported torch and this module
+    once, ~2 s less per run when runs follow each other, as in the tests and ``kvxfer bench
+    --tp-matrix``; the engines see the environment as it was when the first run started it)."""
     opts.side_blocks("decode")  # refuse impossible block-size combinations up front
     opts.check_memory()
+    if start_method == "forkserver":
+        mp.get_context("forkserver").set_forkserver_preload(PRELOAD)  # (read when the server starts)
     serve_args = ("--handshake-host", "127.0.0.1", "--lease-s", str(opts.lease_s),
                   "--ucx-error-mode", opts.ucx_error_mode, *opts.extra_serve_args)
     ctx = mp.get_context(start_method)
