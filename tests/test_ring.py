@@ -182,6 +182,7 @@ def test_a_scribbled_ring_is_dropped_and_the_sidecar_keeps_serving(sidecars: Sid
         assert good.ping(5).seq  # the other ring is untouched
         assert good.ring is not None
         assert "dropped" in sc.log()
+        assert sc.scrape()['kvxfer_engine_rings_dropped_total{why="corrupt"}'] == 1
     finally:
         bad.close()
         good.close()

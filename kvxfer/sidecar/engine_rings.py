@@ -173,8 +173,10 @@ class EngineRings:
             done, _ = await asyncio.wait({closed, broken}, return_when=asyncio.FIRST_COMPLETED)
             if broken in done:
                 log.warning("engine ring %s dropped: %s", ident.decode(), broken.result())
+                self.observer.m_rings_dropped.labels("corrupt").inc()
             elif closed.exception() is not None:
                 log.warning("engine ring %s dropped: %r", ident.decode(), closed.exception())
+                self.observer.m_rings_dropped.labels("error").inc()
             else:
                 log.info("engine ring %s closed: %s", ident.decode(), closed.result())
             closed.cancel()
