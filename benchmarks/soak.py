@@ -320,8 +320,8 @@ class Soak:
             t0 = time.monotonic()
             kind = self.rng_kind()
             self.fault_log.append((t0, kind))
+            self.minutes[-1].faults.append(kind)  # (in the minute it began: a fault may outlast the run)
             self.fault(kind)
-            self.minutes[-1].faults.append(kind)
             end = time.monotonic() + self.args.recover_s
             while self.last_ok < t0 + 0.001 and time.monotonic() < end and not self.stop.is_set():
                 time.sleep(0.1)
@@ -338,7 +338,7 @@ class Soak:
             out.update({f"{which}.{k}": v for k, v in _proc(pid).items()})
             metrics = self._scrape(side, 1 if which == "d" else 0)
             for key, series in (("peers", "kvxfer_peers"), ("agents", "kvxfer_nixl_remote_agents"),
-                                ("leases", "kvxfer_held_leases"), ("inflight", "kvxfer_inflight_requests")):
+                                ("leases", "kvxfer_held_leases"), ("inflight", "kvxfer_inflight_transfers")):
                 out[f"{which}.{key}"] = metrics.get(series, -1.0)
         out.update({f"harness.{k}": v for k, v in _proc(os.getpid()).items()})
         out["shm_mib"] = sum(e.stat().st_size for e in os.scandir("/dev/shm") if e.is_file()) / 2**20

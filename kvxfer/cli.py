@@ -92,7 +92,7 @@ def _run_demo(args: argparse.Namespace) -> int:
         f"pools {(opts.pool_bytes('prefill') + opts.pool_bytes('decode')) / (1 << 30):.2f} GiB",
         flush=True,
     )
-    res = run_demo(opts)
+    res = run_demo(opts, start_method="spawn")  # (one run: a forkserver would import torch first)
     for problem in res["problems"]:
         print(f"  PROBLEM: {problem}")
     print(

@@ -138,9 +138,9 @@ class Observer:
                              "(shared memory and eventfds) rather than the ZMQ socket.", registry=r)
         self.m_rings_dropped = Counter("kvxfer_engine_rings_dropped_total", "Engine rings the sidecar "
                                        "dropped while their engine still held them, by why (corrupt: a "
-                                       "counter or frame that cannot be right; error: the connection "
-                                       "failed). What was in such a ring is lost: its requests end at "
-                                       "their deadlines.", ["why"], registry=r)
+                                       "counter or frame length that cannot be right, either way). What "
+                                       "was in such a ring is lost: its requests end at their deadlines.",
+                                       ["why"], registry=r)
         self.g_agents = Gauge("kvxfer_nixl_remote_agents", "Peer agents this sidecar reads from (a "
                               "dropped peer whose reads still settle is no longer counted).", registry=r)
         self.g_ready = Gauge("kvxfer_ready", "1 when NIXL is up and the engine socket listens.", registry=r)

@@ -20,10 +20,11 @@ messages is that connection's process as the kernel reports it (``SO_PEERCRED``)
 the ZMQ socket.
 
 Layout: page 0 holds a magic word and each ring's ``tail`` (written by its producer only)
-and ``head`` (written by its consumer only), each on its own cache line, as little-endian
-u64 byte counters that only grow; each ring's data follows (``capacity`` bytes, a multiple
-of 8). A frame is a u64 length and the payload, padded to 8 bytes; a frame that does not
-fit before the end of the data is preceded by a ``WRAP`` word and written at its start.
+and ``head`` (written by its consumer only), each on its own cache line, as u64 byte
+counters that only grow, in the machine's byte order (both ends share the machine); each
+ring's data follows (``capacity`` bytes, a multiple of 8). A frame is a u64 length and the
+payload, padded to 8 bytes; a frame that does not fit before the end of the data is
+preceded by a ``WRAP`` word and written at its start.
 The reader copies each payload out before decoding it and checks every length and counter
 against the capacity: an engine that scribbles over its ring breaks its own ring only
 (``RingCorrupt``; the sidecar then drops it). Ordering relies on x86-64's store order (the

@@ -92,10 +92,10 @@ def test_counters_written_in_one_process_are_never_read_torn_in_another() -> Non
     init_ring(mm)
     pid = os.fork()
     if pid == 0:  # the producer: exits 0 when all were written, 3 on a torn head, 4 when stuck
-        code = 0
+        code = 5  # (anything else: never back into pytest in this forked copy)
         try:
             out, _ = Ring.pair(mm, cap, engine=True)
-            deadline = time.monotonic() + 30
+            deadline, code = time.monotonic() + 30, 0
             for i in range(n):
                 while not out.write(i.to_bytes(8, "little")):
                     if time.monotonic() > deadline:
@@ -105,7 +105,8 @@ def test_counters_written_in_one_process_are_never_read_torn_in_another() -> Non
                     break
         except RingCorrupt:
             code = 3
-        os._exit(code)
+        finally:
+            os._exit(code)
     _, into = Ring.pair(mm, cap, engine=False)
     got, torn = 0, ""
     deadline = time.monotonic() + 30
@@ -165,6 +166,7 @@ def test_a_scribbled_ring_is_dropped_and_the_sidecar_keeps_serving(sidecars: Sid
     sc = sidecars.start("ring-bad", metrics_port=free_port())
     bad = SidecarClient(sc.endpoint, ring=True)
     good = SidecarClient(sc.endpoint, ring=True)
+    closing: list[SidecarClient] = []
     try:
         bad.ping(20)
         good.ping(20)
@@ -183,9 +185,23 @@ def test_a_scribbled_ring_is_dropped_and_the_sidecar_keeps_serving(sidecars: Sid
         assert good.ring is not None
         assert "dropped" in sc.log()
         assert sc.scrape()['kvxfer_engine_rings_dropped_total{why="corrupt"}'] == 1
+        # the other way: a head the sidecar's next reply cannot be written past
+        head = SidecarClient(sc.endpoint, ring=True)
+        closing.append(head)
+        head.ping(20)
+        assert head.ring is not None
+        struct.pack_into("<Q", head.ring.mm, 256, 1 << 62)  # its sidecar -> engine head
+        head.heartbeat()  # a Ping over the ring; its Pong finds the head impossible
+        deadline = time.monotonic() + 5
+        while head.ring.alive() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not head.ring.alive(), "the sidecar kept a ring it could not write"
+        assert sc.scrape()['kvxfer_engine_rings_dropped_total{why="corrupt"}'] == 2
+        assert good.ping(5).seq
+        assert sc.scrape()["kvxfer_engine_rings"] == 1  # (good's)
     finally:
-        bad.close()
-        good.close()
+        for c in (bad, good, *closing):
+            c.close()
 
 
 def test_a_full_ring_refuses_at_once_and_an_engine_death_frees_its_ring(sidecars: SidecarFactory) -> None:

@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from kvxfer.testing.vllm_pd import Pipeline, prompt, text_of
+from kvxfer.testing.vllm_pd import Pipeline, _post, prompt, text_of
 
 PY = os.environ.get("KVXFER_VLLM_PYTHON", "")
 pytestmark = [
@@ -147,6 +147,51 @@ def test_push_mode_tokens_match_the_baseline(pipeline: Pipeline) -> None:
     layers = sum(d.get(s, 0) - d0.get(s, 0) for s in series)
     assert layers == 2 * len(lengths)  # (the test model's 2 layers, each request streamed)
     assert pipeline.p_sidecar.scrape()["kvxfer_held_leases"] == 0
+
+
+def test_a_decode_aborted_while_it_waits_for_a_push_frees_everything(pipeline: Pipeline) -> None:
+    """Push mode, the decode's client goes away while its request waits for the prefill (its
+    blocks allocated, its sidecar watching the transfer): vLLM aborts it but keeps its blocks
+    until the load ends; the prefill then computes, the read ends, the blocks are freed, the
+    prefill's lease ends, nothing stays in flight, and the next request's tokens are right."""
+    if pipeline.block_size:
+        pytest.skip("the abort path does not depend on the model shape: run on one shape")
+    import socket
+
+    from kvxfer.auth import new_token
+
+    tid, text = new_token(), unique(700, 5100, "t509")
+    host, port = pipeline.p_handshake
+    to_d = {"model": pipeline.model, "prompt": text, "max_tokens": 12, "temperature": 0,
+            "kv_transfer_params": {"do_remote_prefill": True, "transfer_id": tid, "remote_host": host,
+                                   "remote_port": port}}
+    d_sc, p_sc = pipeline.d_sidecar, pipeline.p_sidecar
+    body = json.dumps(to_d).encode()
+    conn = socket.create_connection(("127.0.0.1", pipeline.servers["decode"].port))
+    conn.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+    end = time.monotonic() + 30
+    while d_sc.scrape().get("kvxfer_inflight_transfers", 0) < 1:  # (its blocks allocated, watching)
+        assert time.monotonic() < end, ("the decode never began to wait for the push", d_sc.log()[-2000:])
+        time.sleep(0.05)
+    conn.close()  # the client went away: vLLM aborts the request
+    time.sleep(1.0)
+    aborted = counter(pipeline.metrics("decode"), "vllm:request_success_total")
+    to_p = {"model": pipeline.model, "prompt": text, "max_tokens": 1, "temperature": 0,
+            "kv_transfer_params": {"do_remote_decode": True, "transfer_id": tid}}
+    _post(f"{pipeline.servers['prefill'].url}/v1/completions", to_p)  # (computed for nobody now)
+    end = time.monotonic() + 30
+    while d_sc.scrape().get("kvxfer_inflight_transfers", 0) or p_sc.scrape().get("kvxfer_held_leases", 0):
+        assert time.monotonic() < end, (d_sc.scrape(), p_sc.scrape())
+        time.sleep(0.1)
+    assert counter(pipeline.metrics("decode"), "vllm:request_success_total") == aborted  # (it did not finish)
+    for i, n in enumerate((3, 300)):  # the decode engine serves on, its freed blocks reused rightly
+        again = unique(n, 5200 + i, "t509")
+        assert text_of(pipeline.complete_push(again, 8)) == text_of(pipeline.baseline(again, 8)), n
+    end = time.monotonic() + 10  # and holds no block: the aborted request's were freed
+    while (usage := counter(pipeline.metrics("decode"), "vllm:kv_cache_usage_perc")) > 0:
+        assert time.monotonic() < end, f"the decode engine still holds {usage:.2%} of its KV cache"
+        time.sleep(0.2)
 
 
 def test_transferred_blocks_are_byte_identical(pipeline: Pipeline) -> None:

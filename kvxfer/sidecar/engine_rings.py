@@ -144,7 +144,12 @@ class EngineRings:
         broken = loop.create_future()
 
         def write(body: bytes) -> bool:
-            if not out.write(body):
+            try:
+                if not out.write(body):
+                    return False
+            except RingCorrupt as e:  # (the engine scribbled on its head: dropped, as a bad tail is)
+                if not broken.done():
+                    broken.set_result(str(e))
                 return False
             ring_doorbell(doorbell)
             return True
@@ -176,7 +181,6 @@ class EngineRings:
                 self.observer.m_rings_dropped.labels("corrupt").inc()
             elif closed.exception() is not None:
                 log.warning("engine ring %s dropped: %r", ident.decode(), closed.exception())
-                self.observer.m_rings_dropped.labels("error").inc()
             else:
                 log.info("engine ring %s closed: %s", ident.decode(), closed.result())
             closed.cancel()
