@@ -145,6 +145,12 @@ def test_the_soak_growth_rule_flags_a_leak_and_not_noise() -> None:
     assert growth(flat) == []
     leaking = [{"t": i, "d.fds": 70.0 + 2 * i, "p.rss_mib": 150.0} for i in range(60)]
     assert [p.split(" ")[0] for p in growth(leaking)] == ["d.fds"]
+    # leases a killed decode leaves to expire: spikes that come back down are not a leak
+    spiky = [{"t": i, "p.leases": (24.0 if i % 7 == 3 else float(i % 5)) if i >= 45 else float(i % 2)}
+             for i in range(60)]
+    assert growth(spiky) == []
+    held = [{"t": i, "p.leases": float(i)} for i in range(60)]  # never released: a leak
+    assert [p.split(" ")[0] for p in growth(held)] == ["p.leases"]
 
 
 def test_the_soak_runs_and_judges(tmp_path: Path) -> None:
