@@ -158,13 +158,7 @@ def test_a_decode_aborted_while_it_waits_for_a_push_frees_everything(pipeline: P
         pytest.skip("the abort path does not depend on the model shape: run on one shape")
     import socket
 
-    from kvxfer.auth import new_token
-
-    tid, text = new_token(), unique(700, 5100, "t509")
-    host, port = pipeline.p_handshake
-    to_d = {"model": pipeline.model, "prompt": text, "max_tokens": 12, "temperature": 0,
-            "kv_transfer_params": {"do_remote_prefill": True, "transfer_id": tid, "remote_host": host,
-                                   "remote_port": port}}
+    to_p, to_d = pipeline.push_bodies(unique(700, 5100, "t509"), 12)
     d_sc, p_sc = pipeline.d_sidecar, pipeline.p_sidecar
     body = json.dumps(to_d).encode()
     conn = socket.create_connection(("127.0.0.1", pipeline.servers["decode"].port))
@@ -177,8 +171,6 @@ def test_a_decode_aborted_while_it_waits_for_a_push_frees_everything(pipeline: P
     conn.close()  # the client went away: vLLM aborts the request
     time.sleep(1.0)
     aborted = counter(pipeline.metrics("decode"), "vllm:request_success_total")
-    to_p = {"model": pipeline.model, "prompt": text, "max_tokens": 1, "temperature": 0,
-            "kv_transfer_params": {"do_remote_decode": True, "transfer_id": tid}}
     _post(f"{pipeline.servers['prefill'].url}/v1/completions", to_p)  # (computed for nobody now)
     end = time.monotonic() + 30
     while d_sc.scrape().get("kvxfer_inflight_transfers", 0) or p_sc.scrape().get("kvxfer_held_leases", 0):

@@ -143,13 +143,16 @@ class EngineRings:
         out, into = Ring.pair(mm, capacity, engine=False)  # type: ignore[arg-type]
         broken = loop.create_future()
 
+        def corrupt(e: RingCorrupt) -> None:  # (either way: the ring is dropped)
+            if not broken.done():
+                broken.set_result(str(e))
+
         def write(body: bytes) -> bool:
             try:
                 if not out.write(body):
                     return False
-            except RingCorrupt as e:  # (the engine scribbled on its head: dropped, as a bad tail is)
-                if not broken.done():
-                    broken.set_result(str(e))
+            except RingCorrupt as e:  # (the engine scribbled on its head)
+                corrupt(e)
                 return False
             ring_doorbell(doorbell)
             return True
@@ -159,8 +162,7 @@ class EngineRings:
             try:
                 frames = into.read_all()
             except RingCorrupt as e:
-                if not broken.done():
-                    broken.set_result(str(e))
+                corrupt(e)
                 return
             now = time.monotonic_ns()
             for body in frames:

@@ -370,18 +370,22 @@ class Pipeline:
         decode at the same moment, both with one new ``transfer_id`` (unguessable: it is the
         request's capability); the decode's params name the prefill sidecar's endpoint, which a
         router knows from its configuration. Returns the decode's response."""
-        tid = new_token()
-        host, port = self.p_handshake
-        to_p = {"model": self.model, "prompt": text, "max_tokens": 1, "temperature": 0,
-                "kv_transfer_params": {"do_remote_decode": True, "transfer_id": tid}}
-        to_d = {"model": self.model, "prompt": text, "max_tokens": max_tokens, "temperature": 0} | sampling
-        to_d["kv_transfer_params"] = {"do_remote_prefill": True, "transfer_id": tid, "remote_host": host,
-                                      "remote_port": port}
+        to_p, to_d = self.push_bodies(text, max_tokens, **sampling)
         with ThreadPoolExecutor(2) as pool:
             first = pool.submit(_post, f"{self.servers['prefill'].url}/v1/completions", to_p)
             decoded = pool.submit(_post, f"{self.servers['decode'].url}/v1/completions", to_d)
             first.result()
             return decoded.result()
+
+    def push_bodies(self, text: str, max_tokens: int, **sampling: Any) -> tuple[dict[str, Any], ...]:
+        """(to the prefill, to the decode): one push request's two bodies, one new transfer id."""
+        tid, (host, port) = new_token(), self.p_handshake
+        to_p = {"model": self.model, "prompt": text, "max_tokens": 1, "temperature": 0,
+                "kv_transfer_params": {"do_remote_decode": True, "transfer_id": tid}}
+        to_d = {"model": self.model, "prompt": text, "max_tokens": max_tokens, "temperature": 0} | sampling
+        to_d["kv_transfer_params"] = {"do_remote_prefill": True, "transfer_id": tid, "remote_host": host,
+                                      "remote_port": port}
+        return to_p, to_d
 
     def chat(self, server: str, messages: list[dict[str, str]], max_tokens: int,
              params: dict[str, Any] | None = None) -> dict[str, Any]:
