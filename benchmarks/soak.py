@@ -240,6 +240,8 @@ class Soak:
         while not self.stop.is_set():
             self.transfer(i)
             i += 1
+            if self.args.pause_ms:
+                self.stop.wait(self.args.pause_ms / 1e3)
 
     # ------------------------------------------------------------------ faults
 
@@ -374,6 +376,8 @@ class Soak:
                 self.samples.append(self.sample())
                 self._print_minute(len(self.minutes) - 1)
                 self.minutes.append(Minute())
+                if self.args.checkpoint_min and len(self.samples) % self.args.checkpoint_min == 0:
+                    write(self, self.args.out, None)  # (a run cut short keeps what it measured)
         finally:
             self.stop.set()
             for t in threads:
@@ -447,8 +451,9 @@ def growth(samples: list[dict[str, float]]) -> list[str]:
     return out
 
 
-def write(soak: Soak, out: str, code: int) -> None:
-    """<out>.json (every minute and sample), <out>.txt (the summary), <out>.png (the plot)."""
+def write(soak: Soak, out: str, code: int | None) -> None:
+    """<out>.json (every minute and sample), <out>.txt (the summary), <out>.png (the plot);
+    ``code`` None: a checkpoint of a run still going (verdict "running")."""
     rows = []
     for i, (m, smp) in enumerate(zip(soak.minutes, soak.samples, strict=False)):
         lat = sorted(m.latencies)
@@ -456,7 +461,8 @@ def write(soak: Soak, out: str, code: int) -> None:
                      "p50_ms": lat[len(lat) // 2] * 1e3 if lat else None,
                      "p99_ms": lat[int(len(lat) * 0.99)] * 1e3 if lat else None, "faults": m.faults,
                      **{k: v for k, v in smp.items() if k != "t"}})
-    doc = {"args": vars(soak.args), "netns": soak.netns, "verdict": "ok" if code == 0 else "failed",
+    verdict = "running" if code is None else "ok" if code == 0 else "failed"
+    doc = {"args": vars(soak.args), "netns": soak.netns, "verdict": verdict,
            "problems": soak.problems, "minutes": rows}
     with open(out + ".json", "w") as f:
         json.dump(doc, f, indent=1)
@@ -516,6 +522,9 @@ def main() -> int:
     ap.add_argument("--settle-s", type=float, default=10.0, help="an answer may come this much later")
     ap.add_argument("--recover-s", type=float, default=45.0, help="a success this soon after each fault")
     ap.add_argument("--inflight", type=int, default=4, help="requests in flight at once")
+    ap.add_argument("--pause-ms", type=float, default=0.0, help="a pause after each batch (a lighter load)")
+    ap.add_argument("--checkpoint-min", type=int, default=10,
+                    help="write the results so far every this many minutes (0: only at the end)")
     ap.add_argument("--seed", type=int, default=37)
     ap.add_argument("--netns", action=argparse.BooleanOptionalAction, default=True,
                     help="two hosts joined by a veth pair, UCX over TCP, link cuts (needs root)")
