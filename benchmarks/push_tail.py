@@ -55,7 +55,7 @@ def compute(p: SyntheticEngine, tid: str, blocks: list[int], layers: int, layer_
         if left > 0:
             time.sleep(left)
         if report:
-            p.client.layers_done(LayersDone(req_ids=[tid], layers=layer + 1))
+            p.client.send(LayersDone(req_ids=[tid], layers=layer + 1))
     return time.monotonic_ns()
 
 

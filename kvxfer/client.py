@@ -22,6 +22,7 @@ from kvxfer.engine_ring import Asking, EngineRing, RingUnavailable
 from kvxfer.errors import ErrorCode, KvxferError, ProtocolError, RequestError, SidecarUnavailable
 from kvxfer.protocol import (
     DECODE_ERRORS,
+    Cancel,
     Done,
     EngineRequest,
     Error,
@@ -225,8 +226,9 @@ class SidecarClient:
                  streamed=streamed)
         )
 
-    def layers_done(self, msg: LayersDone) -> None:
-        """Push mode: this rank computed ``msg.layers`` layers of these streamed holds."""
+    def send(self, msg: LayersDone | Cancel) -> None:
+        """A message with no answer: push mode's ``LayersDone`` (this rank computed ``msg.layers``
+        layers of these streamed holds), a decode's ``Cancel`` (the engine dropped the request)."""
         self._send(msg)
 
     def release(self, req_id: str, engine_id: str = "") -> None:
@@ -279,9 +281,8 @@ class SidecarClient:
     def keepalive(self, remote: RemoteBlocks, remote_req_ids: list[str], req_ids: list[str],
                   remote_tokens: list[str] | None = None) -> None:
         """Keep the prefill leases of requests still waiting here alive (``KeepAlive``)."""
-        self._send(KeepAlive(remote_engine_id=remote.engine_id, remote_host=remote.host,
-                             remote_port=remote.port, remote_req_ids=remote_req_ids, req_ids=req_ids,
-                             remote_tokens=remote_tokens or []))
+        self._send(KeepAlive(remote.engine_id, remote.host, remote.port, remote_req_ids, req_ids,
+                             remote_tokens or []))
 
     def heartbeat(self) -> None:
         """Ask for a Pong without waiting; ``poll`` hands it back in ``Drained.pongs``. A ring

@@ -68,6 +68,7 @@ MESSAGES: dict[str, tuple[object, str]] = {
     "renew": (p.LeaseRenew(seq=3, engine_id="P", req_ids=["r1"], extend_s=2.5, agent_name="a"), "98a572656e657703a15091a27231cb4004000000000000a161a090"),
     "challenge": (p.Challenge(version=4, nonce="n1", agent_name="b"), "94a96368616c6c656e676504a26e31a162"),
     "leases": (p.LeaseState(seq=3, held=["held", "gone"]), "95a66c65617365730392a468656c64a4676f6e65a090"),
+    "cancel": (p.Cancel(req_id="r1", engine_id="E"), "93a663616e63656ca27231a145"),
     "layers": (p.LayersDone(req_ids=["t1"], layers=3, tp_rank=1), "96a66c617965727391a27431030100a0"),
     "watch": (p.LayerWatch(seq=4, engine_id="P", req_id="t1", have=2, token="tok"),
               "9aa5776174636804a150a2743102a3746f6bcb3ff0000000000000cb0000000000000000a0a0"),

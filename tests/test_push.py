@@ -21,7 +21,7 @@ import pytest
 
 from kvxfer.client import RemoteBlocks
 from kvxfer.errors import ErrorCode
-from kvxfer.protocol import LayersDone
+from kvxfer.protocol import Cancel, LayersDone
 from kvxfer.sidecar.stream_feed import WATCH_WAIT_S
 from kvxfer.testing.engine import SyntheticEngine, make_layout
 from kvxfer.testing.pattern import request_pattern
@@ -71,7 +71,7 @@ def compute(p: SyntheticEngine, tid: str, blocks: list[int], layers: range, paus
     """The prefill computes these layers one by one, reporting each."""
     for layer in layers:
         p.fill_layers(tid, blocks, range(layer, layer + 1))
-        p.client.layers_done(LayersDone(req_ids=[tid], layers=layer + 1))
+        p.client.send(LayersDone(req_ids=[tid], layers=layer + 1))
         if pause_s:
             time.sleep(pause_s)
 
@@ -126,6 +126,43 @@ def test_a_prefill_that_aborts_mid_stream_fails_the_load(sidecars: SidecarFactor
         assert got.failed[0].code == ErrorCode.EXPIRED
         assert sorted(got.failed[0].block_ids) == sorted(db)
         assert ds.proc.poll() is None
+
+
+def test_a_decode_that_cancels_mid_stream_stops_at_once_and_releases_the_prefill(
+        sidecars: SidecarFactory) -> None:
+    """The decode engine drops the request while its load follows the prefill (``Cancel``: a
+    client gone): the load fails ``cancelled`` at once, not at its deadline; no byte lands in
+    its blocks after that, however many layers the prefill computes next; and the prefill's
+    lease ends ``aborted`` now (its engine frees the blocks when it finishes computing)."""
+    with pair(sidecars, "pushc") as (ds, ps, d, p):
+        tid = "push-cancel"
+        pb, db = p.allocate(4), d.allocate(4)
+        d.wipe(db)
+        stream(p, d, tid, pb, db, deadline_s=30)
+        compute(p, tid, pb, range(0, 5))
+        end = time.monotonic() + 10
+        while not d.verify_layers(tid, db, range(0, 5)):  # (the first layers were read meanwhile)
+            assert time.monotonic() < end, "the computed layers never moved"
+            time.sleep(0.01)
+        time.sleep(0.3)  # (their pre-read settled: the load waits on its next watch, nothing in flight)
+        d.client.send(Cancel(req_id=tid))
+        sent = time.monotonic()
+        got = wait_for(d.client, lambda a: bool(a.done or a.failed), timeout=30)
+        assert time.monotonic() - sent < 5, "the cancel waited for the load's deadline"
+        assert got.failed, got
+        assert not got.done, got
+        assert got.failed[0].code == ErrorCode.CANCELLED
+        assert sorted(got.failed[0].block_ids) == sorted(db)
+        d.wipe(db)  # the engine reuses the blocks at once
+        rel = wait_for(p.client, lambda a: bool(a.released), timeout=5)
+        assert [(r.req_id, r.reason) for r in rel.released] == [(tid, "aborted")]
+        compute(p, tid, pb, range(5, LAYOUT.num_layers))  # the prefill goes on computing
+        time.sleep(0.5)
+        assert not d.verify_layers(tid, db, range(5, 6)), "a layer computed after the cancel was read"
+        assert not d.kv.blocks()[:, :, db, :].any(), "bytes landed in the cancelled load's blocks"  # type: ignore[union-attr]
+        assert d.client.poll().done == []
+        assert ds.proc.poll() is None
+        assert ps.proc.poll() is None
 
 
 def test_a_prefill_that_never_finishes_fails_the_load_at_its_deadline(sidecars: SidecarFactory) -> None:
@@ -343,7 +380,7 @@ def test_push_between_different_tp_sizes(sidecars: SidecarFactory, kind: str, pt
         for r, e in enumerate(ps_eng):  # (rank after rank: the last lags the others by far)
             for layer in range(8):
                 e.fill_layers(tid, pb, range(layer, layer + 1))
-                e.client.layers_done(LayersDone(req_ids=[tid], layers=layer + 1, tp_rank=r))
+                e.client.send(LayersDone(req_ids=[tid], layers=layer + 1, tp_rank=r))
             time.sleep(0.2)
         for e in ds_eng:
             got = wait_for(e.client, lambda a: bool(a.done or a.failed), timeout=30)

@@ -154,7 +154,7 @@ def test_a_cancel_without_a_read_in_flight_ends_here(phase: str) -> None:
     assert r.cancelled(RequestError(ErrorCode.CANCELLED, "operator")) is Step.END
     assert r.outcome is not None
     assert r.outcome.exit is Exit.CANCELLED
-    assert r.outcome.notice is None
+    assert r.outcome.notice is False  # the prefill is told it will not be read: its lease ends now
 
 
 def test_a_cancel_of_a_read_in_flight_goes_to_the_port() -> None:

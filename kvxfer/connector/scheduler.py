@@ -36,6 +36,7 @@ from kvxfer.connector.push import StreamedHolds
 from kvxfer.connector.settings import ConnectorSettings
 from kvxfer.connector.step import FINISHED_OK, StepPlan
 from kvxfer.errors import ErrorCode
+from kvxfer.protocol import Cancel
 
 log = logging.getLogger(__name__)
 
@@ -122,22 +123,12 @@ class SchedulerSide:
                             "state moves only between equal TP sizes; computing prompts here",
                             remote.engine_id, remote.tp_size, self.tp_size)
             return 0, False
-        n = len(request.prompt_token_ids or ())
-        if self.backoff:
-            # the prefill stopped short of these; this engine computes them (a prompt no longer
-            # than that is computed here whole: a state cannot be recomputed on top of itself)
-            n = n - self.backoff if n > self.backoff else 0
         computed = params.get("remote_num_tokens")
-        known = isinstance(computed, int) and not isinstance(computed, bool)
-        if any(self.state_groups) and n and not (known and computed == n):
-            # A state is the state after exactly ``computed`` tokens: loaded under any other
-            # claim it would be recomputed on top of itself (a prefill that did not stop short,
-            # e.g. prompt logprobs asked there, or another prompt here): compute it all here.
+        prompt = len(request.prompt_token_ids or ())
+        n = tokens_to_load(prompt, self.backoff, computed, any(self.state_groups))
+        if n < 0:
             log.info("request %s: the prefill's state covers %s tokens, this engine would load %d; "
-                     "computing the prompt here", request.request_id, computed, n)
-            n = 0
-        elif known and 0 < computed < n:
-            n = computed  # never claim tokens the prefill did not compute (a longer prompt here)
+                     "computing the prompt here", request.request_id, computed, -n)
         count = n - num_computed_tokens
         if count > 0:
             self._waiting[request.request_id] = remote  # until it gets blocks: keep its lease alive
@@ -204,6 +195,22 @@ class SchedulerSide:
         self._plan.recvs[request.request_id] = (local, time.monotonic() + give_up)
         self._loads[request.request_id] = time.monotonic() + give_up
 
+    def _decode_finished(self, req_id: str, params: dict[str, Any], remote: RemoteBlocks | None, status: str,
+                         error: str | None) -> dict[str, Any] | None:
+        """A decode's request ended. Before it got blocks (aborted while waiting): nothing was
+        read, the prefill is told to release. With its load posted and not finished well (an
+        abort; vLLM keeps the blocks until the load ends): the load is cancelled (``Cancel``)."""
+        if params.get("do_remote_prefill"):
+            params["do_remote_prefill"] = False
+            with contextlib.suppress(InvalidTransferParams):  # (a push request's: parse_push, kept)
+                self._release_remote(req_id, remote or parse_remote(params))
+        elif req_id in self._loads and status not in FINISHED_OK:
+            try:  # (a load that ended already: the sidecar has nothing to cancel)
+                self.client.send(Cancel(req_id=req_id, engine_id=self.local_engine))
+            except SEND_ERRORS as e:  # its deadline ends it
+                log.warning("request %s: cancel of its KV load not sent: %s", req_id, e)
+        return {"kvxfer_error": error} if error else None
+
     def _ranks(self) -> list[tuple[int, int]]:
         """(pp, tp) of every worker: each receives into its own memory."""
         return [(pp, tp) for pp in range(self.pp_size) for tp in range(self.tp_size)]
@@ -229,22 +236,15 @@ class SchedulerSide:
         remote = self._remote.pop(req_id, None)
         self._waiting.pop(req_id, None)
         error = self.errors.pop(req_id, None)
+        status = getattr(request.status, "name", str(request.status))
         if not params:
             return False, None
-        if params.get("do_remote_prefill"):
-            # Decode request finished before its blocks were allocated (aborted while
-            # waiting): nothing was read, so tell the prefill side to release.
-            params["do_remote_prefill"] = False
-            with contextlib.suppress(InvalidTransferParams):  # (a push request's: parse_push, kept)
-                self._release_remote(req_id, remote or parse_remote(params))
-            return False, ({"kvxfer_error": error} if error else None)
+        if not params.get("do_remote_decode"):  # (a decode's request)
+            return False, self._decode_finished(req_id, params, remote, status, error)
         if error:
             return False, {"kvxfer_error": error}
-        if not params.get("do_remote_decode"):
-            return False, None
         if self.push.held(req_id):
             return self.push.finish(request)
-        status = getattr(request.status, "name", str(request.status))
         grouped = bool(block_ids) and isinstance(block_ids[0], list | tuple)
         held = held_blocks(block_ids) if grouped else list(block_ids)  # type: ignore[arg-type]
         if status not in FINISHED_OK or not held:
@@ -340,6 +340,20 @@ class SchedulerSide:
 
     def shutdown(self) -> None:
         self.client.close()
+
+
+def tokens_to_load(prompt: int, backoff: int, computed: Any, state: bool) -> int:
+    """The prompt tokens a decode loads from its prefill (``computed``: what the prefill says
+    it computed, ``remote_num_tokens``; ``state``: the model has state groups). Negative: a
+    state that cannot be loaded (minus the tokens it would have covered): compute it all here."""
+    n = prompt - backoff if prompt > backoff else 0  # (the prefill stopped short of ``backoff``)
+    known = isinstance(computed, int) and not isinstance(computed, bool)
+    if state and n and not (known and computed == n):
+        # A state is the state after exactly ``computed`` tokens: loaded under any other claim
+        # it would be recomputed on top of itself (a prefill that did not stop short, e.g.
+        # prompt logprobs asked there, or another prompt here).
+        return -n
+    return computed if known and 0 < computed < n else n  # (never more than the prefill computed)
 
 
 def send_keepalives(client: SidecarClient, waiting: dict[str, RemoteBlocks]) -> None:

@@ -368,7 +368,7 @@ class WorkerSide:
         msg = LayersDone(req_ids=streamed, layers=index + 1, tp_rank=self.tp_rank,
                          pp_rank=self.place.pp_rank, engine_id=self.place.engine_id)
         try:
-            self.client.layers_done(msg)
+            self.client.send(msg)
         except SEND_ERRORS as e:  # (the decode then waits for its deadline and recomputes)
             log.warning("layer %s not reported to the sidecar: %s", layer_name, e)
 

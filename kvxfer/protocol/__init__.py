@@ -51,6 +51,7 @@ from kvxfer.protocol.codec import (
     sidecar_event_decoder,
 )
 from kvxfer.protocol.engine import (
+    Cancel,
     Done,
     EngineRequest,
     Error,
@@ -116,6 +117,8 @@ from kvxfer.protocol.peer import (
 #    (and, push mode, decodable by any 6 that knows it: Hold.streamed, Recv.streamed and
 #    Welcome.layer_streams appended; LayersDone (engine -> sidecar) and LayerWatch/LayersAt
 #    (peer) added; a decode sends LayerWatch only to a prefill whose Welcome says layer_streams)
+#    (and Cancel, engine -> sidecar, added: a 6 that does not know it answers Error malformed,
+#    and the load runs to its end as before)
 PROTOCOL_VERSION = 6
 
 
@@ -130,6 +133,7 @@ __all__ = [
     "DTYPE_SIZES",
     "PROTOCOL_VERSION",
     "BlockIds",
+    "Cancel",
     "Challenge",
     "CudaIpcMemory",
     "DigestItem",

@@ -82,6 +82,16 @@ class Release(_Msg, tag="release"):
     engine_id: EngineId = ""
 
 
+class Cancel(_Msg, tag="cancel"):
+    """Decode side: the engine dropped the request (an abort) while its load may still run:
+    stop every rank's receive of it now. Reads in flight are settled first (nothing lands
+    after the answer), then each rank gets ``Failed`` ``cancelled`` and the prefill is told
+    (its lease released ``aborted``). A request with no receive here changes nothing."""
+
+    req_id: ReqId
+    engine_id: EngineId = ""
+
+
 class Recv(_Msg, tag="recv"):
     """Decode side: pull a prefilled request's blocks into these local blocks.
 
@@ -147,7 +157,7 @@ class KeepAlive(_Msg, tag="keepalive"):
     remote_tokens: Annotated[list[Token], Meta(max_length=4096)] = []  # the leases' capabilities, same order
 
 
-EngineRequest = RegisterKV | Unregister | Hold | Release | Recv | Ping | KeepAlive | LayersDone
+EngineRequest = RegisterKV | Unregister | Hold | Release | Recv | Ping | KeepAlive | LayersDone | Cancel
 
 
 # --------------------------------------------------------------------------- sidecar -> engine

@@ -42,6 +42,7 @@ from kvxfer.memchannel import mem_socket_path
 from kvxfer.observe import Event, Observer, start_metrics_server
 from kvxfer.protocol import (
     PROTOCOL_VERSION,
+    Cancel,
     Hold,
     KeepAlive,
     LayersDone,
@@ -164,8 +165,7 @@ class Sidecar:
         self.peers = PeerClient(config=config, channel=self.channel, dial_ctx=self.dial_ctx, book=self.book,
                                 registry=self.registry, nixl=self.nixl, observer=self.observer)
         generation = lambda: self.registry.generation(self.agent_name)  # noqa: E731
-        # push mode's prefill side: held requests whose layers are being computed
-        self.streams = StreamServer(config=config, registry=self.registry, holds=self.holds,
+        self.streams = StreamServer(config=config, registry=self.registry, holds=self.holds,  # (push)
                                     observer=self.observer, generation=generation)
         self.peer_server = PeerServer(channel=self.channel, registry=self.registry, holds=self.holds,
                                       nixl=self.nixl, observer=self.observer,
@@ -203,6 +203,7 @@ class Sidecar:
         es.on(Recv, lambda ident, msg: self.receiver.on_recv(ident, msg, es.sender, self.lifecycle.draining,
                                                              es.received_ns))
         es.on(Release, lambda ident, msg: self.holds.release_request(msg, es.sender))
+        es.on(Cancel, lambda ident, msg: self.receiver.on_cancel(msg, es.sender))
         es.on(RegisterKV, lambda ident, msg: self._spawn(self.engines.register(ident, msg, es.sender)))
         es.on(KeepAlive, lambda ident, msg: self._spawn(self.keeper.keepalive(ident, msg)))
         es.on(Unregister, lambda ident, msg: self.engines.unregister(ident, msg, es.sender))

@@ -156,7 +156,7 @@ class Engines:
             self.changed.emit()
 
     async def _gone(self, entry: RankEntry, reason: str) -> None:
-        await self.receiver.fail_rank(entry.key, reason)
+        await self.receiver.cancel("", ErrorCode.NOT_REGISTERED, reason, rank=entry.key)
         held = self.holds.engine_holds(entry.key.engine)
         if held:
             # A finished prefill's KV is still the decode's to read: keep the rank's mapping

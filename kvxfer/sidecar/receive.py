@@ -182,10 +182,11 @@ class Receive:
         return self.phase is Phase.READING and self._read is None
 
     def cancelled(self, err: RequestError) -> Step:
-        """Cancelled with no read in flight (before the post, or once it landed)."""
+        """Cancelled with no read in flight (before the post, or once it landed): the prefill
+        is told it will not be read (its lease ends ``aborted`` once every rank said so)."""
         if self.phase is Phase.ENDED:
             return Step.WAIT
-        return self._end(Outcome(Exit.CANCELLED, error=err))
+        return self._end(Outcome(Exit.CANCELLED, error=err, notice=False))
 
     # ------------------------------------------------------------------ internals
 

@@ -25,7 +25,7 @@ from kvxfer.abandoned import Abandoned
 from kvxfer.config import Config
 from kvxfer.errors import ErrorCode, RequestError
 from kvxfer.observe import Observer
-from kvxfer.protocol import Recv, Staged
+from kvxfer.protocol import Cancel, Recv, Staged
 from kvxfer.sidecar.claim import ClaimAnswer, Claims
 from kvxfer.sidecar.lease_words import proves
 from kvxfer.sidecar.lifecycle import Signal
@@ -134,18 +134,22 @@ class Receiver:
                 return
         self._spawn(self._handshake_then_read(key, state))
 
-    async def cancel(self, req_id: str, code: ErrorCode = ErrorCode.CANCELLED,
-                     reason: str = "cancelled by operator") -> int:
-        """Fail every rank's receive of a request now (all with ""); returns how many."""
-        keys = [k for k, st in self.recvs.items() if st.msg.req_id == req_id or not req_id]
+    def on_cancel(self, msg: Cancel, sender: Creds) -> None:
+        """The engine dropped a request whose load may still run: cancel its ranks' receives."""
+        engine = self.registry.engine_of(msg.engine_id)
+        authorize(sender, self.registry.holders(engine), self.config.engine_ownership, "cancel", engine,
+                  msg.req_id)
+        self._spawn(self.cancel(msg.req_id, ErrorCode.CANCELLED, "the engine dropped the request", engine))
+
+    async def cancel(self, req_id: str, code: ErrorCode = ErrorCode.CANCELLED, reason: str = "cancelled by "
+                     "operator", engine: str | None = None, rank: RankKey | None = None) -> int:
+        """Fail receives now: every rank's of ``req_id`` ("": every request's), only ``engine``'s
+        or one ``rank``'s (its engine died) when named; returns how many."""
+        keys = [k for k, st in self.recvs.items() if (st.msg.req_id == req_id or not req_id)
+                and engine in (None, st.local.engine) and rank in (None, st.local)]
         for key in keys:
             await self._cancel(key, RequestError(code, reason, req_id))
         return len(keys)
-
-    async def fail_rank(self, key: RankKey, reason: str) -> None:
-        """A local rank is gone (its engine died): fail its receives."""
-        for rkey in [k for k, st in self.recvs.items() if st.local == key]:
-            await self._cancel(rkey, RequestError(ErrorCode.NOT_REGISTERED, reason))
 
     async def _cancel(self, key: str, err: RequestError) -> None:
         state = self.recvs.get(key)
@@ -171,6 +175,7 @@ class Receiver:
             if self.recvs.get(key) is not state:
                 return  # cancelled or failed while the handshake ran
             state.mark("handshaked")
+            state.peer_agent = peer.agent_name  # (a cancel from now on tells the prefill)
             if msg.streamed:  # (push mode: layers read while the prefill computes them: stream_feed)
                 followed = await self.feed.follow(key, state, peer,
                                                   lambda: self.recvs.get(key) is state and not state.stopping)
@@ -205,9 +210,8 @@ class Receiver:
 
     def _start_read(self, key: str, state: RecvState, peer: Peer, plans: list[RankPlan],
                     pairing: BlockPairing, remaining: float) -> None:
-        """Planned: claim the lease and start the read (no await: a ReadFinished event
-        answers, or a ReadRefused), or stage it (``staged_reads``: the claim and the
-        prefill's copy first, then the read of its slot)."""
+        """Planned: claim the lease and start the read (no await: a ReadFinished event answers, or
+        a ReadRefused), or stage it (``staged_reads``: the claim and the prefill's copy first)."""
         msg = state.msg
         state.peer_agent = peer.agent_name
         state.proof = proof_of(state, peer)
@@ -230,10 +234,9 @@ class Receiver:
 
     def _claim_and_post(self, key: str, state: RecvState, peer: Peer, plans: list[RankPlan],
                         pairing: BlockPairing, remaining: float) -> None:
-        """The direct read, then its claim (the prefill confirms it holds the blocks and extends
-        the lease over the read; a read its lease word does not prove waits for the answer).
-        A small read lands, proved by its word, inside the post: then no claim at all (one
-        sent first cost ~0.4 ms, measured); a larger one's claim still overlaps its copy."""
+        """The direct read, then its claim (the prefill confirms it holds the blocks and extends the
+        lease over the read; a read its lease word does not prove waits for the answer). A small
+        read lands, proved by its word, inside the post: no claim (one sent first cost ~0.4 ms)."""
         self._post(key, state, peer, plans, pairing, remaining)
         if self.recvs.get(key) is not state:
             return  # (it ended inside the post: landed and proved, or failed)
@@ -275,9 +278,7 @@ class Receiver:
 
     def on_read_refused(self, event: ReadRefused) -> None:
         """The NIXL thread could not start a read it was handed (nothing was posted)."""
-        if self.feed.refused(event):
-            return
-        if event.req_id in self.recvs:
+        if not self.feed.refused(event) and event.req_id in self.recvs:  # (the feed's: a pre-read)
             self._not_started(event.req_id, event.error)
 
     def on_read_finished(self, event: ReadFinished) -> None:
@@ -296,8 +297,7 @@ class Receiver:
         self._step(event.req_id, state, state.machine.landed(event, proof))
 
     async def _reprove(self, key: str, state: RecvState) -> None:
-        """The lease word again: the claim says it is published, the read after the landing
-        did not show it (the Hold came late, or the lease ended during the read)."""
+        """The lease word again: the claim says it is published, the landing's read did not show it."""
         word = await self.nixl.read_word(state.peer_agent, state.proof[1])
         self.observer.lease_word(shows := word is not None and proves(word, state.proof[0], time.time()))
         if self.recvs.get(key) is state:
@@ -325,8 +325,7 @@ class Receiver:
             log.exception("finishing receive %s", state.msg.req_id)
             if self.recvs.get(key) is state:
                 self.recvs.pop(key)
-                err = RequestError(ErrorCode.INTERNAL, repr(e), state.msg.req_id)
-                self._send(state.owner, failed_message(state.msg, err))
+                self._send(state.owner, failed_message(state.msg, RequestError(ErrorCode.INTERNAL, repr(e))))
                 self.changed.emit()
 
     async def _verify(self, key: str, state: RecvState, peer: Peer) -> None:
@@ -359,5 +358,5 @@ class Receiver:
         self.changed.emit()
         if out.drop_peer:
             self._spawn(self.peers.drop_peer(state.peer_agent, out.error.reason if out.error else ""))
-        elif out.notice is not None:
+        elif out.notice is not None and state.peer_agent:  # (none before the handshake)
             notify_prefill(self.nixl, self.registry, state, out.notice)
