@@ -161,6 +161,13 @@ def test_a_decode_that_cancels_mid_stream_stops_at_once_and_releases_the_prefill
         assert not d.verify_layers(tid, db, range(5, 6)), "a layer computed after the cancel was read"
         assert not d.kv.blocks()[:, :, db, :].any(), "bytes landed in the cancelled load's blocks"  # type: ignore[union-attr]
         assert d.client.poll().done == []
+        # The transfer id again (a router's retry): the layers reported after the lease ended
+        # do not count for the new hold, whose blocks nobody computed (read, they would be).
+        pb2, db2 = p.allocate(4), d.allocate(4)
+        stream(p, d, tid, pb2, db2, deadline_s=2)
+        got = wait_for(d.client, lambda a: bool(a.done or a.failed), timeout=30)
+        assert not got.done, "layers reported for the ended lease were read as the new hold's"
+        assert got.failed[0].code == ErrorCode.DEADLINE
         assert ds.proc.poll() is None
         assert ps.proc.poll() is None
 

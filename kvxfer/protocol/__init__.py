@@ -117,7 +117,7 @@ from kvxfer.protocol.peer import (
 #    (and, push mode, decodable by any 6 that knows it: Hold.streamed, Recv.streamed and
 #    Welcome.layer_streams appended; LayersDone (engine -> sidecar) and LayerWatch/LayersAt
 #    (peer) added; a decode sends LayerWatch only to a prefill whose Welcome says layer_streams)
-#    (and Cancel, engine -> sidecar, added: a 6 that does not know it answers Error malformed,
+#    (and Cancel, engine -> sidecar, added: a 6 that does not know it answers Error unknown_message,
 #    and the load runs to its end as before)
 PROTOCOL_VERSION = 6
 

@@ -32,14 +32,14 @@ import os
 import struct
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, get_args
 
 import zmq
 import zmq.asyncio
 
 from kvxfer.errors import ErrorCode, ListenError, RequestError
 from kvxfer.observe import Observer
-from kvxfer.protocol import DECODE_ERRORS, Error, encode, engine_request_decoder
+from kvxfer.protocol import DECODE_ERRORS, EngineRequest, Error, encode, engine_request_decoder
 from kvxfer.sidecar.ownership import UNKNOWN, Creds
 from kvxfer.sidecar.pool_server import unlink_if_same
 from kvxfer.sidecar.procfs import creds_of_fd
@@ -47,7 +47,7 @@ from kvxfer.sidecar.sockdir import check_private, open_lock
 
 log = logging.getLogger("kvxfer.sidecar")
 
-_ENGINE_TAGS = {"register", "unregister", "hold", "release", "recv", "ping", "keepalive"}
+_ENGINE_TAGS = {t.__struct_config__.tag for t in get_args(EngineRequest)}  # (every kind the union has)
 MAX_MESSAGE = 16 << 20  # larger engine messages get a typed error (a million block ids is ~5 MiB)
 HARD_MAX_MESSAGE = 64 << 20  # ZMQ drops the connection of a peer that sends more
 MAX_SENDERS = 1 << 16  # routing identities whose credentials are kept (forgotten all at once past it)

@@ -48,6 +48,7 @@ from kvxfer.sidecar.recv_state import (
     may_be_stale,
     notify_prefill,
     plan_for,
+    plan_with_peer,
     proof_of,
     read_spec,
     recv_key,
@@ -139,21 +140,25 @@ class Receiver:
         engine = self.registry.engine_of(msg.engine_id)
         authorize(sender, self.registry.holders(engine), self.config.engine_ownership, "cancel", engine,
                   msg.req_id)
-        self._spawn(self.cancel(msg.req_id, ErrorCode.CANCELLED, "the engine dropped the request", engine))
+        err = RequestError(ErrorCode.CANCELLED, "the engine dropped the request", msg.req_id)
+        for key, st in [(k, st) for k, st in self.recvs.items() if (st.msg.req_id, st.local.engine) ==
+                        (msg.req_id, engine)]:  # (now: a Recv after it, of the same id, is another's)
+            st.stopping = True
+            self._spawn(self._cancel(key, err, st))
 
     async def cancel(self, req_id: str, code: ErrorCode = ErrorCode.CANCELLED, reason: str = "cancelled by "
-                     "operator", engine: str | None = None, rank: RankKey | None = None) -> int:
-        """Fail receives now: every rank's of ``req_id`` ("": every request's), only ``engine``'s
-        or one ``rank``'s (its engine died) when named; returns how many."""
+                     "operator", rank: RankKey | None = None) -> int:
+        """Fail receives now: every rank's of ``req_id`` ("": every request's), or one ``rank``'s
+        (its engine died) when named; returns how many."""
         keys = [k for k, st in self.recvs.items() if (st.msg.req_id == req_id or not req_id)
-                and engine in (None, st.local.engine) and rank in (None, st.local)]
+                and rank in (None, st.local)]
         for key in keys:
             await self._cancel(key, RequestError(code, reason, req_id))
         return len(keys)
 
-    async def _cancel(self, key: str, err: RequestError) -> None:
+    async def _cancel(self, key: str, err: RequestError, which: RecvState | None = None) -> None:
         state = self.recvs.get(key)
-        if state is None:
+        if state is None or (which is not None and state is not which):
             return
         state.stopping = True  # (before any await: a streamed receive posts no pre-read after this)
         if state.machine.read_in_flight and await self.nixl.cancel(key, err.code, err.reason):
@@ -172,10 +177,12 @@ class Receiver:
             peer = await asyncio.wait_for(
                 self.peers.current_peer(msg.remote_host, msg.remote_port, msg.remote_generation),
                 timeout=msg.deadline_s)
-            if self.recvs.get(key) is not state:
-                return  # cancelled or failed while the handshake ran
-            state.mark("handshaked")
             state.peer_agent = peer.agent_name  # (a cancel from now on tells the prefill)
+            if self.recvs.get(key) is not state or state.stopping:  # cancelled or failed meanwhile
+                if state.stopping and self.recvs.get(key) is not state:  # (ended with no peer to tell)
+                    notify_prefill(self.nixl, self.registry, state, False)
+                return
+            state.mark("handshaked")
             if msg.streamed:  # (push mode: layers read while the prefill computes them: stream_feed)
                 followed = await self.feed.follow(key, state, peer,
                                                   lambda: self.recvs.get(key) is state and not state.stopping)
@@ -184,22 +191,10 @@ class Receiver:
                     self._start_read(key, state, peer, followed.plans, followed.pairing,
                                      state.deadline - time.monotonic())
                 return
-            check_generation(msg, peer)
-            try:
-                plans, pairing = plan_for(self.registry, state, peer)
-            except RequestError as e:
-                if not may_be_stale(e, msg):
-                    raise
-                if e.code == ErrorCode.INCOMPATIBLE and not await self.claims.generation_moved(msg, peer):
-                    raise e from None  # nothing is stale: the request does not fit this peer
-                self.book.mark_stale(peer)  # ranks missing, or a stale description: ask again once
-                peer = await asyncio.wait_for(self.peers.get_peer(msg.remote_host, msg.remote_port),
-                                              timeout=msg.deadline_s)
-                if self.recvs.get(key) is not state:
-                    return  # cancelled (and reported) while it handshaked again: never read
-                check_generation(msg, peer)
-                plans, pairing = plan_for(self.registry, state, peer)
-            self._start_read(key, state, peer, plans, pairing, msg.deadline_s - (time.monotonic() - start))
+            planned = await plan_with_peer(self.registry, self.peers, self.book, self.claims, state, peer,
+                                           lambda: self.recvs.get(key) is state and not state.stopping)
+            if planned is not None:
+                self._start_read(key, state, *planned, msg.deadline_s - (time.monotonic() - start))
         except TimeoutError:
             self._not_started(key, RequestError(ErrorCode.HANDSHAKE_FAILED, f"no handshake within "
                                                 f"{msg.deadline_s}s"), state)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -16,11 +17,12 @@ from kvxfer.errors import ErrorCode, RequestError
 from kvxfer.observe import Observer
 from kvxfer.protocol import Done, Failed, ReadNotice, Recv, encode
 from kvxfer.sidecar.admission import admit_recv, recv_bytes, recv_deadline_s
-from kvxfer.sidecar.claim import PUBLISHED, ClaimAnswer
+from kvxfer.sidecar.claim import PUBLISHED, ClaimAnswer, Claims
 from kvxfer.sidecar.lease_words import WORD_BYTES, lease_tag
 from kvxfer.sidecar.nixl_port import NixlPort
 from kvxfer.sidecar.nixl_types import ReadFinished
 from kvxfer.sidecar.peer_book import Peer, PeerBook
+from kvxfer.sidecar.peer_client import PeerClient
 from kvxfer.sidecar.plan import ReadSpec, StagedRead
 from kvxfer.sidecar.receive import Outcome, Receive, plan_read
 from kvxfer.sidecar.registry import RankKey, RankRegistry
@@ -144,6 +146,30 @@ def plan_for(registry: RankRegistry, state: RecvState, peer: Peer) -> tuple[list
     if entry is None:
         raise RequestError(ErrorCode.NOT_REGISTERED, f"local rank {state.local} was unregistered")
     return plan_read(state.msg, entry.layout, peer.engine_ranks(engine), engine)
+
+
+async def plan_with_peer(registry: RankRegistry, peers: PeerClient, book: PeerBook, claims: Claims,
+                         state: RecvState, peer: Peer, alive: Callable[[], bool]
+                         ) -> tuple[Peer, list[RankPlan], BlockPairing] | None:
+    """A pull receive planned against its handshaked peer. A plan that fails in a way a fresh
+    handshake may cure (``may_be_stale``; an ``incompatible`` one only when the prefill's
+    generation moved) marks the peer stale, handshakes once more and plans again. None: the
+    receive ended meanwhile (``alive`` false)."""
+    msg = state.msg
+    check_generation(msg, peer)
+    try:
+        return (peer, *plan_for(registry, state, peer))
+    except RequestError as e:
+        if not may_be_stale(e, msg):
+            raise
+        if e.code == ErrorCode.INCOMPATIBLE and not await claims.generation_moved(msg, peer):
+            raise e from None  # nothing is stale: the request does not fit this peer
+    book.mark_stale(peer)  # ranks missing, or a stale description: ask again once
+    peer = await asyncio.wait_for(peers.get_peer(msg.remote_host, msg.remote_port), timeout=msg.deadline_s)
+    if not alive():
+        return None  # cancelled (and reported) while it handshaked again: never read
+    check_generation(msg, peer)
+    return (peer, *plan_for(registry, state, peer))
 
 
 def proof_of(state: RecvState, peer: Peer) -> tuple[int, int]:

@@ -95,6 +95,8 @@ class StreamServer:
         log.debug("layers %d of %s computed by pp%d/tp%d", msg.layers, msg.req_ids, msg.pp_rank, msg.tp_rank)
         for req_id in msg.req_ids:
             key = (engine, req_id)
+            if key not in self.book and self.holds.table.ended(engine, req_id):
+                continue  # (its lease ended: kept as early, they would count for a new hold of the id)
             for watch in self.book.report(key, msg.pp_rank, msg.tp_rank, msg.layers):
                 self._answer(key, watch)
 
