@@ -124,3 +124,36 @@ def test_family_through_kvxfer_and_nixl_connector(family: str, tmp_path: Any) ->
             assert groups == t[2], (family, n, "other block lists than NixlConnector", groups, t[2])
     print(f"{family}: {same_as_one}/{len(LENGTHS)} prompts as one engine, {same_as_nixl} more as "
           "NixlConnector")
+
+
+@pytest.mark.timeout(1200)  # three vLLM servers, 13 prompts pulled and 13 pushed
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_family_in_push_mode_is_pulled_or_computed_by_the_decode(family: str, tmp_path: Any) -> None:
+    """Push mode (#36) on every hybrid family, as it is built: push moves models of one KV
+    cache group, so a push request to an engine of several groups (or a state group) is
+    computed by the decode whole (``push_pairs`` refuses it; the prefill's lease is released
+    once it computed): no KV moves, and the tokens are one engine's. The same engines in push
+    mode still serve pull requests (prefill first), every one loaded."""
+    pl = Pipeline(os.path.join(str(tmp_path), f"{family}-push"), python=PY, family=family,
+                  extra_args=FAMILIES[family], mode="push")
+    try:
+        pl.start()
+        as_one = {"push": 0, "pull": 0}
+        for i, n in enumerate(LENGTHS):
+            text = prompt(n, 700 + i)
+            one = text_of(pl.baseline(text, 8))
+            pulled = text_of(pl.complete(text, 8)[0])
+            pushed = text_of(pl.complete_push(text, 8))
+            as_one["push"] += pushed == one
+            as_one["pull"] += pulled == one
+            print(f"{family:>9} {n:>5} tokens: push {'same' if pushed == one else 'OTHER'}, pull "
+                  f"{'same' if pulled == one else 'OTHER'} as one engine")
+        m = pl.d_sidecar.scrape()
+        ok = m.get('kvxfer_transfers_total{result="ok"}', 0)
+        print(f"{family} in push mode: as one engine {as_one}; kvxfer {ok:.0f} transfers ok")
+        assert ok == len([n for n in LENGTHS if n > 1]), m  # (the pulls; a push moved nothing)
+        assert not m.get('kvxfer_transfers_total{result="failed"}', 0), m
+        if family != "qwen3next":  # (bf16 Gated DeltaNet: two engines' tokens may differ, above)
+            assert as_one == {"push": len(LENGTHS), "pull": len(LENGTHS)}, as_one
+    finally:
+        pl.close()

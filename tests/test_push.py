@@ -172,6 +172,27 @@ def test_a_decode_that_cancels_mid_stream_stops_at_once_and_releases_the_prefill
         assert ps.proc.poll() is None
 
 
+def test_a_decode_that_cancels_before_the_prefill_holds_still_releases_it(sidecars: SidecarFactory) -> None:
+    """The decode cancels while the prefill's sidecar does not hold the request yet (the
+    prefill engine had not scheduled it): its "will not read" is kept there, and the Hold that
+    comes later is released ``aborted`` at once, not held for its lease."""
+    with pair(sidecars, "pushe") as (ds, ps, d, p):
+        tid = "push-cancel-early"
+        pb, db = p.allocate(4), d.allocate(4)
+        d.client.recv(tid, db, streamed_remote(p, tid), streamed=True, deadline_s=30)
+        time.sleep(0.5)  # (handshaked: it watches a request the prefill does not hold)
+        d.client.send(Cancel(req_id=tid))
+        got = wait_for(d.client, lambda a: bool(a.done or a.failed), timeout=10)
+        assert got.failed[0].code == ErrorCode.CANCELLED
+        time.sleep(0.5)  # (its "will not read" reached the prefill's sidecar before the Hold)
+        p.client.hold(tid, pb, token=tid, streamed=True, expires_unix=time.time() + 60)
+        rel = wait_for(p.client, lambda a: bool(a.released), timeout=5)
+        assert [(r.req_id, r.reason) for r in rel.released] == [(tid, "aborted")]
+        compute(p, tid, pb, range(0, LAYOUT.num_layers))  # (its engine computes on: nothing breaks)
+        assert ds.proc.poll() is None
+        assert ps.proc.poll() is None
+
+
 def test_a_prefill_that_never_finishes_fails_the_load_at_its_deadline(sidecars: SidecarFactory) -> None:
     with pair(sidecars, "pushd") as (ds, ps, d, p):
         tid = "push-stuck"

@@ -24,6 +24,7 @@ its gauges and the NIXL poll rate).
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
 import time
@@ -52,6 +53,8 @@ from kvxfer.sidecar.lifecycle import Signal
 from kvxfer.sidecar.ownership import Creds, authorize
 from kvxfer.sidecar.registry import RankRegistry
 
+BEFORE_HOLD_MAX = 1024  # requests with failed notices kept until their Hold comes
+
 log = logging.getLogger("kvxfer.holds")  # (the name operators filter on)
 
 
@@ -77,6 +80,10 @@ class Holds:
         self.abandoned = abandoned if abandoned is not None else Abandoned()  # (kvxfer.abandoned)
         self._wakeup = asyncio.Event()
         self.words = words if words is not None else LeaseWords(1)  # (kvxfer.sidecar.lease_words)
+        # Failed read notices for requests not held yet (a decode that cancelled its load before
+        # the prefill's Hold came: push mode), by request id: replayed when the Hold comes.
+        self._before_hold: collections.OrderedDict[str, list[tuple[float, str, bytes]]] = (
+            collections.OrderedDict())
 
     def __len__(self) -> int:
         return len(self.table)
@@ -101,6 +108,9 @@ class Holds:
         self.words.put(lease.key, lease_tag(engine, msg.req_id, msg.token), deadline_ms(msg.expires_unix))
         self.changed.emit()
         self._wakeup.set()
+        for at, agent, payload in self._before_hold.pop(msg.req_id, ()):
+            if now - at < duration:  # (its readers said they will not read: as if they said it now)
+                self.on_notice(agent, payload)
 
     def release_request(self, msg: Release, sender: Creds) -> None:
         """The engine dropped a request: end its lease (``aborted``), if ``sender`` speaks for
@@ -162,6 +172,10 @@ class Holds:
         lease = self.lease_for(agent, notice.engine_id, notice.req_id, notice.token, "read_notice")
         if lease is None:
             if self.table.resolve(notice.engine_id, notice.req_id) is None:  # (not refused: none)
+                if not notice.ok and not notice.reading_s and not self.table.ended(notice.engine_id,
+                                                                                   notice.req_id):
+                    self._keep_until_held(notice.req_id, agent, payload)
+                    return
                 self.observer.stray_notice(agent, notice.req_id,
                                            "expired_lease" if notice.reading_s > 0 else "unknown")
             return
@@ -175,6 +189,14 @@ class Holds:
             self.observer.served(agent, len(lease.block_ids) if before == 0 else 0)
         if done is not None:
             self.release(done, "read" if notice.ok else "aborted")
+
+    def _keep_until_held(self, req_id: str, agent: str, payload: bytes) -> None:
+        """A decode will not read a request this sidecar does not hold yet: replayed when it is
+        (a few, oldest dropped first; the replay checks the token as any notice)."""
+        self._before_hold.setdefault(req_id, []).append((time.monotonic(), agent, payload))
+        self._before_hold.move_to_end(req_id)
+        while len(self._before_hold) > BEFORE_HOLD_MAX:
+            self._before_hold.popitem(last=False)
 
     def renew(self, req: LeaseRenew) -> LeaseState:
         """A peer still means to read these requests: extend their leases (by ``extend_s``,

@@ -74,8 +74,9 @@ class StreamServer:
         """Any Hold: held (``Holds``); a streamed one also starts its book; watches that came
         before it are watched now."""
         self.holds.hold(ident, msg, draining, sender)
-        if msg.streamed:
-            engine = self.registry.engine_of(msg.engine_id)
+        engine = self.registry.engine_of(msg.engine_id)
+        if msg.streamed and (engine, msg.req_id) in self.holds.table:  # (not released at once: its
+            # decode cancelled before it came, ``Holds._keep_until_held``)
             stages, tp_size = stages_of([r.layout for r in self.registry.of_engine(engine)])
             self.book.start((engine, msg.req_id), stages, tp_size)
             log.debug("streamed hold %s of engine %s: %d blocks, layers %s by %d ranks", msg.req_id, engine,
