@@ -193,6 +193,27 @@ def test_a_decode_that_cancels_before_the_prefill_holds_still_releases_it(sideca
         assert ps.proc.poll() is None
 
 
+def test_a_cancel_that_overtakes_its_recv_refuses_it(sidecars: SidecarFactory) -> None:
+    """A Cancel that finds no receive (its Recv still on the way: a large one crosses ZMQ, the
+    Cancel the engine ring) refuses the request's Recvs for a few seconds: the aborted load is
+    never read (vLLM may have freed its blocks once the load is reported), it fails at once."""
+    with pair(sidecars, "pushf") as (ds, ps, d, p):
+        pb, db = p.allocate(2), d.allocate(2)
+        p.fill("pull-late", pb)
+        p.client.hold("pull-late", pb, token="tk")
+        d.wipe(db)
+        d.client.send(Cancel(req_id="pull-late"))
+        time.sleep(0.2)
+        reg = p.registered
+        assert reg is not None
+        d.client.recv("pull-late", db, RemoteBlocks(reg.engine_id, reg.handshake_host, reg.handshake_port, pb,
+                                                    token="tk"), deadline_s=30)
+        got = wait_for(d.client, lambda a: bool(a.done or a.failed), timeout=10)
+        assert not got.done, "a load its engine cancelled first was read"
+        assert got.failed[0].code == ErrorCode.EXPIRED
+        assert not d.verify("pull-late", db)
+
+
 def test_a_prefill_that_never_finishes_fails_the_load_at_its_deadline(sidecars: SidecarFactory) -> None:
     with pair(sidecars, "pushd") as (ds, ps, d, p):
         tid = "push-stuck"

@@ -171,3 +171,43 @@ def test_under_systemd_a_frozen_sidecar_is_killed_by_its_watchdog_and_restarted(
         assert took < 2 + 1 + 1 + 5, took  # watchdog, abort, RestartSec, a start
     finally:
         subprocess.run(["systemctl", "stop", unit], capture_output=True, check=False, timeout=60)
+
+
+def test_an_aborted_decode_cancels_its_load_only_while_it_may_run() -> None:
+    """The scheduler's ``Cancel``: sent for a decode request aborted while its load may still
+    run, not for one that finished well, nor once the workers reported its load ended (an
+    abort mid-decoding), nor for a request it posted no load for."""
+    from types import SimpleNamespace
+    from typing import Any
+
+    from kvxfer.connector.scheduler import SchedulerSide
+    from kvxfer.connector.settings import ConnectorSettings
+    from kvxfer.protocol import Cancel, Pong
+
+    class Client:
+        def __init__(self) -> None:
+            self.sent: list[Any] = []
+
+        def ping(self, _timeout: float) -> Pong:
+            return Pong(seq=0, engine_id="e", version=6, handshake_host="127.0.0.1", handshake_port=1)
+
+        def send(self, msg: Any) -> None:
+            self.sent.append(msg)
+
+    client = Client()
+    sched = SchedulerSide(ConnectorSettings(sidecar="ipc:///nowhere"), tp_size=2, client=client,  # type: ignore[arg-type]
+                          engine_id="D")
+
+    def finish(req_id: str, status: str) -> None:
+        req = SimpleNamespace(request_id=req_id, status=SimpleNamespace(name=status),
+                              kv_transfer_params={"do_remote_prefill": False, "remote_host": "h"})
+        assert sched.request_finished(req, [1, 2]) == (False, None)
+
+    for r in ("aborted", "ok", "loaded"):
+        sched._loads[r] = time.monotonic() + 60  # (posted: what update_state_after_alloc records)
+    sched.loads_ended({"loaded"})  # (its workers reported the load: finished_recving)
+    finish("aborted", "FINISHED_ABORTED")
+    finish("ok", "FINISHED_LENGTH_CAPPED")
+    finish("loaded", "FINISHED_ABORTED")
+    finish("never-posted", "FINISHED_ABORTED")
+    assert client.sent == [Cancel(req_id="aborted", engine_id="D")]

@@ -243,9 +243,11 @@ class KvxferConnector(KVConnectorBase_V1, *_HMA):  # type: ignore[misc]
                                        plan.streamed)
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
-        """Push mode: a lease that ended before vLLM finished its request is not reported
-        as a finished send yet (vLLM frees only finished requests' blocks)."""
+        """Loads that ended are forgotten (an abort after them sends no ``Cancel``); push mode: a
+        lease that ended before vLLM finished its request is not reported as a finished send
+        yet (vLLM frees only finished requests' blocks)."""
         if self.scheduler is not None:
+            self.scheduler.loads_ended(connector_output.finished_recving)
             push = self.scheduler.push
             connector_output.finished_sending = push.hold_back(connector_output.finished_sending)
 

@@ -197,9 +197,8 @@ class SchedulerSide:
 
     def _decode_finished(self, req_id: str, params: dict[str, Any], remote: RemoteBlocks | None, status: str,
                          error: str | None) -> dict[str, Any] | None:
-        """A decode's request ended. Before it got blocks (aborted while waiting): nothing was
-        read, the prefill is told to release. With its load posted and not finished well (an
-        abort; vLLM keeps the blocks until the load ends): the load is cancelled (``Cancel``)."""
+        """A decode's request ended. Before it got blocks (aborted while waiting): the prefill is
+        told to release. With its load running and not finished well (an abort): ``Cancel``."""
         if params.get("do_remote_prefill"):
             params["do_remote_prefill"] = False
             with contextlib.suppress(InvalidTransferParams):  # (a push request's: parse_push, kept)
@@ -210,6 +209,11 @@ class SchedulerSide:
             except SEND_ERRORS as e:  # its deadline ends it
                 log.warning("request %s: cancel of its KV load not sent: %s", req_id, e)
         return {"kvxfer_error": error} if error else None
+
+    def loads_ended(self, req_ids: set[str] | None) -> None:
+        """Loads the workers reported (``finished_recving``): an abort after them cancels nothing."""
+        for req_id in req_ids or ():
+            self._loads.pop(req_id, None)
 
     def _ranks(self) -> list[tuple[int, int]]:
         """(pp, tp) of every worker: each receives into its own memory."""
@@ -314,7 +318,7 @@ class SchedulerSide:
             log.warning("sidecar refused a request %s: [%s] %s", ev.req_id, ev.code, ev.message)
         if self._waiting and now >= self._next_keepalive:
             self._next_keepalive = now + self.settings.keepalive_period_s
-            self._keepalive()
+            send_keepalives(self.client, self._waiting)
         self._refused(drained.failed, now)
         plan, self._plan = self._plan, StepPlan()
         return plan
@@ -334,9 +338,6 @@ class SchedulerSide:
             else:
                 log.warning("release of %s on the prefill side failed: [%s] %s", ev.req_id, ev.code,
                             ev.reason)
-
-    def _keepalive(self) -> None:
-        send_keepalives(self.client, self._waiting)
 
     def shutdown(self) -> None:
         self.client.close()

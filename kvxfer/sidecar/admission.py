@@ -66,8 +66,8 @@ def admit_recv(msg: Recv, engine: str, local: KVLayout | None, *, draining: bool
         raise RequestError(ErrorCode.EXPIRED, "receive arrived after the engine gave up on it "
                            f"({now_unix - msg.expires_unix:.1f}s late); not read")
     if abandoned:
-        raise RequestError(ErrorCode.EXPIRED, "the engine gave this load up when this sidecar "
-                           "restarted (its blocks are being recomputed); not read")
+        raise RequestError(ErrorCode.EXPIRED, "the engine gave this load up (when this sidecar "
+                           "restarted, or its Cancel came first); not read")
 
 
 def recv_deadline_s(msg: Recv, now_unix: float, default_s: float) -> float:

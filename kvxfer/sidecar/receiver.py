@@ -61,6 +61,8 @@ from kvxfer.topology import BlockPairing, RankPlan
 
 log = logging.getLogger("kvxfer.receiver")
 
+CANCEL_AHEAD_S = 5.0  # a Cancel that found no receive refuses its request's Recvs this long
+
 
 class Receiver:
     def __init__(self, *, config: Config, registry: RankRegistry, peers: PeerClient, book: PeerBook,
@@ -141,8 +143,11 @@ class Receiver:
         authorize(sender, self.registry.holders(engine), self.config.engine_ownership, "cancel", engine,
                   msg.req_id)
         err = RequestError(ErrorCode.CANCELLED, "the engine dropped the request", msg.req_id)
-        for key, st in [(k, st) for k, st in self.recvs.items() if (st.msg.req_id, st.local.engine) ==
-                        (msg.req_id, engine)]:  # (now: a Recv after it, of the same id, is another's)
+        mine = [(k, st) for k, st in self.recvs.items() if (st.msg.req_id, st.local.engine) == (msg.req_id,
+                                                                                               engine)]
+        if not mine:  # (its Recvs may still come: a large one crosses ZMQ, a Cancel the ring)
+            self.abandoned.add(engine, [msg.req_id], CANCEL_AHEAD_S)
+        for key, st in mine:  # (taken now: a Recv after it, of the same id, is another's)
             st.stopping = True
             self._spawn(self._cancel(key, err, st))
 
