@@ -164,7 +164,9 @@ def test_a_decode_that_cancels_mid_stream_stops_at_once_and_releases_the_prefill
         # The transfer id again (a router's retry): the layers reported after the lease ended
         # do not count for the new hold, whose blocks nobody computed (read, they would be).
         pb2, db2 = p.allocate(4), d.allocate(4)
-        stream(p, d, tid, pb2, db2, deadline_s=2)
+        p.client.hold(tid, pb2, token=tid, streamed=True, expires_unix=time.time() + 60)
+        d.client.recv("retry", db2, streamed_remote(p, tid), streamed=True, deadline_s=2)  # (the decode's
+        # own id is new: the cancelled one's are refused for a few seconds)
         got = wait_for(d.client, lambda a: bool(a.done or a.failed), timeout=30)
         assert not got.done, "layers reported for the ended lease were read as the new hold's"
         assert got.failed[0].code == ErrorCode.DEADLINE

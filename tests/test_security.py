@@ -511,3 +511,25 @@ def test_the_lock_file_is_never_a_link_or_someone_elses(tmp_path: Path) -> None:
         bind()  # a lock file of our own is taken over as before
     finally:
         ctx.term()
+
+
+def test_what_a_peer_may_leave_for_a_hold_not_made_yet_is_bounded() -> None:
+    """A failed notice for a request not held here is kept for its Hold (a decode that
+    cancelled first, push mode): only from an authenticated peer, one per reader and request
+    (BEFORE_HOLD_READERS readers), BEFORE_HOLD_MAX requests; replayed, it still needs the token."""
+    from kvxfer.sidecar.holds import BEFORE_HOLD_MAX, BEFORE_HOLD_READERS
+
+    stranger, _, _ = _holds(authenticated=False)
+    stranger.on_notice("x", encode(ReadNotice(req_id="q", tp_rank=0, ok=False, engine_id="e", token="t")))
+    assert not stranger._before_hold
+    h, _, _ = _holds()
+    for _ in range(3):  # the same reader again: one entry
+        h.on_notice("a", encode(ReadNotice(req_id="q", tp_rank=0, ok=False, engine_id="e", token="t")))
+    assert len(h._before_hold["q"]) == 1
+    for rank in range(BEFORE_HOLD_READERS + 10):
+        h.on_notice("a", encode(ReadNotice(req_id="q", tp_rank=rank, ok=False, engine_id="e", token="t")))
+    assert len(h._before_hold["q"]) == BEFORE_HOLD_READERS
+    for i in range(BEFORE_HOLD_MAX + 10):
+        h.on_notice("a", encode(ReadNotice(req_id=f"j{i}", tp_rank=0, ok=False, engine_id="e", token="t")))
+    assert len(h._before_hold) == BEFORE_HOLD_MAX
+    assert "q" not in h._before_hold  # (the oldest went first)

@@ -43,6 +43,7 @@ from kvxfer.protocol import (
     Hold,
     LeaseRenew,
     LeaseState,
+    ReadNotice,
     Release,
     Released,
     read_notice_decoder,
@@ -54,6 +55,8 @@ from kvxfer.sidecar.ownership import Creds, authorize
 from kvxfer.sidecar.registry import RankRegistry
 
 BEFORE_HOLD_MAX = 1024  # requests with failed notices kept until their Hold comes
+BEFORE_HOLD_READERS = 64  # ... and readers (agent, engine, rank) per request
+Reader = tuple[str, str, int, int]  # (agent, engine named, pp rank, tp rank)
 
 log = logging.getLogger("kvxfer.holds")  # (the name operators filter on)
 
@@ -82,7 +85,7 @@ class Holds:
         self.words = words if words is not None else LeaseWords(1)  # (kvxfer.sidecar.lease_words)
         # Failed read notices for requests not held yet (a decode that cancelled its load before
         # the prefill's Hold came: push mode), by request id: replayed when the Hold comes.
-        self._before_hold: collections.OrderedDict[str, list[tuple[float, str, bytes]]] = (
+        self._before_hold: collections.OrderedDict[str, dict[Reader, tuple[float, bytes]]] = (
             collections.OrderedDict())
 
     def __len__(self) -> int:
@@ -108,9 +111,13 @@ class Holds:
         self.words.put(lease.key, lease_tag(engine, msg.req_id, msg.token), deadline_ms(msg.expires_unix))
         self.changed.emit()
         self._wakeup.set()
-        for at, agent, payload in self._before_hold.pop(msg.req_id, ()):
-            if now - at < duration:  # (its readers said they will not read: as if they said it now)
-                self.on_notice(agent, payload)
+        kept = self._before_hold.pop(msg.req_id, {})
+        for (agent, named, _pp, _tp), (at, payload) in kept.items():
+            if named in ("", engine) and now - at < duration:  # (its readers will not read: said now)
+                try:
+                    self.on_notice(agent, payload)
+                except Exception:  # (the Hold is made: never an Error for it)
+                    log.exception("a kept read notice for %s", msg.req_id)
 
     def release_request(self, msg: Release, sender: Creds) -> None:
         """The engine dropped a request: end its lease (``aborted``), if ``sender`` speaks for
@@ -172,9 +179,9 @@ class Holds:
         lease = self.lease_for(agent, notice.engine_id, notice.req_id, notice.token, "read_notice")
         if lease is None:
             if self.table.resolve(notice.engine_id, notice.req_id) is None:  # (not refused: none)
-                if not notice.ok and not notice.reading_s and not self.table.ended(notice.engine_id,
-                                                                                   notice.req_id):
-                    self._keep_until_held(notice.req_id, agent, payload)
+                if (not notice.ok and not notice.reading_s and self._authenticated(agent)
+                        and not self.table.ended(notice.engine_id, notice.req_id)):
+                    self._keep_until_held(notice, agent, payload)
                     return
                 self.observer.stray_notice(agent, notice.req_id,
                                            "expired_lease" if notice.reading_s > 0 else "unknown")
@@ -190,11 +197,15 @@ class Holds:
         if done is not None:
             self.release(done, "read" if notice.ok else "aborted")
 
-    def _keep_until_held(self, req_id: str, agent: str, payload: bytes) -> None:
-        """A decode will not read a request this sidecar does not hold yet: replayed when it is
-        (a few, oldest dropped first; the replay checks the token as any notice)."""
-        self._before_hold.setdefault(req_id, []).append((time.monotonic(), agent, payload))
-        self._before_hold.move_to_end(req_id)
+    def _keep_until_held(self, notice: ReadNotice, agent: str, payload: bytes) -> None:
+        """An authenticated decode will not read a request this sidecar does not hold yet:
+        replayed when it is (the replay checks the token as any notice). One per reader (agent,
+        engine, rank) and request, BEFORE_HOLD_MAX requests, the oldest dropped first."""
+        readers = self._before_hold.setdefault(notice.req_id, {})
+        reader = (agent, notice.engine_id, notice.pp_rank, notice.tp_rank)
+        if reader in readers or len(readers) < BEFORE_HOLD_READERS:
+            readers[reader] = (time.monotonic(), payload)
+        self._before_hold.move_to_end(notice.req_id)
         while len(self._before_hold) > BEFORE_HOLD_MAX:
             self._before_hold.popitem(last=False)
 

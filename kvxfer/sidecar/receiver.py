@@ -61,7 +61,7 @@ from kvxfer.topology import BlockPairing, RankPlan
 
 log = logging.getLogger("kvxfer.receiver")
 
-CANCEL_AHEAD_S = 5.0  # a Cancel that found no receive refuses its request's Recvs this long
+CANCEL_AHEAD_S = 5.0  # a Cancel refuses its request's Recvs that come after it this long
 
 
 class Receiver:
@@ -143,11 +143,11 @@ class Receiver:
         authorize(sender, self.registry.holders(engine), self.config.engine_ownership, "cancel", engine,
                   msg.req_id)
         err = RequestError(ErrorCode.CANCELLED, "the engine dropped the request", msg.req_id)
-        mine = [(k, st) for k, st in self.recvs.items() if (st.msg.req_id, st.local.engine) == (msg.req_id,
-                                                                                               engine)]
-        if not mine:  # (its Recvs may still come: a large one crosses ZMQ, a Cancel the ring)
-            self.abandoned.add(engine, [msg.req_id], CANCEL_AHEAD_S)
-        for key, st in mine:  # (taken now: a Recv after it, of the same id, is another's)
+        # Its Recvs still on the way are refused (a large one crosses ZMQ, a Cancel the ring;
+        # a rank's may come after another's was cancelled); those here are cancelled now.
+        self.abandoned.add(engine, [msg.req_id], CANCEL_AHEAD_S)
+        for key, st in [(k, st) for k, st in self.recvs.items() if (st.msg.req_id, st.local.engine) ==
+                        (msg.req_id, engine)]:
             st.stopping = True
             self._spawn(self._cancel(key, err, st))
 
