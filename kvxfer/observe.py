@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 from wsgiref.simple_server import WSGIRequestHandler, make_server
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, make_wsgi_app
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, make_wsgi_app
 from prometheus_client.exposition import ThreadingWSGIServer, _get_best_family
 
 log = logging.getLogger(__name__)
@@ -172,7 +172,10 @@ class Observer:
                                       "sidecar's maximum).", ["message", "reason"], registry=r)
 
     def _declare_resource_gauges(self, r: CollectorRegistry) -> None:
-        """The sidecar's exposure, NIXL descriptor lists, ranks and pools."""
+        """The sidecar's exposure, NIXL descriptor lists, ranks and pools; the process's own
+        (``process_open_fds``, ``process_resident_memory_bytes``...: NIXL 1.5.1 with UCX peer
+        error handling keeps the sockets of every live peer it removed, README "Known limits")."""
+        ProcessCollector(registry=r)
         self.g_insecure = Gauge("kvxfer_insecure", "1 when the handshake listener takes anyone: "
                                 "no shared secret and no host key (--insecure).", registry=r)
         self.g_dlists = Gauge("kvxfer_descriptor_lists_prepared", "NIXL descriptor-list pairs this "
