@@ -22,7 +22,8 @@ pytestmark = [
 
 
 def _ours() -> set[int]:
-    """Live vLLM servers and kvxfer sidecars on this machine."""
+    """Live vLLM servers (models in a benchmark's work directory) and kvxfer sidecars (engine
+    ids vllm-p, vllm-d) of a benchmark; others on this machine (a soak's restarts) are not its."""
     out = set()
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
@@ -30,7 +31,8 @@ def _ours() -> set[int]:
                 cmd = fh.read().replace(b"\0", b" ")
         except OSError:
             continue
-        if b"vllm.entrypoints" in cmd or b"kvxfer serve" in cmd or b"kvxfer.cli serve" in cmd:
+        server = b"vllm.entrypoints" in cmd and b"kvxfer-bench-vllm-" in cmd
+        if server or (b"kvxfer serve" in cmd and b"--engine-id vllm-" in cmd):  # (Pipeline's vllm-p/d)
             out.add(int(pid))
     return out
 
