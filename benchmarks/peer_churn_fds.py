@@ -3,9 +3,11 @@ peer it removes"; found by the 8-hour soak). Not a CI test: it measures an upstr
 
     python benchmarks/peer_churn_fds.py [--cycles 8] [--out benchmarks/peer_churn_fds_latest.txt]
 
-Two measurements, side by side:
+Three measurements, side by side:
 - raw NIXL: two agents in this process (the sidecar's own ``create_agent``), a READ, then
   ``remove_remote_agent`` and ``add_remote_agent`` of each other, per UCX error mode;
+- raw NIXL, the way around it for a changed registration: the peer's partial metadata
+  loaded over the live entry instead;
 - kvxfer: two real sidecars, a transfer (bytes verified), then the decode's operator
   ``DisconnectPeer`` of the live prefill, and the next transfer re-handshakes; open sockets of
   each sidecar after every cycle.
@@ -55,6 +57,36 @@ def raw_nixl(mode: str, threads: int, cycles: int) -> list[int]:
             b.get_new_notifs()
         out.append(sockets())
     return out
+
+
+def raw_partial(cycles: int) -> tuple[list[int], int]:
+    """The way around it for a peer whose registrations changed (its engine restarted): the
+    peer's *partial* metadata (its new regions, no connection info) loaded over the live
+    entry, no removal. Sockets after each cycle, and reads that moved the new bytes."""
+    from kvxfer.sidecar.nixl_agent import create_agent
+
+    a, b = create_agent("A-partial", "peer", 2), create_agent("B-partial", "peer", 2)
+    dst = np.zeros(1 << 20, np.uint8)
+    a.register_memory([(dst.ctypes.data, dst.nbytes, 0, "")], "DRAM")
+    src = np.ones(1 << 20, np.uint8)
+    reg = b.register_memory([(src.ctypes.data, src.nbytes, 0, "")], "DRAM")
+    name = a.add_remote_agent(b.get_agent_metadata())
+    out, right = [], 0
+    for i in range(cycles):
+        b.deregister_memory(reg)  # (the engine restarted: its memory is new)
+        src = np.full(1 << 20, i + 2, np.uint8)
+        region = [(src.ctypes.data, src.nbytes, 0, "")]
+        reg = b.register_memory(region, "DRAM")
+        a.add_remote_agent(b.get_partial_agent_metadata(b.get_reg_descs(region, "DRAM"), inc_conn_info=False))
+        h = a.initialize_xfer("READ", a.get_xfer_descs([(dst.ctypes.data, dst.nbytes, 0)], "DRAM"),
+                              b.get_xfer_descs([(src.ctypes.data, src.nbytes, 0)], "DRAM"), name, b"")
+        a.transfer(h)
+        while a.check_xfer_state(h) == "PROC":
+            b.get_new_notifs()
+        a.release_xfer_handle(h)
+        right += bool((dst == i + 2).all())
+        out.append(sockets())
+    return out, right
 
 
 def sidecars(cycles: int) -> tuple[list[int], list[int], int]:
@@ -112,6 +144,11 @@ def main() -> int:
         per = (got[-1] - got[0]) / (len(got) - 1)
         lines.append(f"  raw NIXL, ucx error mode {mode}, {threads} UCX worker threads: "
                      f"{[n - before for n in got]} ({per:+.1f} per cycle)")
+    before = sockets()
+    got, right = raw_partial(args.cycles)
+    lines.append(f"  raw NIXL, peer mode, partial metadata of new registrations over the live entry: "
+                 f"{[n - before for n in got]} ({(got[-1] - got[0]) / (len(got) - 1):+.1f} per cycle; "
+                 f"{right}/{args.cycles} reads moved the new bytes)")
     dsock, psock, verified = sidecars(args.cycles)
     for side, got in (("decode", dsock), ("prefill", psock)):
         lines.append(f"  kvxfer {side} sidecar (peer mode), DisconnectPeer + re-handshake: {got} "
