@@ -20,6 +20,7 @@ import contextlib
 import os
 import sys
 import time
+from typing import Any
 
 import numpy as np
 
@@ -30,6 +31,17 @@ def sockets(pid: int | str = "self") -> int:
         with contextlib.suppress(OSError):
             n += os.readlink(f"/proc/{pid}/fd/{fd}").startswith("socket:")
     return n
+
+
+def read(a: Any, b: Any, name: str, dst: np.ndarray, src: np.ndarray, notif: bytes = b"") -> None:
+    """Agent ``a`` reads all of ``src`` (agent ``b``'s, known to ``a`` as ``name``) into ``dst``,
+    progressing ``b`` until it is done."""
+    h = a.initialize_xfer("READ", a.get_xfer_descs([(dst.ctypes.data, dst.nbytes, 0)], "DRAM"),
+                          b.get_xfer_descs([(src.ctypes.data, src.nbytes, 0)], "DRAM"), name, notif)
+    a.transfer(h)
+    while a.check_xfer_state(h) == "PROC":
+        b.get_new_notifs()
+    a.release_xfer_handle(h)
 
 
 def raw_nixl(mode: str, threads: int, cycles: int) -> list[int]:
@@ -44,12 +56,7 @@ def raw_nixl(mode: str, threads: int, cycles: int) -> list[int]:
     for _ in range(cycles):
         name = a.add_remote_agent(b.get_agent_metadata())
         b.add_remote_agent(a.get_agent_metadata())
-        h = a.initialize_xfer("READ", a.get_xfer_descs([(dst.ctypes.data, dst.nbytes, 0)], "DRAM"),
-                              b.get_xfer_descs([(src.ctypes.data, src.nbytes, 0)], "DRAM"), name, b"n")
-        a.transfer(h)
-        while a.check_xfer_state(h) == "PROC":
-            b.get_new_notifs()
-        a.release_xfer_handle(h)
+        read(a, b, name, dst, src, b"n")
         a.remove_remote_agent(name)
         b.remove_remote_agent(f"A-{mode}{threads}")
         for _ in range(200):  # (progress both: it does not close them)
@@ -78,12 +85,7 @@ def raw_partial(cycles: int) -> tuple[list[int], int]:
         region = [(src.ctypes.data, src.nbytes, 0, "")]
         reg = b.register_memory(region, "DRAM")
         a.add_remote_agent(b.get_partial_agent_metadata(b.get_reg_descs(region, "DRAM"), inc_conn_info=False))
-        h = a.initialize_xfer("READ", a.get_xfer_descs([(dst.ctypes.data, dst.nbytes, 0)], "DRAM"),
-                              b.get_xfer_descs([(src.ctypes.data, src.nbytes, 0)], "DRAM"), name, b"")
-        a.transfer(h)
-        while a.check_xfer_state(h) == "PROC":
-            b.get_new_notifs()
-        a.release_xfer_handle(h)
+        read(a, b, name, dst, src)
         right += bool((dst == i + 2).all())
         out.append(sockets())
     return out, right

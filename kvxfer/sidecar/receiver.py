@@ -183,8 +183,9 @@ class Receiver:
                 self.peers.current_peer(msg.remote_host, msg.remote_port, msg.remote_generation),
                 timeout=msg.deadline_s)
             state.peer_agent = peer.agent_name  # (a cancel from now on tells the prefill)
-            if self.recvs.get(key) is not state or state.stopping:  # cancelled or failed meanwhile
-                if state.stopping and self.recvs.get(key) is not state:  # (ended with no peer to tell)
+            ended = self.recvs.get(key) is not state
+            if ended or state.stopping:  # cancelled or failed meanwhile
+                if ended and state.stopping:  # (cancelled, and ended with no peer to tell)
                     notify_prefill(self.nixl, self.registry, state, False)
                 return
             state.mark("handshaked")
