@@ -65,14 +65,17 @@ class Side:
     proc: SidecarProc
     state: str  # the supervisor's event log
     engine: SyntheticEngine | None = None
+    registered_with: int = 0  # the sidecar start (1, 2, ...) its engine last registered with
+
+    def events(self) -> list[dict[str, Any]]:
+        with open(self.state) as f:
+            return [json.loads(line) for line in f]
 
     def child(self) -> int:
-        with open(self.state) as f:
-            return int([json.loads(line) for line in f][-1]["pid"])
+        return int(self.events()[-1]["pid"])
 
     def starts(self) -> int:
-        with open(self.state) as f:
-            return sum(json.loads(line)["event"] == "started" for line in f)
+        return sum(e["event"] == "started" for e in self.events())
 
 
 @dataclass
@@ -98,6 +101,7 @@ class Soak:
         self.last_ok = time.monotonic()
         self.started = time.monotonic()
         self.fault_log: list[tuple[float, str]] = []  # (when it began, the fault): named in problems
+        self.fault_wall: list[tuple[float, str]] = []  # the same in wall-clock time (the supervisors')
         self.stop = threading.Event()
 
     # ------------------------------------------------------------------ setup
@@ -136,8 +140,19 @@ class Soak:
             if side.engine is not None:
                 side.engine.close()
             side.engine = SyntheticEngine(LAYOUT, side.proc.endpoint, seed=1 if which == "p" else 2)
+            side.registered_with = side.starts()
             side.engine.start()
         return side.engine
+
+    def _reregister(self, which: str, timeout: float = 60.0) -> None:
+        """Register the engine with its sidecar's latest start if it has not: after any restart,
+        a fault's or an unplanned one (its watchdog's), as a connector's heartbeat finds it."""
+        side = self.sides[which]
+        eng = self.engine(which)
+        starts = side.starts()
+        if side.registered_with != starts and _alive(side.child()):
+            side.registered_with = starts
+            eng.start(timeout=timeout)
 
     # ------------------------------------------------------------------ the workload
 
@@ -145,6 +160,9 @@ class Soak:
         """``--inflight`` P/D requests at once: each held on the prefill, received on the
         decode, every byte verified."""
         with self.lock:
+            for which in ("p", "d"):
+                with contextlib.suppress(Exception):  # (a sidecar not back yet: this batch fails)
+                    self._reregister(which, timeout=5.0)
             p, d = self.engine("p"), self.engine("d")
             reg = p.registered
             assert reg is not None
@@ -281,8 +299,7 @@ class Soak:
                 return
             time.sleep(0.1)
         with self.lock:
-            eng = self.engine(which)
-            eng.start(timeout=60)
+            self._reregister(which)
 
     def _drop_peer(self) -> None:
         from kvxfer.control.v1 import control_pb2 as pb
@@ -322,6 +339,7 @@ class Soak:
             t0 = time.monotonic()
             kind = self.rng_kind()
             self.fault_log.append((t0, kind))
+            self.fault_wall.append((time.time(), kind))
             self.minutes[-1].faults.append(kind)  # (in the minute it began: a fault may outlast the run)
             self.fault(kind)
             end = time.monotonic() + self.args.recover_s
@@ -383,8 +401,25 @@ class Soak:
             for t in threads:
                 t.join(60)
         self.minutes.pop()  # (the one begun at the end)
-        self.problems += growth(self.samples)
+        self.problems += growth(self.samples) + self.unplanned()
         return 1 if self.problems else 0
+
+    def unplanned(self) -> list[str]:
+        """Sidecar restarts no fault of ours explains: a watchdog that fired or an exit not
+        within 15 s after a kill -9 or SIGSTOP of that sidecar (a loop stalled past WatchdogSec)."""
+        out = []
+        for which, side in self.sides.items():
+            ours = [t for t, kind in self.fault_wall if kind in (f"kill9-{which}", f"stop-{which}")]
+            events = side.events()
+            for prev, e in zip([{}, *events], events, strict=False):
+                if prev.get("event") == "watchdog":  # (its exit: the same restart)
+                    continue
+                if e["event"] in ("watchdog", "exited") and not any(t - 1 <= e["t"] <= t + 15 for t in ours):
+                    what = (f"silent {e['silent_s']:.1f}s" if e["event"] == "watchdog"
+                            else f"status {e['status']}")
+                    out.append(f"sidecar {which} {e['event']} ({what}) at "
+                               f"{time.strftime('%H:%M:%S', time.gmtime(e['t']))} UTC, no fault of ours")
+        return out
 
     def _print_minute(self, i: int) -> None:
         m, s = self.minutes[i], self.samples[-1]
@@ -462,8 +497,9 @@ def write(soak: Soak, out: str, code: int | None) -> None:
                      "p99_ms": lat[int(len(lat) * 0.99)] * 1e3 if lat else None, "faults": m.faults,
                      **{k: v for k, v in smp.items() if k != "t"}})
     verdict = "running" if code is None else "ok" if code == 0 else "failed"
+    problems = soak.problems + (soak.unplanned() if code is None else [])  # (run() adds them at the end)
     doc = {"args": vars(soak.args), "netns": soak.netns, "verdict": verdict,
-           "problems": soak.problems, "minutes": rows}
+           "problems": problems, "minutes": rows}
     with open(out + ".json", "w") as f:
         json.dump(doc, f, indent=1)
     ok, failed = sum(r["ok"] for r in rows), sum(r["failed"] for r in rows)
@@ -472,7 +508,7 @@ def write(soak: Soak, out: str, code: int | None) -> None:
              f"{failed} failed, {sum(r['unsettled'] for r in rows)} unsettled; {len(faults)} faults "
              f"({', '.join(f'{k} {faults.count(k)}' for k in sorted(set(faults)))}); "
              f"{'two hosts (netns, UCX over TCP)' if soak.netns else 'one host (UCX over CMA)'}",
-             f"verdict: {doc['verdict']}", *[f"  {p}" for p in soak.problems[:50]]]
+             f"verdict: {doc['verdict']}", *[f"  {p}" for p in problems[:50]]]
     if rows:
         first, last = rows[0], rows[-1]
         for key in ("p.rss_mib", "p.fds", "p.memfd_mib", "d.rss_mib", "d.fds", "d.memfd_mib", "d.agents",

@@ -153,6 +153,29 @@ def test_the_soak_growth_rule_flags_a_leak_and_not_noise() -> None:
     assert [p.split(" ")[0] for p in growth(held)] == ["p.leases"]
 
 
+def test_the_soak_names_a_restart_no_fault_explains(tmp_path: Path) -> None:
+    """A sidecar its watchdog restarted (its loop stalled past WatchdogSec), or that died, with
+    no kill -9 or SIGSTOP of ours before it, fails the soak; the restarts our faults caused do not."""
+    from types import SimpleNamespace
+
+    mod = _soak_module()
+    events = [("started", 0.0, {}), ("watchdog", 100.0, {"silent_s": 2.6}),
+              ("exited", 100.1, {"status": -6}), ("started", 102.0, {}),
+              ("watchdog", 202.0, {"silent_s": 2.0}), ("exited", 203.0, {"status": -9}),  # (our stop-d)
+              ("started", 205.0, {}), ("exited", 300.0, {"status": -9}), ("started", 302.0, {})]
+    state = tmp_path / "d.supervise"
+    state.write_text("".join(json.dumps({"event": e, "t": t, "pid": 1, **x}) + "\n" for e, t, x in events))
+    p_state = tmp_path / "p.supervise"
+    p_state.write_text(json.dumps({"event": "started", "t": 0.0, "pid": 2}) + "\n")
+    sides = {"d": mod.Side("d", None, str(state)), "p": mod.Side("p", None, str(p_state))}
+    soak = SimpleNamespace(sides=sides,
+                           fault_wall=[(200.0, "stop-d"), (299.5, "kill9-p")])  # (the one at 300: not d's)
+    found = mod.Soak.unplanned(soak)
+    assert [f.split(" (")[0] for f in found] == ["sidecar d watchdog", "sidecar d exited"], found
+    assert "silent 2.6s" in found[0]
+    assert "status -9" in found[1]
+
+
 def test_the_soak_runs_and_judges(tmp_path: Path) -> None:
     """A short ``make soak`` (24 s, faults every 4 s, one host): it runs every fault it draws against
     real supervised sidecars, verifies every byte, and finds nothing left behind."""
