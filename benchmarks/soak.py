@@ -417,6 +417,9 @@ class Soak:
                 if e["event"] in ("watchdog", "exited") and not any(t - 1 <= e["t"] <= t + 15 for t in ours):
                     what = (f"silent {e['silent_s']:.1f}s" if e["event"] == "watchdog"
                             else f"status {e['status']}")
+                    if "ran_s" in e:  # (the supervisor's reading: busy, starved, or stopped/blocked)
+                        what += (f"; its loop thread ran {e['ran_s']:.2f}s, "
+                                 f"waited {e['waited_s']:.2f}s for a CPU")
                     out.append(f"sidecar {which} {e['event']} ({what}) at "
                                f"{time.strftime('%H:%M:%S', time.gmtime(e['t']))} UTC, no fault of ours")
         return out

@@ -99,6 +99,11 @@ class Observer:
                                     registry=r)
         self.m_stalls = Counter("kvxfer_peer_stalls", "Peers dropped as stalled: they owed an answer and "
                                 "said nothing for --peer-stall-s (their reads were stopped).", registry=r)
+        self.m_loop_stalls = Counter("kvxfer_loop_stalls", "Times this sidecar's event loop ran more "
+                                     "than its heartbeat period late (the log line says whether it ran, "
+                                     "waited for a CPU or was blocked).", registry=r)
+        self.g_loop_lag = Gauge("kvxfer_loop_lag_worst_seconds", "The most this sidecar's event loop's "
+                                "heartbeat has run late since it started.", registry=r)
         self.m_handshake_s = Histogram("kvxfer_handshake_duration_seconds", "Peer handshake duration.",
                                        buckets=TIME_BUCKETS, registry=r)
         self.m_bad = Counter("kvxfer_bad_messages", "Messages refused as malformed or unknown.",
@@ -321,6 +326,12 @@ class Observer:
         self.m_stalls.inc()
         log.warning("%s", reason)
         self.emit(Event("peer_stalled", peer=peer, code="peer_stalled", reason=reason))
+
+    def loop_stalled(self, late_s: float, why: str) -> None:
+        """The event loop ran ``late_s`` late (``kvxfer.sidecar.loop_lag``: ``why`` says why)."""
+        self.m_loop_stalls.inc()
+        log.warning("%s", why)
+        self.emit(Event("loop_stalled", seconds=late_s, reason=why))
 
     def control_denied(self, method: str, code: str, peer: str, reason: str) -> None:
         self.totals.control_denied += 1

@@ -70,6 +70,13 @@ def test_a_frozen_sidecar_is_killed_and_its_loads_fail_at_once(tmp_path: Path) -
                   f"(watchdog {WATCHDOG_S}s + abort {ABORT_S}s)")
             assert took < WATCHDOG_S + ABORT_S + 1.5, took
             assert [e["event"] for e in events(state)][:3] == ["started", "watchdog", "exited"]
+            fired = events(state)[1]  # what the supervisor saw: stopped, not busy, not starved
+            threads = fired["threads"]
+            assert isinstance(threads, dict)
+            assert threads
+            assert set(threads.values()) == {"T"}, threads
+            assert float(str(fired["ran_s"])) < 0.2
+            assert float(str(fired["waited_s"])) < 0.2
             assert ws.take_invalid_block_ids() == {1, 2}
             # until a successor answers, a load bound now fails at once (nothing could serve it)
             ws.bind({"meanwhile": ([3], far)}, {})

@@ -60,6 +60,7 @@ from kvxfer.sidecar.holds import Holds
 from kvxfer.sidecar.keepalive import LeaseKeeper
 from kvxfer.sidecar.lease_words import LeaseWords
 from kvxfer.sidecar.lifecycle import Lifecycle, LifecycleView
+from kvxfer.sidecar.loop_lag import heartbeat
 from kvxfer.sidecar.nixl_agent import cuda_ucx_defaults
 from kvxfer.sidecar.nixl_port import NixlPort
 from kvxfer.sidecar.nixl_types import NoticeReceived, ReadFinished, ReadRefused, ReadStuck, TransferOptions
@@ -271,9 +272,9 @@ class Sidecar:
         self._loops = [asyncio.ensure_future(coro) for coro in (
             self.engine_server.serve(), self.rings.serve(), self.peer_server.serve(self.hs_sock),
             self.holds.run(), self._engine_watch_loop())]
-        for on, coro in ((self.stalls.enabled, self.stalls.run), (self.systemd.enabled, self._systemd_loop)):
-            if on:
-                self._loops.append(asyncio.ensure_future(coro()))
+        self._loops.append(asyncio.ensure_future(heartbeat(self.systemd, self.observer, self._status_line)))
+        if self.stalls.enabled:
+            self._loops.append(asyncio.ensure_future(self.stalls.run()))
         for task in self._loops:
             task.add_done_callback(self._loop_died)
         self.systemd.ready(self._status_line())
@@ -401,15 +402,6 @@ class Sidecar:
                 f"{len(self.receiver)} in flight, {t.transfers_ok} transfers, {t.transfers_failed} failed")
 
     # ------------------------------------------------------------------ timers
-
-    async def _systemd_loop(self) -> None:
-        """Watchdog pings (only while the loop itself runs) and a STATUS= line."""
-        period = self.systemd.watchdog_s or 5.0
-        while True:
-            await asyncio.sleep(period)
-            if self.systemd.watchdog_s:
-                self.systemd.watchdog()
-            self.systemd.status(self._status_line())
 
     async def _engine_watch_loop(self) -> None:
         """The engine socket file still ours, engine processes alive, orphans freed."""

@@ -17,6 +17,7 @@ pid, ``watchdog`` when it fired, ``exited`` with the status) for tests to follow
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -79,6 +80,7 @@ class Supervisor:
 
     def _watch(self, child: subprocess.Popen[bytes]) -> int:
         last = 0.0  # the last READY=1 or WATCHDOG=1 (0: not ready yet, no watchdog)
+        base = (0.0, 0.0)  # the main thread's schedstat then
         self.sock.settimeout(0.05)
         while child.poll() is None:
             try:
@@ -87,8 +89,13 @@ class Supervisor:
                 lines = []
             if "READY=1" in lines or ("WATCHDOG=1" in lines and last):  # (armed at READY=1)
                 last = time.monotonic()
+                base = _schedstat(child.pid)
             if last and time.monotonic() - last > self.watchdog_s and not self.stopping:
-                self.note("watchdog", pid=child.pid, silent_s=round(time.monotonic() - last, 3))
+                ran, waited = (a - b for a, b in zip(_schedstat(child.pid), base, strict=True))
+                # (where the main thread's silence went: on a CPU, its loop busy; waiting for
+                # one, the host starved it; neither, stopped or blocked; and every thread's state)
+                self.note("watchdog", pid=child.pid, silent_s=round(time.monotonic() - last, 3),
+                          ran_s=round(ran, 3), waited_s=round(waited, 3), threads=_states(child.pid))
                 child.send_signal(signal.SIGABRT)
                 try:
                     child.wait(self.abort_s)
@@ -96,6 +103,29 @@ class Supervisor:
                     child.kill()
                 break
         return child.wait()
+
+
+def _schedstat(pid: int) -> tuple[float, float]:
+    """A process's main thread's (time on a CPU, time waiting for one), seconds."""
+    try:
+        with open(f"/proc/{pid}/schedstat") as f:
+            ran, waited, _ = f.read().split()
+        return int(ran) / 1e9, int(waited) / 1e9
+    except (OSError, ValueError):
+        return 0.0, 0.0
+
+
+def _states(pid: int) -> dict[str, str]:
+    """Each thread's name and state (R running or runnable, S sleeping, D in the kernel
+    uninterruptibly, T stopped), as "name/tid": state."""
+    out = {}
+    with contextlib.suppress(OSError):
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            with contextlib.suppress(OSError, IndexError):
+                with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                    head, _, rest = f.read().rpartition(")")
+                out[f"{head.partition('(')[2]}/{tid}"] = rest.split()[0]
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,0 +1,102 @@
+"""How late the event loop's own timer ran, and why: the sidecar's answer to "was it the
+sidecar or the host?" when a watchdog fired or requests slowed.
+
+A timer that should fire every ``period_s`` fired ``lag`` later. Over that interval the
+loop's thread (this one: /proc/thread-self/schedstat, where the kernel counts a thread's
+time on a CPU and its time runnable but waiting for one) either ran on a CPU (a callback
+held the loop: the sidecar's doing), or waited for a CPU (the host is short of CPU: its
+engine, other pods, a hypervisor's steal), or did neither (blocked: the GIL held by
+another thread in a C call, a page fault, a blocking system call). ``LoopLag.tick`` is pure
+arithmetic over readings passed in; ``read_schedstat`` reads the kernel's counters;
+``heartbeat`` is the sidecar's timer that feeds it and pings systemd's watchdog.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from kvxfer.observe import Observer
+    from kvxfer.systemd import Notifier
+
+HEARTBEAT_S = 0.5  # the loop's own heartbeat without a systemd watchdog (it measures the loop's lag)
+STATUS_S = 5.0  # a systemd STATUS= line this often
+
+
+@dataclass(frozen=True)
+class Stall:
+    late_s: float  # how much later than its period the timer ran
+    ran_s: float  # the loop thread's time on a CPU over the interval
+    waited_s: float  # its time runnable, waiting for a CPU
+
+    def why(self) -> str:
+        other = max(0.0, self.late_s + 1e-9 - self.ran_s - self.waited_s)
+        if self.waited_s >= max(self.ran_s, other):
+            cause = "the host is short of CPU (the loop was runnable, waiting for a CPU)"
+        elif self.ran_s >= other:
+            cause = "a callback held the loop (it ran on a CPU the whole time)"
+        else:
+            cause = ("the process was stopped or blocked (neither running nor waiting for a CPU: "
+                     "SIGSTOP or a frozen cgroup, the GIL held by another thread, a blocking call, paging)")
+        return (f"event loop ran {self.late_s:.2f}s late; over that time its thread ran {self.ran_s:.2f}s "
+                f"on a CPU and waited {self.waited_s:.2f}s for one: {cause}")
+
+
+class LoopLag:
+    """Feed it every tick of a periodic timer; it names the ticks that came late."""
+
+    def __init__(self, period_s: float, warn_s: float) -> None:
+        self.period_s = period_s
+        self.warn_s = warn_s
+        self._last: tuple[float, float, float] | None = None  # (monotonic, ran, waited) at the last tick
+        self.worst_s = 0.0  # the latest lateness seen, ever
+        self.stalls = 0  # ticks later than warn_s, ever
+
+    def tick(self, now: float, ran_s: float, waited_s: float) -> Stall | None:
+        """A tick at ``now`` with the thread's cumulative CPU and wait times; a Stall when it
+        came more than ``warn_s`` after its time (the first tick only sets the start)."""
+        last, self._last = self._last, (now, ran_s, waited_s)
+        if last is None:
+            return None
+        late = now - last[0] - self.period_s
+        self.worst_s = max(self.worst_s, late)
+        if late <= self.warn_s:
+            return None
+        self.stalls += 1
+        return Stall(late, max(0.0, ran_s - last[1]), max(0.0, waited_s - last[2]))
+
+
+def read_schedstat() -> tuple[float, float]:
+    """This thread's (time on a CPU, time waiting for one) in seconds ((0, 0): not Linux)."""
+    try:
+        with open("/proc/thread-self/schedstat") as f:
+            ran, waited, _slices = f.read().split()
+        return int(ran) / 1e9, int(waited) / 1e9
+    except (OSError, ValueError):
+        return 0.0, 0.0
+
+
+async def heartbeat(systemd: Notifier, observer: Observer, status_line: Callable[[], str]) -> None:
+    """Watchdog pings (only while the loop itself runs: a stuck loop is killed), a STATUS=
+    line every STATUS_S, and the loop's lateness, explained: the first thing to read when a
+    watchdog fired or requests slowed (``kvxfer_loop_stalls_total``, a ``loop_stalled`` event)."""
+    period = systemd.watchdog_s or HEARTBEAT_S
+    lag = LoopLag(period, max(0.25, period))
+    observer.g_loop_lag.set_function(lambda: lag.worst_s)
+    status_at = 0.0
+    lag.tick(time.monotonic(), *read_schedstat())  # (the clock starts now)
+    while True:
+        await asyncio.sleep(period)
+        now = time.monotonic()
+        stall = lag.tick(now, *read_schedstat())
+        if systemd.watchdog_s:
+            systemd.watchdog()
+        if stall is not None:
+            observer.loop_stalled(stall.late_s, stall.why())
+        if systemd.enabled and now - status_at >= STATUS_S:
+            status_at = now
+            systemd.status(status_line())

@@ -1,0 +1,99 @@
+"""The sidecar says when its event loop ran late, and why (``kvxfer.sidecar.loop_lag``): a
+watchdog that fires (WatchdogSec=2) is the sidecar's fault when a callback held the loop, the
+host's when the loop waited for a CPU, neither when the process was stopped or blocked. Found
+by the soak: two sidecars killed by their watchdogs while a test suite starved this 2-core
+machine, with nothing in their logs to tell a stuck loop from a starved one."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from kvxfer.sidecar.loop_lag import LoopLag, Stall
+from kvxfer.testing.procs import SidecarFactory, free_port
+
+
+def test_a_late_tick_is_named_with_where_the_time_went() -> None:
+    lag = LoopLag(period_s=0.5, warn_s=0.5)
+    assert lag.tick(100.0, 1.0, 1.0) is None  # (the first tick only starts the clock)
+    assert lag.tick(100.6, 1.01, 1.0) is None  # 0.1 s late: fine
+    stall = lag.tick(102.6, 1.02, 2.4)  # 1.5 s late, 1.4 s of it waiting for a CPU
+    assert stall is not None
+    assert stall.late_s == pytest.approx(1.5)
+    assert stall.waited_s == pytest.approx(1.4)
+    assert "short of CPU" in stall.why()
+    assert lag.stalls == 1
+    assert lag.worst_s == pytest.approx(1.5)
+    assert "a callback held the loop" in Stall(1.5, 1.9, 0.1).why()
+    assert "stopped or blocked" in Stall(1.5, 0.05, 0.05).why()
+
+
+def _late_lines(sc: object, since: int) -> list[str]:
+    log = sc.log()[since:]  # type: ignore[attr-defined]
+    return [line for line in log.splitlines() if "event loop ran" in line]
+
+
+def test_a_stopped_sidecar_says_its_loop_ran_late_and_that_it_was_not_busy() -> None:
+    with SidecarFactory() as f:
+        sc = f.start("lag", metrics_port=free_port())
+        time.sleep(1.0)  # (a few heartbeats: the clock started)
+        assert sc.scrape()["kvxfer_loop_stalls_total"] == 0
+        since = len(sc.log())
+        os.kill(sc.proc.pid, signal.SIGSTOP)
+        time.sleep(1.5)
+        os.kill(sc.proc.pid, signal.SIGCONT)
+        end = time.monotonic() + 10
+        while not _late_lines(sc, since) and time.monotonic() < end:
+            time.sleep(0.1)
+        lines = _late_lines(sc, since)
+        assert len(lines) == 1, sc.log()[since:]
+        assert "stopped or blocked" in lines[0], lines[0]
+        late = float(lines[0].split("event loop ran ")[1].split("s late")[0])
+        assert 0.8 < late < 3.0, lines[0]
+        got = sc.scrape()
+        assert got["kvxfer_loop_stalls_total"] == 1
+        assert 0.8 < got["kvxfer_loop_lag_worst_seconds"] < 3.0
+
+
+SPIN = """
+import os, sys, time
+os.sched_setaffinity(0, {int(sys.argv[1])})
+os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(1))
+end = time.monotonic() + float(sys.argv[2])
+while time.monotonic() < end:
+    pass
+"""
+
+
+def _can_run_realtime() -> bool:
+    try:
+        os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(1))
+    except (OSError, AttributeError):
+        return False
+    os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))
+    return len(os.sched_getaffinity(0)) >= 2
+
+
+@pytest.mark.skipif(not _can_run_realtime(), reason="needs root (a real-time spinner) and 2 CPUs")
+def test_a_starved_sidecar_says_the_host_was_short_of_cpu() -> None:
+    """A real-time spinner takes the CPU the sidecar is pinned to for 1.5 s (the kernel leaves
+    others 5 % of it): the loop runs late, waiting for a CPU, not busy."""
+    with SidecarFactory() as f:
+        sc = f.start("lag", metrics_port=free_port())
+        time.sleep(1.0)
+        cpu = max(os.sched_getaffinity(0))
+        for task in os.listdir(f"/proc/{sc.proc.pid}/task"):  # (every thread: NIXL's, UCX's too)
+            os.sched_setaffinity(int(task), {cpu})
+        since = len(sc.log())
+        subprocess.run([sys.executable, "-c", SPIN, str(cpu), "1.5"], check=True, timeout=30)
+        end = time.monotonic() + 10
+        while not _late_lines(sc, since) and time.monotonic() < end:
+            time.sleep(0.1)
+        lines = _late_lines(sc, since)
+        assert lines, sc.log()[since:]
+        assert all("short of CPU" in line for line in lines), lines
