@@ -11,7 +11,11 @@ of one size (the greatest common divisor of their lengths) and copied all at onc
 an overlapping "window" view (one row per byte offset, indexed by each granule's start):
 ``torch.index_select`` gathers them into the contiguous slot (4-14 GiB/s on one core here
 for 256 B-64 KiB granules), a numpy fancy assignment scatters the slot into them (3-17
-GiB/s); a few large runs are plain ``memmove``s. Both release the GIL.
+GiB/s); a few large runs are plain ``memmove``s. Both release the GIL. A scatter whose
+granules all start a whole number of granules from the first (head slices, blocks: the
+usual case) goes through a view of back-to-back rows instead, one void item per granule, by
+``np.put``: 16 MiB of 256 B head slices in 3.8 ms where the window took 5.8 (the gather's
+window is as fast as such a view here).
 """
 
 from __future__ import annotations
@@ -99,10 +103,25 @@ def _windows(addrs: np.ndarray, length: int) -> tuple[np.ndarray, np.ndarray]:
     return win, addrs - lo
 
 
+def _rows(addrs: np.ndarray, length: int) -> tuple[np.ndarray, np.ndarray] | None:
+    """A (rows, length) view of the span the runs cover, rows back to back, and each run's
+    row, when every run starts a whole number of rows from the first (the usual case: head
+    slices and blocks at multiples of their size); None otherwise (see ``_windows``). Its
+    rows are contiguous, which a gather or scatter copies at memcpy speed (~2x a window's)."""
+    lo = int(addrs.min())
+    rel = addrs - lo
+    if (rel % length).any():
+        return None
+    n = int(rel.max()) // length + 1
+    return _view(lo, n * length).reshape(n, length), rel // length
+
+
 def _granules(starts: np.ndarray, lengths: np.ndarray) -> tuple[np.ndarray, int]:
     """Runs cut into granules of one size (the greatest common divisor of their lengths):
     each granule's start, in order, and the size."""
     g = int(np.gcd.reduce(lengths))
+    if int(lengths.max()) == g:  # (runs of one size: each is one granule)
+        return starts, g
     counts = lengths // g
     first = np.cumsum(counts) - counts
     k = np.arange(int(counts.sum()), dtype=np.int64) - np.repeat(first, counts)
@@ -140,7 +159,8 @@ def gather_each(dst: int, runs: np.ndarray) -> int:
 def scatter(src: int, pieces: np.ndarray) -> None:
     """Copy each piece ([dst addr, offset at ``src``, len] rows) from ``src + offset``; the
     pieces tile ``[src, src + their total)`` in order of offset."""
-    pieces = pieces[np.argsort(pieces[:, 1], kind="stable")]
+    if len(pieces) > 1 and (pieces[1:, 1] < pieces[:-1, 1]).any():  # (mostly in order already)
+        pieces = pieces[np.argsort(pieces[:, 1], kind="stable")]
     total = int(pieces[:, 2].sum())
     g = int(np.gcd.reduce(pieces[:, 2])) if len(pieces) else 0
     if len(pieces) < FEW_RUNS or total // len(pieces) >= LONG_RUN or g < MIN_GRANULE:
@@ -148,8 +168,14 @@ def scatter(src: int, pieces: np.ndarray) -> None:
             ctypes.memmove(addr, src + off, n)
         return
     starts, g = _granules(pieces[:, 0], pieces[:, 2])
+    packed = _view(src + int(pieces[0, 1]), total).reshape(-1, g)
+    aligned = _rows(starts, g)
+    if aligned is not None:  # rows of one void item each: np.put copies them at memcpy speed
+        void = np.dtype(("V", g))
+        np.put(aligned[0].view(void).reshape(-1), aligned[1], packed.view(void).reshape(-1))
+        return
     win, rows = _windows(starts, g)
-    win[rows] = _view(src + int(pieces[0, 1]), total).reshape(-1, g)
+    win[rows] = packed
 
 
 # ---------------------------------------------------------------------- the two sides
