@@ -101,7 +101,7 @@ class Soak:
         self.last_ok = time.monotonic()
         self.started = time.monotonic()
         self.fault_log: list[tuple[float, str]] = []  # (when it began, the fault): named in problems
-        self.fault_wall: list[tuple[float, str]] = []  # the same in wall-clock time (the supervisors')
+        self.signalled: set[int] = set()  # sidecar pids a fault killed or stopped
         self.stop = threading.Event()
 
     # ------------------------------------------------------------------ setup
@@ -151,8 +151,8 @@ class Soak:
         eng = self.engine(which)
         starts = side.starts()
         if side.registered_with != starts and _alive(side.child()):
+            eng.start(timeout=timeout)  # (raises: tried again at the next batch)
             side.registered_with = starts
-            eng.start(timeout=timeout)
 
     # ------------------------------------------------------------------ the workload
 
@@ -274,7 +274,9 @@ class Soak:
         if kind.startswith(("kill9", "stop")):
             side = self.sides[which]
             before = side.starts()
-            os.kill(side.child(), signal.SIGKILL if kind.startswith("kill9") else signal.SIGSTOP)
+            pid = side.child()
+            self.signalled.add(pid)  # (its watchdog firing, its exit: ours, not unplanned)
+            os.kill(pid, signal.SIGKILL if kind.startswith("kill9") else signal.SIGSTOP)
             self._restarted(which, before)
         elif kind.startswith("engine"):
             with self.lock:
@@ -339,7 +341,6 @@ class Soak:
             t0 = time.monotonic()
             kind = self.rng_kind()
             self.fault_log.append((t0, kind))
-            self.fault_wall.append((time.time(), kind))
             self.minutes[-1].faults.append(kind)  # (in the minute it began: a fault may outlast the run)
             self.fault(kind)
             end = time.monotonic() + self.args.recover_s
@@ -405,16 +406,16 @@ class Soak:
         return 1 if self.problems else 0
 
     def unplanned(self) -> list[str]:
-        """Sidecar restarts no fault of ours explains: a watchdog that fired or an exit not
-        within 15 s after a kill -9 or SIGSTOP of that sidecar (a loop stalled past WatchdogSec)."""
+        """Sidecar restarts no fault of ours explains: a watchdog that fired, or an exit, of a
+        sidecar process no kill -9 or SIGSTOP of ours hit (a loop stalled past WatchdogSec, a
+        crash)."""
         out = []
         for which, side in self.sides.items():
-            ours = [t for t, kind in self.fault_wall if kind in (f"kill9-{which}", f"stop-{which}")]
             events = side.events()
             for prev, e in zip([{}, *events], events, strict=False):
                 if prev.get("event") == "watchdog":  # (its exit: the same restart)
                     continue
-                if e["event"] in ("watchdog", "exited") and not any(t - 1 <= e["t"] <= t + 15 for t in ours):
+                if e["event"] in ("watchdog", "exited") and e["pid"] not in self.signalled:
                     what = (f"silent {e['silent_s']:.1f}s" if e["event"] == "watchdog"
                             else f"status {e['status']}")
                     if "ran_s" in e:  # (the supervisor's reading: busy, starved, or stopped/blocked)

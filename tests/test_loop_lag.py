@@ -20,17 +20,22 @@ from kvxfer.testing.procs import SidecarFactory, free_port
 
 def test_a_late_tick_is_named_with_where_the_time_went() -> None:
     lag = LoopLag(period_s=0.5, warn_s=0.5)
-    assert lag.tick(100.0, 1.0, 1.0) is None  # (the first tick only starts the clock)
-    assert lag.tick(100.6, 1.01, 1.0) is None  # 0.1 s late: fine
-    stall = lag.tick(102.6, 1.02, 2.4)  # 1.5 s late, 1.4 s of it waiting for a CPU
+    assert lag.tick(100.0, (1.0, 1.0)) is None  # (the first tick only starts the clock)
+    assert lag.tick(100.6, (1.01, 1.0)) is None  # 0.1 s late: fine
+    stall = lag.tick(102.6, (1.02, 2.4))  # 1.5 s late, 1.4 s of 2 waiting for a CPU
     assert stall is not None
     assert stall.late_s == pytest.approx(1.5)
+    assert stall.interval_s == pytest.approx(2.0)
     assert stall.waited_s == pytest.approx(1.4)
     assert "short of CPU" in stall.why()
     assert lag.stalls == 1
     assert lag.worst_s == pytest.approx(1.5)
-    assert "a callback held the loop" in Stall(1.5, 1.9, 0.1).why()
-    assert "stopped or blocked" in Stall(1.5, 0.05, 0.05).why()
+    assert "a callback held the loop" in Stall(1.5, 2.0, 1.9, 0.1).why()
+    assert "stopped or blocked" in Stall(1.5, 2.0, 0.05, 0.05).why()
+    # busy for most of its period, then blocked for longer: blocked, not a callback
+    assert "stopped or blocked" in Stall(0.6, 1.1, 0.45, 0.02).why()
+    # no schedstat here: late, cause unknown
+    assert "cause unknown" in lag.tick(105.0, None).why()  # type: ignore[union-attr]
 
 
 def _late_lines(sc: object, since: int) -> list[str]:

@@ -159,17 +159,17 @@ def test_the_soak_names_a_restart_no_fault_explains(tmp_path: Path) -> None:
     from types import SimpleNamespace
 
     mod = _soak_module()
-    events = [("started", 0.0, {}), ("watchdog", 100.0, {"silent_s": 2.6}),
-              ("exited", 100.1, {"status": -6}), ("started", 102.0, {}),
-              ("watchdog", 202.0, {"silent_s": 2.0}), ("exited", 203.0, {"status": -9}),  # (our stop-d)
-              ("started", 205.0, {}), ("exited", 300.0, {"status": -9}), ("started", 302.0, {})]
+    events = [("started", 0.0, 11, {}), ("watchdog", 100.0, 11, {"silent_s": 2.6}),
+              ("exited", 100.1, 11, {"status": -6}), ("started", 102.0, 12, {}),
+              ("watchdog", 202.0, 12, {"silent_s": 2.0}), ("exited", 203.0, 12, {"status": -9}),  # our stop-d
+              ("started", 205.0, 13, {}), ("exited", 300.0, 13, {"status": -9}), ("started", 302.0, 14, {})]
     state = tmp_path / "d.supervise"
-    state.write_text("".join(json.dumps({"event": e, "t": t, "pid": 1, **x}) + "\n" for e, t, x in events))
+    lines = [json.dumps({"event": e, "t": t, "pid": pid, **x}) + "\n" for e, t, pid, x in events]
+    state.write_text("".join(lines))
     p_state = tmp_path / "p.supervise"
-    p_state.write_text(json.dumps({"event": "started", "t": 0.0, "pid": 2}) + "\n")
+    p_state.write_text(json.dumps({"event": "started", "t": 0.0, "pid": 21}) + "\n")
     sides = {"d": mod.Side("d", None, str(state)), "p": mod.Side("p", None, str(p_state))}
-    soak = SimpleNamespace(sides=sides,
-                           fault_wall=[(200.0, "stop-d"), (299.5, "kill9-p")])  # (the one at 300: not d's)
+    soak = SimpleNamespace(sides=sides, signalled={12, 21})  # (13 died on its own, 11's watchdog fired)
     found = mod.Soak.unplanned(soak)
     assert [f.split(" (")[0] for f in found] == ["sidecar d watchdog", "sidecar d exited"], found
     assert "silent 2.6s" in found[0]

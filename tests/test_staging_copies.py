@@ -21,7 +21,7 @@ def runs_in_a_span(draw: st.DrawFn) -> list[tuple[int, int]]:
     unit = draw(st.sampled_from([64, 128, 256, 512]))
     aligned = draw(st.booleans())
     n = draw(st.integers(1, 120))
-    sizes = draw(st.lists(st.sampled_from([1, 1, 1, 2, 3]), min_size=n, max_size=n))
+    sizes = draw(st.lists(st.sampled_from([0, 1, 1, 1, 2, 3]), min_size=n, max_size=n))  # (0: an empty run)
     at, runs = 0, []
     for k in sizes:
         gap = draw(st.integers(0, 3)) * unit + (0 if aligned else draw(st.integers(0, 7)) * 8)

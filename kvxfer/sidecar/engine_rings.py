@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import array
 import asyncio
+import collections
 import contextlib
 import itertools
 import logging
@@ -157,18 +158,46 @@ class EngineRings:
             ring_doorbell(doorbell)
             return True
 
-        def drain() -> None:
-            clear_doorbell(wake)
-            try:
-                frames = into.read_all()
-            except RingCorrupt as e:
-                corrupt(e)
+        # One frame per turn, then the other rings' (and everything else's) turn: the TP ranks
+        # of an engine each post their Recv of a request on their own ring, and a request is
+        # acted on (a staged read's one StageRequest for all ranks) once every rank's is in;
+        # draining one ring whole first made every request wait for every ring (a 1 -> 8
+        # round waited ~40 ms; staged TP cells 5-15 % faster since, direct ones unchanged;
+        # a budget of 1 ms of frames per turn lost the gain). What was read waits here, in
+        # order; the ring is read again only once it is empty, so a flooding engine meets its
+        # full ring, as before.
+        backlog: collections.deque[tuple[bytes, int]] = collections.deque()
+        turning = [False]  # a turn is scheduled
+        shut = [False]  # (a turn scheduled before the ring closed finds it released)
+
+        def deliver(body: bytes, now: int) -> None:
+            pending = self.server.deliver(ident, body, sender, now)
+            if pending is not None:
+                asyncio.ensure_future(pending)
+
+        def turn() -> None:
+            turning[0] = False
+            if shut[0]:
                 return
-            now = time.monotonic_ns()
-            for body in frames:
-                pending = self.server.deliver(ident, body, sender, now)
-                if pending is not None:
-                    asyncio.ensure_future(pending)
+            if not backlog:
+                try:
+                    frames = into.read_all()
+                except RingCorrupt as e:
+                    corrupt(e)
+                    return
+                now = time.monotonic_ns()
+                backlog.extend((body, now) for body in frames)
+                if not backlog:
+                    return
+            body, now = backlog.popleft()
+            turning[0] = True
+            loop.call_soon(turn)  # (the next frame, or a look for new ones)
+            deliver(body, now)
+
+        def drain() -> None:  # the doorbell rang
+            clear_doorbell(wake)
+            if not turning[0]:
+                turn()
 
         self.server.rings[ident] = write
         self.observer.g_rings.set(len(self.server.rings))
@@ -188,6 +217,9 @@ class EngineRings:
             closed.cancel()
         finally:
             loop.remove_reader(wake)
+            shut[0] = True
+            while backlog:  # what was read is handled, as when it was all handled at once
+                deliver(*backlog.popleft())
             self.server.rings.pop(ident, None)
             self.observer.g_rings.set(len(self.server.rings))
             for f in (wake, doorbell):

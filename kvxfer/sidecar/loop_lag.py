@@ -5,8 +5,9 @@ A timer that should fire every ``period_s`` fired ``lag`` later. Over that inter
 loop's thread (this one: /proc/thread-self/schedstat, where the kernel counts a thread's
 time on a CPU and its time runnable but waiting for one) either ran on a CPU (a callback
 held the loop: the sidecar's doing), or waited for a CPU (the host is short of CPU: its
-engine, other pods, a hypervisor's steal), or did neither (blocked: the GIL held by
-another thread in a C call, a page fault, a blocking system call). ``LoopLag.tick`` is pure
+engine, other pods), or did neither (stopped or blocked: SIGSTOP, the GIL held by another
+thread in a C call, a page fault, a blocking system call; a hypervisor's steal too, which
+the kernel counts as neither). ``LoopLag.tick`` is pure
 arithmetic over readings passed in; ``read_schedstat`` reads the kernel's counters;
 ``heartbeat`` is the sidecar's timer that feeds it and pings systemd's watchdog.
 """
@@ -14,6 +15,7 @@ arithmetic over readings passed in; ``read_schedstat`` reads the kernel's counte
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -23,6 +25,8 @@ if TYPE_CHECKING:
     from kvxfer.observe import Observer
     from kvxfer.systemd import Notifier
 
+log = logging.getLogger("kvxfer.sidecar")
+
 HEARTBEAT_S = 0.5  # the loop's own heartbeat without a systemd watchdog (it measures the loop's lag)
 STATUS_S = 5.0  # a systemd STATUS= line this often
 
@@ -30,20 +34,25 @@ STATUS_S = 5.0  # a systemd STATUS= line this often
 @dataclass(frozen=True)
 class Stall:
     late_s: float  # how much later than its period the timer ran
-    ran_s: float  # the loop thread's time on a CPU over the interval
-    waited_s: float  # its time runnable, waiting for a CPU
+    interval_s: float  # since the tick before (its period + late_s)
+    ran_s: float | None  # the loop thread's time on a CPU over the interval (None: unknown)
+    waited_s: float | None  # its time runnable, waiting for a CPU
 
     def why(self) -> str:
-        other = max(0.0, self.late_s + 1e-9 - self.ran_s - self.waited_s)
+        head = f"event loop ran {self.late_s:.2f}s late"
+        if self.ran_s is None or self.waited_s is None:
+            return head + " (the kernel's schedstat is not readable here: cause unknown)"
+        other = max(0.0, self.interval_s - self.ran_s - self.waited_s)
         if self.waited_s >= max(self.ran_s, other):
             cause = "the host is short of CPU (the loop was runnable, waiting for a CPU)"
         elif self.ran_s >= other:
-            cause = "a callback held the loop (it ran on a CPU the whole time)"
+            cause = "a callback held the loop (it ran on a CPU most of the time)"
         else:
             cause = ("the process was stopped or blocked (neither running nor waiting for a CPU: "
-                     "SIGSTOP or a frozen cgroup, the GIL held by another thread, a blocking call, paging)")
-        return (f"event loop ran {self.late_s:.2f}s late; over that time its thread ran {self.ran_s:.2f}s "
-                f"on a CPU and waited {self.waited_s:.2f}s for one: {cause}")
+                     "SIGSTOP or a frozen cgroup, the GIL held by another thread, a blocking call, "
+                     "paging, a hypervisor's steal)")
+        return (f"{head}; over the last {self.interval_s:.2f}s its thread ran {self.ran_s:.2f}s on a CPU "
+                f"and waited {self.waited_s:.2f}s for one: {cause}")
 
 
 class LoopLag:
@@ -52,32 +61,36 @@ class LoopLag:
     def __init__(self, period_s: float, warn_s: float) -> None:
         self.period_s = period_s
         self.warn_s = warn_s
-        self._last: tuple[float, float, float] | None = None  # (monotonic, ran, waited) at the last tick
-        self.worst_s = 0.0  # the latest lateness seen, ever
+        self._last: tuple[float, tuple[float, float] | None] | None = None  # (monotonic, schedstat)
+        self.worst_s = 0.0  # the most a tick came late, ever
         self.stalls = 0  # ticks later than warn_s, ever
 
-    def tick(self, now: float, ran_s: float, waited_s: float) -> Stall | None:
-        """A tick at ``now`` with the thread's cumulative CPU and wait times; a Stall when it
-        came more than ``warn_s`` after its time (the first tick only sets the start)."""
-        last, self._last = self._last, (now, ran_s, waited_s)
+    def tick(self, now: float, sched: tuple[float, float] | None) -> Stall | None:
+        """A tick at ``now`` with the thread's cumulative (CPU, wait) times (None: unknown); a
+        Stall when it came more than ``warn_s`` after its time (the first tick starts the clock)."""
+        last, self._last = self._last, (now, sched)
         if last is None:
             return None
-        late = now - last[0] - self.period_s
+        interval = now - last[0]
+        late = interval - self.period_s
         self.worst_s = max(self.worst_s, late)
         if late <= self.warn_s:
             return None
         self.stalls += 1
-        return Stall(late, max(0.0, ran_s - last[1]), max(0.0, waited_s - last[2]))
+        if sched is None or last[1] is None:
+            return Stall(late, interval, None, None)
+        return Stall(late, interval, max(0.0, sched[0] - last[1][0]), max(0.0, sched[1] - last[1][1]))
 
 
-def read_schedstat() -> tuple[float, float]:
-    """This thread's (time on a CPU, time waiting for one) in seconds ((0, 0): not Linux)."""
+def read_schedstat() -> tuple[float, float] | None:
+    """This thread's (time on a CPU, time waiting for one) in seconds (None: not readable, or a
+    kernel without schedstats, which shows zeros)."""
     try:
         with open("/proc/thread-self/schedstat") as f:
             ran, waited, _slices = f.read().split()
-        return int(ran) / 1e9, int(waited) / 1e9
     except (OSError, ValueError):
-        return 0.0, 0.0
+        return None
+    return (int(ran) / 1e9, int(waited) / 1e9) if int(ran) else None
 
 
 async def heartbeat(systemd: Notifier, observer: Observer, status_line: Callable[[], str]) -> None:
@@ -88,15 +101,18 @@ async def heartbeat(systemd: Notifier, observer: Observer, status_line: Callable
     lag = LoopLag(period, max(0.25, period))
     observer.g_loop_lag.set_function(lambda: lag.worst_s)
     status_at = 0.0
-    lag.tick(time.monotonic(), *read_schedstat())  # (the clock starts now)
+    lag.tick(time.monotonic(), read_schedstat())  # (the clock starts now)
     while True:
         await asyncio.sleep(period)
         now = time.monotonic()
-        stall = lag.tick(now, *read_schedstat())
+        stall = lag.tick(now, read_schedstat())
         if systemd.watchdog_s:
             systemd.watchdog()
         if stall is not None:
             observer.loop_stalled(stall.late_s, stall.why())
         if systemd.enabled and now - status_at >= STATUS_S:
             status_at = now
-            systemd.status(status_line())
+            try:
+                systemd.status(status_line())
+            except Exception:  # (a status line is cosmetic: never the heartbeat's end)
+                log.exception("STATUS= line not sent")

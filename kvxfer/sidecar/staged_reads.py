@@ -34,7 +34,11 @@ from kvxfer.topology import BlockPairing, RankPlan
 
 log = logging.getLogger("kvxfer.staging")
 
-BATCH_WINDOW_S = 0.002  # the first receive of a request waits this long at most for its other ranks
+# The first receive of a request waits this long at most for its other ranks (each sends its
+# own Recv in the same engine step; one that never comes costs the others this much). 2 ms
+# split requests in two when the loop took longer than that over the ranks' rings (a 1 -> 8
+# round: the first rank's StageRequest went alone, and the prefill gathered twice).
+BATCH_WINDOW_S = 0.02
 MAX_RUNS_BYTES = 512 << 10  # a StageRequest stays well under the listener's 1 MiB messages
 ROWS_CACHE = 512  # pair_rows kept per (peer registration, local registration, plan)
 

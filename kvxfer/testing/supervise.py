@@ -91,7 +91,7 @@ class Supervisor:
                 last = time.monotonic()
                 base = _schedstat(child.pid)
             if last and time.monotonic() - last > self.watchdog_s and not self.stopping:
-                ran, waited = (a - b for a, b in zip(_schedstat(child.pid), base, strict=True))
+                ran, waited = (max(0.0, a - b) for a, b in zip(_schedstat(child.pid), base, strict=True))
                 # (where the main thread's silence went: on a CPU, its loop busy; waiting for
                 # one, the host starved it; neither, stopped or blocked; and every thread's state)
                 self.note("watchdog", pid=child.pid, silent_s=round(time.monotonic() - last, 3),
