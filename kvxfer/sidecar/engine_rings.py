@@ -21,6 +21,7 @@ import logging
 import os
 import socket
 import time
+from collections.abc import Callable
 
 import msgspec
 
@@ -47,6 +48,59 @@ from kvxfer.sidecar.procfs import creds_of
 log = logging.getLogger("kvxfer.sidecar")
 MAX_RINGS = 256  # rings open at once (one per engine rank connection); past it, refused
 OPEN_TIMEOUT_S = 5.0
+
+
+class TakingTurns:
+    """A ring's messages handled one per loop turn, then the other rings' (and everything
+    else's) turn. The TP ranks of an engine each post their Recv of a request on their own
+    ring, and a request is acted on (a staged read's one StageRequest for all ranks) once
+    every rank's is in; reading one ring whole before the next made every request wait for
+    every ring (a 1 -> 8 round waited ~40 ms; staged TP cells 5-15 % faster since, direct
+    ones unchanged; a budget of 1 ms of messages per turn lost the gain). What was read waits
+    here, in order; the ring is read again only once it is empty, so a flooding engine meets
+    its full ring, as before."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, into: Ring, wake: int,
+                 deliver: Callable[[bytes, int], None], corrupt: Callable[[RingCorrupt], None]) -> None:
+        self._loop = loop
+        self._into = into
+        self._wake = wake
+        self._deliver = deliver
+        self._corrupt = corrupt
+        self._backlog: collections.deque[tuple[bytes, int]] = collections.deque()  # (body, read at ns)
+        self._turning = False  # a turn is scheduled
+        self._shut = False  # (a turn scheduled before the ring closed finds it released)
+
+    def rang(self) -> None:
+        """The doorbell rang."""
+        clear_doorbell(self._wake)
+        if not self._turning:
+            self._turn()
+
+    def close(self) -> None:
+        """What was read is handled now, as when a ring was read and handled at once."""
+        self._shut = True
+        while self._backlog:
+            self._deliver(*self._backlog.popleft())
+
+    def _turn(self) -> None:
+        self._turning = False
+        if self._shut:
+            return
+        if not self._backlog:
+            try:
+                frames = self._into.read_all()
+            except RingCorrupt as e:
+                self._corrupt(e)
+                return
+            now = time.monotonic_ns()
+            self._backlog.extend((body, now) for body in frames)
+            if not self._backlog:
+                return
+        body, now = self._backlog.popleft()
+        self._turning = True
+        self._loop.call_soon(self._turn)  # (the next message, or a look for new ones)
+        self._deliver(body, now)
 
 
 class EngineRings:
@@ -158,53 +212,18 @@ class EngineRings:
             ring_doorbell(doorbell)
             return True
 
-        # One frame per turn, then the other rings' (and everything else's) turn: the TP ranks
-        # of an engine each post their Recv of a request on their own ring, and a request is
-        # acted on (a staged read's one StageRequest for all ranks) once every rank's is in;
-        # draining one ring whole first made every request wait for every ring (a 1 -> 8
-        # round waited ~40 ms; staged TP cells 5-15 % faster since, direct ones unchanged;
-        # a budget of 1 ms of frames per turn lost the gain). What was read waits here, in
-        # order; the ring is read again only once it is empty, so a flooding engine meets its
-        # full ring, as before.
-        backlog: collections.deque[tuple[bytes, int]] = collections.deque()
-        turning = [False]  # a turn is scheduled
-        shut = [False]  # (a turn scheduled before the ring closed finds it released)
-
         def deliver(body: bytes, now: int) -> None:
             pending = self.server.deliver(ident, body, sender, now)
             if pending is not None:
                 asyncio.ensure_future(pending)
 
-        def turn() -> None:
-            turning[0] = False
-            if shut[0]:
-                return
-            if not backlog:
-                try:
-                    frames = into.read_all()
-                except RingCorrupt as e:
-                    corrupt(e)
-                    return
-                now = time.monotonic_ns()
-                backlog.extend((body, now) for body in frames)
-                if not backlog:
-                    return
-            body, now = backlog.popleft()
-            turning[0] = True
-            loop.call_soon(turn)  # (the next frame, or a look for new ones)
-            deliver(body, now)
-
-        def drain() -> None:  # the doorbell rang
-            clear_doorbell(wake)
-            if not turning[0]:
-                turn()
-
+        turns = TakingTurns(loop, into, wake, deliver, corrupt)
         self.server.rings[ident] = write
         self.observer.g_rings.set(len(self.server.rings))
-        loop.add_reader(wake, drain)
+        loop.add_reader(wake, turns.rang)
         log.info("engine ring %s open (pid %d, %d KiB each way)", ident.decode(), sender.pid, capacity >> 10)
         try:
-            drain()  # (anything written before the reader was added)
+            turns.rang()  # (anything written before the reader was added)
             closed = asyncio.ensure_future(self._until_closed(conn))
             done, _ = await asyncio.wait({closed, broken}, return_when=asyncio.FIRST_COMPLETED)
             if broken in done:
@@ -217,9 +236,7 @@ class EngineRings:
             closed.cancel()
         finally:
             loop.remove_reader(wake)
-            shut[0] = True
-            while backlog:  # what was read is handled, as when it was all handled at once
-                deliver(*backlog.popleft())
+            turns.close()
             self.server.rings.pop(ident, None)
             self.observer.g_rings.set(len(self.server.rings))
             for f in (wake, doorbell):
