@@ -86,8 +86,11 @@ def _can_run_realtime() -> bool:
 
 @pytest.mark.skipif(not _can_run_realtime(), reason="needs root (a real-time spinner) and 2 CPUs")
 def test_a_starved_sidecar_says_the_host_was_short_of_cpu() -> None:
-    """A real-time spinner takes the CPU the sidecar is pinned to for 1.5 s (the kernel leaves
-    others 5 % of it): the loop runs late, waiting for a CPU, not busy."""
+    """A real-time spinner takes the CPU the sidecar is pinned to for 1.2 s (the kernel leaves
+    others 5 % of it): the loop runs late, waiting for a CPU, not busy. (1.2 s: some tick
+    falls due at least 0.7 s before the spinner ends, past the 0.5 s that is reported; and
+    whatever else runs on that CPU meanwhile, a soak's supervised sidecars among them, stays
+    under their 2 s watchdog: at 1.5 s one beside this test was killed.)"""
     with SidecarFactory() as f:
         sc = f.start("lag", metrics_port=free_port())
         time.sleep(1.0)
@@ -95,7 +98,7 @@ def test_a_starved_sidecar_says_the_host_was_short_of_cpu() -> None:
         for task in os.listdir(f"/proc/{sc.proc.pid}/task"):  # (every thread: NIXL's, UCX's too)
             os.sched_setaffinity(int(task), {cpu})
         since = len(sc.log())
-        subprocess.run([sys.executable, "-c", SPIN, str(cpu), "1.5"], check=True, timeout=30)
+        subprocess.run([sys.executable, "-c", SPIN, str(cpu), "1.2"], check=True, timeout=30)
         end = time.monotonic() + 10
         while not _late_lines(sc, since) and time.monotonic() < end:
             time.sleep(0.1)

@@ -76,3 +76,13 @@ def test_a_scatter_on_the_grid_lands_every_row_where_it_belongs() -> None:
     untouched = np.ones(n * 8, bool)
     untouched[rows] = False
     assert not view[untouched].any()
+
+
+def test_empty_runs_copy_nothing() -> None:
+    """Runs of no bytes (more than the few copied one by one): nothing moves, nothing fails
+    (the granule of lengths all 0 is 0: found by the property test above)."""
+    buf = np.zeros(64, np.uint8)
+    runs = np.array([(buf.ctypes.data, 0)] * 20, dtype=np.int64)
+    assert gather(buf.ctypes.data, runs) == 0
+    scatter(buf.ctypes.data, np.array([(buf.ctypes.data, 0, 0)] * 20, dtype=np.int64))
+    assert not buf.any()

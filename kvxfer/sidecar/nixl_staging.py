@@ -133,6 +133,8 @@ def gather(dst: int, runs: np.ndarray) -> int:
     import torch
 
     total = int(runs[:, 1].sum())
+    if total == 0:  # (empty runs only: nothing to copy, no granule to cut them into)
+        return 0
     if len(runs) < FEW_RUNS or total // len(runs) >= LONG_RUN:
         at = dst
         for addr, n in runs.tolist():
