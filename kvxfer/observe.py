@@ -56,6 +56,8 @@ class Totals:
     control_denied: int = 0
     integrity_checks: int = 0
     integrity_failures: int = 0
+    loop_stalls: int = 0
+    loop_lag_worst_s: float = 0.0
 
 
 class Observer:
@@ -330,6 +332,8 @@ class Observer:
     def loop_stalled(self, late_s: float, why: str) -> None:
         """The event loop ran ``late_s`` late (``kvxfer.sidecar.loop_lag``: ``why`` says why)."""
         self.m_loop_stalls.inc()
+        self.totals.loop_stalls += 1
+        self.totals.loop_lag_worst_s = max(self.totals.loop_lag_worst_s, late_s)
         log.warning("%s", why)
         self.emit(Event("loop_stalled", seconds=late_s, reason=why))
 

@@ -190,6 +190,9 @@ def _totals(lines: list[str], st: pb.Status, rate: float | None) -> None:
     lines.append(f"             leases {t.leases_released} released, {t.leases_expired} expired; "
                  f"handshakes {t.handshakes} ok, {t.handshake_failures} failed; "
                  f"{t.bad_messages} bad messages; {t.control_denied} control calls refused")
+    if t.loop_stalls:  # (the log says why, each time)
+        lines.append(f"             event loop late {t.loop_stalls} times, at most {t.loop_lag_worst_s:.2f}s "
+                     "(see the log: busy, short of CPU, or stopped)")
 
 
 def _fetch(args: argparse.Namespace) -> tuple[pb.Status, bool]:

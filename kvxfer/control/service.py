@@ -94,7 +94,8 @@ def status_proto(snap: Snapshot) -> pb.Status:
     totals = pb.Totals(bytes=t.bytes, transfers_ok=t.transfers_ok, transfers_failed=t.transfers_failed,
                        leases_released=t.leases_released, leases_expired=t.leases_expired,
                        handshakes=t.handshakes, handshake_failures=t.handshake_failures,
-                       bad_messages=t.bad_messages, control_denied=t.control_denied)
+                       bad_messages=t.bad_messages, control_denied=t.control_denied,
+                       loop_stalls=t.loop_stalls, loop_lag_worst_s=t.loop_lag_worst_s)
     return pb.Status(identity=ident, ranks=ranks, peers=[peer_proto(p) for p in snap.peers],
                      leases=leases, transfers=transfers_proto(snap), totals=totals,
                      uptime_s=snap.uptime_s, ready=snap.ready, draining=snap.draining,

@@ -155,7 +155,7 @@ class Transfer(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., tp_rank: _Optional[int] = ..., peer: _Optional[str] = ..., state: _Optional[str] = ..., num_blocks: _Optional[int] = ..., bytes: _Optional[int] = ..., age_s: _Optional[float] = ..., deadline_in_s: _Optional[float] = ...) -> None: ...
 
 class Totals(_message.Message):
-    __slots__ = ("bytes", "transfers_ok", "transfers_failed", "leases_released", "leases_expired", "handshakes", "handshake_failures", "bad_messages", "control_denied")
+    __slots__ = ("bytes", "transfers_ok", "transfers_failed", "leases_released", "leases_expired", "handshakes", "handshake_failures", "bad_messages", "control_denied", "loop_stalls", "loop_lag_worst_s")
     BYTES_FIELD_NUMBER: _ClassVar[int]
     TRANSFERS_OK_FIELD_NUMBER: _ClassVar[int]
     TRANSFERS_FAILED_FIELD_NUMBER: _ClassVar[int]
@@ -165,6 +165,8 @@ class Totals(_message.Message):
     HANDSHAKE_FAILURES_FIELD_NUMBER: _ClassVar[int]
     BAD_MESSAGES_FIELD_NUMBER: _ClassVar[int]
     CONTROL_DENIED_FIELD_NUMBER: _ClassVar[int]
+    LOOP_STALLS_FIELD_NUMBER: _ClassVar[int]
+    LOOP_LAG_WORST_S_FIELD_NUMBER: _ClassVar[int]
     bytes: int
     transfers_ok: int
     transfers_failed: int
@@ -174,7 +176,9 @@ class Totals(_message.Message):
     handshake_failures: int
     bad_messages: int
     control_denied: int
-    def __init__(self, bytes: _Optional[int] = ..., transfers_ok: _Optional[int] = ..., transfers_failed: _Optional[int] = ..., leases_released: _Optional[int] = ..., leases_expired: _Optional[int] = ..., handshakes: _Optional[int] = ..., handshake_failures: _Optional[int] = ..., bad_messages: _Optional[int] = ..., control_denied: _Optional[int] = ...) -> None: ...
+    loop_stalls: int
+    loop_lag_worst_s: float
+    def __init__(self, bytes: _Optional[int] = ..., transfers_ok: _Optional[int] = ..., transfers_failed: _Optional[int] = ..., leases_released: _Optional[int] = ..., leases_expired: _Optional[int] = ..., handshakes: _Optional[int] = ..., handshake_failures: _Optional[int] = ..., bad_messages: _Optional[int] = ..., control_denied: _Optional[int] = ..., loop_stalls: _Optional[int] = ..., loop_lag_worst_s: _Optional[float] = ...) -> None: ...
 
 class Status(_message.Message):
     __slots__ = ("identity", "ranks", "peers", "leases", "transfers", "totals", "uptime_s", "ready", "draining", "insecure", "authenticated", "encrypted", "host_key", "redacted", "host_key_file", "redacted_why")
