@@ -106,6 +106,7 @@ class Observer:
                                      "waited for a CPU or was blocked).", registry=r)
         self.g_loop_lag = Gauge("kvxfer_loop_lag_worst_seconds", "The most this sidecar's event loop's "
                                 "heartbeat has run late since it started.", registry=r)
+        self.g_loop_lag.set_function(lambda: self.totals.loop_lag_worst_s)
         self.m_handshake_s = Histogram("kvxfer_handshake_duration_seconds", "Peer handshake duration.",
                                        buckets=TIME_BUCKETS, registry=r)
         self.m_bad = Counter("kvxfer_bad_messages", "Messages refused as malformed or unknown.",
@@ -333,7 +334,6 @@ class Observer:
         """The event loop ran ``late_s`` late (``kvxfer.sidecar.loop_lag``: ``why`` says why)."""
         self.m_loop_stalls.inc()
         self.totals.loop_stalls += 1
-        self.totals.loop_lag_worst_s = max(self.totals.loop_lag_worst_s, late_s)
         log.warning("%s", why)
         self.emit(Event("loop_stalled", seconds=late_s, reason=why))
 

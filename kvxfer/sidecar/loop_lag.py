@@ -82,11 +82,12 @@ class LoopLag:
         return Stall(late, interval, max(0.0, sched[0] - last[1][0]), max(0.0, sched[1] - last[1][1]))
 
 
-def read_schedstat() -> tuple[float, float] | None:
-    """This thread's (time on a CPU, time waiting for one) in seconds (None: not readable, or a
-    kernel without schedstats, which shows zeros)."""
+def read_schedstat(path: str = "/proc/thread-self/schedstat") -> tuple[float, float] | None:
+    """A thread's (time on a CPU, time waiting for one) in seconds: this one's, or another's
+    (``/proc/<pid>/schedstat``: a process's main thread). None: not readable, or a kernel
+    without schedstats, which shows zeros."""
     try:
-        with open("/proc/thread-self/schedstat") as f:
+        with open(path) as f:
             ran, waited, _slices = f.read().split()
     except (OSError, ValueError):
         return None
@@ -99,13 +100,13 @@ async def heartbeat(systemd: Notifier, observer: Observer, status_line: Callable
     watchdog fired or requests slowed (``kvxfer_loop_stalls_total``, a ``loop_stalled`` event)."""
     period = systemd.watchdog_s or HEARTBEAT_S
     lag = LoopLag(period, max(0.25, period))
-    observer.g_loop_lag.set_function(lambda: lag.worst_s)
     status_at = 0.0
     lag.tick(time.monotonic(), read_schedstat())  # (the clock starts now)
     while True:
         await asyncio.sleep(period)
         now = time.monotonic()
         stall = lag.tick(now, read_schedstat())
+        observer.totals.loop_lag_worst_s = lag.worst_s  # (GetStatus's and the gauge's, one number)
         if systemd.watchdog_s:
             systemd.watchdog()
         if stall is not None:

@@ -29,6 +29,8 @@ import tempfile
 import time
 from typing import Any
 
+from kvxfer.sidecar.loop_lag import read_schedstat
+
 
 class Supervisor:
     def __init__(self, cmd: list[str], watchdog_s: float, abort_s: float, restart_s: float,
@@ -106,13 +108,8 @@ class Supervisor:
 
 
 def _schedstat(pid: int) -> tuple[float, float]:
-    """A process's main thread's (time on a CPU, time waiting for one), seconds."""
-    try:
-        with open(f"/proc/{pid}/schedstat") as f:
-            ran, waited, _ = f.read().split()
-        return int(ran) / 1e9, int(waited) / 1e9
-    except (OSError, ValueError):
-        return 0.0, 0.0
+    """A process's main thread's (time on a CPU, time waiting for one), seconds ((0, 0): unknown)."""
+    return read_schedstat(f"/proc/{pid}/schedstat") or (0.0, 0.0)
 
 
 def _states(pid: int) -> dict[str, str]:
