@@ -51,25 +51,31 @@ OPEN_TIMEOUT_S = 5.0
 
 
 class TakingTurns:
-    """A ring's messages handled one per loop turn, then the other rings' (and everything
-    else's) turn. The TP ranks of an engine each post their Recv of a request on their own
-    ring, and a request is acted on (a staged read's one StageRequest for all ranks) once
-    every rank's is in; reading one ring whole before the next made every request wait for
-    every ring (a 1 -> 8 round waited ~40 ms; staged TP cells 5-15 % faster since, direct
-    ones unchanged; a budget of 1 ms of messages per turn lost the gain). What was read waits
-    here, in order; the ring is read again only once it is empty, so a flooding engine meets
-    its full ring, as before."""
+    """A ring's messages handled one per loop turn while another ring has messages too, then
+    the other rings' (and everything else's) turn; all at once while it is the only one. The
+    TP ranks of an engine each post their Recv of a request on their own ring, and a request
+    is acted on (a staged read's one StageRequest for all ranks) once every rank's is in:
+    reading one ring whole before the next made every request wait for every ring (a 1 -> 8
+    round waited ~40 ms; staged TP cells 5-15 % faster since, direct ones unchanged). A ring
+    alone keeps being read whole: one message per turn there only paid a loop turn each (a
+    prefill's burst of 1,200 Holds, on a loaded machine, fell behind the decodes' claims
+    until 139 failed `expired`), and a time budget per turn lost most of the gain. What was
+    read waits here, in order; the ring is read again only once it is empty, so a flooding
+    engine meets its full ring, as before."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop, into: Ring, wake: int,
-                 deliver: Callable[[bytes, int], None], corrupt: Callable[[RingCorrupt], None]) -> None:
+                 deliver: Callable[[bytes, int], None], corrupt: Callable[[RingCorrupt], None],
+                 family: list[TakingTurns]) -> None:
         self._loop = loop
         self._into = into
         self._wake = wake
         self._deliver = deliver
         self._corrupt = corrupt
+        self._family = family  # every open ring's (this sidecar's): who else has messages
         self._backlog: collections.deque[tuple[bytes, int]] = collections.deque()  # (body, read at ns)
         self._turning = False  # a turn is scheduled
         self._shut = False  # (a turn scheduled before the ring closed finds it released)
+        family.append(self)
 
     def rang(self) -> None:
         """The doorbell rang."""
@@ -80,8 +86,13 @@ class TakingTurns:
     def close(self) -> None:
         """What was read is handled now, as when a ring was read and handled at once."""
         self._shut = True
+        self._family.remove(self)
         while self._backlog:
             self._deliver(*self._backlog.popleft())
+
+    def _waiting(self) -> bool:
+        """Messages read and not handled yet, or written and not read (no system call)."""
+        return bool(self._backlog) or self._into.pending()
 
     def _turn(self) -> None:
         self._turning = False
@@ -97,10 +108,11 @@ class TakingTurns:
             self._backlog.extend((body, now) for body in frames)
             if not self._backlog:
                 return
-        body, now = self._backlog.popleft()
         self._turning = True
-        self._loop.call_soon(self._turn)  # (the next message, or a look for new ones)
-        self._deliver(body, now)
+        self._loop.call_soon(self._turn)  # (the next messages, or a look for new ones)
+        self._deliver(*self._backlog.popleft())
+        while self._backlog and not any(t is not self and t._waiting() for t in self._family):
+            self._deliver(*self._backlog.popleft())
 
 
 class EngineRings:
@@ -113,6 +125,7 @@ class EngineRings:
         self._ino = 0  # the socket file this process bound
         self._conns: set[asyncio.Task[None]] = set()
         self._numbers = itertools.count(1)
+        self._turns: list[TakingTurns] = []  # every open ring's reader (kvxfer: TakingTurns)
 
     def __len__(self) -> int:
         return len(self._conns)
@@ -217,7 +230,7 @@ class EngineRings:
             if pending is not None:
                 asyncio.ensure_future(pending)
 
-        turns = TakingTurns(loop, into, wake, deliver, corrupt)
+        turns = TakingTurns(loop, into, wake, deliver, corrupt, self._turns)
         self.server.rings[ident] = write
         self.observer.g_rings.set(len(self.server.rings))
         loop.add_reader(wake, turns.rang)
