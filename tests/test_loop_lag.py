@@ -34,6 +34,10 @@ def test_a_late_tick_is_named_with_where_the_time_went() -> None:
     assert lag.worst_s == pytest.approx(1.5)
     assert "a callback held the loop" in Stall(1.5, 2.0, 1.9, 0.1).why()
     assert "stopped or blocked" in Stall(1.5, 2.0, 0.05, 0.05).why()
+    # runnable most of the time on a host that gave it half a CPU: whose CPU time it was, not
+    # "stopped or blocked" (its own sleep, up to a period, is neither running nor waiting)
+    assert "short of CPU" in Stall(0.8, 1.3, 0.4, 0.4).why()
+    assert "a callback held the loop" in Stall(0.8, 1.3, 0.45, 0.35).why()
     # busy for most of its period, then blocked for longer: blocked, not a callback
     assert "stopped or blocked" in Stall(0.6, 1.1, 0.45, 0.02).why()
     # no schedstat here: late, cause unknown

@@ -84,9 +84,15 @@ class TakingTurns:
             self._turn()
 
     def close(self) -> None:
-        """What was read is handled now, as when a ring was read and handled at once."""
+        """What the engine wrote before it let go is handled now, read or not, as when a ring
+        was read whole at each doorbell (a ring waiting its turn with a backlog was not read
+        again: what the engine wrote after that, a Release or a Cancel before it exited, was
+        lost with the ring; found by a review)."""
         self._shut = True
         self._family.remove(self)
+        with contextlib.suppress(RingCorrupt):  # (a scribbled ring: what was read still goes)
+            now = time.monotonic_ns()
+            self._backlog.extend((body, now) for body in self._into.read_all())
         while self._backlog:
             self._deliver(*self._backlog.popleft())
 
@@ -249,7 +255,10 @@ class EngineRings:
             closed.cancel()
         finally:
             loop.remove_reader(wake)
-            turns.close()
+            try:
+                turns.close()
+            except Exception:  # (the ring's memory and fds are let go whatever its last messages did)
+                log.exception("%s: its last messages were not all handled", ident.decode())
             self.server.rings.pop(ident, None)
             self.observer.g_rings.set(len(self.server.rings))
             for f in (wake, doorbell):
