@@ -112,6 +112,27 @@ def test_a_published_word_gone_after_the_landing_refuses_the_read() -> None:
     assert late.succeed() is Step.END
 
 
+def test_a_published_word_not_read_at_the_landing_is_read_again() -> None:
+    """The landing's word read was not made (it lagged past 50 ms, no scratch slot left) while
+    the claim says the word is published: the claim's "held" may predate the landing (a lease
+    ended during the read: an engine abort, a drain), so the word is read again rather than the
+    claim trusted (it was, found by a review); only a word that cannot be read now either
+    leaves it to the claim, as before words."""
+    r = Receive("r")
+    r.start(False, 10)
+    assert r.claimed(None, published=True) is Step.WAIT  # answered while the read ran
+    assert r.landed(LANDED, proof=None) is Step.REPROVE
+    assert r.reproved(False) is Step.END
+    assert r.outcome is not None
+    assert r.outcome.exit is Exit.CLAIM_REFUSED
+    late = Receive("r")  # landed first, then the claim's answer
+    late.start(False, 10)
+    assert late.landed(LANDED, proof=None) is Step.WAIT
+    assert late.claimed(None, published=True) is Step.REPROVE
+    assert late.reproved(None) is Step.CHECK  # (unreadable now too: the claim decides)
+    assert late.succeed() is Step.END
+
+
 def test_without_a_word_the_claim_decides_as_before() -> None:
     for proof in (None, False):  # not read (old peer, slot taken, read lagged); or not published
         r = Receive("r")

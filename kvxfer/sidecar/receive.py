@@ -137,11 +137,14 @@ class Receive:
             return Step.WAIT  # (not landed yet)
         return self._after_read()
 
-    def reproved(self, shows: bool) -> Step:
+    def reproved(self, shows: bool | None) -> Step:
         """The lease word read again (after the claim said it is published): it shows the
-        lease, or the lease ended during the read (the engine aborted, a drain)."""
+        lease, or the lease ended during the read (the engine aborted, a drain); None: it could
+        not be read (no word address here, the read failed): the claim decides, as before words."""
         if self.phase is Phase.ENDED:
             return Step.WAIT
+        if shows is None:
+            return Step.CHECK
         if shows:
             self._proof = True
             return Step.CHECK
@@ -199,8 +202,10 @@ class Receive:
         self.phase = Phase.VERIFYING  # (drain waits, a cancel fails it)
         if self._claim is _PENDING:
             return Step.WAIT  # (the claim's answer is awaited)
-        if self._published and self._proof is False:
-            return Step.REPROVE  # (published, and the word read after the landing did not show it)
+        if self._published and self._proof is not True:
+            # (published, and the word read after the landing did not show it, or was not made:
+            # slow, no scratch slot; the claim's "held" may predate the landing: found by a review)
+            return Step.REPROVE
         return Step.CHECK
 
     def _end(self, outcome: Outcome) -> Step:

@@ -1,0 +1,80 @@
+"""A staged receive cancelled while its StageRequest is out (#36's Cancel, #35's staged
+reads): the prefill's answer that comes back while the cancel is with the NIXL port must not
+post the read. The cancel found nothing posted, so the engine is told `cancelled` and frees
+the blocks; a read posted after that would land (and scatter) into blocks vLLM reuses. Found
+by a review; the port is a recording one (the order of its commands is the point here: the
+real port runs them first-in first-out on its thread, one hop after the loop asks)."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+from unittest import mock
+
+import pytest
+
+from kvxfer.config import Config
+from kvxfer.errors import ErrorCode, RequestError
+from kvxfer.observe import Observer
+from kvxfer.protocol import Recv
+from kvxfer.sidecar import receiver as receiver_mod
+from kvxfer.sidecar.receive import Receive
+from kvxfer.sidecar.receiver import Receiver
+from kvxfer.sidecar.recv_state import RecvState
+
+
+class RecordingPort:
+    """What the loop asked of NIXL, in order; a cancel is answered once the test lets it."""
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+        self.cancel_may_answer = asyncio.Event()
+
+    async def cancel(self, key: str, code: str, reason: str) -> bool:
+        self.calls.append("cancel")
+        found = "read" in self.calls  # (it runs before whatever the loop asks after it)
+        await self.cancel_may_answer.wait()
+        return found
+
+    def read(self, spec: Any) -> None:
+        self.calls.append("read")
+
+
+@pytest.mark.parametrize("room", [True, False], ids=["slot", "no-room-direct"])
+def test_a_staged_answer_that_comes_back_during_the_cancel_posts_nothing(room: bool) -> None:
+    """Either answer: a slot to read, or no room there (read directly, and claim)."""
+
+    async def run() -> tuple[list[str], list[Any], Any]:
+        port, sent = RecordingPort(), []
+        rx = Receiver(config=Config(), registry=mock.MagicMock(), peers=mock.MagicMock(),
+                      book=mock.MagicMock(), nixl=port, observer=Observer(),  # type: ignore[arg-type]
+                      send=lambda owner, msg: sent.append(msg), spawn=asyncio.ensure_future,
+                      agent_name="d")
+        rx.feed.settle = mock.AsyncMock()  # type: ignore[method-assign]
+        rx.staging = mock.MagicMock()  # its answer: a slot to read (whatever it holds), or none
+        if not room:
+            rx.staging.read_after.return_value = None
+        rx.claims = mock.MagicMock()
+        msg = Recv(req_id="r1", block_ids=[3, 4], remote_engine_id="p", remote_host="h", remote_port=9,
+                   remote_block_ids=[5, 6])
+        machine = Receive("r1")
+        machine.start(False, 10.0)  # READING: the StageRequest is out, nothing posted
+        state = RecvState(owner=b"e", msg=msg, nbytes=1, started=0.0, deadline=1e12, local=mock.MagicMock(),
+                          machine=machine)
+        rx.recvs["k"] = state
+        err = RequestError(ErrorCode.CANCELLED, "dropped", "r1")
+        cancelling = asyncio.ensure_future(rx._cancel("k", err))
+        await asyncio.sleep(0)  # (the cancel is with the port)
+        answered: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        answered.set_result(None)
+        with mock.patch.object(receiver_mod, "read_spec", return_value="spec"):
+            rx._staged("k", state, mock.MagicMock(), [], mock.MagicMock(), mock.MagicMock(), answered)
+        port.cancel_may_answer.set()
+        await cancelling
+        return port.calls, sent, rx.claims
+
+    calls, sent, claims = asyncio.run(run())
+    assert [type(m).__name__ for m in sent] == ["Failed"], sent
+    assert sent[0].code == ErrorCode.CANCELLED, sent
+    assert "read" not in calls, f"a read was posted after its cancel found none: {calls}"
+    assert not claims.start.called, "a claim (it extends the prefill's lease) for a cancelled receive"
