@@ -220,3 +220,60 @@ def test_a_read_whose_lease_ended_during_it_is_refused(sidecars: SidecarFactory)
     finally:
         d.close()
         p.close()
+
+
+def test_a_word_read_given_up_on_frees_its_slot_once_it_settled() -> None:
+    """A word read that lags (a slow link) is given up on, its slot kept until the read settled
+    and its handle was let go, then used again: slots lost for good ran out (4,096 lags) and
+    every later read waited for its claim (found by a review). A fake agent: this is the
+    slot bookkeeping, not NIXL."""
+    from kvxfer.sidecar.nixl_reads import ProofScratch
+
+    class Agent:
+        def __init__(self) -> None:
+            self.state: dict[int, str] = {}
+            self.refuse: set[int] = set()
+            self.n = 0
+
+        def register_memory(self, *a: object) -> str:
+            return "reg"
+
+        def get_xfer_descs(self, *a: object) -> None:
+            return None
+
+        def initialize_xfer(self, *a: object) -> int:
+            self.n += 1
+            self.state[self.n] = "PROC"
+            return self.n
+
+        def transfer(self, h: int) -> str:
+            return self.state[h]
+
+        def check_xfer_state(self, h: int) -> str:
+            return self.state[h]
+
+        def release_xfer_handle(self, h: int) -> None:
+            if h in self.refuse or self.state[h] == "PROC":
+                raise RuntimeError("still active")
+            del self.state[h]
+
+    agent = Agent()
+    scratch = ProofScratch(agent, 2)
+    slots = [scratch.take(), scratch.take()]
+    handles = [scratch.post(s, 0x1000, "p") for s in slots]
+    for h, s in zip(handles, slots, strict=True):
+        scratch.settle(h, s)  # (both lag: given up on)
+    assert scratch.take() == -1
+    scratch.retry()
+    assert scratch.take() == -1  # still in flight: their slots may still be written
+    agent.state[handles[0]] = "DONE"
+    agent.state[handles[1]] = "ERR"
+    agent.refuse.add(handles[1])  # (settled, but its handle not let go yet)
+    scratch.retry()
+    assert scratch.take() == slots[0]
+    assert scratch.take() == -1
+    agent.refuse.clear()
+    scratch.retry()
+    assert scratch.take() == slots[1]
+    assert agent.state == {}  # every handle released
+    assert scratch.lost == 2

@@ -73,7 +73,8 @@ def release_parked(agent: Any, parked: list[Any]) -> list[Any]:
 
 class ProofScratch:
     """Where lease words land: 16-byte slots of host memory registered with the agent that
-    reads them (the NIXL thread's only; a slot whose read was given up is never used again).
+    reads them (the NIXL thread's only; a slot whose read was given up is used again only
+    once that read settled and its handle was let go: ``settle``).
 
     That agent is one of its own, without UCX worker threads (``inline``): a word read then
     copies inside ``transfer()`` (~20 µs here) where the main agent, whose worker threads
@@ -90,8 +91,8 @@ class ProofScratch:
         self._reg = self.agent.register_memory([(self.addr, int(self.mem.nbytes), 0, "")], "DRAM")
         self._free = list(range(slots - 1, -1, -1))
         self._peers: set[str] = set()  # loaded into the inline agent
-        self._zombies: list[Any] = []  # handles whose release was refused: retried (``retry``)
-        self.lost = 0
+        self._settling: list[tuple[Any, int]] = []  # (handle, slot) given up on: polled (``retry``)
+        self.lost = 0  # word reads given up on (slow, or their handle not let go), ever
 
     def take(self) -> int:
         return self._free.pop() if self._free else -1
@@ -99,8 +100,19 @@ class ProofScratch:
     def give(self, slot: int) -> None:
         self._free.append(slot)
 
-    def lose(self, slot: int) -> None:
+    def settle(self, handle: Any, slot: int) -> None:
+        """A word read given up on (it lags) or whose handle was not let go: polled by ``retry``
+        until it settled and is released, then its slot is free again (slots lost for good
+        left, once all were, every read waiting for its claim: found by a review)."""
         self.lost += 1
+        self._settling.append((handle, slot))
+
+    def let_go(self, handle: Any, slot: int) -> None:
+        """A settled word read: its handle released and its slot free (or kept until it is)."""
+        if release_or_park(self.agent, handle, []):
+            self.give(slot)
+        else:
+            self.settle(handle, slot)
 
     def add_peer(self, name: str, metadata: bytes) -> None:
         """The main agent loaded ``name``: the inline agent loads it too (a failure only
@@ -144,15 +156,14 @@ class ProofScratch:
     def state(self, handle: Any) -> str:
         return xfer_state(self.agent, handle)
 
-    def release(self, handle: Any) -> bool:
-        """False: the backend refused (still active): parked and retried (``retry``), its slot
-        must never be used again."""
-        return release_or_park(self.agent, handle, self._zombies)
-
     def retry(self) -> None:
-        """Release the parked handles that the backend lets go of now."""
-        if self._zombies:
-            self._zombies = release_parked(self.agent, self._zombies)
+        """Let go of the word reads given up on that have settled since."""
+        settling, self._settling = self._settling, []
+        for handle, slot in settling:
+            if self.state(handle) in ("DONE", "ERR") and release_or_park(self.agent, handle, []):
+                self.give(slot)
+            else:
+                self._settling.append((handle, slot))
 
     def word(self, slot: int) -> tuple[int, int]:
         return int(self.mem[2 * slot]), int(self.mem[2 * slot + 1])
@@ -387,10 +398,7 @@ class Reads:
             return True
         if state == "DONE":
             rd.proof_word = scratch.word(rd.proof_slot)
-        if scratch.release(rd.proof_handle):
-            scratch.give(rd.proof_slot)
-        else:
-            scratch.lose(rd.proof_slot)
+        scratch.let_go(rd.proof_handle, rd.proof_slot)
         rd.proof_handle, rd.proof_addr = None, 0
         return True
 
@@ -409,19 +417,18 @@ class Reads:
         end = time.monotonic() + PROOF_WAIT_S
         while (state := scratch.state(handle)) not in ("DONE", "ERR") and time.monotonic() < end:
             time.sleep(20e-6)
-        if not scratch.release(handle) or state not in ("DONE", "ERR"):
-            scratch.lose(slot)
+        if state not in ("DONE", "ERR"):
+            scratch.settle(handle, slot)
             return None
         word = scratch.word(slot) if state == "DONE" else None
-        scratch.give(slot)
+        scratch.let_go(handle, slot)
         return word
 
     def _drop_proof(self, rd: Read) -> None:
-        """Give up a word read in flight: its handle is released, its slot never used again
-        (a late landing could still write it)."""
+        """Give up a word read in flight: its slot is free again only once it settled (a late
+        landing could still write it)."""
         if rd.proof_handle is not None and self._scratch is not None:
-            self._scratch.release(rd.proof_handle)
-            self._scratch.lose(rd.proof_slot)
+            self._scratch.settle(rd.proof_handle, rd.proof_slot)
         rd.proof_handle, rd.proof_addr = None, 0
 
     def _landed(self, rd: Read, now: float) -> None:
