@@ -238,8 +238,8 @@ class Receiver:
         """The direct read, then its claim (the prefill confirms it holds the blocks and extends the
         lease over the read; a read its lease word does not prove waits for the answer). A small
         read lands, proved by its word, inside the post: no claim (one sent first cost ~0.4 ms)."""
-        if state.stopping:  # (cancelled meanwhile: no claim either, it would extend the lease)
-            return
+        if state.stopping:  # (cancelled meanwhile: its cancel found nothing posted and ends it; a
+            return  # read now would land in freed blocks, a claim extend the prefill's lease)
         self._post(key, state, peer, plans, pairing, remaining)
         if self.recvs.get(key) is not state:
             return  # (it ended inside the post: landed and proved, or failed)
@@ -248,8 +248,6 @@ class Receiver:
 
     def _post(self, key: str, state: RecvState, peer: Peer, plans: list[RankPlan], pairing: BlockPairing,
               remaining: float, staged: StagedRead | None = None) -> None:
-        if state.stopping:  # (cancelled while its staged copy or plan was awaited: its cancel, which
-            return  # found nothing posted, ends it; a read posted now would land in freed blocks)
         try:
             self.nixl.read(read_spec(key, state, peer, plans, pairing, remaining, staged))  # (a small one
             # lands in this call: the port's choice)
@@ -259,9 +257,8 @@ class Receiver:
     def _staged(self, key: str, state: RecvState, peer: Peer, plans: list[RankPlan], pairing: BlockPairing,
                 prepared: Prepared, task: asyncio.Future[tuple[Staged | None, float]]) -> None:
         """The prefill's answer to a staged receive's request: read its slot, or (no room
-        there) read directly, or fail (nothing was posted). Nothing once it is being cancelled:
-        its cancel found nothing posted and ends it (found by a review)."""
-        if self.recvs.get(key) is not state or state.stopping:
+        there) read directly, or fail (nothing was posted); nothing once it is being cancelled."""
+        if self.recvs.get(key) is not state or state.stopping:  # (its cancel found nothing posted)
             return
         try:
             staged = self.staging.read_after(key, prepared, task)
@@ -276,8 +273,7 @@ class Receiver:
         self._post(key, state, peer, plans, pairing, remaining, staged)
 
     def _claimed(self, key: str, state: RecvState, task: asyncio.Future[ClaimAnswer]) -> None:
-        """The claim's answer (its task ended)."""
-        if self.recvs.get(key) is state:
+        if self.recvs.get(key) is state:  # (the claim's answer: its task ended)
             self._step(key, state, state.machine.claimed(*claim_answer(task)))
 
     # ------------------------------------------------------------------ NIXL events
@@ -305,9 +301,8 @@ class Receiver:
     async def _reprove(self, key: str, state: RecvState) -> None:
         """The lease word again: the claim says it is published, and the landing's read did not
         show it or was not made (None: it cannot be read now either: the claim decides)."""
-        word = None if not state.proof[1] else await self.nixl.read_word(state.peer_agent, state.proof[1])
-        shows = None if word is None else proves(word, state.proof[0], time.time())
-        if shows is not None:
+        word = await self.nixl.read_word(state.peer_agent, state.proof[1]) if state.proof[1] else None
+        if (shows := None if word is None else proves(word, state.proof[0], time.time())) is not None:
             self.observer.lease_word(shows)
         if self.recvs.get(key) is state:
             self._step(key, state, state.machine.reproved(shows))
