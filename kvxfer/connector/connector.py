@@ -61,13 +61,15 @@ class KvxferConnectorMetadata(KVConnectorMetadata):
     def __init__(self, recvs: dict[str, tuple[list[int], float]], holds: dict[str, float],
                  failed: dict[str, list[int]] | None = None,
                  refused: dict[str, list[tuple[int, int]]] | None = None,
-                 names: dict[str, str] | None = None, streamed: list[str] | None = None) -> None:
+                 names: dict[str, str] | None = None, streamed: list[str] | None = None,
+                 unheld: list[str] | None = None) -> None:
         self.recvs = recvs
         self.holds = holds
         self.failed = failed or {}  # loads the scheduler could not post: fail at once
         self.refused = refused or {}  # loads the sidecar refused to these (pp, tp) ranks
         self.names = names or {}  # push mode: lease (transfer) id -> vLLM's request id
         self.streamed = streamed or []  # push mode: leases whose layers this step computes
+        self.unheld = unheld or []  # leases whose Hold the sidecar refused: free their blocks now
 
 
 class KvxferStats(KVConnectorStats):
@@ -240,7 +242,7 @@ class KvxferConnector(KVConnectorBase_V1, *_HMA):  # type: ignore[misc]
         self.scheduler.push.scheduled(scheduler_output.num_scheduled_tokens, preempted, self.scheduler.plan)
         plan = self.scheduler.take_plan()
         return KvxferConnectorMetadata(plan.recvs, plan.holds, plan.failed, plan.refused, plan.names,
-                                       plan.streamed)
+                                       plan.streamed, plan.unheld)
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         """Loads that ended are forgotten (an abort after them sends no ``Cancel``); push mode: a
@@ -319,7 +321,7 @@ class KvxferConnector(KVConnectorBase_V1, *_HMA):  # type: ignore[misc]
             return
         meta = self._get_connector_metadata()
         assert isinstance(meta, KvxferConnectorMetadata)
-        self.worker.bind(meta.recvs, meta.holds, meta.failed, meta.refused, meta.names)
+        self.worker.bind(meta.recvs, meta.holds, meta.failed, meta.refused, meta.names, meta.unheld)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # whole requests are loaded before they are scheduled (async load)
@@ -366,7 +368,7 @@ class KvxferConnector(KVConnectorBase_V1, *_HMA):  # type: ignore[misc]
         if self.has_connector_metadata():
             meta = self._get_connector_metadata()
             if isinstance(meta, KvxferConnectorMetadata):
-                self.worker.bind(meta.recvs, meta.holds, meta.failed, meta.refused, meta.names)
+                self.worker.bind(meta.recvs, meta.holds, meta.failed, meta.refused, meta.names, meta.unheld)
         return self.worker.get_transfer_results()
 
     def get_block_ids_with_load_errors(self) -> set[int]:

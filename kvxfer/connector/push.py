@@ -43,6 +43,9 @@ class StreamedHolds:
         self._pending: dict[str, tuple[Any, list[int]]] = {}  # allocated this step: (request, blocks)
         self._released: set[str] = set()  # streamed requests whose lease ended before vLLM finished them
         self._spent: set[str] = set()  # request ids never to stream (again): preempted
+        # preempted while streamed: vLLM freed their blocks, the Released of the lease given up
+        # is not for it (a finished send of an unfinished request kills vLLM's scheduler)
+        self._dropped: set[str] = set()
 
     def streams(self, request: Any) -> bool:
         """A push-mode prefill request (``transfer_id``): held as soon as its prompt is scheduled."""
@@ -62,6 +65,7 @@ class StreamedHolds:
             tid = self._streams.pop(req_id, None)
             if tid is not None:
                 self._spent.add(req_id)
+                self._dropped.add(req_id)
                 log.warning("request %s preempted while streamed: its lease is released, the decode "
                             "recomputes", req_id)
                 self._release(req_id, tid)
@@ -113,12 +117,15 @@ class StreamedHolds:
 
     def hold_back(self, finished_sending: set[str] | None) -> set[str] | None:
         """The workers' finished sends, less those of requests vLLM has not finished (their
-        lease ended early: freed when they finish, by ``finish``)."""
+        lease ended early: freed when they finish, by ``finish``) and of leases given up when
+        vLLM preempted their request (it freed those blocks itself; found by a review)."""
         if not finished_sending:
             return finished_sending
+        dropped = finished_sending & self._dropped
+        self._dropped -= dropped
         early = {r for r in finished_sending if r in self._streams}
         self._released |= early
-        return finished_sending - early
+        return finished_sending - early - dropped
 
     def _release(self, req_id: str, tid: str) -> None:
         try:

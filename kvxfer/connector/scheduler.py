@@ -39,6 +39,41 @@ from kvxfer.errors import ErrorCode
 from kvxfer.protocol import Cancel
 
 log = logging.getLogger(__name__)
+# A Hold refused with one of these made no lease (nothing else the scheduler sends under a
+# lease's name is refused so: a Release of an ended lease is UNKNOWN_REQUEST)
+HOLD_REFUSED = frozenset({ErrorCode.DRAINING, ErrorCode.NOT_REGISTERED, ErrorCode.BLOCK_OUT_OF_RANGE,
+                          ErrorCode.EXPIRED})
+
+
+class SentHolds:
+    """The holds this scheduler sent, until their engine-side deadline: one the sidecar
+    refused made no lease, so no Released will come, and its blocks are freed at once
+    (``StepPlan.unheld``; a live sidecar's refusal, draining, pinned them for ever: found by
+    a review). vLLM-free."""
+
+    def __init__(self) -> None:
+        self._until: dict[str, float] = {}
+
+    def refused(self, errors: list[Any], plan: StepPlan, now: float) -> list[Any]:
+        """Record ``plan``'s holds; move the refused ones into ``plan.unheld``; the other errors."""
+        self._until.update(plan.holds)
+        self._until = {r: d for r, d in self._until.items() if d > now}
+        rest = []
+        for ev in errors:
+            if ev.code in HOLD_REFUSED and self._until.pop(ev.req_id, None) is not None:
+                plan.unheld.append(ev.req_id)
+                log.warning("sidecar refused to hold %s ([%s] %s): its blocks are freed, the decode "
+                            "will compute the prompt", ev.req_id, ev.code, ev.message)
+            else:
+                rest.append(ev)
+        return rest
+
+
+def fail_unposted(plan: StepPlan, req_id: str, block_ids: Any, tokens: int) -> None:
+    """A load of ``tokens`` vLLM waits for that will not be posted: failed, every block it was
+    given (one list, or one per group), so vLLM computes the prompt (none: nothing to fail)."""
+    if tokens > 0:
+        plan.failed[req_id] = [b for g in block_ids for b in (g if isinstance(g, list | tuple) else [g]) if b]
 
 
 class SchedulerSide:
@@ -67,6 +102,7 @@ class SchedulerSide:
         self._next_keepalive = time.monotonic() + settings.keepalive_period_s
         self._plan = StepPlan()
         self._loads: dict[str, float] = {}  # loads posted, until their engine-side deadline
+        self._holds_sent = SentHolds()
         self._next_prune = 0.0
         self._next_heartbeat = time.monotonic() + settings.heartbeat_s
         self.errors: dict[str, str] = {}  # request id -> why its params were refused
@@ -145,8 +181,8 @@ class SchedulerSide:
         params["do_remote_prefill"] = False  # one transfer per request
         self._waiting.pop(request.request_id, None)  # from now on its read claims the lease
         remote = self._remote_for(request)
-        if remote is None:
-            return
+        if remote is None:  # (params refused, or its lease expired while it waited: found by a review)
+            return fail_unposted(self._plan, request.request_id, unhashed_block_ids, num_external_tokens)
         if num_external_tokens == 0:
             # Full local prefix hit: nothing to read, but the prefill side still holds.
             self._release_remote(request.request_id, remote)
@@ -164,7 +200,7 @@ class SchedulerSide:
             self.errors[request.request_id] = str(e)
             log.warning("request %s: %s; computing the prompt locally", request.request_id, e)
             self._release_remote(request.request_id, remote)
-            self._plan.failed[request.request_id] = [b for g in mine for b in g if b]
+            fail_unposted(self._plan, request.request_id, mine, 1)
             return
         local = pairs.local + pairs.state_local  # every block the load writes
         give_up = self.settings.transfer_timeout_s + self.settings.grace_s
@@ -307,7 +343,7 @@ class SchedulerSide:
             self.engine_id, self.handshake_host, self.handshake_port = (
                 self.local_engine or pong.engine_id, pong.handshake_host, pong.handshake_port)
             self.generation = pong.generation
-        for ev in drained.errors:
+        for ev in self._holds_sent.refused(drained.errors, self._plan, now):
             if ev.code == ErrorCode.EXPIRED and ev.req_id in self._waiting:
                 # The prefill gave the blocks up while this request waited: compute it here.
                 del self._waiting[ev.req_id]
@@ -324,9 +360,8 @@ class SchedulerSide:
         return plan
 
     def _refused(self, failed: list[Any], now: float) -> None:
-        """Failed receives that came to this socket: a load refused to a rank that had not
-        registered with the sidecar (it restarted, the rank re-registers) goes to that rank's
-        worker, which would wait for its deadline otherwise; else a release-only receive."""
+        """Failed receives that came here: a load refused to a rank not registered with the
+        sidecar (it restarted) goes to that rank's worker (else it waits for its deadline)."""
         if now >= self._next_prune:
             self._next_prune = now + 1.0
             self._loads = {r: d for r, d in self._loads.items() if d > now}

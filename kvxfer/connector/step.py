@@ -23,3 +23,6 @@ class StepPlan:
     # leases whose prompt this step computes (each layer computed is reported)
     names: dict[str, str] = field(default_factory=dict)
     streamed: list[str] = field(default_factory=list)
+    # leases whose Hold the sidecar refused (no lease was made, no Released will come): the
+    # workers free their blocks now (a live sidecar's refusal, draining, pinned them for ever)
+    unheld: list[str] = field(default_factory=list)

@@ -178,13 +178,15 @@ class WorkerSide:
     def bind(self, recvs: dict[str, tuple[list[int], float]], holds: dict[str, float],
              failed: dict[str, list[int]] | None = None,
              refused: dict[str, list[tuple[int, int]]] | None = None,
-             names: dict[str, str] | None = None) -> None:
+             names: dict[str, str] | None = None, unheld: list[str] | None = None) -> None:
         """Record what the scheduler posted this step (from the connector metadata); ``failed``
         are loads it could not post at all (its sidecar did not take messages), ``refused``
         loads the sidecar refused to these (pp, tp) ranks (not registered with it yet)."""
         self._recvs.update(recvs)
         self._holds.update(holds)
         self._names.update(names or {})
+        for lease in [x for x in unheld or () if x in self._holds]:  # (its Hold refused: no Released
+            self._keep_early(Released(req_id=lease, reason="refused"), time.monotonic())  # will come)
         for req_id, blocks in (failed or {}).items():
             if req_id not in self._failed_now and req_id not in self._reported_failed:
                 self._failed_now[req_id] = blocks

@@ -1,0 +1,168 @@
+"""The connector's block lifecycle against vLLM's scheduler contract: blocks neither pinned
+for ever nor handed back while a transfer may still touch them, and no load left waiting.
+Each case was found by a review (a helper reading vLLM 0.33's scheduler beside ours) and
+shown failing before its fix: a Hold the sidecar refuses (draining) pinned the prefill's
+blocks for ever; a streamed request vLLM preempted had its given-up lease reported as a
+finished send, which vLLM's scheduler asserts on (the engine core dies); a deferred load
+(vLLM 0.33's defer_async_loads) whose prefill lease expired while it waited was neither
+posted nor failed."""
+from __future__ import annotations
+
+import time
+from types import SimpleNamespace
+
+import pytest
+
+from kvxfer.connector.settings import ConnectorSettings
+from kvxfer.connector.step import StepPlan
+from kvxfer.testing.procs import SidecarFactory
+
+
+@pytest.fixture
+def factory():
+    with SidecarFactory() as f:
+        yield f
+
+
+def test_a_hold_the_sidecar_refuses_is_freed(factory: SidecarFactory) -> None:
+    """A Hold refused by a live sidecar (here: draining) makes no lease, so no Released ever
+    comes; the worker frees holds only for a silent sidecar: vLLM keeps the blocks forever."""
+    import grpc
+    import torch
+
+    from kvxfer.connector.scheduler import SchedulerSide
+    from kvxfer.connector.worker import CacheShape, WorkerSide
+    from kvxfer.control.v1 import control_pb2 as pb
+    from kvxfer.control.v1 import control_pb2_grpc as pb_grpc
+
+    sc = factory.start("hr")
+    settings = ConnectorSettings(sidecar=sc.endpoint, heartbeat_s=0.1, lease_s=1.0, grace_s=0.5, settle_s=0.5)
+    ws = WorkerSide(settings, 0, 1, "cpu")
+    ctx = ws.mem_pool_context()
+    assert ctx is not None
+    with ctx:
+        kv = {"l0": torch.zeros(2, 8, 16, 8, 64, dtype=torch.float16)}
+    ws.register_kv_caches(kv, CacheShape(8, 16, 8, 8, 64, False))
+    sched = SchedulerSide(settings, tp_size=1)
+    try:
+        res = pb_grpc.ControlStub(grpc.insecure_channel(sc.control)).Drain(pb.DrainRequest(timeout_s=0.2),
+                                                                            timeout=10)
+        assert res is not None
+        req = SimpleNamespace(request_id="r1", kv_transfer_params={"do_remote_decode": True},
+                              status=SimpleNamespace(name="FINISHED_LENGTH_CAPPED"), num_computed_tokens=32)
+        delay, params = sched.request_finished(req, [1, 2])
+        assert delay  # vLLM keeps blocks 1, 2 until every worker reports r1 sent
+        assert params
+        sent: set[str] = set()
+        end = time.monotonic() + 6.0  # 4x lease_s + grace_s
+        while time.monotonic() < end and "r1" not in sent:
+            p = sched.take_plan()
+            ws.bind(p.recvs, p.holds, p.failed, p.refused, p.names, p.unheld)  # (as the connector binds)
+            sent |= ws.get_transfer_results().finished_sending
+            time.sleep(0.05)
+        assert "r1" in sent, "the refused hold's blocks were never freed"
+    finally:
+        ws.shutdown()
+        sched.shutdown()
+
+
+def test_a_preempted_streamed_requests_release_is_not_handed_to_vllm() -> None:
+    pytest.importorskip("vllm")
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import RequestStatus
+
+    from kvxfer.client import Drained
+    from kvxfer.connector.push import StreamedHolds
+    from kvxfer.connector.worker import WorkerSide
+    from kvxfer.protocol import Released
+
+    class Client:
+        def __init__(self) -> None:
+            self.holds: list[str] = []
+            self.releases: list[str] = []
+            self.pending = Drained()
+
+        def hold(self, req_id: str, *a: object, **kw: object) -> None:
+            self.holds.append(req_id)
+
+        def release(self, req_id: str, **kw: object) -> None:
+            self.releases.append(req_id)  # the sidecar ends the lease: Released(aborted) to every rank
+            self.pending.released.append(Released(req_id=req_id, reason="aborted"))
+
+        def heartbeat(self) -> None:
+            pass
+
+        def poll(self) -> Drained:
+            out, self.pending = self.pending, Drained()
+            return out
+
+    settings = ConnectorSettings(sidecar="ipc:///nowhere", mode="push")
+    client = Client()
+    push = StreamedHolds(settings, client, 1, "P")  # type: ignore[arg-type]
+    r = SimpleNamespace(request_id="r1", num_prompt_tokens=20, num_computed_tokens=0,
+                        kv_transfer_params={"do_remote_decode": True, "transfer_id": "t1"},
+                        status=SimpleNamespace(name="RUNNING"))
+    push.allocated(r, [1, 2], 16)
+    plan = StepPlan()
+    push.scheduled({"r1": 20}, None, plan)  # held, streamed
+    ws = WorkerSide(settings, 0, 1, "cpu")
+    ws.client = client  # type: ignore[assignment]
+    ws.bind(plan.recvs, plan.holds, names=plan.names)
+    push.scheduled({}, {"r1"}, StepPlan())  # vLLM preempted it (its blocks freed, request kept)
+    out = ws.get_transfer_results()
+    finished_sending = push.hold_back(out.finished_sending)
+    vreq = SimpleNamespace(request_id="r1", status=RequestStatus.PREEMPTED,
+                           is_finished=lambda: RequestStatus.is_finished(RequestStatus.PREEMPTED))
+    fake = SimpleNamespace(connector=None, requests={"r1": vreq})
+    fake._free_blocks = lambda rq: Scheduler._free_blocks(fake, rq)  # type: ignore[attr-defined]
+    try:
+        Scheduler._update_from_kv_xfer_finished(fake, KVConnectorOutput(finished_sending=finished_sending))
+    except AssertionError:
+        pytest.fail("vLLM's scheduler asserts (engine core dies): finished_sending names a preempted request")
+
+
+def test_a_deferred_load_whose_lease_expired_meanwhile_is_posted_or_failed() -> None:
+    """vLLM 0.33 defers update_state_after_alloc (HiSparse: defer_async_loads) to a later
+    update_from_output; the request waits in WAITING_FOR_REMOTE_KVS meanwhile. An EXPIRED for
+    it drained by take_plan in between marks it errored; the deferred update_state_after_alloc
+    then posts no Recv and fails nothing: vLLM waits for a load nobody will report."""
+    from kvxfer.client import Drained
+    from kvxfer.connector.scheduler import SchedulerSide
+    from kvxfer.errors import ErrorCode
+    from kvxfer.protocol import Error, Pong
+
+    class Client:
+        def __init__(self) -> None:
+            self.pending = Drained()
+            self.recvs: list[str] = []
+
+        def ping(self, _t: float) -> Pong:
+            return Pong(seq=0, engine_id="D", version=6, handshake_host="127.0.0.1", handshake_port=1)
+
+        def heartbeat(self) -> None:
+            pass
+
+        def keepalive(self, *a: object, **kw: object) -> None:
+            pass
+
+        def recv(self, req_id: str, *a: object, **kw: object) -> None:
+            self.recvs.append(req_id)
+
+        def poll(self) -> Drained:
+            out, self.pending = self.pending, Drained()
+            return out
+
+    client = Client()
+    sched = SchedulerSide(ConnectorSettings(sidecar="ipc:///nowhere"), tp_size=1, client=client)  # type: ignore[arg-type]
+    params = {"do_remote_prefill": True, "remote_engine_id": "P", "remote_host": "h", "remote_port": 1,
+              "remote_block_ids": [7, 8], "remote_request_id": "p1", "remote_num_tokens": 32,
+              "remote_lease_token": "t"}
+    req = SimpleNamespace(request_id="d1", kv_transfer_params=params, prompt_token_ids=list(range(32)))
+    assert sched.get_num_new_matched_tokens(req, 0) == (32, True)  # vLLM: WAITING_FOR_REMOTE_KVS
+    sched.take_plan()  # (this step's metadata; the load is deferred)
+    client.pending.errors.append(Error(code=ErrorCode.EXPIRED, message="lease ran out", req_id="d1"))
+    sched.take_plan()  # next step: the prefill gave the blocks up while it waited
+    sched.update_state_after_alloc(req, [3, 4], 32)  # the deferred load starts now
+    plan = sched.take_plan()
+    assert client.recvs or "d1" in plan.failed, "no load posted and none failed: vLLM waits forever"
