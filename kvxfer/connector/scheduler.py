@@ -53,11 +53,17 @@ class SentHolds:
 
     def __init__(self) -> None:
         self._until: dict[str, float] = {}
+        self._next_prune = 0.0
 
     def refused(self, errors: list[Any], plan: StepPlan, now: float) -> list[Any]:
-        """Record ``plan``'s holds; move the refused ones into ``plan.unheld``; the other errors."""
+        """Record ``plan``'s holds; move the refused ones into ``plan.unheld``; the other errors.
+        (Every engine step: what is past its deadline is dropped once a second, not each step.)"""
         self._until.update(plan.holds)
-        self._until = {r: d for r, d in self._until.items() if d > now}
+        if now >= self._next_prune:
+            self._next_prune = now + 1.0
+            self._until = {r: d for r, d in self._until.items() if d > now}
+        if not errors:
+            return errors
         rest = []
         for ev in errors:
             if ev.code in HOLD_REFUSED and self._until.pop(ev.req_id, None) is not None:
