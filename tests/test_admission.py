@@ -53,6 +53,9 @@ def test_a_hold_that_fits_is_admitted() -> None:
     (hold(block_ids=[15, 16]), 16, {}, ErrorCode.BLOCK_OUT_OF_RANGE),
     (hold(expires_unix=NOW - 0.5), 16, {}, ErrorCode.EXPIRED),
     (hold(), 16, {"abandoned": True}, ErrorCode.EXPIRED),
+    # a rank of the engine not registered (yet, after a restart): it would never get the
+    # lease's Released, and its worker would keep the blocks for ever (found by a review)
+    (hold(), 16, {"missing": 1}, ErrorCode.NOT_REGISTERED),
 ])
 def test_a_hold_is_refused(msg: Hold, num_blocks: int | None, changes: dict[str, object], code: str) -> None:
     err = refused(admit_hold, msg, "e", num_blocks, **{**OK_HOLD, **changes})

@@ -24,16 +24,22 @@ def check_blocks(req_id: str, block_ids: list[int], num_blocks: int, side: str) 
 
 
 def admit_hold(msg: Hold, engine: str, num_blocks: int | None, *, draining: bool, abandoned: bool,
-               now_unix: float, registered: Callable[[], list[str]]) -> None:
+               now_unix: float, registered: Callable[[], list[str]], missing: int = 0) -> None:
     """A prefill engine's Hold. ``num_blocks``: the fewest blocks of the engine's registered
     ranks (None: none registered); ``abandoned``: the engine freed these blocks when this
     sidecar restarted (``kvxfer.abandoned``); ``registered``: the engines that are (asked only
-    for the refusal's message: the hot path does not pay for it)."""
+    for the refusal's message: the hot path does not pay for it); ``missing``: how many of the
+    engine's tp x pp ranks are not registered (yet: after a restart they come one by one, and
+    a rank registered after the lease ended would never get its ``Released``: the engine kept
+    those blocks for ever, found by a review; refused, the connector frees them at once)."""
     if draining:
         raise RequestError(ErrorCode.DRAINING, "sidecar is draining; no new holds", msg.req_id)
     if num_blocks is None:
         raise RequestError(ErrorCode.NOT_REGISTERED, f"engine {engine!r} has no KV cache registered "
                            f"(registered: {registered()})", msg.req_id)
+    if missing > 0:
+        raise RequestError(ErrorCode.NOT_REGISTERED, f"{missing} rank(s) of engine {engine!r} are not "
+                           "registered (yet): not held", msg.req_id)
     check_blocks(msg.req_id, msg.block_ids, num_blocks, "held")
     if msg.expires_unix and now_unix > msg.expires_unix:
         raise RequestError(ErrorCode.EXPIRED, "hold arrived after the engine freed its blocks "

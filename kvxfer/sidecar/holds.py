@@ -101,7 +101,8 @@ class Holds:
         ranks = self.registry.of_engine(engine)
         admit_hold(msg, engine, min(r.layout.num_blocks for r in ranks) if ranks else None,
                    draining=draining, abandoned=(engine, msg.req_id) in self.abandoned, now_unix=time.time(),
-                   registered=self.registry.engines)
+                   registered=self.registry.engines,
+                   missing=ranks[0].layout.tp_size * ranks[0].layout.pp_size - len(ranks) if ranks else 0)
         now = time.monotonic()
         duration = msg.lease_s or self.config.lease_s
         lease = Lease(req_id=msg.req_id, owner=ident, block_ids=list(msg.block_ids),
