@@ -70,6 +70,12 @@ class Engines:
         process, as the kernel reported it."""
         try:
             self._admit(msg, sender)
+            key = self.registry.key_of(msg)
+            if self.registry.find(key.engine, key.pp, key.tp) is not None:
+                self.registry.check(msg, ident, holder(sender))  # (refused before any lease ends)
+                ended = self.holds.end_engine(key.engine)
+                if ended:
+                    log.warning("%s registers new memory: %d leases on its old memory ended", key, ended)
             entry, _replaced = await self.registry.register(msg, ident, holder(sender))
         except Exception as e:
             if not isinstance(e, RequestError):

@@ -250,6 +250,13 @@ class Holds:
         """Leases held for ``engine``."""
         return sum(1 for lease in self.table.items() if lease.engine == engine)
 
+    def end_engine(self, engine: str) -> int:
+        """Its rank's memory is being replaced: end the engine's leases now (``aborted``)."""
+        leases = self.table.drop(engine=engine)
+        for lease in leases:
+            self.release(lease, "aborted")
+        return len(leases)
+
     def release_all(self) -> int:
         """Drain: end every lease now (``aborted``); returns how many."""
         leases = self.table.drain_all()
