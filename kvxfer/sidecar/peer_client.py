@@ -129,8 +129,8 @@ class PeerClient:
         endpoint, or its engine re-registered: its cached memory descriptions are stale)."""
         peer = await self.get_peer(host, port)
         if peer.outdated_by(generation):
-            log.info("peer %s:%d is now generation %s (cached %s): handshaking again", host, port,
-                     generation, peer.generation)
+            log.info("peer %s:%d: the request names generation %s, the cached peer has %s: handshaking "
+                     "again", host, port, generation, peer.generation)
             self.book.mark_stale(peer)
             peer = await self.get_peer(host, port)
         return peer
