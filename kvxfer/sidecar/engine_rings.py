@@ -91,10 +91,15 @@ class TakingTurns:
         self._shut = True
         self._family.remove(self)
         with contextlib.suppress(RingCorrupt):  # (a scribbled ring: what was read still goes)
-            now = time.monotonic_ns()
-            self._backlog.extend((body, now) for body in self._into.read_all())
+            self._read()
         while self._backlog:
             self._deliver(*self._backlog.popleft())
+
+    def _read(self) -> None:
+        """What the ring holds, into the backlog (RingCorrupt: a scribbled ring)."""
+        frames = self._into.read_all()
+        now = time.monotonic_ns()
+        self._backlog.extend((body, now) for body in frames)
 
     def _waiting(self) -> bool:
         """Messages read and not handled yet, or written and not read (no system call)."""
@@ -106,12 +111,10 @@ class TakingTurns:
             return
         if not self._backlog:
             try:
-                frames = self._into.read_all()
+                self._read()
             except RingCorrupt as e:
                 self._corrupt(e)
                 return
-            now = time.monotonic_ns()
-            self._backlog.extend((body, now) for body in frames)
             if not self._backlog:
                 return
         self._turning = True

@@ -47,10 +47,10 @@ class Stall:
         # max(ran, other) called a callback on a host that gave it half a CPU, 0.4 s ran and 0.4
         # s waited of 1.3 s, "stopped or blocked": found by a review)
         other = max(0.0, self.interval_s - self.ran_s - self.waited_s)
-        if self.ran_s + self.waited_s >= other and self.waited_s >= self.ran_s:
-            cause = "the host is short of CPU (the loop was runnable, waiting for a CPU)"
-        elif self.ran_s + self.waited_s >= other:
-            cause = "a callback held the loop (it ran on a CPU most of the time)"
+        if self.ran_s + self.waited_s >= other:
+            cause = ("the host is short of CPU (the loop was runnable, waiting for a CPU)"
+                     if self.waited_s >= self.ran_s else
+                     "a callback held the loop (it ran on a CPU most of the time)")
         else:
             cause = ("the process was stopped or blocked (neither running nor waiting for a CPU: "
                      "SIGSTOP or a frozen cgroup, the GIL held by another thread, a blocking call, "
