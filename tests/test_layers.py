@@ -31,6 +31,7 @@ LAYERS: list[tuple[str, list[str]]] = [
         "kvxfer.sidecar.validate", "kvxfer.sidecar.receive", "kvxfer.sidecar.nixl_types",
         "kvxfer.sidecar.peer_book", "kvxfer.sidecar.ownership", "kvxfer.sidecar.staging",
         "kvxfer.sidecar.liveness", "kvxfer.sidecar.lease_words", "kvxfer.sidecar.layer_stream",
+        "kvxfer.sidecar.outbox",
     ]),
     ("ports and memory: the NIXL thread, registrations, pools, metrics", [
         "kvxfer.sidecar.nixl*", "kvxfer.sidecar.registry", "kvxfer.vmm", "kvxfer.pool",

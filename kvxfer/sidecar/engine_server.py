@@ -32,14 +32,17 @@ import os
 import struct
 import time
 from collections.abc import Awaitable, Callable
+from functools import partial
 from typing import Any, get_args
 
 import zmq
 import zmq.asyncio
+from prometheus_client import Counter, Gauge
 
 from kvxfer.errors import ErrorCode, ListenError, RequestError
 from kvxfer.observe import Observer
 from kvxfer.protocol import DECODE_ERRORS, EngineRequest, Error, encode, engine_request_decoder
+from kvxfer.sidecar.outbox import Outbox
 from kvxfer.sidecar.ownership import UNKNOWN, Creds
 from kvxfer.sidecar.pool_server import unlink_if_same
 from kvxfer.sidecar.procfs import creds_of_fd
@@ -51,6 +54,9 @@ _ENGINE_TAGS = {t.__struct_config__.tag for t in get_args(EngineRequest)}  # (ev
 MAX_MESSAGE = 16 << 20  # larger engine messages get a typed error (a million block ids is ~5 MiB)
 HARD_MAX_MESSAGE = 64 << 20  # ZMQ drops the connection of a peer that sends more
 MAX_SENDERS = 1 << 16  # routing identities whose credentials are kept (forgotten all at once past it)
+# Events a connection could not take are tried again after FLUSH_FIRST_S, then ever less often
+# while it still takes nothing (up to FLUSH_MAX_S), and at once when its engine sends something.
+FLUSH_FIRST_S, FLUSH_MAX_S = 0.001, 0.05
 
 Handler = Callable[[bytes, Any], Awaitable[None] | None]
 
@@ -116,6 +122,12 @@ class EngineServer:
         self.sock = ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a restarted worker reclaims its id
+        # a full queue says so (EAGAIN) and an unknown identity too (EHOSTUNREACH), rather than
+        # ZMQ dropping the message unseen: what cannot go yet is kept (``send``)
+        self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        # sends go through a plain (synchronous) view of the socket: the asyncio one puts EAGAIN
+        # into a future nobody reads, so a full queue went unseen
+        self._out = zmq.Socket(shadow=self.sock.underlying)
         self.sock.setsockopt(zmq.MAXMSGSIZE, HARD_MAX_MESSAGE)
         storm_proof(self.sock)
         self._handlers: dict[type, Handler] = {}
@@ -126,6 +138,17 @@ class EngineServer:
         self._senders: dict[bytes, tuple[int, Creds]] = {}  # identity -> (its connection's fd, process)
         self._monitor: zmq.asyncio.Socket | None = None
         self.rings: dict[bytes, Callable[[bytes], bool]] = {}  # ring identity -> its writer (engine_rings)
+        self.outbox = Outbox()  # events connections could not take yet
+        self._g_waiting = Gauge("kvxfer_engine_events_waiting", "Events for engine connections that "
+                                "were not reading (their queue or ring full), kept to be sent in order "
+                                "as soon as they read again.", registry=observer.registry)
+        self._m_dropped = Counter("kvxfer_engine_events_dropped", "Events for engine connections "
+                                  "dropped because 64 MiB of events already waited for engines that did "
+                                  "not read.", registry=observer.registry)
+        self._dropped_seen, self._warned = 0, -10.0  # (drops warned of at most every 10 s)
+        self._behind: dict[bytes, float] = {}  # connection -> since when events wait for it
+        self._flush_at: asyncio.TimerHandle | None = None
+        self._pause = FLUSH_FIRST_S
 
     def on(self, kind: type, handler: Handler) -> None:
         """Hand every message of this type to ``handler(ident, msg)`` (sync, or awaited)."""
@@ -186,6 +209,9 @@ class EngineServer:
         return (True, "") if ino == self._ino else (False, "replaced")
 
     def close(self) -> None:
+        if self._flush_at is not None:
+            self._flush_at.cancel()
+            self._flush_at = None
         if self._monitor is not None:
             with contextlib.suppress(zmq.ZMQError):
                 self.sock.disable_monitor()
@@ -202,15 +228,61 @@ class EngineServer:
     # ---------------------------------------------------------------- messages
 
     def send(self, ident: bytes, msg: Any) -> None:
+        """Send an event to an engine connection (its ring, else the ZMQ socket); one it cannot
+        take now is kept, in order, and sent as soon as it can (``kvxfer.sidecar.outbox``)."""
+        if self.outbox.send(ident, encode(msg), partial(self._put, ident)):
+            if ident not in self._behind:
+                self._behind[ident] = time.monotonic()
+                log.warning("engine connection %r is not reading: its events wait for it (%s first)",
+                            ident, type(msg).__name__)
+            self._arm()
+
+    def _put(self, ident: bytes, frame: bytes) -> bool | None:
+        """One frame to one connection: taken (True), no room now (False), gone (None)."""
         ring = self.rings.get(ident)
         if ring is not None:  # (an engine ring: kvxfer.sidecar.engine_rings)
-            if not ring(encode(msg)):
-                log.warning("engine ring %r is full or gone; dropped %s", ident, type(msg).__name__)
-            return
+            return ring(frame)
         try:
-            self.sock.send_multipart([ident, encode(msg)], flags=zmq.NOBLOCK)
+            self._out.send_multipart([ident, frame], flags=zmq.NOBLOCK)
         except zmq.Again:
-            log.warning("engine connection %r is not reading; dropped %s", ident, type(msg).__name__)
+            return False
+        except zmq.ZMQError:  # (EHOSTUNREACH: no connection by that identity now; its engine went)
+            return None
+        return True
+
+    def _arm(self) -> None:
+        if self._flush_at is None:
+            self._flush_at = asyncio.get_running_loop().call_later(self._pause, self._flush)
+        self._count()
+
+    def _count(self) -> None:
+        self._g_waiting.set(self.outbox.waiting)
+        more, self._dropped_seen = self.outbox.dropped - self._dropped_seen, self.outbox.dropped
+        if more:
+            self._m_dropped.inc(more)
+            if time.monotonic() - self._warned < 10.0:
+                return
+            self._warned = time.monotonic()
+            log.warning("events for engines that do not read are dropped (%d ever): 64 MiB wait "
+                        "for them already", self._dropped_seen)
+
+    def _flush(self, only: bytes | None = None) -> None:
+        """Send what waits (for ``only``, or for every connection), and try again later while
+        something still cannot go."""
+        if only is None:
+            self._flush_at = None
+        for ident in [only] if only is not None else self.outbox.idents():
+            if self.outbox.flush(ident, partial(self._put, ident)):
+                since = self._behind.pop(ident, None)
+                if since is not None:
+                    log.info("engine connection %r reads again: its events went after %.3f s", ident,
+                             time.monotonic() - since)
+        self._count()
+        if not self._behind:
+            self._pause = FLUSH_FIRST_S
+        elif only is None:
+            self._pause = min(2 * self._pause, FLUSH_MAX_S)
+            self._arm()
 
     def _refuse(self, ident: bytes, code: ErrorCode, why: str) -> None:
         self.observer.bad_message("engine")
@@ -274,6 +346,8 @@ class EngineServer:
         """Check, decode and dispatch one engine message (from the ZMQ socket or an engine
         ring): what is left to await of an asynchronous handler, if anything."""
         self.received_ns, self.sender = received_ns, sender
+        if ident in self._behind:  # (its engine is running: what waits for it may go now)
+            self._flush(ident)
         if len(body) > MAX_MESSAGE:
             self._refuse(ident, ErrorCode.MALFORMED,
                          f"message of {len(body)} bytes is too large (max {MAX_MESSAGE})")

@@ -1,0 +1,127 @@
+"""Events for an engine that does not read for a while (a long step, a compile, a stop the
+world) are kept and delivered in order once it reads again, over the ZMQ socket and over an
+engine ring; they used to be dropped past ZMQ's high-water marks (~2,000 queued) or a full
+ring (found by a review: 1,998 of 6,000 Released arrived, and a dropped Released pins its hold
+until the engine restarts). Real sidecar processes, real sockets and rings."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from kvxfer.client import SidecarClient
+from kvxfer.engine_ring import EngineRing
+from kvxfer.ringchannel import MIN_CAPACITY
+from kvxfer.sidecar.outbox import Outbox
+from kvxfer.testing.procs import SidecarFactory, free_port
+
+
+def _flood_without_reading(c: SidecarClient, n: int) -> None:
+    """n Pings, each answered by a Pong the client does not read yet; paced so that the
+    sidecar takes every Ping (the client's own queue is 1,000 deep)."""
+    for i in range(n):
+        c.heartbeat()
+        if i % 200 == 199:
+            time.sleep(0.01)
+
+
+def _pongs(c: SidecarClient, n: int, timeout: float) -> int:
+    got, deadline = 0, time.monotonic() + timeout
+    while got < n and time.monotonic() < deadline:
+        got += len(c.poll().pongs)
+        time.sleep(0.005)
+    return got
+
+
+@pytest.mark.parametrize("ring", [False, True], ids=["zmq", "ring"])
+def test_events_for_an_engine_that_does_not_read_are_delivered_once_it_does(
+        sidecars: SidecarFactory, ring: bool) -> None:
+    sc = sidecars.start(f"outbox-{'ring' if ring else 'zmq'}", metrics_port=free_port())
+    c = SidecarClient(sc.endpoint)
+    try:
+        c.ping(20)
+        if ring:  # (the smallest ring: 64 KiB each way, ~650 Pongs)
+            c.ring = EngineRing.open(sc.endpoint, capacity=MIN_CAPACITY)
+        n = 6_000  # (past ZMQ's two queues of 1,000, and a small ring's room)
+        _flood_without_reading(c, n)
+        time.sleep(1.0)  # (the engine is "in a long step": the sidecar has answered all it can)
+        assert sc.scrape()["kvxfer_engine_events_waiting"] > 0  # (some could not go yet)
+        assert _pongs(c, n, 30.0) == n
+        deadline = time.monotonic() + 5
+        while sc.scrape()["kvxfer_engine_events_waiting"] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        metrics = sc.scrape()
+        assert metrics["kvxfer_engine_events_waiting"] == 0
+        assert metrics.get("kvxfer_engine_events_dropped_total", 0) == 0
+        assert c.ping(5).seq  # (in order: the newest answer comes after all the kept ones)
+    finally:
+        c.close()
+
+
+def test_an_engine_gone_takes_its_waiting_events_with_it(sidecars: SidecarFactory) -> None:
+    sc = sidecars.start("outbox-gone", metrics_port=free_port())
+    c = SidecarClient(sc.endpoint)
+    c.ping(20)
+    _flood_without_reading(c, 4_000)
+    time.sleep(0.5)
+    assert sc.scrape()["kvxfer_engine_events_waiting"] > 0
+    c.close()
+    deadline = time.monotonic() + 10
+    while sc.scrape()["kvxfer_engine_events_waiting"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert sc.scrape()["kvxfer_engine_events_waiting"] == 0
+    after = SidecarClient(sc.endpoint)
+    try:
+        assert after.ping(5).seq
+    finally:
+        after.close()
+
+
+# ---------------------------------------------------------------------- the outbox alone
+
+
+class _Conn:
+    """A connection that takes ``room`` frames, then refuses until given more; or is gone."""
+
+    def __init__(self, room: int) -> None:
+        self.room, self.got, self.gone = room, [], False
+
+    def __call__(self, frame: bytes) -> bool | None:
+        if self.gone:
+            return None
+        if self.room <= 0:
+            return False
+        self.room -= 1
+        self.got.append(frame)
+        return True
+
+
+def test_the_outbox_keeps_order_and_bounds_what_it_keeps() -> None:
+    conn = _Conn(room=2)
+    box = Outbox(max_bytes=10)
+    frames = [b"%d" % i for i in range(8)]
+    for f in frames:
+        box.send(b"e", f, conn)
+    assert conn.got == frames[:2]
+    assert (box.waiting, box.dropped) == (6, 0)
+    conn.room = 3
+    assert box.flush(b"e", conn) is False  # (3 went; 3 still wait)
+    assert conn.got == frames[:5]
+    box.send(b"e", b"x" * 6, conn)  # (the connection has room, but older frames wait: kept behind them)
+    assert conn.got == frames[:5]
+    box.send(b"e", b"y" * 9, conn)  # (would keep 6 + 9 > 10 bytes: dropped, counted)
+    assert (box.dropped, box.waiting) == (1, 4)
+    conn.room = 100
+    assert box.flush(b"e", conn) is True
+    assert conn.got == [*frames, b"x" * 6]
+    assert box.waiting == 0
+    conn.gone = True
+    box.send(b"e", b"z", conn)  # (gone: nothing kept for it)
+    assert box.waiting == 0
+    conn.gone, conn.room = False, 0
+    box.send(b"e", b"w", conn)
+    assert box.waiting == 1
+    conn.gone = True
+    assert box.flush(b"e", conn) is True  # (gone: what waited for it is let go)
+    assert (box.waiting, box.idents()) == (0, [])
