@@ -112,6 +112,12 @@ def test_the_outbox_keeps_order_and_bounds_what_it_keeps() -> None:
     assert conn.got == frames[:5]
     box.send(b"e", b"y" * 9, conn)  # (would keep 6 + 9 > 10 bytes: dropped, counted)
     assert (box.dropped, box.waiting) == (1, 4)
+    other = _Conn(room=0)
+    box.send(b"f", b"z" * 9, other)  # (the cap is each connection's: f's first frame is kept)
+    assert (box.dropped, box.waiting) == (1, 5)
+    other.room = 1
+    assert box.flush(b"f", other) is True
+    assert other.got == [b"z" * 9]
     conn.room = 100
     assert box.flush(b"e", conn) is True
     assert conn.got == [*frames, b"x" * 6]
@@ -123,5 +129,39 @@ def test_the_outbox_keeps_order_and_bounds_what_it_keeps() -> None:
     box.send(b"e", b"w", conn)
     assert box.waiting == 1
     conn.gone = True
-    assert box.flush(b"e", conn) is True  # (gone: what waited for it is let go)
-    assert (box.waiting, box.idents()) == (0, [])
+    assert box.flush(b"e", conn) is True  # (gone: what waited for it is let go, counted)
+    assert (box.waiting, box.idents(), box.lost) == (0, [], 1)
+
+
+def test_events_wait_for_a_stopped_engine_whose_connection_zmq_closed() -> None:
+    """ZMQ closes the connection of an engine that missed its heartbeats for 30 s (a stopped
+    process); it reconnects with the same identity when it resumes. Its events wait for it
+    while its process is stopped (up to GONE_AFTER_S), and go with it otherwise."""
+    import signal
+    import subprocess
+    import sys
+
+    from kvxfer.observe import Observer
+    from kvxfer.sidecar.engine_server import GONE_AFTER_S, Kept
+    from kvxfer.sidecar.ownership import Creds
+    from kvxfer.sidecar.procfs import start_time, stopped
+
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        who = Creds(child.pid, 0, start_time(child.pid))
+        assert not stopped(who)
+        child.send_signal(signal.SIGSTOP)
+        deadline = time.monotonic() + 5
+        while not stopped(who) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert stopped(who)
+        assert not stopped(Creds(child.pid, 0, "1"))  # (another process that had the same pid)
+    finally:
+        child.kill()
+        child.wait()
+    assert not stopped(who)  # (gone)
+    kept = Kept(lambda ident, frame: None, Observer())
+    assert kept.unreachable(b"e", stopped=True) is False  # (kept)
+    assert kept.unreachable(b"e", stopped=False) is None  # (gone with its process)
+    kept._behind[b"e"] = time.monotonic() - GONE_AFTER_S - 1
+    assert kept.unreachable(b"e", stopped=True) is None  # (stopped for too long)

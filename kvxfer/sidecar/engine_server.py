@@ -45,7 +45,7 @@ from kvxfer.protocol import DECODE_ERRORS, EngineRequest, Error, encode, engine_
 from kvxfer.sidecar.outbox import Outbox
 from kvxfer.sidecar.ownership import UNKNOWN, Creds
 from kvxfer.sidecar.pool_server import unlink_if_same
-from kvxfer.sidecar.procfs import creds_of_fd
+from kvxfer.sidecar.procfs import creds_of_fd, stopped
 from kvxfer.sidecar.sockdir import check_private, open_lock
 
 log = logging.getLogger("kvxfer.sidecar")
@@ -57,6 +57,11 @@ MAX_SENDERS = 1 << 16  # routing identities whose credentials are kept (forgotte
 # Events a connection could not take are tried again after FLUSH_FIRST_S, then ever less often
 # while it still takes nothing (up to FLUSH_MAX_S), and at once when its engine sends something.
 FLUSH_FIRST_S, FLUSH_MAX_S = 0.001, 0.05
+# Events for a connection that is not there while its process is stopped (ZMQ closes one whose
+# engine missed heartbeats for 30 s) wait this long for it to come back, then go (counted).
+GONE_AFTER_S = 300.0
+RING_PREFIX = b"ring-"  # (engine_rings names its connections so; a closed one never comes back)
+WARN_EVERY_S = 10.0
 
 Handler = Callable[[bytes, Any], Awaitable[None] | None]
 
@@ -114,6 +119,85 @@ def leading_tag(body: bytes | memoryview) -> str | None:
         return None
 
 
+class Kept:
+    """The engine socket's outbox on the loop: what waits for which connection (``Outbox``),
+    when it is tried again, and what is counted and said about it."""
+
+    def __init__(self, put: Callable[[bytes, bytes], bool | None], observer: Observer) -> None:
+        self.box = Outbox()
+        self._put = put
+        self._behind: dict[bytes, float] = {}  # connection -> since when events wait for it
+        self._flush_at: asyncio.TimerHandle | None = None
+        self._pause = FLUSH_FIRST_S
+        self._warned: dict[str, float] = {}
+        self._seen = {"cap": 0, "gone": 0}  # (the outbox's counts the counter has taken)
+        r = observer.registry
+        self._g_waiting = Gauge("kvxfer_engine_events_waiting", "Events for engine connections that "
+                                "were not reading (their queue or ring full), kept to be sent in order "
+                                "as soon as they read again.", registry=r)
+        self._m_dropped = Counter("kvxfer_engine_events_dropped", "Events for engine connections that "
+                                  "were never sent, by why: cap (16 MiB waited for that connection "
+                                  "already), gone (its connection went and did not come back).",
+                                  ["why"], registry=r)
+
+    def behind(self, ident: bytes) -> bool:
+        return ident in self._behind
+
+    def send(self, ident: bytes, frame: bytes, kind: str) -> None:
+        if not self.box.send(ident, frame, partial(self._put, ident)):
+            return
+        if ident not in self._behind:
+            self._behind[ident] = time.monotonic()
+            self._warn("behind", "engine connection %r is not reading: its events wait for it (%s "
+                       "first)", ident, kind)
+            self._pause = FLUSH_FIRST_S  # (a connection newly behind is tried again soon)
+            self.close()
+        self._arm()
+
+    def unreachable(self, ident: bytes, stopped: bool) -> bool | None:
+        """For a connection ZMQ does not know now: its events are kept (False) for GONE_AFTER_S
+        while its process is stopped (it reconnects with the same identity when it resumes),
+        else they go with it (None)."""
+        since = self._behind.get(ident)
+        return False if stopped and (since is None or time.monotonic() - since < GONE_AFTER_S) else None
+
+    def flush(self, ident: bytes | None = None) -> None:
+        """Send what waits (for ``ident``, or for every connection), and try again later while
+        something still cannot go."""
+        if ident is None:
+            self._flush_at = None
+        for i in [ident] if ident is not None else self.box.idents():
+            if self.box.flush(i, partial(self._put, i)) and (since := self._behind.pop(i, None)):
+                log.info("engine connection %r caught up: its events waited %.3f s", i,
+                         time.monotonic() - since)
+        if not self._behind:
+            self._pause = FLUSH_FIRST_S
+        elif ident is None:
+            self._pause = min(2 * self._pause, FLUSH_MAX_S)
+        self._arm()
+
+    def close(self) -> None:
+        if self._flush_at is not None:
+            self._flush_at.cancel()
+            self._flush_at = None
+
+    def _arm(self) -> None:
+        if self._behind and self._flush_at is None:
+            self._flush_at = asyncio.get_running_loop().call_later(self._pause, self.flush)
+        self._g_waiting.set(self.box.waiting)
+        for why, now in (("cap", self.box.dropped), ("gone", self.box.lost)):
+            if now > self._seen[why]:
+                self._m_dropped.labels(why).inc(now - self._seen[why])
+                self._seen[why] = now
+                self._warn(why, "events for engines never sent (%s): %d ever", why, now)
+
+    def _warn(self, key: str, fmt: str, *args: object) -> None:
+        now = time.monotonic()
+        if now - self._warned.get(key, -WARN_EVERY_S) >= WARN_EVERY_S:
+            self._warned[key] = now
+            log.warning(fmt, *args)
+
+
 class EngineServer:
     def __init__(self, ctx: zmq.asyncio.Context, endpoint: str, observer: Observer) -> None:
         self.endpoint = endpoint
@@ -125,9 +209,6 @@ class EngineServer:
         # a full queue says so (EAGAIN) and an unknown identity too (EHOSTUNREACH), rather than
         # ZMQ dropping the message unseen: what cannot go yet is kept (``send``)
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        # sends go through a plain (synchronous) view of the socket: the asyncio one puts EAGAIN
-        # into a future nobody reads, so a full queue went unseen
-        self._out = zmq.Socket(shadow=self.sock.underlying)
         self.sock.setsockopt(zmq.MAXMSGSIZE, HARD_MAX_MESSAGE)
         storm_proof(self.sock)
         self._handlers: dict[type, Handler] = {}
@@ -136,19 +217,11 @@ class EngineServer:
         self.received_ns = 0  # when the message being handled arrived (a trace's "sidecar" hop)
         self.sender: Creds = UNKNOWN  # who sent the message being handled (the kernel's word)
         self._senders: dict[bytes, tuple[int, Creds]] = {}  # identity -> (its connection's fd, process)
+        self._who: dict[bytes, Creds] = {}  # identity -> its last process (kept after a disconnect)
         self._monitor: zmq.asyncio.Socket | None = None
         self.rings: dict[bytes, Callable[[bytes], bool]] = {}  # ring identity -> its writer (engine_rings)
-        self.outbox = Outbox()  # events connections could not take yet
-        self._g_waiting = Gauge("kvxfer_engine_events_waiting", "Events for engine connections that "
-                                "were not reading (their queue or ring full), kept to be sent in order "
-                                "as soon as they read again.", registry=observer.registry)
-        self._m_dropped = Counter("kvxfer_engine_events_dropped", "Events for engine connections "
-                                  "dropped because 64 MiB of events already waited for engines that did "
-                                  "not read.", registry=observer.registry)
-        self._dropped_seen, self._warned = 0, -10.0  # (drops warned of at most every 10 s)
-        self._behind: dict[bytes, float] = {}  # connection -> since when events wait for it
-        self._flush_at: asyncio.TimerHandle | None = None
-        self._pause = FLUSH_FIRST_S
+        self.kept = Kept(self._put, observer)  # events connections could not take yet
+        self._closed = False
 
     def on(self, kind: type, handler: Handler) -> None:
         """Hand every message of this type to ``handler(ident, msg)`` (sync, or awaited)."""
@@ -209,9 +282,8 @@ class EngineServer:
         return (True, "") if ino == self._ino else (False, "replaced")
 
     def close(self) -> None:
-        if self._flush_at is not None:
-            self._flush_at.cancel()
-            self._flush_at = None
+        self._closed = True
+        self.kept.close()
         if self._monitor is not None:
             with contextlib.suppress(zmq.ZMQError):
                 self.sock.disable_monitor()
@@ -229,60 +301,30 @@ class EngineServer:
 
     def send(self, ident: bytes, msg: Any) -> None:
         """Send an event to an engine connection (its ring, else the ZMQ socket); one it cannot
-        take now is kept, in order, and sent as soon as it can (``kvxfer.sidecar.outbox``)."""
-        if self.outbox.send(ident, encode(msg), partial(self._put, ident)):
-            if ident not in self._behind:
-                self._behind[ident] = time.monotonic()
-                log.warning("engine connection %r is not reading: its events wait for it (%s first)",
-                            ident, type(msg).__name__)
-            self._arm()
+        take now is kept, in order, and sent as soon as it can (``Kept``)."""
+        self.kept.send(ident, encode(msg), type(msg).__name__)
 
     def _put(self, ident: bytes, frame: bytes) -> bool | None:
         """One frame to one connection: taken (True), no room now (False), gone (None)."""
         ring = self.rings.get(ident)
         if ring is not None:  # (an engine ring: kvxfer.sidecar.engine_rings)
             return ring(frame)
-        try:
-            self._out.send_multipart([ident, frame], flags=zmq.NOBLOCK)
-        except zmq.Again:
-            return False
-        except zmq.ZMQError:  # (EHOSTUNREACH: no connection by that identity now; its engine went)
+        if self._closed or ident.startswith(RING_PREFIX):  # (a ring that closed: nothing reaches it)
             return None
-        return True
-
-    def _arm(self) -> None:
-        if self._flush_at is None:
-            self._flush_at = asyncio.get_running_loop().call_later(self._pause, self._flush)
-        self._count()
-
-    def _count(self) -> None:
-        self._g_waiting.set(self.outbox.waiting)
-        more, self._dropped_seen = self.outbox.dropped - self._dropped_seen, self.outbox.dropped
-        if more:
-            self._m_dropped.inc(more)
-            if time.monotonic() - self._warned < 10.0:
-                return
-            self._warned = time.monotonic()
-            log.warning("events for engines that do not read are dropped (%d ever): 64 MiB wait "
-                        "for them already", self._dropped_seen)
-
-    def _flush(self, only: bytes | None = None) -> None:
-        """Send what waits (for ``only``, or for every connection), and try again later while
-        something still cannot go."""
-        if only is None:
-            self._flush_at = None
-        for ident in [only] if only is not None else self.outbox.idents():
-            if self.outbox.flush(ident, partial(self._put, ident)):
-                since = self._behind.pop(ident, None)
-                if since is not None:
-                    log.info("engine connection %r reads again: its events went after %.3f s", ident,
-                             time.monotonic() - since)
-        self._count()
-        if not self._behind:
-            self._pause = FLUSH_FIRST_S
-        elif only is None:
-            self._pause = min(2 * self._pause, FLUSH_MAX_S)
-            self._arm()
+        # (the asyncio socket's send, whose future is settled at once with NOBLOCK: it checks
+        # for messages that came in meanwhile, which a plain send on the socket would leave
+        # unnoticed until the next one, see libzmq's ZMQ_FD)
+        sent = self.sock.send_multipart([ident, frame], flags=zmq.NOBLOCK)
+        err = sent.exception() if sent.done() else None
+        if err is None:
+            return True
+        if isinstance(err, zmq.Again):
+            return False
+        if isinstance(err, zmq.ZMQError) and err.errno == zmq.EHOSTUNREACH:
+            # (disconnected: a stopped process's was closed by ZMQ's heartbeats, and comes back)
+            who = self._who.get(ident)
+            return self.kept.unreachable(ident, who is not None and stopped(who))
+        return None
 
     def _refuse(self, ident: bytes, code: ErrorCode, why: str) -> None:
         self.observer.bad_message("engine")
@@ -301,7 +343,10 @@ class EngineServer:
                         "new process now", ident, known[1], peer)
         if len(self._senders) >= MAX_SENDERS:
             self._senders.clear()
+        if len(self._who) >= MAX_SENDERS:
+            self._who.clear()
         self._senders[ident] = (fd, peer)
+        self._who[ident] = peer
         return peer
 
     async def _forget_closed(self) -> None:
@@ -346,8 +391,8 @@ class EngineServer:
         """Check, decode and dispatch one engine message (from the ZMQ socket or an engine
         ring): what is left to await of an asynchronous handler, if anything."""
         self.received_ns, self.sender = received_ns, sender
-        if ident in self._behind:  # (its engine is running: what waits for it may go now)
-            self._flush(ident)
+        if self.kept.behind(ident):  # (its engine is running: what waits for it may go now)
+            self.kept.flush(ident)
         if len(body) > MAX_MESSAGE:
             self._refuse(ident, ErrorCode.MALFORMED,
                          f"message of {len(body)} bytes is too large (max {MAX_MESSAGE})")

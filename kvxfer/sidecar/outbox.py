@@ -8,9 +8,10 @@ ring. What the sidecar has to tell it then (a load's ``Done`` or ``Failed``, a l
 restarted, a lost ``Done`` left a load to its deadline. So what a connection refuses is kept
 here, per connection, in order (a frame never overtakes one kept before it), and flushed when
 the caller tries again; a connection that is gone (its engine closed it or died) takes what
-waited for it along. What is kept is bounded in bytes for the whole sidecar: past
-``MAX_BYTES`` a frame is dropped and counted (the engine has stopped reading for good, or for
-a very long time).
+waited for it along (counted: ``lost``). What is kept is bounded in bytes per connection:
+past ``MAX_BYTES`` a frame is dropped and counted (``dropped``: the engine has stopped
+reading for good, or for a very long time), so one engine that never reads again cannot
+crowd out the others.
 """
 
 from __future__ import annotations
@@ -22,15 +23,16 @@ from collections.abc import Callable
 # connection is gone (nothing will ever reach it).
 Conn = Callable[[bytes], "bool | None"]
 
-MAX_BYTES = 64 << 20  # kept for all connections together (~500,000 events of ~130 bytes)
+MAX_BYTES = 16 << 20  # kept for one connection (~120,000 events of ~130 bytes)
 
 
 class Outbox:
     def __init__(self, max_bytes: int = MAX_BYTES) -> None:
         self.max_bytes = max_bytes
         self._waiting: dict[bytes, deque[bytes]] = {}
-        self._bytes = 0
-        self.dropped = 0  # frames dropped because MAX_BYTES were kept, ever
+        self._bytes: dict[bytes, int] = {}
+        self.dropped = 0  # frames dropped because MAX_BYTES waited for their connection, ever
+        self.lost = 0  # frames that waited for a connection that went, ever
         self.delivered_late = 0  # frames that waited here and were taken, ever
 
     @property
@@ -50,11 +52,12 @@ class Outbox:
             if conn(frame) is not False:
                 return False  # (taken, or its connection is gone: nothing to keep)
             kept = self._waiting[ident] = deque()
-        if self._bytes + len(frame) > self.max_bytes:
+            self._bytes[ident] = 0
+        if self._bytes[ident] + len(frame) > self.max_bytes:
             self.dropped += 1
             return True
         kept.append(frame)
-        self._bytes += len(frame)
+        self._bytes[ident] += len(frame)
         return True
 
     def flush(self, ident: bytes, conn: Conn) -> bool:
@@ -65,11 +68,12 @@ class Outbox:
             took = conn(kept[0])
             if took is False:
                 return False
-            self._bytes -= len(kept.popleft())
+            self._bytes[ident] -= len(kept.popleft())
             if took is None:  # (gone: the rest goes with it)
-                self._bytes -= sum(len(f) for f in kept)
+                self.lost += 1 + len(kept)
                 kept.clear()
             else:
                 self.delivered_late += 1
         self._waiting.pop(ident, None)
+        self._bytes.pop(ident, None)
         return True

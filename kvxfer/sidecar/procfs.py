@@ -63,6 +63,19 @@ def start_time(pid: int) -> str:
         return ""
 
 
+def stopped(creds: Creds) -> bool:
+    """Whether a connection's process is stopped (SIGSTOP, a debugger: state T or t) and
+    is still the process that connected (same start time, when known)."""
+    if creds.pid <= 0:
+        return False
+    try:
+        with open(f"/proc/{creds.pid}/stat", "rb") as fh:
+            fields = fh.read().rsplit(b")", 1)[1].split()
+    except OSError:
+        return False
+    return fields[:1] in ([b"T"], [b"t"]) and (not creds.start or fields[19:20] == [creds.start.encode()])
+
+
 def lineage(pid: int) -> tuple[int, ...]:
     """``pid`` and its ancestors, nearest first, without init (pid 1: everyone's ancestor) unless
     it is ``pid`` itself; () for an unknown pid."""
