@@ -143,6 +143,9 @@ def _prefill_main(opts: DemoOptions, endpoint: str, to_decode: Any, results: Any
             e.start()
         reg = lead.registered
         assert reg is not None
+        # (named in every request, as the connector's kv_transfer_params do: a decode that
+        # knows it proves a read by its lease word, with no wait for the claim's answer)
+        generation = lead.client.ping().generation
         fill_s = 0.0
         reasons: dict[str, int] = {}
         errors: list[str] = []
@@ -161,7 +164,7 @@ def _prefill_main(opts: DemoOptions, endpoint: str, to_decode: Any, results: Any
                 params.append(
                     {"req_id": name, "engine_id": reg.engine_id, "host": reg.handshake_host,
                      "port": reg.handshake_port, "block_ids": blocks, "tp_size": opts.prefill_tp,
-                     "token": token}
+                     "token": token, "generation": generation}
                 )
             fill_s += time.perf_counter() - t0
             to_decode.send(params)
@@ -198,10 +201,11 @@ class _Decoder:
         blocks = self.lead.allocate(self.opts.side_blocks("decode"))
         self.local[p["req_id"]] = blocks
         remote = RemoteBlocks(p["engine_id"], p["host"], p["port"], p["block_ids"], p["tp_size"],
-                              token=p["token"])
-        for e in self.engines:
+                              token=p["token"], generation=p["generation"])
+        for e in self.engines:  # (a read's deadline under the sidecar's --max-read-s, as the
+            # connector's default is: a longer one is cut, counted and logged with every read)
             e.client.recv(p["req_id"], blocks, remote, tp_rank=e.layout.tp_rank,
-                          deadline_s=self.opts.timeout_s)
+                          deadline_s=min(self.opts.timeout_s, RECV_DEADLINE_S))
 
     def collect(self, names: list[str]) -> tuple[dict[str, float], dict[str, str]]:
         """A request is done when every rank is done; returns done times and failures."""
@@ -291,6 +295,8 @@ def _decode_main(opts: DemoOptions, endpoint: str, from_prefill: Any, results: A
 def _req_name(i: int) -> str:
     return "warmup" if i == 0 else f"req-{i - 1}"
 
+
+RECV_DEADLINE_S = 120.0  # one request's (the round's is ``timeout_s``)
 
 PRELOAD = ["kvxfer.testing.demo", "kvxfer.testing.tensor_kv"]
 
