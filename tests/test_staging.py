@@ -160,3 +160,21 @@ def test_slots_never_overlap(ops: list[tuple[bool, int, int]]) -> None:
     assert len(book) == 0
     assert book.alloc(book.size, "all", 0.0) == 0
     assert book.alloc(1, "all", 0.0) is None  # one slot per key
+
+
+@given(st.lists(st.integers(1, 40), max_size=12), st.integers(1, 60))
+def test_a_batch_is_cut_into_stage_requests_that_fit(sizes: list[int], limit: int) -> None:
+    """``staged_reads.parts``: members in order, every part's runs within the limit unless
+    one member alone exceeds it, and no part that could have taken the next member's runs."""
+    from kvxfer.protocol import StageRank
+    from kvxfer.sidecar.staged_reads import _Member, parts
+
+    members = [_Member(None, type("P", (), {"ranks": [StageRank(rank=0, pp_rank=0, runs=b"r" * 16 * n)]})(),
+                       None, 0.0, None) for n in sizes]  # type: ignore[arg-type]
+    got = parts(members, 16 * limit)
+    assert [m for p in got for m in p] == members
+    for i, part in enumerate(got):
+        size = sum(m.runs_bytes for m in part)
+        assert size <= 16 * limit or len(part) == 1
+        if i + 1 < len(got):
+            assert size + got[i + 1][0].runs_bytes > 16 * limit

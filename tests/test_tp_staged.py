@@ -65,3 +65,17 @@ def test_staging_off_reads_directly() -> None:
         assert res["problems"] == []
         assert res["verified"] is True
         assert res["descriptors_per_request"] > 2 * 64, args  # per token: far more than one per rank
+
+
+def test_ranks_whose_runs_exceed_one_stage_request_are_staged_in_several() -> None:
+    """2 KV heads read by 4 decode ranks in NHD: each rank's head is one run per token and
+    layer on the prefill (16,384 runs here, 256 KiB of [address, length]), the four ranks'
+    1 MiB, over the 512 KiB one StageRequest may carry: the request is staged in two (it
+    used to be read directly, in 65,536 descriptors: the TP matrix's slowest cell)."""
+    from kvxfer.sidecar.staged_reads import MAX_RUNS_BYTES
+
+    opts = staged(prefill_tp=1, decode_tp=4, heads=2, layers=8, blocks_per_request=128, requests=2,
+                  in_flight=2)
+    runs_per_rank = opts.layers * opts.blocks_per_request * opts.block_size  # (at least)
+    assert runs_per_rank * 16 <= MAX_RUNS_BYTES < 4 * runs_per_rank * 16
+    run_staged(opts)

@@ -54,11 +54,39 @@ class Prepared:
 
 
 @dataclass
-class _Batch:
-    """Receives of one request asking together: (Recv, Prepared, mark, reading_s) each."""
+class _Member:
+    """One receive of a batch: what it asks, and its part of the answer."""
 
+    msg: Recv
+    prepared: Prepared
+    mark: Callable[[str], None]
+    reading_s: float
     answer: asyncio.Future[tuple[Staged | None, float]]
-    members: list[tuple[Recv, Prepared, Callable[[str], None], float]] = field(default_factory=list)
+
+    @property
+    def runs_bytes(self) -> int:
+        return sum(len(r.runs) for r in self.prepared.ranks)
+
+
+@dataclass
+class _Batch:
+    """Receives of one request asking together."""
+
+    members: list[_Member] = field(default_factory=list)
+
+
+def parts(members: list[_Member], limit: int = MAX_RUNS_BYTES) -> list[list[_Member]]:
+    """A batch cut into StageRequests whose runs fit ``limit`` bytes, members in order (one
+    member alone may fill one: ``prepare`` never stages a receive whose runs exceed it)."""
+    out: list[list[_Member]] = []
+    size = 0
+    for m in members:
+        if not out or size + m.runs_bytes > limit:
+            out.append([])
+            size = 0
+        out[-1].append(m)
+        size += m.runs_bytes
+    return out
 
 
 class Staging:
@@ -104,7 +132,7 @@ class Staging:
         plan = staged_plan(legs)
         if (not worth_staging(plan, self.below, self.config.stage_min_descs)
                 or plan.nbytes * max(1, local.layout.tp_size) > peer.staging_bytes
-                or plan.gather_runs * 16 * max(1, local.layout.tp_size) > MAX_RUNS_BYTES):
+                or plan.gather_runs * 16 > MAX_RUNS_BYTES):  # (several ranks' runs: several requests)
             return None
         until = time.monotonic() + remaining_s + self.config.settle_timeout_s
         offset = self.book.alloc(plan.nbytes, key, until)
@@ -163,55 +191,62 @@ class Staging:
         directly. Raises RequestError when the read must not happen (lease over, runs
         refused, no answer).
 
-        The receives of one request on this engine's ranks share one ``StageRequest``: the
-        first waits up to ``BATCH_WINDOW_S`` for the others (each TP rank sends its own
-        ``Recv``, in the same engine step), and the batch goes as soon as all are in."""
+        The receives of one request on this engine's ranks share one ``StageRequest`` (or a
+        few, when their runs exceed MAX_RUNS_BYTES: ``parts``): the first waits up to
+        ``BATCH_WINDOW_S`` for the others (each TP rank sends its own ``Recv``, in the same
+        engine step), and the batch goes as soon as all are in."""
         loop = asyncio.get_running_loop()
         key = (msg.remote_host, msg.remote_port, engine, msg.remote_req_id or msg.req_id, msg.remote_token,
                msg.pp_rank)
         batch = self._batches.get(key)
         if batch is None:
-            batch = self._batches[key] = _Batch(loop.create_future())
+            batch = self._batches[key] = _Batch()
             loop.call_later(BATCH_WINDOW_S, self._flush, key, batch, engine, peer)
-        offset = sum(p.plan.nbytes for _, p, _, _ in batch.members)
-        batch.members.append((msg, prepared, mark, reading_s))
+        member = _Member(msg, prepared, mark, reading_s, loop.create_future())
+        batch.members.append(member)
         if len(batch.members) >= prepared.expected:
             self._flush(key, batch, engine, peer)
-        answer, sent = await asyncio.shield(batch.answer)
+        answer, sent = await asyncio.shield(member.answer)
         if answer is None:
             self.fell_back += 1
             return None, 0.0
         self.staged += 1
-        return msgspec.structs.replace(answer, addr=answer.addr + offset, nbytes=prepared.plan.nbytes), sent
+        return answer, sent
 
     def _flush(self, key: tuple[object, ...], batch: _Batch, engine: str, peer: Peer) -> None:
         if self._batches.get(key) is not batch:
             return  # (sent already)
         del self._batches[key]
+        for part in parts(batch.members):
+            task = asyncio.ensure_future(self._ask(part, engine, peer))
+            self._tasks.add(task)
+            task.add_done_callback(lambda t, part=part: self._settle(part, t))
 
-        def settle(task: asyncio.Task[tuple[Staged | None, float]]) -> None:
-            self._tasks.discard(task)
-            if batch.answer.done():
-                return
-            if task.cancelled():
-                batch.answer.set_exception(RequestError(ErrorCode.EXPIRED, "stage request cancelled"))
+    def _settle(self, part: list[_Member], task: asyncio.Task[tuple[Staged | None, float]]) -> None:
+        """Each member's part of its StageRequest's answer: its slice of the prefill's slot."""
+        self._tasks.discard(task)
+        offset = 0
+        for m in part:
+            if m.answer.done():
+                pass
+            elif task.cancelled():
+                m.answer.set_exception(RequestError(ErrorCode.EXPIRED, "stage request cancelled"))
             elif task.exception() is not None:
-                batch.answer.set_exception(task.exception())  # type: ignore[arg-type]
+                m.answer.set_exception(task.exception())  # type: ignore[arg-type]
             else:
-                batch.answer.set_result(task.result())
+                got, sent = task.result()
+                m.answer.set_result((None, 0.0) if got is None else (msgspec.structs.replace(
+                    got, addr=got.addr + offset, nbytes=m.prepared.plan.nbytes), sent))
+            offset += m.prepared.plan.nbytes
 
-        task = asyncio.ensure_future(self._ask(batch, engine, peer))
-        self._tasks.add(task)
-        task.add_done_callback(settle)
-
-    async def _ask(self, batch: _Batch, engine: str, peer: Peer) -> tuple[Staged | None, float]:
-        msg = batch.members[0][0]
-        reading_s = max(r for _, _, _, r in batch.members)
-        marks = [m for _, _, m, _ in batch.members]
+    async def _ask(self, part: list[_Member], engine: str, peer: Peer) -> tuple[Staged | None, float]:
+        msg = part[0].msg
+        reading_s = max(m.reading_s for m in part)
+        marks = [m.mark for m in part]
         req = StageRequest(seq=0, engine_id=engine, req_id=msg.remote_req_id or msg.req_id,
-                           ranks=[r for _, p, _, _ in batch.members for r in p.ranks],
-                           nbytes=sum(p.plan.nbytes for _, p, _, _ in batch.members),
-                           readers=[f"{m.pp_rank}/{m.tp_rank}" for m, _, _, _ in batch.members],
+                           ranks=[r for m in part for r in m.prepared.ranks],
+                           nbytes=sum(m.prepared.plan.nbytes for m in part),
+                           readers=[f"{m.msg.pp_rank}/{m.msg.tp_rank}" for m in part],
                            extend_s=reading_s + self.config.handshake_timeout_s + 1.0,
                            agent_name=self.agent_name, token=msg.remote_token)
         timeout = self.config.handshake_timeout_s
