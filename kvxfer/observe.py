@@ -25,6 +25,14 @@ from prometheus_client.exposition import ThreadingWSGIServer, _get_best_family
 log = logging.getLogger(__name__)
 TIME_BUCKETS = [0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 5.0]
 BYTES_BUCKETS = [2 ** (10 + i) for i in range(1, 25, 2)]
+# Every kind of event the sidecar emits (WatchEvents refuses a kind not here: a typo would
+# otherwise wait for ever; tests/test_control.py checks every emitted kind is listed)
+EVENT_KINDS = frozenset({
+    "transfer_done", "transfer_failed", "lease_released", "lease_expired", "lease_expired_before_read",
+    "peer_connected", "peer_disconnected", "peer_stalled", "peer_refused", "handshake_refused",
+    "stray_notice", "integrity_failure", "loop_stalled", "drain_started", "drained", "resumed",
+    "engine_gone", "engine_socket_lost",
+})
 WARN_EVERY_S = 10.0  # a listener refusing connections says so at most this often
 DESC_BUCKETS = [10, 20, 30, 50, 75, 100, 200, 400, 1000, 2000, 4000, 10000, 20000, 50000]
 

@@ -349,3 +349,87 @@ def test_drain_waits_for_inflight_reads(sidecars: SidecarFactory) -> None:
         assert pr.d.verify("inflight", db)
     finally:
         pr.close()
+
+
+def test_a_resume_during_a_drain_keeps_the_work_taken_after_it(sidecars: SidecarFactory) -> None:
+    """Found by review: a Drain still waiting when a Resume came ended, at its timeout, the
+    holds taken after the Resume (and reported them released). Also: receives refused at
+    admission are counted as failed transfers; an unknown event kind is refused, not waited
+    on for ever; the CLI says an absent sidecar is unreachable (exit 2); a pre-warm to this
+    sidecar's own listener is a typed refusal."""
+    pr = Pair(sidecars, "drr")
+    try:
+        p, d = stub(pr.ps), stub(pr.ds)
+        old = pr.p.allocate(2)
+        pr.p.client.hold("old", old)
+        drain = p.Drain.future(pb.DrainRequest(timeout_s=2.0), timeout=20)
+        time.sleep(0.5)
+        assert p.Resume(pb.ResumeRequest(), timeout=10).resumed is True
+        new = pr.p.allocate(2)
+        pr.p.client.hold("after-resume", new)
+        assert pr.p.client.ping().seq is not None  # (the hold is in before the drain's timeout)
+        res = drain.result()
+        assert (res.drained, res.released, res.failed) == (False, 0, 0)
+        time.sleep(0.3)
+        assert not pr.p.client.poll().released  # (neither hold was ended by the drain)
+        assert {lease.request_id for lease in p.GetStatus(pb.GetStatusRequest(), timeout=10).leases} >= \
+            {"old", "after-resume"}
+        # a refused receive is a failed transfer in the metrics
+        before = pr.ds.scrape().get('kvxfer_transfers_total{result="failed"}', 0)
+        pr.d.client.recv("out-of-range", [10_000], pr.remote([1]))
+        got = wait_for(pr.d.client, lambda a: bool(a.failed))
+        assert got.failed[0].code == ErrorCode.BLOCK_OUT_OF_RANGE
+        assert pr.ds.scrape()['kvxfer_transfers_total{result="failed"}'] == before + 1
+        # an unknown event kind: INVALID_ARGUMENT at once
+        with pytest.raises(grpc.RpcError) as e:
+            next(iter(d.WatchEvents(pb.WatchEventsRequest(kinds=["transfer-done"]), timeout=5)))
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        # a pre-warm to itself: a typed refusal, not UNKNOWN
+        reg = pr.d.registered
+        assert reg is not None
+        with pytest.raises(grpc.RpcError) as e:
+            d.ConnectPeer(pb.ConnectPeerRequest(host=reg.handshake_host, port=reg.handshake_port), timeout=10)
+        assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION, e.value.details()
+        # the CLI against a socket that is not there: unreachable, exit 2
+        for verb in (["drain"], ["resume"], ["peers", "list"]):
+            out = subprocess.run([sys.executable, "-m", "kvxfer", *verb, "--target", "unix:///nonexistent.sock",
+                                  "--timeout", "2"], capture_output=True, text=True, timeout=30, check=False)
+            assert out.returncode == 2, (verb, out.stderr)
+    finally:
+        pr.close()
+
+
+def test_every_event_the_sidecar_emits_is_a_known_kind() -> None:
+    import pathlib
+    import re
+
+    from kvxfer.observe import EVENT_KINDS
+
+    root = pathlib.Path(__file__).resolve().parents[1] / "kvxfer"
+    pattern = re.compile(r'\bEvent\(\s*"([a-z_]+)"')
+    emitted = {m for path in root.rglob("*.py") for m in pattern.findall(path.read_text())}
+    emitted.add("lease_released")  # (observe.lease_released names it by reason)
+    assert emitted <= EVENT_KINDS, emitted - EVENT_KINDS
+    assert len(emitted) >= 15
+
+
+def test_a_sidecar_stopping_on_sigterm_refuses_to_resume(sidecars: SidecarFactory) -> None:
+    """SIGTERM drains, then exits: a Resume meanwhile used to make it ready again (new holds
+    taken, then released at the exit); now it is refused (FAILED_PRECONDITION)."""
+    import signal
+
+    sc = sidecars.start("stop-resume", "--drain-timeout-s", "3", metrics_port=free_port())
+    eng = SyntheticEngine(make_layout(layers=2, num_blocks=16, heads=2, head_dim=32), sc.endpoint, seed=3)
+    eng.start()
+    try:
+        eng.client.hold("held", eng.allocate(2))
+        assert eng.client.ping().seq is not None
+        sc.proc.send_signal(signal.SIGTERM)
+        time.sleep(0.5)
+        with pytest.raises(grpc.RpcError) as e:
+            stub(sc).Resume(pb.ResumeRequest(), timeout=5)
+        assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION, e.value.details()
+        assert "stopping" in (e.value.details() or "")
+        assert sc.proc.wait(timeout=20) == 0
+    finally:
+        eng.close()

@@ -204,6 +204,9 @@ def _fetch(args: argparse.Namespace) -> tuple[pb.Status, bool]:
     return st, h.status == health_pb2.HealthCheckResponse.SERVING
 
 
+MAX_SERVER_DRAIN_S = 600.0  # how long `kvxfer drain` waits for a drain the sidecar times itself
+
+
 def _unreachable(verb: str, target: str, e: grpc.RpcError) -> int:
     print(f"kvxfer {verb}: cannot reach sidecar at {target}: {e.code().name}: {e.details()}",
           file=sys.stderr)
@@ -287,9 +290,10 @@ def _call(args: argparse.Namespace, verb: str, fn: Any, render: Any = None) -> i
         print(f"kvxfer {verb}: {e}", file=sys.stderr)
         return 2
     except grpc.RpcError as e:
-        if e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED) and \
-                "refused" in (e.details() or "").lower():
-            return _unreachable(verb, args.target, e)
+        details = e.details() or ""
+        if (e.code() == grpc.StatusCode.UNAVAILABLE and not details.startswith("[")) or (
+                e.code() == grpc.StatusCode.DEADLINE_EXCEEDED and "refused" in details.lower()):
+            return _unreachable(verb, args.target, e)  # (a sidecar's own errors read "[code] why")
         print(f"kvxfer {verb}: {e.code().name}: {e.details()}", file=sys.stderr)
         return 1
     d = to_dict(out)
@@ -322,9 +326,9 @@ def cmd_peers(args: argparse.Namespace) -> int:
 
 
 def cmd_drain(args: argparse.Namespace) -> int:
-    req = pb.DrainRequest(timeout_s=args.drain_timeout)
-    return _call(args, "drain", lambda s, md: s.Drain(req, timeout=args.drain_timeout + args.timeout,
-                                                          metadata=md))
+    req = pb.DrainRequest(timeout_s=args.drain_timeout)  # (0: the sidecar's own --drain-timeout-s)
+    wait = args.drain_timeout or MAX_SERVER_DRAIN_S
+    return _call(args, "drain", lambda s, md: s.Drain(req, timeout=wait + args.timeout, metadata=md))
 
 
 def cmd_resume(args: argparse.Namespace) -> int:
@@ -356,7 +360,8 @@ def add_commands(sub: Any) -> None:
         q.set_defaults(func=cmd_peers)
     p = sub.add_parser("drain", help="stop new work, finish or fail in-flight work")
     add_target(p)
-    p.add_argument("--drain-timeout", type=float, default=20.0, help="seconds to wait for in-flight work")
+    p.add_argument("--drain-timeout", type=float, default=0.0, help="seconds to wait for in-flight work "
+                   "(default: the sidecar's --drain-timeout-s)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_drain)
     p = sub.add_parser("resume", help="undo a drain: take new holds and receives again")

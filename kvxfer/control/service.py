@@ -26,6 +26,7 @@ from kvxfer.control.access import AccessPolicy
 from kvxfer.control.v1 import control_pb2 as pb
 from kvxfer.control.v1 import control_pb2_grpc as pb_grpc
 from kvxfer.errors import ErrorCode, RequestError
+from kvxfer.observe import EVENT_KINDS
 from kvxfer.targets import is_local_target, is_unix, split_targets
 
 if TYPE_CHECKING:
@@ -43,6 +44,10 @@ _GRPC_CODE = {
     ErrorCode.INCOMPATIBLE: grpc.StatusCode.FAILED_PRECONDITION,
     ErrorCode.HANDSHAKE_FAILED: grpc.StatusCode.UNAVAILABLE,
     ErrorCode.DRAINING: grpc.StatusCode.UNAVAILABLE,
+    ErrorCode.UNAUTHORIZED: grpc.StatusCode.PERMISSION_DENIED,
+    ErrorCode.BUSY: grpc.StatusCode.UNAVAILABLE,
+    ErrorCode.PEER_STALLED: grpc.StatusCode.UNAVAILABLE,
+    ErrorCode.UNKNOWN_PEER: grpc.StatusCode.FAILED_PRECONDITION,
 }
 
 
@@ -199,13 +204,21 @@ class ControlService(pb_grpc.ControlServicer):
 
     async def Resume(self, request: pb.ResumeRequest, context: Any) -> pb.ResumeResponse:
         await self._authorize("Resume", context)
-        resumed = await self.sc.resume()
+        try:
+            resumed = await self.sc.resume()
+        except RequestError as e:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"[{e.code}] {e.reason}")
+            raise  # unreachable: abort raises
         log.warning("resume requested over the control API by %s: %s", context.peer(),
                     "taking new work again" if resumed else "was not draining")
         return pb.ResumeResponse(resumed=resumed)
 
     async def WatchEvents(self, request: pb.WatchEventsRequest, context: Any) -> Any:
         await self._authorize("WatchEvents", context)
+        unknown = sorted(set(request.kinds) - EVENT_KINDS)
+        if unknown:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"unknown event kinds {unknown}; known: "
+                                f"{', '.join(sorted(EVENT_KINDS))}")
         with self.sc.observer.subscribe(frozenset(request.kinds)) as queue:
             while True:
                 yield event_proto(await queue.get())

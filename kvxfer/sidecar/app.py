@@ -347,6 +347,7 @@ class Sidecar:
     def _graceful_stop(self) -> None:
         """SIGTERM: readiness off, drain within drain_timeout_s, then stop."""
         self.systemd.stopping("draining")
+        self.lifecycle.stop()  # (before the drain: a Resume from now on is refused)
 
         async def run() -> None:
             drained, failed, released, took = await self.ops.drain(self.config.drain_timeout_s)

@@ -41,6 +41,8 @@ class Lifecycle:
     def __init__(self) -> None:
         self._view = LifecycleView(listening=False, draining=False, engines=False, busy=False)
         self._subscribers: list[Subscriber] = []
+        self.resumes = 0  # resumes, ever: a drain that waited across one leaves the work alone
+        self.stopping = False  # SIGTERM: draining for good (a resume is refused)
 
     @property
     def view(self) -> LifecycleView:
@@ -83,8 +85,15 @@ class Lifecycle:
         return self._set(draining=True)
 
     def resume(self) -> bool:
-        """Take new work again; False when not draining."""
-        return self._set(draining=False)
+        """Take new work again; False when not draining, or stopping."""
+        if self.stopping or not self._set(draining=False):
+            return False
+        self.resumes += 1
+        return True
+
+    def stop(self) -> None:
+        """SIGTERM: the drain that follows is for good (a resume is refused until the exit)."""
+        self.stopping = True
 
     def engines_registered(self, registered: bool) -> None:
         self._set(engines=registered)

@@ -113,14 +113,18 @@ class Operations:
         return dropped
 
     async def drain(self, timeout_s: float) -> tuple[bool, int, int, float]:
-        """Refuse new holds/receives; wait for in-flight work; fail/release what is left."""
+        """Refuse new holds/receives; wait for in-flight work; fail/release what is left
+        (unless a resume came meanwhile: the work is taken again, and left alone)."""
         p = self._p
         start = time.monotonic()
         if p.lifecycle.drain():
             p.observer.emit(Event("drain_started"))
+        resumes = p.lifecycle.resumes
         p.lifecycle.work(bool(p.receiver.recvs) or bool(len(p.holds)))  # (idle from the parts themselves)
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(p.idle.wait(), timeout_s)
+        if p.lifecycle.resumes != resumes:  # (resumed while it waited: what runs now is not its to end)
+            return False, 0, 0, time.monotonic() - start
         failed = len(p.receiver)
         if failed:
             await p.receiver.cancel("", ErrorCode.DRAINING, "sidecar drained before the transfer finished")
@@ -130,7 +134,11 @@ class Operations:
         return failed == 0 and released == 0, failed, released, took
 
     async def resume(self) -> bool:
-        """Undo a drain: new holds and receives are taken again. False: not draining."""
+        """Undo a drain: new holds and receives are taken again. False: not draining.
+        Raises RequestError (DRAINING) when the sidecar is stopping (SIGTERM): it exits once
+        its drain ends, so taking work again would only hand it to a process about to go."""
+        if self._p.lifecycle.stopping:
+            raise RequestError(ErrorCode.DRAINING, "the sidecar is stopping (SIGTERM): it cannot resume")
         if not self._p.lifecycle.resume():
             return False
         self._p.observer.emit(Event("resumed"))

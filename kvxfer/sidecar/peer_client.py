@@ -99,6 +99,19 @@ class PeerChannel:
         return replace(self, secret=b"", curve=None)
 
 
+def dial(ctx: zmq.asyncio.Context, addr: str, ch: PeerChannel) -> zmq.asyncio.Socket:
+    """A DEALER to a peer's handshake listener (a CurveZMQ client with a secret)."""
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.IPV6, 1)
+    sock.setsockopt(zmq.MAXMSGSIZE, MAX_REPLY)  # (a hostile peer's reply is dropped, not buffered)
+    if ch.curve is not None:
+        sock.curve_publickey, sock.curve_secretkey = zmq.curve_keypair()
+        sock.curve_serverkey = ch.curve[0]
+    sock.connect(addr)
+    return sock
+
+
 class PeerClient:
     def __init__(self, *, config: Config, channel: PeerChannel, dial_ctx: zmq.asyncio.Context,
                  book: PeerBook, registry: RankRegistry, nixl: NixlPort, observer: Observer) -> None:
@@ -230,6 +243,8 @@ class PeerClient:
                 reply, metadata, infos = await self._hello(sock, key, start, ch)
             finally:
                 sock.close(0)
+            if reply.agent_name == self.channel.agent_name:  # (NIXL refuses to load its own agent)
+                raise RequestError(ErrorCode.INCOMPATIBLE, f"{key} is this sidecar's own handshake listener")
             cached = self.book.get(key)
             if not (cached is not None and cached.agent_name == reply.agent_name and reply.generation
                     and cached.generation == reply.generation and len(cached.ranks) == len(reply.ranks)):
@@ -241,6 +256,9 @@ class PeerClient:
         except RequestError as e:
             self.observer.handshake(key, False, time.monotonic() - start, e.reason)
             raise
+        except Exception as e:  # (NIXL's own errors, loading the peer: typed, and counted)
+            self.observer.handshake(key, False, time.monotonic() - start, repr(e))
+            raise RequestError(ErrorCode.HANDSHAKE_FAILED, f"{key}: {e!r}") from e
         took = time.monotonic() - start
         peer = Peer(endpoint=key, engine_id=reply.engine_id, agent_name=reply.agent_name,
                     ranks={r.key: r for r in infos}, handshake_s=took, connected_unix=time.time(),
@@ -385,16 +403,8 @@ class PeerClient:
     # ---------------------------------------------------------------- sockets
 
     def _dial(self, addr: str, ch: PeerChannel) -> zmq.asyncio.Socket:
-        """A DEALER to a peer's handshake listener (a CurveZMQ client with a secret)."""
-        sock = self.dial_ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.IPV6, 1)
-        sock.setsockopt(zmq.MAXMSGSIZE, MAX_REPLY)  # (a hostile peer's reply is dropped, not buffered)
-        if ch.curve is not None:
-            sock.curve_publickey, sock.curve_secretkey = zmq.curve_keypair()
-            sock.curve_serverkey = ch.curve[0]
-        sock.connect(addr)
-        self._socks.add(sock)
+        sock = dial(self.dial_ctx, addr, ch)
+        self._socks.add(sock)  # (closed at close, if still open)
         return sock
 
     async def _resolve(self, host: str, port: int) -> str:

@@ -43,6 +43,7 @@ from kvxfer.sidecar.recv_state import (
     check_generation,
     claim_answer,
     count_end,
+    count_refused,
     done_message,
     failed_message,
     may_be_stale,
@@ -97,8 +98,7 @@ class Receiver:
 
     def on_recv(self, ident: bytes, msg: Recv, sender: Creds, draining: bool = False,
                 received_ns: int = 0) -> None:
-        """Raises RequestError (``UNAUTHORIZED``: ``sender``, the sending process, does not
-        speak for the engine whose memory would receive)."""
+        """Raises RequestError (``UNAUTHORIZED``: ``sender`` does not speak for the engine)."""
         engine = self.registry.engine_of(msg.engine_id)
         authorize(sender, self.registry.holders(engine), self.config.engine_ownership, "receive", engine,
                   msg.req_id)
@@ -109,8 +109,9 @@ class Receiver:
             gave_up = (engine, msg.req_id) in self.abandoned
             state = admitted(ident, msg, engine, self.registry, draining, gave_up,
                              self.config.transfer_timeout_s, received_ns)
-        except RejectedRecv as e:
+        except RejectedRecv as e:  # (counted as any failed transfer: operators see refusals too)
             self._send(e.ident, failed_message(msg, e.error))
+            count_refused(self.observer, msg, e.error)
             return
         self.recvs[key] = state
         msg = state.msg

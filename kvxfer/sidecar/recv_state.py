@@ -229,6 +229,12 @@ def admitted(ident: bytes, msg: Recv, engine: str, registry: RankRegistry, drain
     return new_state(ident, msg, local, wall, timeout_s, received_ns)
 
 
+def count_refused(observer: Observer, msg: Recv, err: RequestError) -> None:
+    """A receive refused at admission (draining, a block out of range...), counted as failed."""
+    observer.transfer_failed(msg.req_id, f"{msg.remote_host}:{msg.remote_port}", msg.tp_rank, err.code,
+                             err.reason)
+
+
 def count_end(observer: Observer, book: PeerBook, state: RecvState, out: Outcome) -> None:
     """A receive's end, counted: the transfer, and its peer's reads or failures."""
     msg = state.msg
