@@ -19,6 +19,7 @@ import contextlib
 import itertools
 import logging
 import os
+import secrets
 import socket
 import time
 from collections.abc import Callable
@@ -199,7 +200,7 @@ class EngineRings:
             raise
         init_ring(mm)
         wake, doorbell = (os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC) for _ in range(2))
-        ident = f"ring-{sender.pid}-{next(self._numbers)}".encode()
+        ident = f"ring-{sender.pid}-{next(self._numbers)}-{secrets.token_hex(8)}".encode()  # (unguessable)
         try:
             conn.sendmsg([ring_encoder.encode(RingGranted(ident=ident.decode(), capacity=req.capacity))],
                          [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [fd, wake, doorbell]))])

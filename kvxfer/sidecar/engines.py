@@ -77,6 +77,7 @@ class Engines:
                 if ended:
                     log.warning("%s registers new memory: %d leases on its old memory ended", key, ended)
             entry, _replaced = await self.registry.register(msg, ident, holder(sender))
+            self._abandon(msg)  # (only a registration that took: a refused one speaks for no engine)
         except Exception as e:
             if not isinstance(e, RequestError):
                 log.exception("registration failed")
@@ -84,6 +85,10 @@ class Engines:
             log.warning("registration of %s refused: [%s] %s", self.registry.key_of(msg), e.code, e.reason)
             self.server.send(ident, Error(code=e.code, message=e.reason))
             self.changed.emit()  # (a failed re-registration unregistered the key)
+            return
+        if self.pools is not None and entry.pools and not all(self.pools.holds(p) for p in entry.pools):
+            # (its memory channel closed while it registered: pools_closed found no entry then)
+            await self.gone(entry, "engine process exited while it registered (its memory channel closed)")
             return
         nbytes = sum(m.size for m in msg.memory)
         log.info("registered %s: %d bytes", entry.key, nbytes)
@@ -102,9 +107,15 @@ class Engines:
             check_layout(msg.layout)
         except Incompatible as e:
             raise RequestError(ErrorCode.INVALID_LAYOUT, str(e)) from None
-        if msg.abandoned:  # before the rank is registered: none of them can be read or held
+
+    def _abandon(self, msg: RegisterKV) -> None:
+        """Requests the registering engine gave up on (a worker that outlived its sidecar):
+        refused if they arrive, for as long as they could (never longer than a lease or a
+        receive may live, whatever the message asks)."""
+        if msg.abandoned:
             engine = self.registry.engine_of(msg.engine_id)
-            for_s = msg.abandoned_s or self.config.transfer_timeout_s + 60.0
+            cap = max(self.config.max_lease_s, self.config.transfer_timeout_s) + 60.0
+            for_s = min(msg.abandoned_s or self.config.transfer_timeout_s + 60.0, cap)
             self.abandoned.add(engine, list(msg.abandoned), for_s)
             log.info("%s: %d requests its engine gave up on (loads failed, holds freed) are refused "
                      "for %.0fs if they arrive", engine, len(msg.abandoned), for_s)
@@ -143,7 +154,7 @@ class Engines:
         for entry in self.registry.orphans():
             if not self.holds.engine_holds(entry.key.engine):
                 log.warning("%s: the last lease of its dead engine ended; freeing its memory", entry.key)
-                await self.registry.remove(entry.key, unlink=True)
+                await self.registry.remove(entry.key, unlink=True, only=entry)
                 self.changed.emit()
 
     async def pools_closed(self, pools: set[str], pid: int) -> None:
@@ -172,5 +183,5 @@ class Engines:
             entry.orphaned = True
         else:
             log.warning("%s: %s; dropping its registration and receives", entry.key, reason)
-            await self.registry.remove(entry.key, unlink=True)  # the dead engine cannot remove its files
+            await self.registry.remove(entry.key, unlink=True, only=entry)  # (it cannot remove its files)
         self.observer.emit(Event("engine_gone", reason=f"{entry.key}: {reason}", tp_rank=entry.key.tp))

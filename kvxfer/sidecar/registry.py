@@ -107,6 +107,7 @@ class RankRegistry:
         self.default_engine = default_engine
         self._memory = memory
         self._entries: dict[RankKey, RankEntry] = {}
+        self._registering: set[RankKey] = set()  # keys whose new memory is being registered
         self.changes = 0  # bumped when a registration is replaced or removed (the generation)
 
     # ------------------------------------------------------------------ queries
@@ -190,12 +191,14 @@ class RankRegistry:
                 raise RequestError(ErrorCode.INVALID_LAYOUT, f"engine {key.engine!r} has tp_size {o.tp_size} "
                                    f"pp_size {o.pp_size}; this rank says {lay.tp_size}, {lay.pp_size}")
         old = self.find(key.engine, key.pp, key.tp)
-        if old is not None and old.owner != owner and self._alive(old):
+        creds = (holder or Holder(UNKNOWN)).creds
+        # (the same connection identity proves nothing where the kernel names the process: an
+        # identity is the client's choice; over tcp:// it is all there is)
+        if old is not None and (old.owner != owner or creds.uid >= 0) and self._alive(old):
             if old.pid != (watched_pid(msg.pid, (holder or Holder(UNKNOWN)).creds) or -1):
                 raise RequestError(ErrorCode.RANK_TAKEN, f"rank {key} is registered by live process "
                                    f"{old.pid}; two engines with the same engine id and DP rank? (give "
                                    "each its own)")
-            creds = (holder or Holder(UNKNOWN)).creds
             if not same_process(old.holder.creds, creds):
                 raise RequestError(ErrorCode.RANK_TAKEN, f"rank {key} is registered by live process "
                                    f"{old.pid} ({old.holder.creds}); this registration claims its pid "
@@ -220,29 +223,39 @@ class RankRegistry:
         old = self.find(key.engine, key.pp, key.tp)
         if old is not None and old.key != key:
             await self._drop(old)
+        self._registering.add(key)  # (a dead or orphaned entry of this key is not freed meanwhile)
         try:
             info = await self._memory.register(key, msg, holder)
         except BaseException:
             if self._entries.pop(key, None) is not None:
                 self.changes += 1
             raise
+        finally:
+            self._registering.discard(key)
         info = msgspec.structs.replace(info, engine_id=key.engine, dp_rank=key.dp)
         replaced = key in self._entries
         if replaced:
             self.changes += 1  # its old memory is gone: reads planned against it are stale
         pid = watched_pid(msg.pid, holder.creds)
-        entry = RankEntry(key=key, info=info, owner=owner, pid=pid, start=process_start_time(pid),
+        # (the start time read when the connection came, if it is this pid's: a process that
+        # died while it registered still shows as dead)
+        start = (holder.creds.start if holder.creds.pid == pid and holder.creds.start
+                 else process_start_time(pid))
+        entry = RankEntry(key=key, info=info, owner=owner, pid=pid, start=start,
                           files=[m.path for m in msg.memory if isinstance(m, ShmMemory)],
                           pools=[m.pool for m in msg.memory if isinstance(m, PoolMemory)],
                           registered_unix=time.time(), groups=list(msg.groups or ()), holder=holder)
         self._entries[key] = entry
         return entry, replaced
 
-    async def remove(self, key: RankKey, *, unlink: bool = False) -> RankEntry | None:
+    async def remove(self, key: RankKey, *, unlink: bool = False,
+                     only: RankEntry | None = None) -> RankEntry | None:
         """Unregister a rank (its in-flight reads fail on the NIXL thread); ``unlink``: also
-        remove its shared-memory files (its engine died and cannot)."""
+        remove its shared-memory files (its engine died and cannot). ``only``: if that is
+        still the key's registration and no new one is being made (a dead engine's, found
+        before an await: its replacement's must not go with it)."""
         entry = self._entries.get(key)
-        if entry is None:
+        if entry is None or (only is not None and (entry is not only or key in self._registering)):
             return None
         await self._drop(entry)
         if unlink:
@@ -259,12 +272,12 @@ class RankRegistry:
     def dead(self) -> list[RankEntry]:
         """Ranks whose registering process exited (a recycled pid does not count as alive),
         not already kept as orphans."""
-        return [e for e in self.entries()
-                if not e.orphaned and e.start is not None and process_start_time(e.pid) != e.start]
+        return [e for e in self.entries() if not e.orphaned and e.key not in self._registering
+                and e.start is not None and process_start_time(e.pid) != e.start]
 
     def in_pools(self, pools: set[str]) -> list[RankEntry]:
         """Live ranks whose KV cache is in any of ``pools`` (their engine's channel closed)."""
         return [e for e in self.entries() if not e.orphaned and pools.intersection(e.pools)]
 
     def orphans(self) -> list[RankEntry]:
-        return [e for e in self.entries() if e.orphaned]
+        return [e for e in self.entries() if e.orphaned and e.key not in self._registering]
