@@ -176,8 +176,10 @@ def _requests(lines: list[str], st: pb.Status) -> None:
                      f"(oldest {oldest:.1f}s, next expiry in {nxt:.1f}s)")
     else:
         lines.append("  leases     0 held")
-    reading = [t for t in st.transfers if t.state == "reading"]
-    lines.append(f"  in-flight  {len(reading)} reading, {len(st.transfers) - len(reading)} in handshake, "
+    n = {s: sum(t.state == s for t in st.transfers) for s in ("reading", "handshake")}
+    checking = len(st.transfers) - n["reading"] - n["handshake"]  # (landed: proof or digest awaited)
+    lines.append(f"  in-flight  {n['reading']} reading, {n['handshake']} in handshake"
+                 f"{f', {checking} verifying' if checking else ''}, "
                  f"{_human_bytes(sum(t.bytes for t in st.transfers))}")
 
 
