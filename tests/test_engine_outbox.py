@@ -142,7 +142,7 @@ def test_events_wait_for_a_stopped_engine_whose_connection_zmq_closed() -> None:
     import sys
 
     from kvxfer.observe import Observer
-    from kvxfer.sidecar.engine_server import GONE_AFTER_S, Kept
+    from kvxfer.sidecar.engine_server import GONE_AFTER_S, RESUME_GRACE_S, Kept
     from kvxfer.sidecar.ownership import Creds
     from kvxfer.sidecar.procfs import start_time, stopped
 
@@ -161,7 +161,98 @@ def test_events_wait_for_a_stopped_engine_whose_connection_zmq_closed() -> None:
         child.wait()
     assert not stopped(who)  # (gone)
     kept = Kept(lambda ident, frame: None, Observer())
+    assert kept.unreachable(b"x", stopped=False) is None  # (never seen stopped: gone with its process)
     assert kept.unreachable(b"e", stopped=True) is False  # (kept)
-    assert kept.unreachable(b"e", stopped=False) is None  # (gone with its process)
+    assert kept.unreachable(b"e", stopped=False) is False  # (resumed: it reconnects in ~0.1-0.2 s)
+    kept._stopped_seen[b"e"] -= RESUME_GRACE_S
+    assert kept.unreachable(b"e", stopped=False) is None  # (running, and not back: gone)
     kept._behind[b"e"] = time.monotonic() - GONE_AFTER_S - 1
     assert kept.unreachable(b"e", stopped=True) is None  # (stopped for too long)
+
+
+CHILD = r'''
+import sys, time, zmq
+from kvxfer.protocol import Ping, encode
+s = zmq.Context.instance().socket(zmq.DEALER)
+s.setsockopt(zmq.LINGER, 0)
+s.setsockopt(zmq.IDENTITY, b"stopped-engine")
+s.connect(sys.argv[1])
+s.send(encode(Ping(seq=1)))
+assert s.poll(10000)
+s.recv()
+print("ready", flush=True)
+sys.stdin.readline()  # (stopped here; resumed, it reads what was kept for it)
+got, end = 0, time.monotonic() + 10
+while got < 5 and time.monotonic() < end:
+    if s.poll(100):
+        s.recv()
+        got += 1
+print(got, flush=True)
+'''
+
+
+def test_a_stopped_engine_gets_what_was_kept_for_it_once_it_runs_again(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """A real engine socket whose heartbeats are cut to 0.2 / 0.6 s (30 s in the product), a
+    child engine process stopped until ZMQ closed its connection: five events for it are kept
+    while it is stopped, and arrive once it runs again and reconnects (found by a review: they
+    were dropped the moment it ran again, before its reconnection ~0.1-0.2 s later)."""
+    import asyncio
+    import signal
+    import subprocess
+    import sys
+    import threading
+
+    import zmq
+    import zmq.asyncio
+
+    from kvxfer.observe import Observer
+    from kvxfer.protocol import Ping, Pong
+    from kvxfer.sidecar.engine_server import EngineServer
+
+    endpoint = f"ipc://{tmp_path}/engine.sock"
+    loop = asyncio.new_event_loop()
+    ctx = zmq.asyncio.Context()
+    server = EngineServer(ctx, endpoint, Observer())
+    server.sock.setsockopt(zmq.HEARTBEAT_IVL, 200)
+    server.sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 600)
+    pong = Pong(seq=1, engine_id="e", version=1, handshake_host="h", handshake_port=1)
+    server.on(Ping, lambda ident, msg: server.send(ident, pong))
+    server.bind()
+    tasks: list[asyncio.Task[None]] = []
+
+    def run() -> None:
+        asyncio.set_event_loop(loop)
+        tasks.append(loop.create_task(server.serve()))
+        loop.run_forever()
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    try:
+        with subprocess.Popen([sys.executable, "-c", CHILD, endpoint], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True) as child:
+            try:
+                assert child.stdout is not None
+                assert child.stdin is not None
+                assert child.stdout.readline().strip() == "ready"
+                child.send_signal(signal.SIGSTOP)
+                time.sleep(1.5)  # (its connection closed by the heartbeats)
+                for _ in range(5):
+                    loop.call_soon_threadsafe(server.send, b"stopped-engine", pong)
+                time.sleep(0.3)
+                assert server.kept.box.waiting == 5  # (kept while it is stopped)
+                child.send_signal(signal.SIGCONT)
+                child.stdin.write("go\n")
+                child.stdin.flush()
+                assert child.stdout.readline().strip() == "5"
+                assert server.kept.box.lost == 0
+            finally:
+                child.kill()
+    finally:
+        for t in tasks:
+            loop.call_soon_threadsafe(t.cancel)
+        time.sleep(0.1)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(5)
+        server.close()
+        ctx.term()
+        loop.close()

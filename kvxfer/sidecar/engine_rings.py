@@ -125,6 +125,11 @@ class TakingTurns:
             self._deliver(*self._backlog.popleft())
 
 
+def oversize(ident: bytes, size: int, max_frame: int) -> None:
+    log.warning("engine ring %s: a %d-byte event is over its largest frame (%d); dropped", ident.decode(),
+                size, max_frame)
+
+
 class EngineRings:
     def __init__(self, server: EngineServer, observer: Observer, max_rings: int = MAX_RINGS) -> None:
         self.server = server
@@ -225,7 +230,9 @@ class EngineRings:
             if not broken.done():
                 broken.set_result(str(e))
 
-        def write(body: bytes) -> bool:
+        def write(body: bytes) -> bool | None:
+            if len(body) > out.max_frame:  # (never fits: dropped, or it would hold up all after it)
+                return oversize(ident, len(body), out.max_frame)
             try:
                 if not out.write(body):
                     return False

@@ -60,6 +60,7 @@ FLUSH_FIRST_S, FLUSH_MAX_S = 0.001, 0.05
 # Events for a connection that is not there while its process is stopped (ZMQ closes one whose
 # engine missed heartbeats for 30 s) wait this long for it to come back, then go (counted).
 GONE_AFTER_S = 300.0
+RESUME_GRACE_S = 5.0  # (after it was last seen stopped: its reconnection)
 RING_PREFIX = b"ring-"  # (engine_rings names its connections so; a closed one never comes back)
 WARN_EVERY_S = 10.0
 
@@ -127,6 +128,7 @@ class Kept:
         self.box = Outbox()
         self._put = put
         self._behind: dict[bytes, float] = {}  # connection -> since when events wait for it
+        self._stopped_seen: dict[bytes, float] = {}  # connection -> when its process was last seen stopped
         self._flush_at: asyncio.TimerHandle | None = None
         self._pause = FLUSH_FIRST_S
         self._warned: dict[str, float] = {}
@@ -156,21 +158,29 @@ class Kept:
 
     def unreachable(self, ident: bytes, stopped: bool) -> bool | None:
         """For a connection ZMQ does not know now: its events are kept (False) for GONE_AFTER_S
-        while its process is stopped (it reconnects with the same identity when it resumes),
-        else they go with it (None)."""
+        while its process is stopped, and RESUME_GRACE_S after it was last seen stopped (it
+        reconnects with the same identity once it runs again: ~0.1-0.2 s); else they go with
+        it (None)."""
+        now = time.monotonic()
+        if stopped:
+            self._stopped_seen[ident] = now
+        elif now - self._stopped_seen.get(ident, -RESUME_GRACE_S) >= RESUME_GRACE_S:
+            return None
         since = self._behind.get(ident)
-        return False if stopped and (since is None or time.monotonic() - since < GONE_AFTER_S) else None
+        return False if since is None or now - since < GONE_AFTER_S else None
 
     def flush(self, ident: bytes | None = None) -> None:
         """Send what waits (for ``ident``, or for every connection), and try again later while
         something still cannot go."""
         if ident is None:
             self._flush_at = None
+        went = self.box.delivered_late
         for i in [ident] if ident is not None else self.box.idents():
             if self.box.flush(i, partial(self._put, i)) and (since := self._behind.pop(i, None)):
+                self._stopped_seen.pop(i, None)
                 log.info("engine connection %r caught up: its events waited %.3f s", i,
                          time.monotonic() - since)
-        if not self._behind:
+        if not self._behind or self.box.delivered_late > went:  # (it reads: keep up with it)
             self._pause = FLUSH_FIRST_S
         elif ident is None:
             self._pause = min(2 * self._pause, FLUSH_MAX_S)
@@ -219,7 +229,7 @@ class EngineServer:
         self._senders: dict[bytes, tuple[int, Creds]] = {}  # identity -> (its connection's fd, process)
         self._who: dict[bytes, Creds] = {}  # identity -> its last process (kept after a disconnect)
         self._monitor: zmq.asyncio.Socket | None = None
-        self.rings: dict[bytes, Callable[[bytes], bool]] = {}  # ring identity -> its writer (engine_rings)
+        self.rings: dict[bytes, Callable[[bytes], bool | None]] = {}  # ring identity -> its writer
         self.kept = Kept(self._put, observer)  # events connections could not take yet
         self._closed = False
 

@@ -173,6 +173,8 @@ class Engines:
             self.changed.emit()
 
     async def _gone(self, entry: RankEntry, reason: str) -> None:
+        if self.registry.get(entry.key) is not entry:
+            return  # (found before an await; its key has another registration now: not this one's)
         await self.receiver.cancel("", ErrorCode.NOT_REGISTERED, reason, rank=entry.key)
         held = self.holds.engine_holds(entry.key.engine)
         if held:

@@ -19,6 +19,7 @@ from another process is refused too.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import logging
 import os
@@ -107,7 +108,7 @@ class RankRegistry:
         self.default_engine = default_engine
         self._memory = memory
         self._entries: dict[RankKey, RankEntry] = {}
-        self._registering: set[RankKey] = set()  # keys whose new memory is being registered
+        self._registering: collections.Counter[RankKey] = collections.Counter()  # new memory in flight
         self.changes = 0  # bumped when a registration is replaced or removed (the generation)
 
     # ------------------------------------------------------------------ queries
@@ -223,7 +224,7 @@ class RankRegistry:
         old = self.find(key.engine, key.pp, key.tp)
         if old is not None and old.key != key:
             await self._drop(old)
-        self._registering.add(key)  # (a dead or orphaned entry of this key is not freed meanwhile)
+        self._registering[key] += 1  # (a dead or orphaned entry of this key is not freed meanwhile)
         try:
             info = await self._memory.register(key, msg, holder)
         except BaseException:
@@ -231,7 +232,9 @@ class RankRegistry:
                 self.changes += 1
             raise
         finally:
-            self._registering.discard(key)
+            self._registering[key] -= 1
+            if not self._registering[key]:
+                del self._registering[key]
         info = msgspec.structs.replace(info, engine_id=key.engine, dp_rank=key.dp)
         replaced = key in self._entries
         if replaced:
