@@ -256,3 +256,28 @@ def test_a_stopped_engine_gets_what_was_kept_for_it_once_it_runs_again(tmp_path)
         server.close()
         ctx.term()
         loop.close()
+
+
+def test_an_event_too_large_for_a_ring_does_not_hold_up_the_rest(sidecars: SidecarFactory) -> None:
+    """A worker registered over a small ring (64 KiB each way); a Recv too large for it goes
+    over ZMQ with ``reply_to_rank``, and its Failed (naming 10,000 block ids) goes to the
+    ring, where it can never fit: it is dropped with a WARNING, and what follows arrives (found
+    by a review: the outbox kept it at the head of the ring's queue for ever, every later
+    event behind it)."""
+    from kvxfer.client import RemoteBlocks
+    from kvxfer.testing.engine import SyntheticEngine, make_layout
+
+    sc = sidecars.start("outbox-big", metrics_port=free_port())
+    e = SyntheticEngine(make_layout(layers=2, num_blocks=16, heads=2, head_dim=16), sc.endpoint,
+                        engine_channel="zmq")
+    try:
+        e.client.ring = EngineRing.open(sc.endpoint, capacity=MIN_CAPACITY)  # (before it registers)
+        e.start()
+        e.client.recv("big", list(range(100_000, 110_000)), RemoteBlocks("p", "127.0.0.1", 1, [0] * 10_000),
+                      reply_to_rank=True)
+        time.sleep(0.5)
+        assert e.client.ping(10).seq  # (its answer came after the Failed that could not)
+        assert "over its largest frame" in sc.log()
+        assert sc.scrape()["kvxfer_engine_events_waiting"] == 0
+    finally:
+        e.close()
