@@ -182,6 +182,11 @@ def main(argv: list[str] | None = None) -> int:
         if check:
             from kvxfer.config import describe
 
+            try:
+                config.preflight()  # (what the start would refuse: files, the secret)
+            except ConfigError as e:
+                print(f"kvxfer: {e}", file=sys.stderr)
+                return 2
             print(describe(config, sources))
             return 0
         # UCX and NIXL log at the sidecar's level (set before NIXL loads; their own variables win)

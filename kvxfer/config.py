@@ -261,6 +261,21 @@ class Config:
             return secret
         return env.get(ENV_PREFIX + "SECRET", "").encode()
 
+    def preflight(self) -> None:
+        """What the start checks of the files and the secret, without starting (``serve
+        --check``): ConfigError for a secret file that cannot be read, a handshake listener
+        beyond loopback with no secret (short of --insecure), a control TLS or token file
+        that is not there. (The host key, made on first start, is not made here.)"""
+        secret = self.load_secret()
+        if not secret and not self.handshake_is_local and not self.insecure:
+            raise ConfigError(f"the handshake listener would bind {self.handshake_host!r}, beyond loopback, "
+                              "with no shared secret: set secret_file (--secret-file) or KVXFER_SECRET, "
+                              "or pass --insecure")
+        for name in ("control_tls_cert", "control_tls_key", "control_tls_client_ca", "control_token_file"):
+            path = getattr(self, name)
+            if path and not os.access(path, os.R_OK):
+                raise ConfigError(f"{name} {path}: not a readable file")
+
     @property
     def resolved_host_key_file(self) -> str:
         return self.host_key_file or hostkey.default_path()

@@ -305,3 +305,22 @@ def test_bench_vllm_buckets_ttft_by_prompt_length() -> None:
     assert {k: v["n"] for k, v in got.items()} == {"100-999": 2, "1000-1999": 1, "2000+": 1}
     assert got["100-999"]["ttft_p50_ms"] == 50.0  # (pct: the lower of two)
     assert got["2000+"]["ttft_p99_ms"] == 200.0
+
+
+def test_serve_check_refuses_what_the_start_would(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """``kvxfer serve --check`` (``Config.preflight``) refuses what the start refuses of the
+    secret and the files (found by a README audit: the README's own example passed --check
+    and exited 2 when started)."""
+    from kvxfer.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="beyond loopback"):
+        Config(handshake_host="0.0.0.0").preflight()
+    Config(handshake_host="0.0.0.0", insecure=True).preflight()
+    secret = tmp_path / "secret"
+    secret.write_text("s3cret\n")
+    Config(handshake_host="0.0.0.0", secret_file=str(secret)).preflight()
+    with pytest.raises(ConfigError, match="secret_file"):
+        Config(secret_file=str(tmp_path / "missing")).preflight()
+    with pytest.raises(ConfigError, match="control_tls_cert"):
+        Config(control_tls_cert=str(tmp_path / "missing.pem")).preflight()
+    Config().preflight()  # (loopback, no secret: the host key, made at start)
