@@ -261,16 +261,22 @@ class Config:
             return secret
         return env.get(ENV_PREFIX + "SECRET", "").encode()
 
+    def require_secret(self, secret: bytes) -> None:
+        """ConfigError when the handshake listener would bind beyond loopback with no secret
+        (on loopback the host key stands in; --insecure runs open on purpose)."""
+        if not secret and not self.handshake_is_local and not self.insecure:
+            raise ConfigError(
+                f"the handshake listener would bind {self.handshake_host!r}, beyond loopback, with no "
+                "shared secret: anyone who reaches it could read and release this engine's KV cache. "
+                "Set secret_file (--secret-file) or KVXFER_SECRET on every sidecar, or pass --insecure "
+                "to run open on purpose")
+
     def preflight(self) -> None:
         """What the start checks of the files and the secret, without starting (``serve
         --check``): ConfigError for a secret file that cannot be read, a handshake listener
         beyond loopback with no secret (short of --insecure), a control TLS or token file
         that is not there. (The host key, made on first start, is not made here.)"""
-        secret = self.load_secret()
-        if not secret and not self.handshake_is_local and not self.insecure:
-            raise ConfigError(f"the handshake listener would bind {self.handshake_host!r}, beyond loopback, "
-                              "with no shared secret: set secret_file (--secret-file) or KVXFER_SECRET, "
-                              "or pass --insecure")
+        self.require_secret(self.load_secret())
         for name in ("control_tls_cert", "control_tls_key", "control_tls_client_ca", "control_token_file"):
             path = getattr(self, name)
             if path and not os.access(path, os.R_OK):

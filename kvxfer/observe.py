@@ -283,7 +283,7 @@ class Observer:
         self.m_peer_refused.labels(message, reason).inc()
         self.emit(Event("peer_refused", req_id, agent, code=reason, reason=message))
         if reason == "capped":  # policy at work, not an attack: a decode whose receive deadline
-            if _due(self._warned_at, "capped"):  # is over --max-read-s asks that much with every read
+            if due(self._warned_at, "capped"):  # is over --max-read-s asks that much with every read
                 log.info("%s for request %r from agent %s: cut to --max-read-s (said every %.0f s)",
                          message, req_id, agent, WARN_EVERY_S)
         else:
@@ -370,7 +370,7 @@ class Observer:
         self.m_bad.labels(socket).inc()
 
 
-def _due(warned_at: dict[str, float], key: str) -> bool:
+def due(warned_at: dict[str, float], key: str) -> bool:
     """Whether ``key`` was last said WARN_EVERY_S ago or more (then it is, now)."""
     now = time.monotonic()
     if now - warned_at.get(key, -WARN_EVERY_S) < WARN_EVERY_S:

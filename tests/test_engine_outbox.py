@@ -15,6 +15,7 @@ from kvxfer.engine_ring import EngineRing
 from kvxfer.ringchannel import MIN_CAPACITY
 from kvxfer.sidecar.outbox import Outbox
 from kvxfer.testing.procs import SidecarFactory, free_port
+from tests.test_ring import settles_and_serves
 
 
 def _flood_without_reading(c: SidecarClient, n: int) -> None:
@@ -67,15 +68,7 @@ def test_an_engine_gone_takes_its_waiting_events_with_it(sidecars: SidecarFactor
     time.sleep(0.5)
     assert sc.scrape()["kvxfer_engine_events_waiting"] > 0
     c.close()
-    deadline = time.monotonic() + 10
-    while sc.scrape()["kvxfer_engine_events_waiting"] and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert sc.scrape()["kvxfer_engine_events_waiting"] == 0
-    after = SidecarClient(sc.endpoint)
-    try:
-        assert after.ping(5).seq
-    finally:
-        after.close()
+    settles_and_serves(sc, "kvxfer_engine_events_waiting")
 
 
 # ---------------------------------------------------------------------- the outbox alone

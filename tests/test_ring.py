@@ -24,7 +24,7 @@ from kvxfer.engine_ring import EngineRing, RingUnavailable
 from kvxfer.errors import SidecarUnavailable
 from kvxfer.ringchannel import MIN_CAPACITY, Ring, RingCorrupt, init_ring, ring_bytes, ring_doorbell
 from kvxfer.testing.engine import SyntheticEngine, make_layout
-from kvxfer.testing.procs import SidecarFactory, free_port
+from kvxfer.testing.procs import SidecarFactory, SidecarProc, free_port
 from tests.test_faults import remote_of
 from tests.test_sidecar import wait_for
 
@@ -226,10 +226,16 @@ def test_a_full_ring_refuses_at_once_and_an_engine_death_frees_its_ring(sidecars
     finally:
         os.kill(sc.proc.pid, signal.SIGCONT)
     c.close()  # (the engine goes: its connection closes)
-    deadline = time.monotonic() + 10
-    while sc.scrape()["kvxfer_engine_rings"] and time.monotonic() < deadline:
+    settles_and_serves(sc, "kvxfer_engine_rings")
+
+
+def settles_and_serves(sc: SidecarProc, gauge: str, timeout: float = 10.0) -> None:
+    """``gauge`` comes down to 0 within ``timeout`` (what a gone engine held is let go), and
+    the sidecar still answers a new engine."""
+    deadline = time.monotonic() + timeout
+    while sc.scrape()[gauge] and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert sc.scrape()["kvxfer_engine_rings"] == 0
+    assert sc.scrape()[gauge] == 0
     after = SidecarClient(sc.endpoint)
     try:
         assert after.ping(5).seq  # still serving

@@ -40,7 +40,7 @@ import zmq.asyncio
 from prometheus_client import Counter, Gauge
 
 from kvxfer.errors import ErrorCode, ListenError, RequestError
-from kvxfer.observe import Observer
+from kvxfer.observe import Observer, due
 from kvxfer.protocol import DECODE_ERRORS, EngineRequest, Error, encode, engine_request_decoder
 from kvxfer.sidecar.outbox import Outbox
 from kvxfer.sidecar.ownership import UNKNOWN, Creds
@@ -62,7 +62,6 @@ FLUSH_FIRST_S, FLUSH_MAX_S = 0.001, 0.05
 GONE_AFTER_S = 300.0
 RESUME_GRACE_S = 5.0  # (after it was last seen stopped: its reconnection)
 RING_PREFIX = b"ring-"  # (engine_rings names its connections so; a closed one never comes back)
-WARN_EVERY_S = 10.0
 
 Handler = Callable[[bytes, Any], Awaitable[None] | None]
 
@@ -202,9 +201,7 @@ class Kept:
                 self._warn(why, "events for engines never sent (%s): %d ever", why, now)
 
     def _warn(self, key: str, fmt: str, *args: object) -> None:
-        now = time.monotonic()
-        if now - self._warned.get(key, -WARN_EVERY_S) >= WARN_EVERY_S:
-            self._warned[key] = now
+        if due(self._warned, key):  # (at most every WARN_EVERY_S)
             log.warning(fmt, *args)
 
 

@@ -86,7 +86,7 @@ class Engines:
             self.server.send(ident, Error(code=e.code, message=e.reason))
             self.changed.emit()  # (a failed re-registration unregistered the key)
             return
-        if self.pools is not None and entry.pools and not all(self.pools.holds(p) for p in entry.pools):
+        if entry.pools and self.pools is not None and not self._pools_held(entry):
             # (its memory channel closed while it registered: pools_closed found no entry then)
             await self.gone(entry, "engine process exited while it registered (its memory channel closed)")
             return
@@ -161,10 +161,14 @@ class Engines:
         """An engine's memory channel closed with pools in it: the engine is gone, whatever
         PID namespace it ran in (its pid may mean nothing here)."""
         for entry in self.registry.in_pools(pools):
-            if self.pools is not None and all(self.pools.holds(p) for p in entry.pools):
+            if self._pools_held(entry):
                 continue  # handed back on a new connection meanwhile (a worker that reconnected)
             await self.gone(entry, f"engine process {pid} exited (its memory channel closed; "
                                    "exited or killed)")
+
+    def _pools_held(self, entry: RankEntry) -> bool:
+        """Every pool of the rank's is held by a memory channel (its engine's, open)."""
+        return self.pools is not None and all(self.pools.holds(p) for p in entry.pools)
 
     async def gone(self, entry: RankEntry, reason: str) -> None:
         try:

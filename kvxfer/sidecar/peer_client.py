@@ -28,7 +28,7 @@ import zmq.asyncio
 from kvxfer import hostkey
 from kvxfer.auth import check_welcome, curve_server_keys, sign_hello, sign_request
 from kvxfer.config import Config
-from kvxfer.errors import ConfigError, ErrorCode, RequestError
+from kvxfer.errors import ErrorCode, RequestError
 from kvxfer.observe import Observer
 from kvxfer.protocol import (
     DECODE_ERRORS,
@@ -77,15 +77,10 @@ class PeerChannel:
         the listener would bind beyond loopback with nothing (short of --insecure), or the key
         cannot be had."""
         secret = config.load_secret()
+        config.require_secret(secret)
         host_key = not secret and config.handshake_is_local and not config.insecure
         if host_key:
             secret = hostkey.load(config.resolved_host_key_file)
-        if not secret and not config.insecure:
-            raise ConfigError(
-                f"the handshake listener would bind {config.handshake_host!r}, beyond loopback, with no "
-                "shared secret: anyone who reaches it could read and release this engine's KV cache. "
-                "Set secret_file (--secret-file) or KVXFER_SECRET on every sidecar, or pass --insecure "
-                "to run open on purpose")
         encrypt = secret and config.handshake_encryption != "none"
         return cls(engine_id, agent_name, secret, curve_server_keys(secret) if encrypt else None,
                    local_only=host_key)

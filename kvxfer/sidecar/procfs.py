@@ -42,37 +42,38 @@ def creds_of_fd(fd: int) -> Creds:
         return creds_of(s)
 
 
-def parent_of(pid: int) -> int:
-    """A process's parent pid (0: gone, or not visible here)."""
+def _stat(pid: int) -> list[bytes]:
+    """The fields of /proc/<pid>/stat after the command name ([]: gone, not visible from
+    here, no pid)."""
+    if pid <= 0:
+        return []
     try:
         with open(f"/proc/{pid}/stat", "rb") as fh:
-            return int(fh.read().rsplit(b")", 1)[1].split()[1])
-    except (OSError, IndexError, ValueError):
+            return fh.read().rsplit(b")", 1)[1].split()
+    except (OSError, IndexError):
+        return []
+
+
+def parent_of(pid: int) -> int:
+    """A process's parent pid (0: gone, or not visible here)."""
+    fields = _stat(pid)
+    try:
+        return int(fields[1])
+    except (IndexError, ValueError):
         return 0
 
 
 def start_time(pid: int) -> str:
     """A process's start time (clock ticks since boot, /proc/<pid>/stat field 22); "" when
     not visible from here (gone, another PID namespace, no pid)."""
-    if pid <= 0:
-        return ""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as fh:
-            return fh.read().rsplit(b")", 1)[1].split()[19].decode()
-    except (OSError, IndexError):
-        return ""
+    fields = _stat(pid)
+    return fields[19].decode() if len(fields) > 19 else ""
 
 
 def stopped(creds: Creds) -> bool:
     """Whether a connection's process is stopped (SIGSTOP, a debugger: state T or t) and
     is still the process that connected (same start time, when known)."""
-    if creds.pid <= 0:
-        return False
-    try:
-        with open(f"/proc/{creds.pid}/stat", "rb") as fh:
-            fields = fh.read().rsplit(b")", 1)[1].split()
-    except OSError:
-        return False
+    fields = _stat(creds.pid)
     return fields[:1] in ([b"T"], [b"t"]) and (not creds.start or fields[19:20] == [creds.start.encode()])
 
 

@@ -196,7 +196,7 @@ class RankRegistry:
         # (the same connection identity proves nothing where the kernel names the process: an
         # identity is the client's choice; over tcp:// it is all there is)
         if old is not None and (old.owner != owner or creds.uid >= 0) and self._alive(old):
-            if old.pid != (watched_pid(msg.pid, (holder or Holder(UNKNOWN)).creds) or -1):
+            if old.pid != (watched_pid(msg.pid, creds) or -1):
                 raise RequestError(ErrorCode.RANK_TAKEN, f"rank {key} is registered by live process "
                                    f"{old.pid}; two engines with the same engine id and DP rank? (give "
                                    "each its own)")
