@@ -253,6 +253,12 @@ def test_a_size_too_slow_to_finish_in_time_is_skipped_with_its_projection() -> N
     assert too_slow((32 << 20, 0.48), 1 << 30, row)  # 0.07 GB/s: 15 s projected
     assert f"over {SLOW_S:.0f} s" in row["skipped"]
     assert "0.07 GB/s" in row["skipped"]
+    # (the knobs stage read every size's number: the 2026-11-28 run's skipped 512 MiB cells
+    # raised KeyError and lost the cell's measured 32 MiB number with them)
+    from kvxfer.testing.gpu_bench import _by_size
+
+    rows = [{"bytes": 32 << 20, "raw_nixl_gbps": 0.06}, {"bytes": 512 << 20, **row}]
+    assert _by_size(rows, "raw_nixl_gbps") == {32: 0.06, 512: "skipped"}
 
 
 def test_what_a_gpu_sidecar_sets_for_ucx_never_overrides_the_operator() -> None:

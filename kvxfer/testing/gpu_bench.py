@@ -411,6 +411,12 @@ KNOBS: list[tuple[str, dict[str, str], dict[str, int]]] = [
 ]
 
 
+def _by_size(rows: list[dict[str, Any]], key: str) -> dict[int, Any]:
+    """MiB -> the value of ``key``, or "skipped" for a size not measured (one repeat would
+    take too long: ``too_slow``)."""
+    return {r["bytes"] >> 20: r.get(key, "skipped") for r in rows}
+
+
 def stage_knobs(dry: bool, device: str, emit: Callable[[dict[str, Any]], None]) -> dict[str, Any]:
     """One knob at a time from kvxfer's defaults (2 NIXL threads, 64 MiB chunks, the memtype
     cache off), kvxfer and raw NIXL, 32 KiB descriptors, 32 MiB and 512 MiB."""
@@ -430,10 +436,10 @@ def stage_knobs(dry: bool, device: str, emit: Callable[[dict[str, Any]], None]) 
                 if "chunk_mib" not in opts:  # (chunking is kvxfer's alone)
                     raw = raw_sweep(kind, sizes, repeats, device=device, threads=threads, env=env,
                                     layouts=("LBNHC",), staging=False, copy=False)
-                    cell["raw_nixl_gbps"] = {r["bytes"] >> 20: r["raw_nixl_gbps"] for r in raw["rows"]}
+                    cell["raw_nixl_gbps"] = _by_size(raw["rows"], "raw_nixl_gbps")
                 k = kvxfer_sweep(kind, "LBNHC", sizes, repeats, device=device, threads=threads,
                                  chunk_mib=chunk, env=env)
-                cell["kvxfer_gbps"] = {r["bytes"] >> 20: r["kvxfer_gbps"] for r in k["rows"]}
+                cell["kvxfer_gbps"] = _by_size(k["rows"], "kvxfer_gbps")
             except Exception as e:  # a knob that breaks a lane is a finding, not the stage's end
                 cell["error"] = f"{type(e).__name__}: {e}"[:1500]
             res["cells"].append(cell)
