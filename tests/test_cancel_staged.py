@@ -29,6 +29,7 @@ class RecordingPort:
     def __init__(self) -> None:
         self.calls: list[str] = []
         self.cancel_may_answer = asyncio.Event()
+        self.spans: dict[int, tuple[int, int]] = {}  # (no staging arenas)
 
     async def cancel(self, key: str, code: str, reason: str) -> bool:
         self.calls.append("cancel")

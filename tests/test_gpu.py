@@ -1,7 +1,9 @@
 """The CUDA paths: engine VRAM exported over CUDA IPC (``ipc``), or the sidecar's CUDA VMM
 pools handed to the engine by fd (``vmm``, kvxfer.vmm), registered by the sidecar as VRAM,
-read VRAM -> VRAM by a peer sidecar over NIXL. Runs only where a GPU is present (the lent
-device machine); CI machines have none, so it is skipped there."""
+read VRAM -> VRAM by a peer sidecar over NIXL: staged through both sidecars' VRAM arenas
+(the default: gather, one transfer of the prefill's slot, scatter) or directly
+(``--vram-staging-mib 0``). Runs only where a GPU is present (the lent device machine); CI
+machines have none, so it is skipped there (``make gpu-check`` runs it: ``-k ipc``, ``-k vmm``)."""
 
 from __future__ import annotations
 
@@ -28,12 +30,13 @@ pytestmark = pytest.mark.skipif(not _has_cuda(), reason="needs a CUDA GPU")
 
 
 @pytest.mark.parametrize("gpu_memory", ["ipc", "vmm"])
-@pytest.mark.parametrize("mode", ["peer", "none"])
-def test_vram_to_vram(sidecars: SidecarFactory, mode: str, gpu_memory: str) -> None:
+@pytest.mark.parametrize(("mode", "staging"), [("peer", "staged"), ("none", "staged"), ("peer", "direct")])
+def test_vram_to_vram(sidecars: SidecarFactory, mode: str, gpu_memory: str, staging: str) -> None:
     if gpu_memory == "vmm":
         pytest.importorskip("cuda.bindings.driver")
-    ps = sidecars.start(f"gpu-p-{mode}-{gpu_memory}", "--ucx-error-mode", mode)
-    ds = sidecars.start(f"gpu-d-{mode}-{gpu_memory}", "--ucx-error-mode", mode)
+    args = ("--ucx-error-mode", mode, *(("--vram-staging-mib", "0") if staging == "direct" else ()))
+    ps = sidecars.start(f"gpu-p-{mode}-{gpu_memory}-{staging}", *args)
+    ds = sidecars.start(f"gpu-d-{mode}-{gpu_memory}-{staging}", *args)
     layout = make_layout(layers=4, num_blocks=64, heads=8, head_dim=128)
     p = SyntheticEngine(layout, ps.endpoint, seed=1, device="cuda:0", gpu_memory=gpu_memory)
     d = SyntheticEngine(layout, ds.endpoint, seed=2, device="cuda:0", gpu_memory=gpu_memory)
@@ -49,6 +52,10 @@ def test_vram_to_vram(sidecars: SidecarFactory, mode: str, gpu_memory: str) -> N
         got = wait_for(d.client, lambda a: bool(a.done or a.failed), timeout=60)
         assert not got.failed, (got.failed, ds.log()[-3000:], ps.log()[-3000:])
         assert d.verify("g1", db)
+        # 16 blocks x 8 regions x 32 KiB: staged, the prefill's 4 MiB slot in two 2 MiB
+        # descriptors; direct, one per (block, region) or per run of consecutive blocks
+        descs = got.done[0].descriptors
+        assert (descs == 2) if staging == "staged" else (descs > 2), (staging, descs, ds.log()[-3000:])
         rel = wait_for(p.client, lambda a: bool(a.released))
         assert rel.released[0].reason == "read"
     finally:

@@ -86,3 +86,83 @@ def test_empty_runs_copy_nothing() -> None:
     assert gather(buf.ctypes.data, runs) == 0
     scatter(buf.ctypes.data, np.array([(buf.ctypes.data, 0, 0)] * 20, dtype=np.int64))
     assert not buf.any()
+
+
+# ---------------------------------------------------------------------- VRAM staging's copies
+
+
+@st.composite
+def runs_in_tensors(draw: st.DrawFn) -> tuple[list[int], list[tuple[int, int, int]]]:
+    """Two or three memories (sizes) and disjoint runs in them, (memory, offset, length) in a
+    drawn order, on a grid of their unit or off it by multiples of 2 bytes (head slices,
+    blocks, odd pieces)."""
+    unit = draw(st.sampled_from([2, 64, 256, 4096]))
+    aligned = draw(st.booleans())
+    sizes = [draw(st.integers(4, 64)) * unit for _ in range(draw(st.integers(1, 3)))]
+    runs = []
+    for m, size in enumerate(sizes):
+        at = 0
+        for _ in range(draw(st.integers(0, 30))):
+            at += draw(st.integers(0, 2)) * unit + (0 if aligned else draw(st.integers(0, 3)) * 2)
+            k = draw(st.integers(1, 3))
+            if at + k * unit > size:
+                break
+            runs.append((m, at, k * unit))
+            at += k * unit
+    order = draw(st.permutations(range(len(runs))))
+    return sizes, [runs[i] for i in order]
+
+
+@settings(max_examples=150, deadline=None)
+@given(runs_in_tensors(), st.integers(0, 2**32 - 1))
+def test_vram_copies_move_what_slicing_moves(case: tuple[list[int], list[tuple[int, int, int]]],
+                                             seed: int) -> None:
+    """``copy_runs`` (the gather and scatter of VRAM staging: torch ops on the arena's device)
+    run here on CPU tensors, which the same ops treat alike: a gather puts each run's bytes
+    back to back in the slot in order, a scatter puts them back, and nothing else moves.
+    The bases are only numbers to it (addresses of memory on a device): here far apart."""
+    import torch
+
+    from kvxfer.sidecar.nixl_staging import copy_runs
+
+    sizes, runs = case
+    rng = np.random.default_rng(seed)
+    mems = [torch.from_numpy(rng.integers(0, 256, n, dtype=np.uint8)) for n in sizes]
+    bases = [(1 << 40) + i * (1 << 32) for i in range(len(sizes))]
+    order = sorted(range(len(sizes)), key=lambda i: bases[i])
+    mem = [(bases[i], mems[i]) for i in order]
+    arr = np.array([(bases[m] + off, n) for m, off, n in runs], dtype=np.int64).reshape(-1, 2)
+    total = sum(n for _, _, n in runs)
+    slot = torch.zeros(total + 16, dtype=torch.uint8)
+    copy_runs(slot[:total], arr, mem, into_slot=True)
+    want = b"".join(mems[m][off:off + n].numpy().tobytes() for m, off, n in runs)
+    assert slot[:total].numpy().tobytes() == want
+    assert not slot[total:].any()  # (nothing past the slot's end)
+
+    before = [t.clone() for t in mems]
+    for m, off, n in runs:  # wipe the runs, scatter them back from a slot of other bytes
+        mems[m][off:off + n] = 0
+    back = torch.from_numpy(rng.integers(0, 256, total, dtype=np.uint8))
+    copy_runs(back, arr, mem, into_slot=False)
+    at = 0
+    for m, off, n in runs:
+        assert mems[m][off:off + n].numpy().tobytes() == back[at:at + n].numpy().tobytes()
+        before[m][off:off + n] = back[at:at + n]
+        at += n
+    for t, b in zip(mems, before, strict=True):
+        assert torch.equal(t, b)  # every byte outside the runs untouched
+
+
+def test_a_vram_run_outside_the_ranks_memory_is_refused_before_anything_moves() -> None:
+    import pytest
+    import torch
+
+    from kvxfer.errors import RequestError
+    from kvxfer.sidecar.nixl_staging import copy_runs
+
+    mem = [(1 << 40, torch.zeros(4096, dtype=torch.uint8))]
+    slot = torch.ones(1024, dtype=torch.uint8)
+    for bad in ([(1 << 40) + 3584, 1024], [(1 << 40) - 512, 1024], [(1 << 41), 1024]):
+        with pytest.raises(RequestError, match="outside"):
+            copy_runs(slot, np.array([bad], dtype=np.int64), mem, into_slot=False)
+    assert not mem[0][1].any()

@@ -94,7 +94,7 @@ def transfer_options(config: Config, words: LeaseWords | None = None) -> Transfe
         # (posting from the loop's thread is verified on host memory only: with CUDA the
         # NIXL thread stays the only one that drives NIXL)
         inline_bytes=0 if config.cuda_enabled else config.inline_read_kib << 10,
-        staging_bytes=config.staging_mib << 20,
+        staging_bytes=config.staging_mib << 20, vram_staging_bytes=config.vram_staging_mib << 20,
         lease_words=(words.addr, words.nbytes) if words is not None and not config.cuda_enabled else (0, 0))
 
 

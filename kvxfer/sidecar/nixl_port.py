@@ -40,7 +40,7 @@ from kvxfer.protocol import DigestItem, RankInfo, RegisterKV
 from kvxfer.sidecar.nixl_agent import create_agent
 from kvxfer.sidecar.nixl_memory import Cleanup, Registrations
 from kvxfer.sidecar.nixl_reads import ProofScratch, Reads
-from kvxfer.sidecar.nixl_staging import StagingArena, gather_ranks, new_read, warm_copies
+from kvxfer.sidecar.nixl_staging import Arenas, gather_ranks, new_read, warm_copies
 from kvxfer.sidecar.nixl_types import Event, NoticeReceived, PollPolicy, ReadRefused, TransferOptions
 from kvxfer.sidecar.ownership import Creds, Holder
 from kvxfer.sidecar.plan import ReadSpec
@@ -61,12 +61,20 @@ def send_notif_logged(nixl_agent: Any, agent: str, payload: bytes) -> None:
 
 
 
-def host_extras(agent: Any, options: TransferOptions, name: str = "") -> tuple[ProofScratch | None,
-                                                                               StagingArena | None]:
+Spans = dict[int, tuple[int, int]]  # device (-1: host) -> (address, size) of its staging arena
+
+
+def offered_staging(port: NixlPort) -> int:
+    """What a Welcome offers: the size of an arena here (0: this sidecar stages nothing); with
+    CUDA the size each device's arena has or will have once a rank registers there."""
+    return port.options.vram_staging_bytes if port.options.cuda else port.spans.get(-1, (0, 0))[1]
+
+
+def host_extras(agent: Any, options: TransferOptions, name: str = "") -> tuple[ProofScratch | None, Arenas]:
     """Host memory registered before any handshake (so every Welcome's metadata covers it):
     the lease words this sidecar publishes, where the words it reads land (with an agent of
-    their own, ``name``-words, that copies inline: ``ProofScratch``), and the staging arena
-    (host memory only, for now)."""
+    their own, ``name``-words, that copies inline: ``ProofScratch``), and the staging arenas
+    (host memory now; with CUDA, one per device as its first rank registers)."""
     addr, nbytes = options.lease_words
     if nbytes:
         agent.register_memory([(addr, nbytes, 0, "")], "DRAM")
@@ -84,8 +92,7 @@ def host_extras(agent: Any, options: TransferOptions, name: str = "") -> tuple[P
         except Exception as e:  # (its memory not registered with it: the main agent reads the words)
             log.warning("lease word reads by the main agent: %s", e)
             scratch = ProofScratch(agent, options.proof_slots)
-    arena = StagingArena(agent, options.staging_bytes) if options.staging_bytes > 0 and host else None
-    return scratch, arena
+    return scratch, Arenas(agent, options.staging_bytes * host, options.vram_staging_bytes * (not host))
 
 
 def read_bound(spec: ReadSpec, info: RankInfo) -> int:
@@ -152,8 +159,8 @@ class NixlPort:
         self._agent: Any = None
         self._regs: Registrations | None = None
         self._reads: Reads | None = None
-        self._arena: StagingArena | None = None  # (and _scratch: ProofScratch | None, host_extras)
-        self.staging = (0, 0)  # the staging arena's (address, size) once started; (0, 0): none
+        self._arenas: Arenas | None = None  # (and _scratch: ProofScratch | None, host_extras)
+        self.spans: Spans = {}  # the arenas', on the loop: set at start and after each registration
         self.events = LoopEvents()  # what the port reports, delivered on the loop
         self._emit = self.events.emit
         self.backends: list[str] = []
@@ -190,7 +197,9 @@ class NixlPort:
     async def register(self, key: Hashable, msg: RegisterKV, holder: Holder) -> RankInfo:
         """Map a rank's memory and register it (replacing the key's registration); ``holder``
         is the registering process (the memory it names must be provably its own)."""
-        return await self._run(lambda: self._register(key, msg, holder.creds))
+        info, spans = await self._run(lambda: self._register(key, msg, holder.creds))
+        self.spans.update(spans)  # (a VRAM rank's first registration on its device made its arena)
+        return info
 
     async def unregister(self, key: Hashable) -> bool:
         """Its reads fail; its memory is released once they settled."""
@@ -209,7 +218,7 @@ class NixlPort:
         return await self._run(lambda: self._remove_peer(name, reason, code, stalled))
 
     async def metadata(self) -> bytes:
-        warm_copies(self._arena)  # (a peer is handshaking: staged reads may follow)
+        warm_copies(self._arenas)  # (a peer is handshaking: staged reads may follow)
         return await self._run(lambda: bytes(self._agent.get_agent_metadata()))
 
     async def read_word(self, agent: str, addr: int) -> tuple[int, int] | None:
@@ -235,9 +244,11 @@ class NixlPort:
         return await self._run(lambda: self._regs_().digest(key, items, region0, num_regions))
 
     async def gather(self, ranks: list[tuple[Hashable, Any]], blocks: list[int], offset: int,
-                     nbytes: int) -> None:
-        """Copy runs of held ``blocks`` into the staging slot at ``offset`` (``gather_ranks``)."""
-        await self._run(lambda: gather_ranks(self._regs_().local, self._arena, ranks, blocks, offset, nbytes))
+                     nbytes: int, device: int = -1) -> None:
+        """Copy runs of held ``blocks`` into the slot at ``offset`` of ``device``'s arena."""
+        await self._run(lambda: gather_ranks(self._regs_().local, self._arenas, device, ranks, blocks, offset,
+                                             nbytes))
+
 
     def read(self, spec: ReadSpec) -> None:
         """Start a read; a ``ReadFinished`` reports its end. A small one is planned, posted and
@@ -314,10 +325,11 @@ class NixlPort:
 
     # ------------------------------------------------------------------ thread side
 
-    def _register(self, key: Hashable, msg: RegisterKV, peer: Creds) -> RankInfo:
+    def _register(self, key: Hashable, msg: RegisterKV, peer: Creds) -> tuple[RankInfo, Spans]:
         if key in self._regs_().local:
             self._unregister(key)
-        return self._regs_().register(key, msg, peer)
+        info = self._regs_().register(key, msg, peer)
+        return info, self._arenas.for_rank(info)  # type: ignore[union-attr]  # (made with the agent)
 
     def _unregister(self, key: Hashable) -> bool:
         regs = self._regs_()
@@ -329,7 +341,7 @@ class NixlPort:
         return True
 
     def _add_peer(self, name: str, metadata: bytes, ranks: list[RankInfo], reload: bool) -> str:
-        warm_copies(self._arena)
+        warm_copies(self._arenas)
         if name in self._regs_().peers:
             # Not "disconnected": the loop would drop the peer it is handshaking right now.
             self._remove_peer(name, "peer metadata replaced", ErrorCode.TRANSFER_ERROR)
@@ -350,7 +362,7 @@ class NixlPort:
         loop would compete with the copy for the GIL and the CPU)."""
         marks = [("nixl_thread", time.monotonic_ns())] if spec.trace else None
         corrupt = self._corrupt_reads > 0
-        rd = new_read(self._regs_(), self._arena, spec, self.options, marks, corrupt)
+        rd = new_read(self._regs_(), self._arenas, spec, self.options, marks, corrupt)
         self._corrupt_reads -= 1 if rd.corrupt_at else 0
         if marks is not None:
             marks.append(("planned_descs", time.monotonic_ns()))
@@ -360,9 +372,9 @@ class NixlPort:
         self._agent = create_agent(self.agent_name, self.options.ucx_error_mode, self.options.num_threads)
         cleanup = Cleanup()
         self._regs = Registrations(self._agent, self._pools, cleanup)
-        self._scratch, self._arena = host_extras(self._agent, self.options, self.agent_name)
+        self._scratch, self._arenas = host_extras(self._agent, self.options, self.agent_name)
         self._reads = Reads(self._agent, self.options, self._emit, cleanup, self._scratch)
-        self.staging = (self._arena.addr, self._arena.size) if self._arena is not None else (0, 0)
+        self.spans.update(self._arenas.spans())
         self.backends = ["UCX"]
 
     def _main(self) -> None:
@@ -423,8 +435,8 @@ class NixlPort:
             self._remove_peer(name, "sidecar shutting down", ErrorCode.PEER_DISCONNECTED)
         for key in list(regs.local):
             self._unregister(key)
-        if self._arena is not None:
-            self._arena.close()
+        if self._arenas is not None:
+            self._arenas.close()
         if self._scratch is not None:
             self._scratch.close()
         # Keep progressing briefly so notifications already sent leave the process.

@@ -19,7 +19,8 @@ class TransferOptions:
     settle_timeout_s: float = 20.0  # a failed read's in-flight chunks must stop by then
     expect_read_s: float = 2e-3  # after a claim, poll at busy_poll_s this long (expect_reads)
     inline_bytes: int = 4 << 20  # reads up to this size are posted by the caller itself (NixlPort.read)
-    staging_bytes: int = 0  # the staging arena (kvxfer.sidecar.nixl_staging); 0: none
+    staging_bytes: int = 0  # the host staging arena (kvxfer.sidecar.nixl_staging); 0: none
+    vram_staging_bytes: int = 0  # with cuda: an arena of this size per CUDA device; 0: none
     lease_words: tuple[int, int] = (0, 0)  # (address, bytes) of this sidecar's lease words, registered
     proof_slots: int = 4096  # 16-byte landing slots for the lease words this sidecar reads
 

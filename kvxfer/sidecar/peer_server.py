@@ -45,7 +45,7 @@ from kvxfer.protocol import (
 )
 from kvxfer.sidecar.admission import admit_digest
 from kvxfer.sidecar.holds import Holds
-from kvxfer.sidecar.nixl_port import NixlPort
+from kvxfer.sidecar.nixl_port import NixlPort, offered_staging
 from kvxfer.sidecar.nixl_types import NoticeReceived
 from kvxfer.sidecar.peer_book import Authenticated
 from kvxfer.sidecar.peer_client import PeerChannel
@@ -255,7 +255,7 @@ class PeerServer:
         welcome = Welcome(version=PROTOCOL_VERSION, compat_hash=ours, engine_id=self.channel.engine_id,
                           agent_name=self.channel.agent_name, ranks=self.registry.infos(),
                           generation=self._generation(),
-                          staging_bytes=self.nixl.staging[1], lease_words_addr=self.lease_words[0],
+                          staging_bytes=offered_staging(self.nixl), lease_words_addr=self.lease_words[0],
                           lease_words_slots=self.lease_words[1], layer_streams=self.streams is not None)
         if secret:
             welcome = sign_welcome(secret, welcome, hello, metadata)

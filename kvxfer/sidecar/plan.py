@@ -35,6 +35,9 @@ class StagedRead:
     nbytes: int
     scatter: np.ndarray  # int64 (m, 3): [local addr, offset in the slot, len]
     trust_until: float  # monotonic: a landing seen later is not trusted (the peer may reuse its slot)
+    mem_type: str = "DRAM"  # both slots' ("VRAM": arenas of the two ranks' CUDA devices)
+    local_device: int = 0
+    remote_device: int = 0
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,7 @@ from kvxfer.protocol import DECODE_ERRORS, LeaseRenew, Staged, StageRequest, rea
 from kvxfer.sidecar.holds import Holds
 from kvxfer.sidecar.nixl_port import NixlPort
 from kvxfer.sidecar.registry import RankRegistry
-from kvxfer.sidecar.staging import SlotBook
+from kvxfer.sidecar.staging import Books, arena_device
 
 log = logging.getLogger("kvxfer.staging")
 
@@ -36,20 +36,13 @@ class StageServer:
         self.registry = registry
         self.nixl = nixl
         self._generation = generation
-        self._book: SlotBook | None = None
+        self.books = Books(nixl.spans)
         self.staged = 0  # requests answered with a slot, ever
         self._waiting: dict[tuple[object, ...], set[str]] = {}  # slot -> readers whose final notice is due
 
-    @property
-    def book(self) -> SlotBook | None:
-        """The arena's slots (None: no arena), once the NIXL port started."""
-        if self._book is None and self.nixl.staging[1]:
-            self._book = SlotBook(self.nixl.staging[1])
-        return self._book
-
     async def answer(self, req: StageRequest) -> Staged:
         arrived = time.monotonic()
-        if self.book is None:
+        if not self.nixl.spans:
             return Staged(seq=req.seq, held="busy", reason="no staging arena here")
         renew = LeaseRenew(seq=req.seq, engine_id=req.engine_id, req_ids=[req.req_id], extend_s=req.extend_s,
                            agent_name=req.agent_name, tokens=[req.token])
@@ -59,22 +52,26 @@ class StageServer:
         lease = self.holds.lease_for(req.agent_name, req.engine_id, req.req_id, req.token, "stage")
         assert lease is not None  # (renew just found it held, on this loop, with no await between)
         try:
-            ranks = self._ranks(req, lease.engine)
+            ranks, device = self._ranks(req, lease.engine)
         except RequestError as e:
             return Staged(seq=req.seq, held="refused", code=e.code, reason=e.reason)
         ttl = min(max(req.extend_s, 1.0), MAX_SLOT_S)
-        key = (req.agent_name, req.engine_id, req.req_id, tuple(req.readers))  # (as their notices name them)
-        for gone in self.book.expire(arrived):
+        # (the readers as their notices name them; the device: which arena)
+        key = (req.agent_name, req.engine_id, req.req_id, tuple(req.readers), device)
+        for gone in self.books.expire(arrived):
             self._waiting.pop(gone, None)
         if not req.readers or len(set(req.readers)) != len(req.readers):
             return Staged(seq=req.seq, held="refused", code=ErrorCode.MALFORMED,
                           reason="readers must be distinct")
-        offset = self.book.alloc(req.nbytes, key, arrived + ttl)
+        book = self.books.get(device) if device is not None else None
+        if book is None or device is None:
+            return Staged(seq=req.seq, held="busy", reason="no staging arena for these ranks' memory")
+        offset = book.alloc(req.nbytes, key, arrived + ttl)
         if offset is None:
             return Staged(seq=req.seq, held="busy", reason="staging arena full")
         self._waiting[key] = set(req.readers)
         try:
-            await self.nixl.gather(ranks, list(lease.block_ids), offset, req.nbytes)
+            await self.nixl.gather(ranks, list(lease.block_ids), offset, req.nbytes, device)
         except RequestError as e:
             self._free(key)
             return Staged(seq=req.seq, held="refused", code=e.code, reason=e.reason)
@@ -87,12 +84,14 @@ class StageServer:
             return Staged(seq=req.seq, held="gone", generation=self._generation())
         self.nixl.expect_reads()  # (its read follows: see NixlPort.expect_reads)
         self.staged += 1
-        return Staged(seq=req.seq, held="held", addr=self.nixl.staging[0] + offset, nbytes=req.nbytes,
+        return Staged(seq=req.seq, held="held", addr=self.books.base(device) + offset, nbytes=req.nbytes,
                       ttl_s=ttl,
                       generation=self._generation())
 
-    def _ranks(self, req: StageRequest, engine: str) -> list[tuple[object, np.ndarray]]:
-        out = []
+    def _ranks(self, req: StageRequest, engine: str) -> tuple[list[tuple[object, np.ndarray]], int | None]:
+        """The ranks' keys and runs, and the arena they share (None: their memory is on
+        several devices, which no one slot can gather)."""
+        out, devices = [], set()
         for r in req.ranks:
             entry = self.registry.find(engine, r.pp_rank, r.rank)
             if entry is None:
@@ -101,7 +100,8 @@ class StageServer:
             if len(r.runs) % 16:
                 raise RequestError(ErrorCode.MALFORMED, "runs are not [address, length] int64 pairs")
             out.append((entry.key, np.frombuffer(r.runs, dtype="<i8").reshape(-1, 2).astype(np.int64)))
-        return out
+            devices.add(arena_device(entry.info))
+        return out, devices.pop() if len(devices) == 1 else None
 
     def on_notice(self, agent: str, payload: bytes) -> None:
         """A reader's final ``ReadNotice``: once every reader of a slot sent one (their reads
@@ -124,9 +124,8 @@ class StageServer:
 
     def _free(self, key: tuple[object, ...]) -> None:
         self._waiting.pop(key, None)
-        if self.book is not None:
-            self.book.free(key)
+        self.books.free(key)
 
     @property
     def slots(self) -> int:
-        return len(self.book) if self.book is not None else 0
+        return len(self.books)

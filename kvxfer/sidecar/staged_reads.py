@@ -29,7 +29,7 @@ from kvxfer.sidecar.peer_book import Peer, PeerBook
 from kvxfer.sidecar.peer_client import PeerClient
 from kvxfer.sidecar.plan import PairRows, StagedRead
 from kvxfer.sidecar.receive import claim_verdict
-from kvxfer.sidecar.staging import SlotBook, StagedPlan, read_pieces, staged_plan, worth_staging
+from kvxfer.sidecar.staging import Books, StagedPlan, arena_device, read_pieces, staged_plan, worth_staging
 from kvxfer.topology import BlockPairing, RankPlan
 
 log = logging.getLogger("kvxfer.staging")
@@ -51,6 +51,8 @@ class Prepared:
     offset: int  # of its slot in this sidecar's arena
     ranks: list[StageRank]
     expected: int  # receives of this request on this engine's ranks (one StageRequest for all)
+    device: int = -1  # the arenas: this sidecar's (-1: host) ...
+    remote_device: int = -1  # ... and the prefill's
 
 
 @dataclass
@@ -98,49 +100,52 @@ class Staging:
         self.peers = peers
         self.nixl = nixl
         self.agent_name = agent_name
-        self._book: SlotBook | None = None
+        self.books = Books(nixl.spans)
         self._rows: dict[tuple[object, ...], tuple[RankInfo, RankInfo, dict[tuple[int, ...], PairRows]]] = {}
         self.staged = 0  # receives staged, ever
         self._batches: dict[tuple[object, ...], _Batch] = {}
         self._tasks: set[asyncio.Task[tuple[Staged | None, float]]] = set()
         self.fell_back = 0  # prepared, but the prefill had no room: read directly
 
-    @property
-    def book(self) -> SlotBook | None:
-        """This sidecar's arena's slots (None: no arena, or staging off), once the NIXL port started."""
-        if self._book is None and self.nixl.staging[1] and self.below > 0:
-            self._book = SlotBook(self.nixl.staging[1])
-        return self._book
-
     # ------------------------------------------------------------------ decide
 
     def prepare(self, key: str, msg: Recv, local: RankInfo, peer: Peer, engine: str, plans: list[RankPlan],
                 pairing: BlockPairing, remaining_s: float) -> Prepared | None:
-        """The receive's staged plan and slot, or None: read it directly."""
-        if (self.book is None or not peer.staging_bytes or not msg.block_ids or msg.state_block_ids
-                or local.mem_type != "DRAM" or any(p.state for p in plans)):
+        """The receive's staged plan and slot, or None: read it directly. Host memory is staged
+        when its direct descriptors are many and small (``worth_staging``); VRAM whenever it
+        fits (the arenas are the only memory UCX moves over cuda_ipc: ``staging``)."""
+        device = arena_device(local)
+        book = self.books.get(device) if device is not None and (device >= 0 or self.below > 0) else None
+        if (book is None or not peer.staging_bytes or not msg.block_ids or msg.state_block_ids
+                or any(p.state for p in plans)):
             return None
         ranks = peer.engine_ranks(engine)
         infos = [ranks[(p.remote_pp, p.remote_rank)] for p in plans]
-        if any(i.mem_type != "DRAM" for i in infos):
-            return None
+        remote_devices = {arena_device(i) for i in infos}
+        if len(remote_devices) != 1 or any(i.mem_type != local.mem_type for i in infos):
+            return None  # (ranks on several devices of the prefill: no one slot there gathers them)
+        remote_device = remote_devices.pop()
         remote = {(p.remote_pp, p.remote_rank): (i.regions, i.layout.num_blocks) for p, i in zip(plans, infos,
                                                                                                strict=True)}
         legs = read_pieces(plans, pairing, local.regions, local.layout.num_blocks, remote,
                            list(msg.block_ids),
                            list(msg.remote_block_ids), self._rows_for(peer, local, plans, infos))
         plan = staged_plan(legs)
-        if (not worth_staging(plan, self.below, self.config.stage_min_descs)
-                or plan.nbytes * max(1, local.layout.tp_size) > peer.staging_bytes
+        vram = device is not None and device >= 0
+        # (a host arena serves all of a request's ranks at once; a VRAM one, the ranks of its device)
+        sharing = 1 if vram else max(1, local.layout.tp_size)
+        if ((not vram and not worth_staging(plan, self.below, self.config.stage_min_descs))
+                or plan.nbytes == 0 or plan.nbytes * sharing > peer.staging_bytes
                 or plan.gather_runs * 16 > MAX_RUNS_BYTES):  # (several ranks' runs: several requests)
             return None
         until = time.monotonic() + remaining_s + self.config.settle_timeout_s
-        offset = self.book.alloc(plan.nbytes, key, until)
+        offset = book.alloc(plan.nbytes, key, until)
         if offset is None:
             return None
         stage_ranks = [StageRank(rank=p.remote_rank, pp_rank=p.remote_pp, runs=runs.astype("<i8").tobytes())
                        for p, runs in zip(plans, plan.remote_runs, strict=True) if len(runs)]
-        return Prepared(plan, offset, stage_ranks, expected=max(1, local.layout.tp_size))
+        return Prepared(plan, offset, stage_ranks, expected=max(1, local.layout.tp_size), device=device,
+                        remote_device=-1 if remote_device is None else remote_device)
 
     def _rows_for(self, peer: Peer, local: RankInfo, plans: list[RankPlan],
                   infos: list[RankInfo]) -> dict[tuple[int, ...], PairRows] | None:
@@ -158,8 +163,7 @@ class Staging:
 
     def release(self, key: str) -> None:
         """The receive ended: its slot here is free (its read settled, or never started)."""
-        if self.book is not None:
-            self.book.free(key)
+        self.books.free(key)
 
     def read_after(self, key: str, prepared: Prepared,
                    task: asyncio.Future[tuple[Staged | None, float]]) -> StagedRead | None:
@@ -172,15 +176,19 @@ class Staging:
         if err is not None:
             raise err if isinstance(err, RequestError) else RequestError(ErrorCode.TRANSFER_ERROR, repr(err))
         answer, sent = task.result()
-        offset = self.book.offset(key) if self.book is not None else None
+        book = self.books.get(prepared.device)
+        offset = book.offset(key) if book is not None else None
         if answer is None:
             self.release(key)
             return None
         if offset is None or answer.nbytes != prepared.plan.nbytes:
             raise RequestError(ErrorCode.TRANSFER_ERROR, "staged answer does not match the request")
-        return StagedRead(local_addr=self.nixl.staging[0] + offset, remote_addr=answer.addr,
+        vram = prepared.device >= 0
+        return StagedRead(local_addr=self.books.base(prepared.device) + offset, remote_addr=answer.addr,
                           nbytes=answer.nbytes,
-                          scatter=prepared.plan.scatter, trust_until=sent + answer.ttl_s)
+                          scatter=prepared.plan.scatter, trust_until=sent + answer.ttl_s,
+                          mem_type="VRAM" if vram else "DRAM", local_device=max(prepared.device, 0),
+                          remote_device=max(prepared.remote_device, 0))
 
     # ------------------------------------------------------------------ ask
 

@@ -19,6 +19,11 @@ remote address makes the prefill's gather a few large runs (whole blocks of each
 rank) and leaves the fine-grained side, if any, to the decode's scatter.
 
 ``SlotBook`` is the arena's allocator (first fit, aligned, each slot with an expiry).
+
+On a GPU (``--cuda on``) there is an arena per CUDA device, in memory the sidecar itself
+``cudaMalloc``ed (``--vram-staging-mib``): UCX moves only such memory over cuda_ipc between
+processes on a machine without IMEX (README "GPU paths"), so every VRAM read of a rank is
+staged through the arena of its device (``arena_device``), whatever its descriptors.
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvxfer.protocol import RemoteRegion
+from kvxfer.protocol import RankInfo, RemoteRegion
 from kvxfer.sidecar.plan import PairRows, leg_indices, pair_rows
 from kvxfer.topology import BlockPairing, RankPlan
 
@@ -144,6 +149,15 @@ def worth_staging(plan: StagedPlan, below_bytes: int, min_descs: int = STAGE_MIN
     return plan.nbytes < below_bytes * plan.direct_descs
 
 
+def arena_device(info: RankInfo) -> int | None:
+    """The arena a rank's reads stage through: -1 (host) for DRAM, its CUDA device for VRAM;
+    None: its regions lie on several devices (it is never staged)."""
+    if info.mem_type != "VRAM":
+        return -1
+    devices = {r.device_id for r in info.regions}
+    return devices.pop() if len(devices) == 1 else None
+
+
 # ---------------------------------------------------------------------- the prefill's check
 
 
@@ -250,3 +264,33 @@ class SlotBook:
         for key in gone:
             self.free(key)
         return gone
+
+
+class Books:
+    """The slot books of this sidecar's arenas, by device (-1: host), each made when its
+    arena is first seen in ``spans`` (the NIXL port's (address, size) by device)."""
+
+    def __init__(self, spans: dict[int, tuple[int, int]]) -> None:
+        self._spans = spans  # (the port's own dict: arenas appear in it as devices register)
+        self._books: dict[int, SlotBook] = {}
+
+    def get(self, device: int) -> SlotBook | None:
+        book = self._books.get(device)
+        if book is None:
+            span = self._spans.get(device)
+            if span is None or span[1] <= 0:
+                return None
+            book = self._books[device] = SlotBook(span[1])
+        return book
+
+    def base(self, device: int) -> int:
+        return self._spans[device][0]
+
+    def free(self, key: Hashable) -> bool:
+        return any([b.free(key) for b in self._books.values()])
+
+    def expire(self, now: float) -> list[Hashable]:
+        return [k for b in self._books.values() for k in b.expire(now)]
+
+    def __len__(self) -> int:
+        return sum(len(b) for b in self._books.values())

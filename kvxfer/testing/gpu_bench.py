@@ -202,15 +202,19 @@ def _flat(eng: Any) -> Any:
 
 def kvxfer_sweep(kind: str, layout: str, sizes: list[int], repeats: int, *, device: str, mode: str = "peer",
                  threads: int = 2, chunk_mib: int = 64, env: dict[str, str] | None = None,
+                 vram_staging_mib: int | None = None,
                  emit: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
     """kvxfer's READs through two ``kvxfer serve`` processes, Recv sent -> Done received, the
-    first with a cold peer (handshake and wire-up), then warm; every repeat verified."""
+    first with a cold peer (handshake and wire-up), then warm; every repeat verified.
+    ``vram_staging_mib``: the sidecars' VRAM arenas (None: their default; 0: read directly)."""
     from kvxfer.testing.procs import SidecarFactory
 
     nb = max(sizes) + 2
     cuda = kind != "dram"
     serve = ["--ucx-error-mode", mode, "--cuda", "on" if cuda else "off", "--nixl-threads", str(threads),
              "--chunk-mib", str(chunk_mib), "--verify-sample", "0"]
+    if vram_staging_mib is not None:
+        serve += ["--vram-staging-mib", str(vram_staging_mib)]
     out: dict[str, Any] = {"kind": kind, "layout": layout, "serve": serve, "env": env or {}, "rows": []}
     with SidecarFactory() as f:
         ps = f.start("gc-p", *serve, env=env)
@@ -408,7 +412,9 @@ KNOBS: list[tuple[str, dict[str, str], dict[str, int]]] = [
     ("nixl threads 4", {}, {"threads": 4}),
     ("chunk 16 MiB", {}, {"chunk_mib": 16}),
     ("chunk 256 MiB", {}, {"chunk_mib": 256}),
+    ("VRAM staging off", {}, {"vram_staging_mib": 0}),  # (every read direct, as before 2026-11-28)
 ]
+KVXFER_ONLY = {"chunk_mib", "vram_staging_mib"}  # knobs raw NIXL has no counterpart of
 
 
 def _by_size(rows: list[dict[str, Any]], key: str) -> dict[int, Any]:
@@ -433,12 +439,12 @@ def stage_knobs(dry: bool, device: str, emit: Callable[[dict[str, Any]], None]) 
             cell: dict[str, Any] = {"kind": kind, "knob": name, "env": env, "threads": threads,
                                     "chunk_mib": chunk}
             try:
-                if "chunk_mib" not in opts:  # (chunking is kvxfer's alone)
+                if not KVXFER_ONLY & opts.keys():
                     raw = raw_sweep(kind, sizes, repeats, device=device, threads=threads, env=env,
                                     layouts=("LBNHC",), staging=False, copy=False)
                     cell["raw_nixl_gbps"] = _by_size(raw["rows"], "raw_nixl_gbps")
                 k = kvxfer_sweep(kind, "LBNHC", sizes, repeats, device=device, threads=threads,
-                                 chunk_mib=chunk, env=env)
+                                 chunk_mib=chunk, env=env, vram_staging_mib=opts.get("vram_staging_mib"))
                 cell["kvxfer_gbps"] = _by_size(k["rows"], "kvxfer_gbps")
             except Exception as e:  # a knob that breaks a lane is a finding, not the stage's end
                 cell["error"] = f"{type(e).__name__}: {e}"[:1500]
