@@ -100,6 +100,37 @@ class VmmMapping:
             self.close()
 
 
+@dataclass
+class DeviceBuffer:
+    """Device memory this process allocated (``Vmm.alloc_device``); ``close()`` frees it."""
+
+    vmm: Vmm = field(repr=False)
+    ptr: int
+    size: int
+    device: int
+    legacy_ipc: bool  # (what the driver said: UCX exports it over cuda_ipc)
+    closed: bool = False
+
+    @property
+    def __cuda_array_interface__(self) -> dict[str, Any]:
+        return {"shape": (self.size,), "typestr": "|u1", "data": (self.ptr, False), "version": 3,
+                "strides": None}
+
+    def tensor(self) -> Any:
+        """The buffer as a ``torch.uint8`` CUDA tensor (no copy: checked)."""
+        import torch
+
+        t = torch.as_tensor(self, device=f"cuda:{self.device}")
+        if t.data_ptr() != self.ptr:
+            raise RuntimeError("torch copied the device buffer instead of viewing it")
+        return t
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            self.vmm.free_device(self.ptr, self.device)
+
+
 class Vmm:
     """The few driver calls the pools need. ``driver`` is ``cuda.bindings.driver`` (a fake
     in unit tests); every call returns ``(CUresult, *values)`` as that module's do."""
@@ -309,6 +340,25 @@ class Vmm:
                 raise
             self._quietly(self.d.cuMemRelease(handle), "cuMemRelease")  # the mapping holds it now
         return VmmMapping(self, va, size, device)
+
+    def alloc_device(self, size: int, device: int) -> DeviceBuffer:
+        """Plain device memory (``cuMemAlloc``): legacy-IPC capable, what UCX exports over
+        cuda_ipc without IMEX, whatever torch's allocator is set to (``expandable_segments``
+        and ``cudaMallocAsync`` give VMM or pool memory, which UCX then moves over tcp)."""
+        with self.context(device):
+            ptr = int(self._ok(self.d.cuMemAlloc(size), f"cuMemAlloc({size})"))
+            a = self.d.CUpointer_attribute.CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE
+            try:
+                legacy = bool(self._ok(self.d.cuPointerGetAttribute(a, ptr), "cuPointerGetAttribute"))
+            except RequestError as e:
+                legacy = False
+                log.warning("%s", e)
+        return DeviceBuffer(self, ptr, size, device, legacy)
+
+    def free_device(self, ptr: int, device: int) -> None:
+        with self.context(device):
+            self._ok(self.d.cuCtxSynchronize(), "cuCtxSynchronize")  # no copy still running in it
+            self._ok(self.d.cuMemFree(ptr), "cuMemFree")
 
     def unmap(self, va: int, size: int, device: int) -> None:
         with self.context(device):

@@ -47,6 +47,10 @@ class CUmemAllocationHandleType(enum.IntEnum):
     CU_MEM_HANDLE_TYPE_FABRIC = 8
 
 
+class CUpointer_attribute(enum.IntEnum):  # noqa: N801
+    CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE = 10
+
+
 class CUmemAccess_flags(enum.IntEnum):  # noqa: N801
     CU_MEM_ACCESS_FLAGS_PROT_READWRITE = 3
 
@@ -92,6 +96,7 @@ class FakeDriver:
     mapped: dict[int, mmap.mmap] = field(default_factory=dict)  # va -> the memory
     access: dict[int, tuple[int, int]] = field(default_factory=dict)  # va -> (device, flags)
     created: list[CUmemAllocationProp] = field(default_factory=list)
+    allocs: dict[int, int] = field(default_factory=dict)  # cuMemAlloc'ed pointer -> size
     _next: int = 1
 
     # the enums and structs, as attributes of the module
@@ -104,6 +109,7 @@ class FakeDriver:
     CUmemAllocationGranularity_flags = CUmemAllocationGranularity_flags
     CUmemAllocationProp = CUmemAllocationProp
     CUmemAccessDesc = CUmemAccessDesc
+    CUpointer_attribute = CUpointer_attribute
 
     def _log(self, name: str, *args: Any) -> None:
         self.calls.append((name, len(args)))
@@ -226,6 +232,26 @@ class FakeDriver:
         prop = CUmemAllocationProp()
         prop.location.id = int(name.split("-gpu")[1].split(" ")[0])
         return CUresult.CUDA_SUCCESS, prop
+
+    def cuMemAlloc(self, size: int) -> tuple[Any, ...]:  # noqa: N802
+        self._log("cuMemAlloc", size)
+        if not self.ctx_stack:
+            return (CUresult.CUDA_ERROR_INVALID_VALUE,)  # (no current context)
+        if size > self.free:
+            return (CUresult.CUDA_ERROR_OUT_OF_MEMORY,)
+        ptr = self._id()
+        self.allocs[ptr] = size
+        return CUresult.CUDA_SUCCESS, ptr
+
+    def cuMemFree(self, ptr: int) -> tuple[Any, ...]:  # noqa: N802
+        self._log("cuMemFree", ptr)
+        return OK if self.allocs.pop(int(ptr), None) is not None else (CUresult.CUDA_ERROR_INVALID_VALUE,)
+
+    def cuPointerGetAttribute(self, attribute: Any, ptr: int) -> tuple[Any, ...]:  # noqa: N802
+        self._log("cuPointerGetAttribute", attribute, ptr)
+        if int(attribute) != CUpointer_attribute.CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE:
+            return (CUresult.CUDA_ERROR_INVALID_VALUE,)
+        return CUresult.CUDA_SUCCESS, int(int(ptr) in self.allocs)  # (cuMemAlloc'ed memory: capable)
 
     def cuMemRelease(self, handle: int) -> tuple[Any, ...]:  # noqa: N802
         self._log("cuMemRelease", handle)

@@ -205,6 +205,7 @@ def test_what_we_call_exists_in_cuda_bindings_with_the_same_arity() -> None:
     fd, size = v.create_exported(G, 0)
     v.import_fd(fd, size, 0).close()
     v.free_memory(0)
+    v.alloc_device(G, 0).close()
     os.close(fd)
     for name, nargs in set(fake.calls):
         real = getattr(driver, name)
@@ -226,6 +227,7 @@ def test_what_we_call_exists_in_cuda_bindings_with_the_same_arity() -> None:
     a = driver.CUmemAccessDesc()
     a.location.type = driver.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
     a.flags = driver.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+    assert driver.CUpointer_attribute.CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE
     assert inspect.isclass(driver.CUmemAllocationGranularity_flags)
     assert driver.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_RECOMMENDED
 
@@ -280,3 +282,23 @@ def test_a_gpu_pool_is_created_on_the_gpu_the_uuid_names(gpu_channel) -> None:  
     _, _, device = server.dup(pool.id)
     assert device == 1  # the sidecar's ordinal of the same GPU
     assert sidecar.created[-1].location.id == 1
+
+
+def test_a_staging_arena_is_plain_device_memory_freed_after_its_copies() -> None:
+    """VRAM staging arenas (``kvxfer.sidecar.nixl_staging``) are ``cuMemAlloc``ed, in the
+    device's primary context (pushed for the call, popped after), legacy-IPC capable (the
+    one kind UCX exports over cuda_ipc without IMEX), and freed after the device synchronized."""
+    fake = FakeDriver()
+    v = Vmm(fake)
+    buf = v.alloc_device(3 * G, 1)
+    assert buf.legacy_ipc
+    assert fake.allocs == {buf.ptr: 3 * G}
+    assert buf.device == 1
+    assert fake.ctx_stack == []  # (popped again)
+    synced = fake.synced
+    buf.close()
+    buf.close()  # (once)
+    assert fake.allocs == {}
+    assert fake.synced == synced + 1
+    with pytest.raises(RequestError, match="cuMemAlloc"):
+        v.alloc_device(fake.free + 1, 0)

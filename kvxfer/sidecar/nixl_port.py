@@ -65,9 +65,10 @@ Spans = dict[int, tuple[int, int]]  # device (-1: host) -> (address, size) of it
 
 
 def offered_staging(port: NixlPort) -> int:
-    """What a Welcome offers: the size of an arena here (0: this sidecar stages nothing); with
-    CUDA the size each device's arena has or will have once a rank registers there."""
-    return port.options.vram_staging_bytes if port.options.cuda else port.spans.get(-1, (0, 0))[1]
+    """What a Welcome offers: the size of an arena here (0: this sidecar stages nothing; with
+    CUDA, once a VRAM rank's registration made its device's)."""
+    vram = [size for dev, (_, size) in port.spans.items() if dev >= 0]
+    return max(vram) if vram else port.spans.get(-1, (0, 0))[1]
 
 
 def host_extras(agent: Any, options: TransferOptions, name: str = "") -> tuple[ProofScratch | None, Arenas]:

@@ -64,6 +64,7 @@ class StagingArena:
         self.mem_type = "DRAM" if device < 0 else "VRAM"
         self.tensor: Any = None  # (torch copies: VRAM, or host memory under the test hook below)
         self.stream: Any = None
+        self._buf: Any = None  # (VRAM this process allocated: kvxfer.vmm.DeviceBuffer)
         if device < 0:
             self._mem = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
             self.buf = np.frombuffer(self._mem, dtype=np.uint8)
@@ -74,11 +75,12 @@ class StagingArena:
 
                 self.tensor = torch.from_numpy(self.buf)
         else:
+            self._buf, self.tensor = _device_memory(size, device)
             import torch
 
-            self.tensor = torch.empty(size, dtype=torch.uint8, device=f"cuda:{device}")
             self.stream = torch.cuda.Stream(device)
             self.addr = int(self.tensor.data_ptr())
+            self._warm()
         self.size = size
         self._reg = agent.register_memory([(self.addr, size, max(device, 0), "")], self.mem_type)
 
@@ -86,6 +88,19 @@ class StagingArena:
         with contextlib.suppress(Exception):  # (the agent goes with the process)
             self._agent.deregister_memory(self._reg)
         self.tensor = None
+        buf, self._buf = self._buf, None
+        if buf is not None:
+            with contextlib.suppress(Exception):
+                buf.close()
+
+    def _warm(self) -> None:
+        """Both copies once on a granule of the arena itself: CUDA loads their kernels lazily,
+        which the first staged read would otherwise pay."""
+        run, mem = np.array([[self.addr + 256, 256]], dtype=np.int64), [(self.addr, self.tensor)]
+        with self.on_stream():
+            copy_runs(self.tensor[:256], run, mem, into_slot=True)
+            copy_runs(self.tensor[:256], run, mem, into_slot=False)
+        self.sync()
 
     def check(self, addr: int, nbytes: int) -> None:
         if not (self.addr <= addr and addr + nbytes <= self.addr + self.size):
@@ -97,15 +112,48 @@ class StagingArena:
         return self.tensor[addr - self.addr:addr - self.addr + nbytes]
 
     def on_stream(self) -> Any:
+        """The arena's device and stream current for the block, the thread's own after it
+        (``torch.cuda.device`` restores the device without making a context on device 0)."""
         if self.stream is None:
             return contextlib.nullcontext()
         import torch
 
-        return torch.cuda.stream(self.stream)
+        stack = contextlib.ExitStack()
+        stack.enter_context(torch.cuda.device(self.device))
+        stack.enter_context(torch.cuda.stream(self.stream))
+        return stack
 
     def sync(self) -> None:
         if self.stream is not None:
             self.stream.synchronize()
+
+
+def _device_memory(size: int, device: int) -> tuple[Any, Any]:
+    """A VRAM arena's memory: ``cuMemAlloc``ed through ``kvxfer.vmm`` (legacy-IPC capable,
+    whatever torch's allocator is set to), else torch's allocator, checked to be plain
+    ``cudaMalloc`` (``PYTORCH_CUDA_ALLOC_CONF`` ``expandable_segments`` or ``cudaMallocAsync``
+    give memory UCX moves over tcp). (the buffer to close or None, a uint8 tensor over it)."""
+    import torch
+
+    from kvxfer import vmm
+
+    try:
+        buf = vmm.shared().alloc_device(size, device)
+    except vmm.VmmUnavailable as e:
+        conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
+        if "expandable_segments:true" in conf.lower().replace(" ", "") or "cudamallocasync" in conf.lower():
+            log.warning("VRAM staging arena from torch's allocator (%s) under PYTORCH_CUDA_ALLOC_CONF=%s: "
+                        "UCX cannot export that memory over cuda_ipc; install cuda-bindings "
+                        "(kvxfer[cu13]) so the arena is cuMemAlloc'ed", e, conf)
+        return None, torch.empty(size, dtype=torch.uint8, device=f"cuda:{device}")
+    if not buf.legacy_ipc:
+        log.warning("the VRAM staging arena on cuda:%d is not legacy-IPC capable: UCX moves it over tcp",
+                    device)
+    try:
+        return buf, buf.tensor()
+    except BaseException:
+        buf.close()
+        raise
 
 
 class Arenas:
@@ -296,12 +344,22 @@ def copy_runs(slot: Any, runs: np.ndarray, mem: list[tuple[int, Any]], into_slot
         raise RequestError(ErrorCode.INTERNAL, f"run {int(np.argmin(inside))} lies outside the rank's memory")
     cuts = [0, *(np.flatnonzero(np.diff(which)) + 1).tolist(), len(runs)]
     offs = np.concatenate(([0], np.cumsum(lens)))
+    stretches, rows = [], []
     for lo, hi in zip(cuts[:-1], cuts[1:], strict=True):
         base, t = mem[int(which[lo])]
-        rows, g = _tensor_rows(addrs[lo:hi], lens[lo:hi], base)
+        r, g = _tensor_rows(addrs[lo:hi], lens[lo:hi], base)
+        stretches.append((t, g, int(offs[lo]), int(offs[hi]), len(r)))
+        rows.append(r)
+    host = torch.from_numpy(np.concatenate(rows))  # (every stretch's rows in one copy to the device)
+    if slot.is_cuda:
+        host = host.pin_memory()
+    idx_all = host.to(slot.device, non_blocking=True)
+    at = 0
+    for t, g, lo_b, hi_b, n in stretches:
         view = t[:(t.numel() // g) * g].view(-1, g)
-        part = slot[int(offs[lo]):int(offs[hi])].view(-1, g)
-        idx = torch.from_numpy(rows).to(t.device)
+        part = slot[lo_b:hi_b].view(-1, g)
+        idx = idx_all[at:at + n]
+        at += n
         if into_slot:
             torch.index_select(view, 0, idx, out=part)
         else:
@@ -316,7 +374,11 @@ def _tensors(rank: LocalRank) -> list[tuple[int, Any]]:
     out = []
     for m in rank.mappings:
         t = m.as_tensor()
-        out.append((m.addr, t if isinstance(t, torch.Tensor) else torch.from_numpy(t)))
+        t = (t if isinstance(t, torch.Tensor) else torch.from_numpy(t))[:m.size]  # (a VMM one is
+        # granularity-sized: its tail is no block's)
+        if t.data_ptr() != m.addr or t.numel() != m.size or (t.is_cuda and t.device.index != m.device_id):
+            raise RequestError(ErrorCode.INTERNAL, f"the tensor over the mapping at {m.addr:#x} is not it")
+        out.append((m.addr, t))
     return sorted(out, key=lambda bt: bt[0])
 
 

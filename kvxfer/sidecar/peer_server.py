@@ -251,11 +251,14 @@ class PeerServer:
                    f"compatibility hash {hello.compat_hash} != {ours} (model layout differs: "
                    f"{layout.model_signature()})")
             return self._refuse(addr, sender, ErrorCode.INCOMPATIBLE, why)
+        # What is offered is read before the metadata is: a rank (and its device's staging arena)
+        # registered during that await is then in the metadata, never offered without it
+        ranks, generation, staging = self.registry.infos(), self._generation(), offered_staging(self.nixl)
         metadata = await self.nixl.metadata()
         welcome = Welcome(version=PROTOCOL_VERSION, compat_hash=ours, engine_id=self.channel.engine_id,
-                          agent_name=self.channel.agent_name, ranks=self.registry.infos(),
-                          generation=self._generation(),
-                          staging_bytes=offered_staging(self.nixl), lease_words_addr=self.lease_words[0],
+                          agent_name=self.channel.agent_name, ranks=ranks,
+                          generation=generation,
+                          staging_bytes=staging, lease_words_addr=self.lease_words[0],
                           lease_words_slots=self.lease_words[1], layer_streams=self.streams is not None)
         if secret:
             welcome = sign_welcome(secret, welcome, hello, metadata)

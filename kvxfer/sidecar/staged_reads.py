@@ -122,9 +122,11 @@ class Staging:
         ranks = peer.engine_ranks(engine)
         infos = [ranks[(p.remote_pp, p.remote_rank)] for p in plans]
         remote_devices = {arena_device(i) for i in infos}
-        if len(remote_devices) != 1 or any(i.mem_type != local.mem_type for i in infos):
+        if (len(remote_devices) != 1 or None in remote_devices
+                or any(i.mem_type != local.mem_type for i in infos)):
             return None  # (ranks on several devices of the prefill: no one slot there gathers them)
         remote_device = remote_devices.pop()
+        assert remote_device is not None
         remote = {(p.remote_pp, p.remote_rank): (i.regions, i.layout.num_blocks) for p, i in zip(plans, infos,
                                                                                                strict=True)}
         legs = read_pieces(plans, pairing, local.regions, local.layout.num_blocks, remote,
@@ -144,8 +146,10 @@ class Staging:
             return None
         stage_ranks = [StageRank(rank=p.remote_rank, pp_rank=p.remote_pp, runs=runs.astype("<i8").tobytes())
                        for p, runs in zip(plans, plan.remote_runs, strict=True) if len(runs)]
-        return Prepared(plan, offset, stage_ranks, expected=max(1, local.layout.tp_size), device=device,
-                        remote_device=-1 if remote_device is None else remote_device)
+        # (VRAM: each rank asks alone; its ranks' prefill ranks may sit on other GPUs, whose
+        # arenas no one StageRequest reaches)
+        return Prepared(plan, offset, stage_ranks, expected=1 if vram else max(1, local.layout.tp_size),
+                        device=device, remote_device=remote_device)
 
     def _rows_for(self, peer: Peer, local: RankInfo, plans: list[RankPlan],
                   infos: list[RankInfo]) -> dict[tuple[int, ...], PairRows] | None:
@@ -205,7 +209,7 @@ class Staging:
         engine step), and the batch goes as soon as all are in."""
         loop = asyncio.get_running_loop()
         key = (msg.remote_host, msg.remote_port, engine, msg.remote_req_id or msg.req_id, msg.remote_token,
-               msg.pp_rank)
+               msg.pp_rank, msg.tp_rank if prepared.device >= 0 else -1)
         batch = self._batches.get(key)
         if batch is None:
             batch = self._batches[key] = _Batch()
