@@ -157,20 +157,21 @@ class Config:
                             "read of many small descriptors (a head slice between different TP "
                             "sizes, equal TP > 1 in NHD) is copied by the prefill sidecar into "
                             "its arena, moved as one large transfer into the decode's, and "
-                            "copied into the blocks there; reads that do not fit read directly. "
+                            "copied into the blocks there; a read too large for its share of the "
+                            "arena is read in windows through one slot. "
                             "Both sidecars need one. Not used with --cuda on. Off by default "
                             "until its per-rank "
                             "costs are fixed (#35): 256 is what the TP matrix ran with.", default=0)
     vram_staging_mib: int = _doc("With --cuda on: a staging arena of this many MiB of VRAM per CUDA "
                                  "device, allocated by the sidecar (cudaMalloc) at the first "
-                                 "registration on that device; every VRAM read that fits is staged "
-                                 "through the arenas of both sides (gather, one transfer, scatter). "
-                                 "UCX moves only memory its registering process cudaMalloc'ed over "
-                                 "cuda_ipc on a machine without IMEX; the engine's memory as the "
-                                 "sidecar imports it goes over tcp, ~100x slower (README 'GPU "
-                                 "paths'). Reads larger than the arena, or finding it full, read "
-                                 "directly. 0: never stage VRAM (machines whose fabric handles "
-                                 "let UCX export any memory).", default=1024)
+                                 "registration on that device; every VRAM read is staged through "
+                                 "the arenas of both sides (gather, one transfer, scatter; in "
+                                 "windows when larger than half an arena). UCX moves only memory "
+                                 "its registering process cudaMalloc'ed over cuda_ipc on a machine "
+                                 "without IMEX; the engine's memory as the sidecar imports it goes "
+                                 "over tcp, ~100x slower (README 'GPU paths'). A read finding an "
+                                 "arena full reads directly. 0: never stage VRAM (machines whose "
+                                 "fabric handles let UCX export any memory).", default=1024)
     stage_below_kib: int = _doc("Stage a read when its direct descriptors average under this many "
                                 "KiB (and it has at least --stage-min-descs of them); 0: never stage.",
                                 default=8)

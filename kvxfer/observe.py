@@ -13,7 +13,7 @@ import asyncio
 import logging
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -368,6 +368,21 @@ class Observer:
     def bad_message(self, socket: str) -> None:
         self.totals.bad_messages += 1
         self.m_bad.labels(socket).inc()
+
+
+def staging_gauges(registry: CollectorRegistry, decode: Callable[[], dict[str, int]],
+                   slots: Callable[[], int]) -> None:
+    """Staged reads (#35, #39), for the metrics thread: ``kvxfer_staged_receives{how}``, the
+    receives this sidecar staged in one slot, in windows (too large for one), or prepared
+    and then read directly (the prefill had no room: on a GPU ~100x slower), and
+    ``kvxfer_staging_slots``, the slots this sidecar holds for readers of its arenas."""
+    g = Gauge("kvxfer_staged_receives", "Receives staged, by how: slot (one slot), windows (a read too "
+              "large for one slot, in windows through one), direct (prepared, then read directly: the "
+              "prefill had no room).", ["how"], registry=registry)
+    for how in ("slot", "windows", "direct"):
+        g.labels(how).set_function(lambda how=how: decode().get(how, 0))
+    Gauge("kvxfer_staging_slots", "Staging slots this sidecar holds for its readers.",
+          registry=registry).set_function(slots)
 
 
 def due(warned_at: dict[str, float], key: str) -> bool:

@@ -53,6 +53,7 @@ def test_a_staged_answer_that_comes_back_during_the_cancel_posts_nothing(room: b
                       agent_name="d")
         rx.feed.settle = mock.AsyncMock()  # type: ignore[method-assign]
         rx.staging = mock.MagicMock()  # its answer: a slot to read (whatever it holds), or none
+        rx.staging.settle = mock.AsyncMock()  # (no window read in flight)
         if not room:
             rx.staging.read_after.return_value = None
         rx.claims = mock.MagicMock()
@@ -79,3 +80,46 @@ def test_a_staged_answer_that_comes_back_during_the_cancel_posts_nothing(room: b
     assert sent[0].code == ErrorCode.CANCELLED, sent
     assert "read" not in calls, f"a read was posted after its cancel found none: {calls}"
     assert not claims.start.called, "a claim (it extends the prefill's lease) for a cancelled receive"
+
+
+def test_a_cancel_waits_for_the_window_read_in_flight_and_posts_no_other() -> None:
+    """A read in windows (``staged_reads.Windows``): a cancel while window 2 is being read
+    cancels that read and returns only once it settled (its scatter can no longer land in
+    blocks the engine got back); no window is posted after it."""
+    from kvxfer.sidecar.nixl_types import ReadFinished
+    from kvxfer.sidecar.staged_reads import Windows
+
+    async def run() -> list[str]:
+        calls: list[str] = []
+        windows: Windows
+
+        class Port:
+            def read(self, spec: Any) -> None:
+                calls.append(f"read {spec}")
+
+            async def cancel(self, rid: str, code: str, reason: str) -> bool:
+                calls.append(f"cancel {rid}")
+                await asyncio.sleep(0.01)  # (the NIXL thread settles it a little later)
+                asyncio.get_running_loop().call_later(0.01, lambda: windows.landed(
+                    ReadFinished(rid, "p", False, 0, 0.0, code=code, reason=reason)))
+                return True
+
+        windows = Windows("k", lambda st, rid: rid, Port())  # type: ignore[arg-type]
+        first = asyncio.ensure_future(windows.read(0, mock.MagicMock(), mock.MagicMock()))
+        await asyncio.sleep(0)
+        assert windows.landed(ReadFinished("k#w0", "p", True, 10, 0.0, descriptors=1))
+        await first
+        second = asyncio.ensure_future(windows.read(1, mock.MagicMock(), mock.MagicMock()))
+        await asyncio.sleep(0)
+        await windows.settle(RequestError(ErrorCode.CANCELLED, "dropped"))
+        calls.append("settled")
+        assert second.done()
+        with pytest.raises(RequestError, match="dropped"):
+            second.result()
+        with pytest.raises(RequestError, match="cancelled"):
+            await windows.read(2, mock.MagicMock(), mock.MagicMock())
+        assert windows.moved == (10, 1)
+        assert not windows.landed(ReadFinished("k#w9", "p", True, 1, 0.0))  # (not its read)
+        return calls
+
+    assert asyncio.run(run()) == ["read k#w0", "read k#w1", "cancel k#w1", "settled"]

@@ -102,18 +102,17 @@ def test_a_lying_stage_request_copies_nothing_it_was_not_given(factory: SidecarF
         direct = b"".join(_read(liar.agent, liar.remote, block(b), n) for b in (x[1], x[0]))
         assert slot == direct
         assert len(set(slot)) > 1  # (filled, not zeros)
-        # the same reader again while its slot is held: no second slot
+        # the same reader asking again (a read in windows does, once it read its last window):
+        # its slot is given up for the new one, never a second one held
         again = stage(runs, 2 * n)
         assert isinstance(again, Staged), again
-        assert again.held == "busy", again
+        assert again.held == "held", again
+        assert ps.scrape()["kvxfer_staging_slots"] == 1
         liar.notice(req_id="x", token=token, readers=2)  # its read settled: the slot is free again
         end = time.monotonic() + 10
-        while True:
+        while ps.scrape()["kvxfer_staging_slots"] != 0:
             liar.agent.get_new_notifs()
-            got = stage(runs, 2 * n)
-            if isinstance(got, Staged) and got.held == "held":
-                break
-            assert time.monotonic() < end, got
+            assert time.monotonic() < end, "the reader's final notice did not free its slot"
             time.sleep(0.05)
     finally:
         if liar is not None:

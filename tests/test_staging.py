@@ -16,6 +16,8 @@ from kvxfer.sidecar.staging import (
     pieces_of,
     runs_inside,
     staged_plan,
+    window_cuts,
+    windows_of,
     worth_staging,
 )
 
@@ -64,6 +66,39 @@ def test_staged_moves_what_the_direct_read_moves(legs_: list[LegPieces], seed: i
         for a, r, n in zip(leg.local, leg.remote, leg.length, strict=True):
             want[a - LOCAL:a - LOCAL + n] = remote[r - REMOTE:r - REMOTE + n]
     assert np.array_equal(run_staged(legs_, remote), want)
+
+
+@settings(max_examples=300, deadline=None)
+@given(legs(), st.integers(0, 2**31), st.integers(1, 1500), st.integers(1, 6))
+def test_a_read_in_windows_moves_what_the_whole_read_moves(legs_: list[LegPieces], seed: int, max_bytes: int,
+                                                          max_runs: int) -> None:
+    """A staged read too large for one slot is read in windows of its stream (one slot, one
+    StageRequest each): every window fits both limits, and the windows, gathered and
+    scattered one after another, move exactly what the whole read moves."""
+    remote = np.random.default_rng(seed).integers(0, 256, SIZE * 3, dtype=np.uint8)
+    plan = staged_plan(legs_)
+    wins = windows_of(plan, max_bytes, max_runs)
+    assert sum(w.nbytes for w in wins) == plan.nbytes
+    local = np.zeros(SIZE, np.uint8)
+    for w in wins:
+        assert 0 < w.nbytes <= max_bytes
+        assert w.gather_runs <= max_runs
+        assert len(w.remote_runs) == len(plan.remote_runs)  # (a leg is a remote rank: in place)
+        stream = np.concatenate([remote[a - REMOTE:a - REMOTE + n]
+                                 for runs in w.remote_runs for a, n in runs])
+        assert len(stream) == w.nbytes
+        assert int(w.scatter[:, 2].sum()) == w.nbytes
+        for a, off, n in w.scatter:
+            local[a - LOCAL:a - LOCAL + n] = stream[off:off + n]
+    assert np.array_equal(local, run_staged(legs_, remote))
+
+
+def test_windows_are_cut_where_runs_end_when_they_fit() -> None:
+    assert window_cuts(np.array([10, 10, 10]), 25, 9) == [0, 20, 30]
+    assert window_cuts(np.array([10, 10, 10]), 100, 2) == [0, 20, 30]  # (two runs a window)
+    assert window_cuts(np.array([50, 10]), 20, 9) == [0, 20, 40, 60]  # (a long run in pieces)
+    assert window_cuts(np.array([5, 50]), 20, 9) == [0, 5, 25, 45, 55]
+    assert window_cuts(np.array([], dtype=np.int64), 20, 9) == [0]
 
 
 @settings(max_examples=200, deadline=None)

@@ -25,12 +25,12 @@ def staged(**kw: object) -> DemoOptions:
     return DemoOptions(**(base | kw))  # type: ignore[arg-type]
 
 
-def run_staged(opts: DemoOptions) -> dict:  # type: ignore[type-arg]
+def run_staged(opts: DemoOptions, slots_per_rank: int = 1) -> dict:  # type: ignore[type-arg]
     res = run_demo(opts)
     assert res["problems"] == [], res["problems"]
     assert res["verified"] is True  # every byte of every decode rank
     assert res["released"] == {"read": opts.requests + 1}  # each hold released once, by its reads
-    assert res["descriptors_per_request"] == opts.decode_tp, "not staged: one slot per decode rank"
+    assert res["descriptors_per_request"] == opts.decode_tp * slots_per_rank, "not staged: a slot a rank"
     return res
 
 
@@ -92,3 +92,22 @@ def test_vram_stagings_copies_end_to_end_on_host_memory(layout: str, ptp: int, d
     run (the arenas in VRAM, their streams, cuda_ipc) is ``tests/test_gpu.py``'s."""
     monkeypatch.setenv("KVXFER_TEST_TORCH_COPIES", "1")
     run_staged(staged(prefill_tp=ptp, decode_tp=dtp, kv_layout=layout))
+
+
+@pytest.mark.parametrize("torch_copies", [False, True], ids=["host-copies", "torch-copies"])
+def test_a_read_too_large_for_the_arena_is_staged_in_windows(torch_copies: bool,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each decode rank's part (8 MiB) is larger than its share of a 4 MiB arena: it used to be
+    read directly (on a GPU, ~100x slower than staged: README "GPU paths"); it is now read in
+    windows of 1 MiB through one slot, one StageRequest and one read each, the last one the
+    receive's own read. Every byte checked; the sidecars' metrics say how it went."""
+    if torch_copies:  # (the copies VRAM staging uses, on host memory)
+        monkeypatch.setenv("KVXFER_TEST_TORCH_COPIES", "1")
+    opts = staged(prefill_tp=1, decode_tp=2, layers=8, blocks_per_request=32, head_dim=128, requests=2,
+                  in_flight=2, extra_serve_args=("--staging-mib", "4", "--stage-min-descs", "1",
+                                                 "--stage-below-kib", "1024"))
+    res = run_staged(opts, slots_per_rank=8)  # (8 MiB a rank in 1 MiB windows, one descriptor each)
+    got = res["metrics"]["decode"]
+    assert got['kvxfer_staged_receives{how="windows"}'] == (opts.requests + 1) * opts.decode_tp, got
+    assert got['kvxfer_staged_receives{how="slot"}'] == 0, got
+    assert got['kvxfer_staged_receives{how="direct"}'] == 0, got

@@ -39,7 +39,7 @@ from kvxfer.config import Config
 from kvxfer.errors import ListenError
 from kvxfer.logs import JsonFormatter
 from kvxfer.memchannel import mem_socket_path
-from kvxfer.observe import Event, Observer, start_metrics_server
+from kvxfer.observe import Event, Observer, staging_gauges, start_metrics_server
 from kvxfer.protocol import (
     PROTOCOL_VERSION,
     Cancel,
@@ -223,6 +223,7 @@ class Sidecar:
         o.g_peers.set_function(lambda: len(self.book))
         o.g_leases.set_function(lambda: len(self.holds))
         o.g_inflight.set_function(lambda: len(self.receiver))
+        staging_gauges(o.registry, self.receiver.staging.counts, lambda: self.peer_server.stager.slots)
 
     # ------------------------------------------------------------------ life
 

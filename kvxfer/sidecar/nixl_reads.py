@@ -203,6 +203,7 @@ class Read:
     proof_slot: int = -1
     proof_at: float = 0.0
     proof_word: tuple[int, int] | None = None
+    descriptors_before: int = 0  # (the last window of a staged read in windows: the others')
 
     @property
     def all_posted(self) -> bool:
@@ -210,7 +211,7 @@ class Read:
 
     @property
     def descriptors(self) -> int:
-        return sum(leg.plan.count for leg in self.legs)
+        return sum(leg.plan.count for leg in self.legs) + self.descriptors_before
 
 
 class Reads:

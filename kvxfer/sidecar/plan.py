@@ -38,6 +38,7 @@ class StagedRead:
     mem_type: str = "DRAM"  # both slots' ("VRAM": arenas of the two ranks' CUDA devices)
     local_device: int = 0
     remote_device: int = 0
+    before: tuple[int, int] = (0, 0)  # the last window of a read in windows: the others' (bytes, descriptors)
 
 
 @dataclass(frozen=True)

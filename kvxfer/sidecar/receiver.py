@@ -53,6 +53,7 @@ from kvxfer.sidecar.recv_state import (
     proof_of,
     read_spec,
     recv_key,
+    window_spec,
 )
 from kvxfer.sidecar.registry import RankKey, RankRegistry
 from kvxfer.sidecar.staged_reads import Prepared, Staging
@@ -119,8 +120,7 @@ class Receiver:
         if msg.streamed:
             self._spawn(self._handshake_then_read(key, state))
             return
-        # The hot path: a peer already handshaked (and of the generation the request names)
-        # is planned and posted now, in this call, with no task and no await in between.
+        # The hot path: a peer handshaked (of the request's generation): planned and posted now
         peer = self.peers.cached_peer(msg.remote_host, msg.remote_port, msg.remote_generation)
         if peer is not None:
             try:
@@ -169,7 +169,8 @@ class Receiver:
         state.stopping = True  # (before any await: a streamed receive posts no pre-read after this)
         if state.machine.read_in_flight and await self.nixl.cancel(key, err.code, err.reason):
             return  # the port reports the read failed once it settled (on_read_finished)
-        await self.feed.settle(key, err)  # (a pre-read of a streamed receive: settled first)
+        await self.feed.settle(key, err)  # (a pre-read of a streamed receive: settled first,
+        await self.staging.settle(key, err)  # a staged one's earlier window too)
         if self.recvs.get(key) is state:
             self._step(key, state, state.machine.cancelled(err))
 
@@ -227,8 +228,9 @@ class Receiver:
         prepared = (None if entry is None
                     else self.staging.prepare(key, msg, entry.info, peer, engine, plans, pairing, remaining))
         if prepared is not None:
+            windows = self.staging.windows_for(key, prepared, window_spec(key, state, peer, plans, pairing))
             task = asyncio.ensure_future(self.staging.ask(msg, state.remote_engine, prepared, remaining, peer,
-                                                          state.mark))
+                                                          state.mark, windows))
             state.claim_task = task
             task.add_done_callback(lambda t: self._staged(key, state, peer, plans, pairing, prepared, t))
             return
@@ -268,8 +270,7 @@ class Receiver:
             return
         remaining = state.deadline - time.monotonic()
         if staged is None:  # no room at the prefill: the direct read and its claim
-            self._claim_and_post(key, state, peer, plans, pairing, remaining)
-            return
+            return self._claim_and_post(key, state, peer, plans, pairing, remaining)
         state.machine.claimed(None)  # (the copy was taken under the lease, and extended it)
         self._post(key, state, peer, plans, pairing, remaining, staged)
 
@@ -281,12 +282,12 @@ class Receiver:
 
     def on_read_refused(self, event: ReadRefused) -> None:
         """The NIXL thread could not start a read it was handed (nothing was posted)."""
-        if not self.feed.refused(event) and event.req_id in self.recvs:  # (the feed's: a pre-read)
+        if not (self.feed.refused(event) or self.staging.refused(event)) and event.req_id in self.recvs:
             self._not_started(event.req_id, event.error)
 
     def on_read_finished(self, event: ReadFinished) -> None:
-        if self.feed.landed(event):
-            return  # (a streamed receive's pre-read)
+        if self.feed.landed(event) or self.staging.landed(event):
+            return  # (a streamed receive's pre-read, a staged one's earlier window)
         state = self.recvs.get(event.req_id)
         if state is None:
             return  # cancelled meanwhile: already reported

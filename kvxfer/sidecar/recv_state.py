@@ -5,6 +5,7 @@ lease word and its ReadSpec (``kvxfer.sidecar.receiver`` drives them)."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections.abc import Callable
@@ -202,6 +203,14 @@ def read_spec(key: str, state: RecvState, peer: Peer, plans: list[RankPlan], pai
                     proof_addr=0 if staged is not None else state.proof[1])
 
 
+
+
+def window_spec(key: str, state: RecvState, peer: Peer, plans: list[RankPlan],
+                pairing: BlockPairing) -> Callable[[StagedRead, str], ReadSpec]:
+    """What the NIXL port is asked to read for one earlier window of a staged receive
+    (``staged_reads.Windows``): the receive's read of that slot, under its own id."""
+    return lambda st, rid: dataclasses.replace(
+        read_spec(key, state, peer, plans, pairing, state.deadline - time.monotonic(), st), req_id=rid)
 
 
 class RejectedRecv(Exception):

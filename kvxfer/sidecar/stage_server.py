@@ -66,6 +66,8 @@ class StageServer:
         book = self.books.get(device) if device is not None else None
         if book is None or device is None:
             return Staged(seq=req.seq, held="busy", reason="no staging arena for these ranks' memory")
+        if key in self._waiting:  # the same readers ask again: they read their last window
+            self._free(key)
         offset = book.alloc(req.nbytes, key, arrived + ttl)
         if offset is None:
             return Staged(seq=req.seq, held="busy", reason="staging arena full")

@@ -14,6 +14,8 @@ reports the read landed.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import dataclasses
 import logging
 import time
 from collections.abc import Callable
@@ -25,11 +27,20 @@ from kvxfer.config import Config
 from kvxfer.errors import ErrorCode, RequestError
 from kvxfer.protocol import RankInfo, Recv, Staged, StageRank, StageRequest
 from kvxfer.sidecar.nixl_port import NixlPort
+from kvxfer.sidecar.nixl_types import ReadFinished, ReadRefused
 from kvxfer.sidecar.peer_book import Peer, PeerBook
 from kvxfer.sidecar.peer_client import PeerClient
 from kvxfer.sidecar.plan import PairRows, StagedRead
 from kvxfer.sidecar.receive import claim_verdict
-from kvxfer.sidecar.staging import Books, StagedPlan, arena_device, read_pieces, staged_plan, worth_staging
+from kvxfer.sidecar.staging import (
+    Books,
+    StagedPlan,
+    arena_device,
+    read_pieces,
+    staged_plan,
+    windows_of,
+    worth_staging,
+)
 from kvxfer.topology import BlockPairing, RankPlan
 
 log = logging.getLogger("kvxfer.staging")
@@ -41,6 +52,7 @@ log = logging.getLogger("kvxfer.staging")
 BATCH_WINDOW_S = 0.02
 MAX_RUNS_BYTES = 512 << 10  # a StageRequest stays well under the listener's 1 MiB messages
 ROWS_CACHE = 512  # pair_rows kept per (peer registration, local registration, plan)
+MIN_WINDOW = 1 << 20  # a read in windows smaller than this would be mostly round trips: direct
 
 
 @dataclass(frozen=True)
@@ -53,6 +65,9 @@ class Prepared:
     expected: int  # receives of this request on this engine's ranks (one StageRequest for all)
     device: int = -1  # the arenas: this sidecar's (-1: host) ...
     remote_device: int = -1  # ... and the prefill's
+    # a read too large for one slot: the windows read before ``plan`` (the last), each with
+    # what its StageRequest asks (``staging.windows_of``)
+    windows: tuple[tuple[StagedPlan, list[StageRank]], ...] = ()
 
 
 @dataclass
@@ -106,6 +121,8 @@ class Staging:
         self._batches: dict[tuple[object, ...], _Batch] = {}
         self._tasks: set[asyncio.Task[tuple[Staged | None, float]]] = set()
         self.fell_back = 0  # prepared, but the prefill had no room: read directly
+        self.windowed = 0  # of the staged: read in windows
+        self._windows: dict[str, Windows] = {}  # receive key -> its windows' reads (a read in windows)
 
     # ------------------------------------------------------------------ decide
 
@@ -136,20 +153,31 @@ class Staging:
         vram = device is not None and device >= 0
         # (a host arena serves all of a request's ranks at once; a VRAM one, the ranks of its device)
         sharing = 1 if vram else max(1, local.layout.tp_size)
-        if ((not vram and not worth_staging(plan, self.below, self.config.stage_min_descs))
-                or plan.nbytes == 0 or plan.nbytes * sharing > peer.staging_bytes
-                or plan.gather_runs * 16 > MAX_RUNS_BYTES):  # (several ranks' runs: several requests)
+        if plan.nbytes == 0 or not (vram or worth_staging(plan, self.below, self.config.stage_min_descs)):
             return None
+        windows: list[StagedPlan] = []
+        if plan.nbytes * sharing > peer.staging_bytes or plan.gather_runs * 16 > MAX_RUNS_BYTES:
+            # too large for its share of a slot (or one request's runs): in windows of half
+            # that share, asking alone
+            room = min(peer.staging_bytes, book.size) // (2 * sharing)
+            if room < MIN_WINDOW:
+                return None
+            *windows, plan = windows_of(plan, room, MAX_RUNS_BYTES // 16)
         until = time.monotonic() + remaining_s + self.config.settle_timeout_s
-        offset = book.alloc(plan.nbytes, key, until)
+        offset = book.alloc(max(w.nbytes for w in (*windows, plan)), key, until)
         if offset is None:
             return None
-        stage_ranks = [StageRank(rank=p.remote_rank, pp_rank=p.remote_pp, runs=runs.astype("<i8").tobytes())
-                       for p, runs in zip(plans, plan.remote_runs, strict=True) if len(runs)]
+
+        def asks(p: StagedPlan) -> list[StageRank]:
+            return [StageRank(rank=q.remote_rank, pp_rank=q.remote_pp, runs=runs.astype("<i8").tobytes())
+                    for q, runs in zip(plans, p.remote_runs, strict=True) if len(runs)]
+
         # (VRAM: each rank asks alone; its ranks' prefill ranks may sit on other GPUs, whose
-        # arenas no one StageRequest reaches)
-        return Prepared(plan, offset, stage_ranks, expected=1 if vram else max(1, local.layout.tp_size),
-                        device=device, remote_device=remote_device)
+        # arenas no one StageRequest reaches; a read in windows asks alone too)
+        alone = vram or bool(windows)
+        return Prepared(plan, offset, asks(plan), expected=1 if alone else max(1, local.layout.tp_size),
+                        device=device, remote_device=remote_device,
+                        windows=tuple((w, asks(w)) for w in windows))
 
     def _rows_for(self, peer: Peer, local: RankInfo, plans: list[RankPlan],
                   infos: list[RankInfo]) -> dict[tuple[int, ...], PairRows] | None:
@@ -165,9 +193,42 @@ class Staging:
             got = self._rows[ck] = (local, infos[0], {})
         return got[2]
 
+    def counts(self) -> dict[str, int]:
+        """Receives staged, by how (``observe.staging_gauges``)."""
+        return {"slot": self.staged - self.windowed, "windows": self.windowed, "direct": self.fell_back}
+
     def release(self, key: str) -> None:
         """The receive ended: its slot here is free (its read settled, or never started)."""
         self.books.free(key)
+        self._windows.pop(key, None)
+
+    # ------------------------------------------------------------------ windows
+
+    def windows_for(self, key: str, prepared: Prepared,
+                    spec: Callable[[StagedRead, str], object]) -> Windows | None:
+        """The reads of a receive's earlier windows (None: it has none), followed here."""
+        if not prepared.windows:
+            return None
+        w = self._windows[key] = Windows(key, spec, self.nixl)
+        return w
+
+    def _windows_of(self, req_id: str) -> Windows | None:
+        return self._windows.get(req_id.rpartition("#w")[0]) if "#w" in req_id else None
+
+    def landed(self, event: ReadFinished) -> bool:
+        """A window's read (then handled here, not by the receiver)."""
+        w = self._windows_of(event.req_id)
+        return w is not None and w.landed(event)
+
+    def refused(self, event: ReadRefused) -> bool:
+        w = self._windows_of(event.req_id)
+        return w is not None and w.refused(event)
+
+    async def settle(self, key: str, err: RequestError) -> None:
+        """A cancel: the receive's window read in flight, if any, settled first (``Windows``)."""
+        w = self._windows.get(key)
+        if w is not None:
+            await w.settle(err)
 
     def read_after(self, key: str, prepared: Prepared,
                    task: asyncio.Future[tuple[Staged | None, float]]) -> StagedRead | None:
@@ -180,24 +241,30 @@ class Staging:
         if err is not None:
             raise err if isinstance(err, RequestError) else RequestError(ErrorCode.TRANSFER_ERROR, repr(err))
         answer, sent = task.result()
-        book = self.books.get(prepared.device)
-        offset = book.offset(key) if book is not None else None
         if answer is None:
             self.release(key)
             return None
+        return self._staged_read(key, prepared, answer, sent)
+
+    def _staged_read(self, key: str, prepared: Prepared, answer: Staged, sent: float) -> StagedRead:
+        """The read of the prefill's slot (``answer``) into this receive's, then its scatter."""
+        book = self.books.get(prepared.device)
+        offset = book.offset(key) if book is not None else None
         if offset is None or answer.nbytes != prepared.plan.nbytes:
             raise RequestError(ErrorCode.TRANSFER_ERROR, "staged answer does not match the request")
         vram = prepared.device >= 0
+        w = self._windows.get(key)
         return StagedRead(local_addr=self.books.base(prepared.device) + offset, remote_addr=answer.addr,
                           nbytes=answer.nbytes,
                           scatter=prepared.plan.scatter, trust_until=sent + answer.ttl_s,
                           mem_type="VRAM" if vram else "DRAM", local_device=max(prepared.device, 0),
-                          remote_device=max(prepared.remote_device, 0))
+                          remote_device=max(prepared.remote_device, 0),
+                          before=w.moved if w is not None and prepared.windows else (0, 0))  # (the last)
 
     # ------------------------------------------------------------------ ask
 
     async def ask(self, msg: Recv, engine: str, prepared: Prepared, reading_s: float, peer: Peer,
-                  mark: Callable[[str], None]) -> tuple[Staged | None, float]:
+                  mark: Callable[[str], None], windows: Windows | None = None) -> tuple[Staged | None, float]:
         """The prefill's ``Staged`` answer for this receive (its part of the slot) and when
         the request that got it was sent (monotonic); (None, 0): it had no room, read
         directly. Raises RequestError when the read must not happen (lease over, runs
@@ -206,10 +273,22 @@ class Staging:
         The receives of one request on this engine's ranks share one ``StageRequest`` (or a
         few, when their runs exceed MAX_RUNS_BYTES: ``parts``): the first waits up to
         ``BATCH_WINDOW_S`` for the others (each TP rank sends its own ``Recv``, in the same
-        engine step), and the batch goes as soon as all are in."""
+        engine step), and the batch goes as soon as all are in. A read in windows asks alone,
+        for each window in turn, and reads all but the last here (``windows``)."""
         loop = asyncio.get_running_loop()
+        for i, (plan, ranks) in enumerate(prepared.windows):
+            assert windows is not None, "a read in windows needs its reads posted"
+            part = dataclasses.replace(prepared, plan=plan, ranks=ranks, windows=())
+            member = _Member(msg, part, mark, reading_s, loop.create_future())
+            got, sent = await self._ask([member], engine, peer)
+            if got is None:  # no room at the prefill
+                if i == 0:
+                    self.fell_back += 1
+                    return None, 0.0  # (nothing read yet: the whole read goes directly)
+                raise RequestError(ErrorCode.TRANSFER_ERROR, f"the prefill had no room for window {i + 1}")
+            await windows.read(i, plan, self._staged_read(windows.key, part, got, sent))
         key = (msg.remote_host, msg.remote_port, engine, msg.remote_req_id or msg.req_id, msg.remote_token,
-               msg.pp_rank, msg.tp_rank if prepared.device >= 0 else -1)
+               msg.pp_rank, msg.tp_rank if prepared.device >= 0 or prepared.windows else -1)
         batch = self._batches.get(key)
         if batch is None:
             batch = self._batches[key] = _Batch()
@@ -223,6 +302,7 @@ class Staging:
             self.fell_back += 1
             return None, 0.0
         self.staged += 1
+        self.windowed += bool(prepared.windows)
         return answer, sent
 
     def _flush(self, key: tuple[object, ...], batch: _Batch, engine: str, peer: Peer) -> None:
@@ -291,3 +371,62 @@ class Staging:
             for mark in marks:
                 mark("staged")
             return got, sent
+
+
+class Windows:
+    """The reads of a receive's earlier windows (``Prepared.windows``), posted as reads of
+    their own (``spec(staged, req_id)``: the receive's ReadSpec for that slot) whose
+    landings come back here (``landed``/``refused``, from the receiver, before its own);
+    ``settle`` ends the one in flight (a cancel), after which none is posted. One per
+    receive, made by the receiver."""
+
+    def __init__(self, key: str, spec: Callable[[StagedRead, str], object], nixl: NixlPort) -> None:
+        self.key = key
+        self._spec = spec
+        self._nixl = nixl
+        self.stopped = False
+        self._in_flight: tuple[str, asyncio.Future[ReadFinished]] | None = None
+        self.moved = (0, 0)  # the windows read so far: bytes, descriptors
+
+    async def read(self, i: int, plan: StagedPlan, staged: StagedRead) -> None:
+        """Window ``i`` read into the slot and scattered, or RequestError."""
+        if self.stopped:
+            raise RequestError(ErrorCode.CANCELLED, "the receive is being cancelled")
+        rid = f"{self.key}#w{i}"
+        fut: asyncio.Future[ReadFinished] = asyncio.get_running_loop().create_future()
+        self._in_flight = (rid, fut)
+        try:
+            self._nixl.read(self._spec(staged, rid))  # type: ignore[arg-type]  (a ReadSpec)
+            got = await asyncio.shield(fut)
+        finally:
+            self._in_flight = None
+        if not got.ok:
+            raise RequestError(got.code or ErrorCode.TRANSFER_ERROR, f"window {i + 1}: {got.reason}")
+        self.moved = (self.moved[0] + got.nbytes, self.moved[1] + got.descriptors)
+
+    def landed(self, event: ReadFinished) -> bool:
+        if self._in_flight is None or self._in_flight[0] != event.req_id:
+            return False
+        if not self._in_flight[1].done():
+            self._in_flight[1].set_result(event)
+        return True
+
+    def refused(self, event: ReadRefused) -> bool:
+        if self._in_flight is None or self._in_flight[0] != event.req_id:
+            return False
+        if not self._in_flight[1].done():
+            err = event.error
+            self._in_flight[1].set_exception(err if isinstance(err, RequestError)
+                                             else RequestError(ErrorCode.TRANSFER_ERROR, repr(err)))
+        return True
+
+    async def settle(self, err: RequestError) -> None:
+        """No window is posted after this; the one in flight is cancelled and waited for (its
+        scatter never lands in blocks the engine got back)."""
+        self.stopped = True
+        if self._in_flight is not None:
+            rid, fut = self._in_flight
+            if not fut.done():
+                await self._nixl.cancel(rid, err.code, err.reason)
+            with contextlib.suppress(Exception):
+                await asyncio.shield(fut)

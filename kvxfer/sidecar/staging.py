@@ -142,6 +142,60 @@ def staged_plan(legs: list[LegPieces]) -> StagedPlan:
                       np.concatenate(scatter) if scatter else np.empty((0, 3), dtype=np.int64), direct)
 
 
+def _clip(rows: np.ndarray, starts: np.ndarray, lens: np.ndarray, a: int, b: int, addr_cols: list[int],
+          len_col: int) -> np.ndarray:
+    """The rows whose stream bytes ``[starts, starts + lens)`` overlap ``[a, b)``, cut to it:
+    their address columns moved by what was cut off the front, their lengths shortened."""
+    keep = (starts < b) & (starts + lens > a)
+    out = rows[keep].copy()
+    s, n = starts[keep], lens[keep]
+    head = np.maximum(a - s, 0)
+    for c in addr_cols:
+        out[:, c] += head
+    out[:, len_col] = np.minimum(s + n, b) - np.maximum(s, a)
+    return out
+
+
+def window_cuts(lengths: np.ndarray, max_bytes: int, max_runs: int) -> list[int]:
+    """Stream offsets that cut runs of ``lengths`` (back to back) into windows of at most
+    ``max_bytes`` bytes and ``max_runs`` runs each: where a run ends whenever one fits, inside
+    a run only when that run alone is longer than a window. [0, ..., total]."""
+    if max_bytes <= 0 or max_runs <= 0:
+        raise ValueError("a window needs room for a byte and a run")
+    ends = np.cumsum(np.asarray(lengths, dtype=np.int64))
+    total = int(ends[-1]) if len(ends) else 0
+    cuts, at, j = [0], 0, 0  # j: the first run not wholly in earlier windows
+    while at < total:
+        k = min(int(np.searchsorted(ends, at + max_bytes, side="right")) - 1, j + max_runs - 1)
+        if k >= j:  # whole runs j..k fit
+            at, j = int(ends[k]), k + 1
+        else:  # run j is longer than what is left of a window: cut inside it
+            at = min(at + max_bytes, int(ends[j]))
+            j += at == int(ends[j])
+        cuts.append(at)
+    return cuts
+
+
+def windows_of(plan: StagedPlan, max_bytes: int, max_runs: int) -> list[StagedPlan]:
+    """A staged read too large for one slot (or one StageRequest's runs) cut into windows of
+    its byte stream (``window_cuts``), read one after another through one slot. Each window
+    is a plan of its own: its legs' runs, its scatter pieces with offsets from its start."""
+    lens = [r[:, 1] for r in plan.remote_runs]
+    cuts = window_cuts(np.concatenate(lens) if lens else np.empty(0, np.int64), max_bytes, max_runs)
+    starts, at = [], 0
+    for n in lens:  # each leg's runs' stream offsets (legs one after the other)
+        starts.append(at + np.concatenate(([0], np.cumsum(n)[:-1])) if len(n) else np.empty(0, np.int64))
+        at += int(n.sum())
+    sc = plan.scatter
+    out = []
+    for a, b in zip(cuts[:-1], cuts[1:], strict=True):
+        runs = [_clip(r, st, r[:, 1], a, b, [0], 1) for r, st in zip(plan.remote_runs, starts, strict=True)]
+        pieces = _clip(sc, sc[:, 1], sc[:, 2], a, b, [0, 1], 2)
+        pieces[:, 1] -= a
+        out.append(StagedPlan(b - a, runs, pieces, 0))
+    return out
+
+
 def worth_staging(plan: StagedPlan, below_bytes: int, min_descs: int = STAGE_MIN_DESCS) -> bool:
     """Whether staging should beat the direct read: many descriptors, small on average."""
     if below_bytes <= 0 or plan.nbytes == 0 or plan.direct_descs < min_descs:

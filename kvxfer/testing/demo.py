@@ -361,6 +361,9 @@ _SERIES = (
     'kvxfer_handshakes_total{result="ok"}',
     'kvxfer_leases_released_total{reason="read"}',
     "kvxfer_leases_expired_total",
+    'kvxfer_staged_receives{how="slot"}',
+    'kvxfer_staged_receives{how="windows"}',
+    'kvxfer_staged_receives{how="direct"}',
 )
 
 
