@@ -67,6 +67,22 @@ class Caps:
     rdma: bool  # GPUDirect RDMA on VMM memory
 
 
+def _interface(ptr: int, size: int) -> dict[str, Any]:
+    """``size`` bytes of device memory at ``ptr``, as ``__cuda_array_interface__`` says it."""
+    return {"shape": (size,), "typestr": "|u1", "data": (ptr, False), "version": 3, "strides": None}
+
+
+def _view(obj: Any, ptr: int, device: int) -> Any:
+    """``obj`` (device memory at ``ptr``) as a ``torch.uint8`` CUDA tensor: a view that keeps
+    ``obj`` alive, never a copy (torch copies where the pointer's device is not ``device``)."""
+    import torch
+
+    t = torch.as_tensor(obj, device=f"cuda:{device}")
+    if t.data_ptr() != ptr:
+        raise RuntimeError(f"torch copied device memory at {ptr:#x} instead of viewing it")
+    return t
+
+
 @dataclass
 class VmmMapping:
     """An imported allocation mapped at ``va`` in this process (readable and writable by
@@ -80,14 +96,11 @@ class VmmMapping:
 
     @property
     def __cuda_array_interface__(self) -> dict[str, Any]:
-        return {"shape": (self.size,), "typestr": "|u1", "data": (self.va, False), "version": 3,
-                "strides": None}
+        return _interface(self.va, self.size)
 
     def tensor(self) -> Any:
         """The whole mapping as a ``torch.uint8`` CUDA tensor (no copy; keeps this alive)."""
-        import torch
-
-        return torch.as_tensor(self, device=f"cuda:{self.device}")
+        return _view(self, self.va, self.device)
 
     def close(self) -> None:
         """Unmap now (no tensor over it may be used after this)."""
@@ -113,17 +126,11 @@ class DeviceBuffer:
 
     @property
     def __cuda_array_interface__(self) -> dict[str, Any]:
-        return {"shape": (self.size,), "typestr": "|u1", "data": (self.ptr, False), "version": 3,
-                "strides": None}
+        return _interface(self.ptr, self.size)
 
     def tensor(self) -> Any:
-        """The buffer as a ``torch.uint8`` CUDA tensor (no copy: checked)."""
-        import torch
-
-        t = torch.as_tensor(self, device=f"cuda:{self.device}")
-        if t.data_ptr() != self.ptr:
-            raise RuntimeError("torch copied the device buffer instead of viewing it")
-        return t
+        """The buffer as a ``torch.uint8`` CUDA tensor (no copy)."""
+        return _view(self, self.ptr, self.device)
 
     def close(self) -> None:
         if not self.closed:

@@ -105,11 +105,13 @@ def test_a_cancel_waits_for_the_window_read_in_flight_and_posts_no_other() -> No
                 return True
 
         windows = Windows("k", lambda st, rid: rid, Port())  # type: ignore[arg-type]
-        first = asyncio.ensure_future(windows.read(0, mock.MagicMock(), mock.MagicMock()))
+        first = asyncio.ensure_future(windows.read(0, mock.MagicMock()))
         await asyncio.sleep(0)
-        assert windows.landed(ReadFinished("k#w0", "p", True, 10, 0.0, descriptors=1))
+        rid0 = calls[-1].removeprefix("read ")
+        assert rid0.startswith("k#w0#")  # (the receive's key, the window, a number of its own)
+        assert windows.landed(ReadFinished(rid0, "p", True, 10, 0.0, descriptors=1))
         await first
-        second = asyncio.ensure_future(windows.read(1, mock.MagicMock(), mock.MagicMock()))
+        second = asyncio.ensure_future(windows.read(1, mock.MagicMock()))
         await asyncio.sleep(0)
         await windows.settle(RequestError(ErrorCode.CANCELLED, "dropped"))
         calls.append("settled")
@@ -117,9 +119,9 @@ def test_a_cancel_waits_for_the_window_read_in_flight_and_posts_no_other() -> No
         with pytest.raises(RequestError, match="dropped"):
             second.result()
         with pytest.raises(RequestError, match="cancelled"):
-            await windows.read(2, mock.MagicMock(), mock.MagicMock())
+            await windows.read(2, mock.MagicMock())
         assert windows.moved == (10, 1)
-        assert not windows.landed(ReadFinished("k#w9", "p", True, 1, 0.0))  # (not its read)
-        return calls
+        assert not windows.landed(ReadFinished(rid0, "p", True, 1, 0.0))  # (not its read now)
+        return [c.rsplit("#", 1)[0] for c in calls]
 
     assert asyncio.run(run()) == ["read k#w0", "read k#w1", "cancel k#w1", "settled"]

@@ -80,8 +80,10 @@ def test_a_read_in_windows_moves_what_the_whole_read_moves(legs_: list[LegPieces
     wins = windows_of(plan, max_bytes, max_runs)
     assert sum(w.nbytes for w in wins) == plan.nbytes
     local = np.zeros(SIZE, np.uint8)
-    for w in wins:
+    for i, w in enumerate(wins):
         assert 0 < w.nbytes <= max_bytes
+        if i and w.gather_runs < max_runs:  # (cut by bytes: none larger than the one before)
+            assert w.nbytes <= wins[i - 1].nbytes or wins[i - 1].gather_runs == max_runs
         assert w.gather_runs <= max_runs
         assert len(w.remote_runs) == len(plan.remote_runs)  # (a leg is a remote rank: in place)
         stream = np.concatenate([remote[a - REMOTE:a - REMOTE + n]
@@ -93,11 +95,14 @@ def test_a_read_in_windows_moves_what_the_whole_read_moves(legs_: list[LegPieces
     assert np.array_equal(local, run_staged(legs_, remote))
 
 
-def test_windows_are_cut_where_runs_end_when_they_fit() -> None:
-    assert window_cuts(np.array([10, 10, 10]), 25, 9) == [0, 20, 30]
+def test_windows_are_cut_every_max_bytes_or_where_max_runs_end() -> None:
+    """Every window but the last is the largest (the prefill frees a reader's slot for its
+    next window: that one must fit where the last was), unless its runs end first."""
+    assert window_cuts(np.array([10, 10, 10]), 25, 9) == [0, 25, 30]
+    assert window_cuts(np.array([300, 800, 900]), 1000, 9) == [0, 1000, 2000]
     assert window_cuts(np.array([10, 10, 10]), 100, 2) == [0, 20, 30]  # (two runs a window)
     assert window_cuts(np.array([50, 10]), 20, 9) == [0, 20, 40, 60]  # (a long run in pieces)
-    assert window_cuts(np.array([5, 50]), 20, 9) == [0, 5, 25, 45, 55]
+    assert window_cuts(np.array([5, 50]), 20, 1) == [0, 5, 25, 45, 55]  # (one run a window)
     assert window_cuts(np.array([], dtype=np.int64), 20, 9) == [0]
 
 
@@ -197,6 +202,7 @@ def test_slots_never_overlap(ops: list[tuple[bool, int, int]]) -> None:
     assert book.alloc(1, "all", 0.0) is None  # one slot per key
 
 
+@settings(deadline=None)  # (its first example imports the decode's staging side: ~0.3 s under load)
 @given(st.lists(st.integers(1, 40), max_size=12), st.integers(1, 60))
 def test_a_batch_is_cut_into_stage_requests_that_fit(sizes: list[int], limit: int) -> None:
     """``staged_reads.parts``: members in order, every part's runs within the limit unless

@@ -470,7 +470,8 @@ def new_read(regs: Registrations, arenas: Arenas | None, spec: ReadSpec, options
                 deadline=time.monotonic() + spec.deadline_s, started_notice=spec.started_notice,
                 corrupt_at=regs.first_byte(spec) if corrupt else 0, trace=marks,
                 trust_until=st.trust_until if st else 0.0, proof_addr=0 if st else spec.proof_addr,
-                after_landing=after, descriptors_before=st.before[1] if st else 0)
+                after_landing=after, descriptors_before=st.before[1] if st else 0,
+                started=time.monotonic() - (st.before[2] if st else 0.0))
 
 
 def _after_landing(arena: StagingArena, st: StagedRead, rank: LocalRank | None) -> Callable[[], None]:

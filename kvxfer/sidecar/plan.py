@@ -38,7 +38,9 @@ class StagedRead:
     mem_type: str = "DRAM"  # both slots' ("VRAM": arenas of the two ranks' CUDA devices)
     local_device: int = 0
     remote_device: int = 0
-    before: tuple[int, int] = (0, 0)  # the last window of a read in windows: the others' (bytes, descriptors)
+    # the last window of a read in windows: the others' bytes and descriptors, and the seconds
+    # since the first was posted (its Done reports the whole read)
+    before: tuple[int, int, float] = (0, 0, 0.0)
 
 
 @dataclass(frozen=True)

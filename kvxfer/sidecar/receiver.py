@@ -56,7 +56,7 @@ from kvxfer.sidecar.recv_state import (
     window_spec,
 )
 from kvxfer.sidecar.registry import RankKey, RankRegistry
-from kvxfer.sidecar.staged_reads import Prepared, Staging
+from kvxfer.sidecar.staged_reads import Prepared, Staging, WindowFailed
 from kvxfer.sidecar.stream_feed import StreamFeed
 from kvxfer.sidecar.verify import Verifier
 from kvxfer.topology import BlockPairing, RankPlan
@@ -259,15 +259,15 @@ class Receiver:
 
     def _staged(self, key: str, state: RecvState, peer: Peer, plans: list[RankPlan], pairing: BlockPairing,
                 prepared: Prepared, task: asyncio.Future[tuple[Staged | None, float]]) -> None:
-        """The prefill's answer to a staged receive's request: read its slot, or (no room
-        there) read directly, or fail (nothing was posted); nothing once it is being cancelled."""
+        """The prefill's answer: read its slot, or directly (no room there), or fail; not if cancelled."""
         if self.recvs.get(key) is not state or state.stopping:  # (its cancel found nothing posted)
             return
         try:
             staged = self.staging.read_after(key, prepared, task)
+        except WindowFailed as e:  # (a window was read: the receive's read failed, the prefill is told)
+            return self._step(key, state, state.machine.landed(e.event))
         except RequestError as e:
-            self._not_started(key, e)
-            return
+            return self._not_started(key, e)
         remaining = state.deadline - time.monotonic()
         if staged is None:  # no room at the prefill: the direct read and its claim
             return self._claim_and_post(key, state, peer, plans, pairing, remaining)

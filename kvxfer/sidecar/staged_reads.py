@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import itertools
 import logging
 import time
 from collections.abc import Callable
@@ -156,10 +157,11 @@ class Staging:
         if plan.nbytes == 0 or not (vram or worth_staging(plan, self.below, self.config.stage_min_descs)):
             return None
         windows: list[StagedPlan] = []
-        if plan.nbytes * sharing > peer.staging_bytes or plan.gather_runs * 16 > MAX_RUNS_BYTES:
+        arena = min(peer.staging_bytes, book.size)  # (the smaller of the two)
+        if plan.nbytes * sharing > arena or plan.gather_runs * 16 > MAX_RUNS_BYTES:
             # too large for its share of a slot (or one request's runs): in windows of half
             # that share, asking alone
-            room = min(peer.staging_bytes, book.size) // (2 * sharing)
+            room = arena // (2 * sharing)
             if room < MIN_WINDOW:
                 return None
             *windows, plan = windows_of(plan, room, MAX_RUNS_BYTES // 16)
@@ -213,7 +215,8 @@ class Staging:
         return w
 
     def _windows_of(self, req_id: str) -> Windows | None:
-        return self._windows.get(req_id.rpartition("#w")[0]) if "#w" in req_id else None
+        w = self._windows.get(req_id.split("#w", 1)[0]) if "#w" in req_id else None
+        return w if w is not None and w.reading(req_id) else None
 
     def landed(self, event: ReadFinished) -> bool:
         """A window's read (then handled here, not by the receiver)."""
@@ -259,7 +262,7 @@ class Staging:
                           scatter=prepared.plan.scatter, trust_until=sent + answer.ttl_s,
                           mem_type="VRAM" if vram else "DRAM", local_device=max(prepared.device, 0),
                           remote_device=max(prepared.remote_device, 0),
-                          before=w.moved if w is not None and prepared.windows else (0, 0))  # (the last)
+                          before=w.before() if w is not None and prepared.windows else (0, 0, 0.0))
 
     # ------------------------------------------------------------------ ask
 
@@ -275,20 +278,12 @@ class Staging:
         ``BATCH_WINDOW_S`` for the others (each TP rank sends its own ``Recv``, in the same
         engine step), and the batch goes as soon as all are in. A read in windows asks alone,
         for each window in turn, and reads all but the last here (``windows``)."""
-        loop = asyncio.get_running_loop()
-        for i, (plan, ranks) in enumerate(prepared.windows):
+        if prepared.windows:
             assert windows is not None, "a read in windows needs its reads posted"
-            part = dataclasses.replace(prepared, plan=plan, ranks=ranks, windows=())
-            member = _Member(msg, part, mark, reading_s, loop.create_future())
-            got, sent = await self._ask([member], engine, peer)
-            if got is None:  # no room at the prefill
-                if i == 0:
-                    self.fell_back += 1
-                    return None, 0.0  # (nothing read yet: the whole read goes directly)
-                raise RequestError(ErrorCode.TRANSFER_ERROR, f"the prefill had no room for window {i + 1}")
-            await windows.read(i, plan, self._staged_read(windows.key, part, got, sent))
+            return await self._in_windows(msg, engine, prepared, reading_s, peer, mark, windows)
+        loop = asyncio.get_running_loop()
         key = (msg.remote_host, msg.remote_port, engine, msg.remote_req_id or msg.req_id, msg.remote_token,
-               msg.pp_rank, msg.tp_rank if prepared.device >= 0 or prepared.windows else -1)
+               msg.pp_rank, msg.tp_rank if prepared.device >= 0 else -1)
         batch = self._batches.get(key)
         if batch is None:
             batch = self._batches[key] = _Batch()
@@ -302,8 +297,41 @@ class Staging:
             self.fell_back += 1
             return None, 0.0
         self.staged += 1
-        self.windowed += bool(prepared.windows)
         return answer, sent
+
+    async def _in_windows(self, msg: Recv, engine: str, prepared: Prepared, reading_s: float, peer: Peer,
+                          mark: Callable[[str], None], windows: Windows) -> tuple[Staged | None, float]:
+        """``ask`` for a read in windows: each window's StageRequest alone, in turn (a later one
+        the prefill has no room for yet asked again: it just gave this reader's slot up, and
+        another reader may have taken it), every window but the last read here; the last's
+        answer is the receive's. Raises CANCELLED once the receive is being cancelled."""
+        loop = asyncio.get_running_loop()
+        end = time.monotonic() + reading_s
+        steps = (*prepared.windows, (prepared.plan, prepared.ranks))
+        for i, (plan, ranks) in enumerate(steps):
+            part = dataclasses.replace(prepared, plan=plan, ranks=ranks, windows=())
+            pause = 0.002
+            while True:
+                windows.check()
+                got, sent = await self._ask([_Member(msg, part, mark, reading_s, loop.create_future())],
+                                            engine, peer)
+                if got is not None or i == 0 or time.monotonic() + pause > end:
+                    break
+                await asyncio.sleep(pause)
+                pause = min(pause * 2, 0.05)
+            windows.check()  # (a slot it holds at the prefill goes with the cancel's notice)
+            if got is None:
+                if i == 0:
+                    self.fell_back += 1
+                    return None, 0.0  # (nothing read yet: the whole read goes directly)
+                raise RequestError(ErrorCode.TRANSFER_ERROR, f"the prefill had no room for window {i + 1} "
+                                   f"of {len(steps)} in {reading_s:.1f}s")
+            if i == len(steps) - 1:
+                self.staged += 1
+                self.windowed += 1
+                return got, sent
+            await windows.read(i, self._staged_read(windows.key, part, got, sent))
+        raise AssertionError("unreachable")
 
     def _flush(self, key: tuple[object, ...], batch: _Batch, engine: str, peer: Peer) -> None:
         if self._batches.get(key) is not batch:
@@ -373,6 +401,17 @@ class Staging:
             return got, sent
 
 
+_WINDOW_IDS = itertools.count(1)
+
+
+class WindowFailed(RequestError):
+    """A window's read failed once posted: the receive's read failed (it did start)."""
+
+    def __init__(self, event: ReadFinished) -> None:
+        super().__init__(event.code or ErrorCode.TRANSFER_ERROR, event.reason)
+        self.event = event
+
+
 class Windows:
     """The reads of a receive's earlier windows (``Prepared.windows``), posted as reads of
     their own (``spec(staged, req_id)``: the receive's ReadSpec for that slot) whose
@@ -387,22 +426,37 @@ class Windows:
         self.stopped = False
         self._in_flight: tuple[str, asyncio.Future[ReadFinished]] | None = None
         self.moved = (0, 0)  # the windows read so far: bytes, descriptors
+        self.t0 = 0.0  # when the first was posted (monotonic)
 
-    async def read(self, i: int, plan: StagedPlan, staged: StagedRead) -> None:
-        """Window ``i`` read into the slot and scattered, or RequestError."""
+    def check(self) -> None:
         if self.stopped:
             raise RequestError(ErrorCode.CANCELLED, "the receive is being cancelled")
-        rid = f"{self.key}#w{i}"
+
+    def before(self) -> tuple[int, int, float]:
+        """What the last window's read reports beside its own: the others' bytes and
+        descriptors, and the seconds since the first was posted."""
+        return (*self.moved, time.monotonic() - self.t0 if self.t0 else 0.0)
+
+    async def read(self, i: int, staged: StagedRead) -> None:
+        """Window ``i`` read into the slot and scattered, or RequestError (``WindowFailed``:
+        it was posted and failed)."""
+        self.check()
+        rid = f"{self.key}#w{i}#{next(_WINDOW_IDS)}"  # (an id no receive key or earlier window has)
         fut: asyncio.Future[ReadFinished] = asyncio.get_running_loop().create_future()
         self._in_flight = (rid, fut)
+        self.t0 = self.t0 or time.monotonic()
         try:
             self._nixl.read(self._spec(staged, rid))  # type: ignore[arg-type]  (a ReadSpec)
             got = await asyncio.shield(fut)
         finally:
             self._in_flight = None
         if not got.ok:
-            raise RequestError(got.code or ErrorCode.TRANSFER_ERROR, f"window {i + 1}: {got.reason}")
+            why = f"window {i + 1}: {got.reason}"
+            raise WindowFailed(dataclasses.replace(got, req_id=self.key, reason=why))
         self.moved = (self.moved[0] + got.nbytes, self.moved[1] + got.descriptors)
+
+    def reading(self, rid: str) -> bool:
+        return self._in_flight is not None and self._in_flight[0] == rid
 
     def landed(self, event: ReadFinished) -> bool:
         if self._in_flight is None or self._in_flight[0] != event.req_id:

@@ -158,20 +158,17 @@ def _clip(rows: np.ndarray, starts: np.ndarray, lens: np.ndarray, a: int, b: int
 
 def window_cuts(lengths: np.ndarray, max_bytes: int, max_runs: int) -> list[int]:
     """Stream offsets that cut runs of ``lengths`` (back to back) into windows of at most
-    ``max_bytes`` bytes and ``max_runs`` runs each: where a run ends whenever one fits, inside
-    a run only when that run alone is longer than a window. [0, ..., total]."""
+    ``max_bytes`` bytes and ``max_runs`` runs each: every ``max_bytes`` (so no window is larger
+    than the one before it, and a slot freed for the next always has room for it), earlier
+    where ``max_runs`` runs end first. [0, ..., total]."""
     if max_bytes <= 0 or max_runs <= 0:
         raise ValueError("a window needs room for a byte and a run")
     ends = np.cumsum(np.asarray(lengths, dtype=np.int64))
     total = int(ends[-1]) if len(ends) else 0
-    cuts, at, j = [0], 0, 0  # j: the first run not wholly in earlier windows
+    cuts, at = [0], 0
     while at < total:
-        k = min(int(np.searchsorted(ends, at + max_bytes, side="right")) - 1, j + max_runs - 1)
-        if k >= j:  # whole runs j..k fit
-            at, j = int(ends[k]), k + 1
-        else:  # run j is longer than what is left of a window: cut inside it
-            at = min(at + max_bytes, int(ends[j]))
-            j += at == int(ends[j])
+        j = int(np.searchsorted(ends, at, side="right"))  # the first run not wholly before ``at``
+        at = min(at + max_bytes, int(ends[min(j + max_runs - 1, len(ends) - 1)]), total)
         cuts.append(at)
     return cuts
 
@@ -346,5 +343,5 @@ class Books:
     def expire(self, now: float) -> list[Hashable]:
         return [k for b in self._books.values() for k in b.expire(now)]
 
-    def __len__(self) -> int:
-        return sum(len(b) for b in self._books.values())
+    def __len__(self) -> int:  # (the metrics thread's: a copy of the values, never the dict iterated)
+        return sum(len(b) for b in list(self._books.values()))
