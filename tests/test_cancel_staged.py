@@ -125,3 +125,47 @@ def test_a_cancel_waits_for_the_window_read_in_flight_and_posts_no_other() -> No
         return [c.rsplit("#", 1)[0] for c in calls]
 
     assert asyncio.run(run()) == ["read k#w0", "read k#w1", "cancel k#w1", "settled"]
+
+
+def test_a_window_that_fails_once_posted_fails_the_receives_read_and_tells_the_prefill() -> None:
+    """A read in windows whose second window failed (a dead peer, an expired slot): the
+    receive ends as a failed read, not as one that never started: the engine gets ``Failed``
+    with the read's code, and the prefill a ``ReadNotice(ok=False)`` (it frees its slot and
+    ends its lease as aborted, where 'not started' told it nothing and left both to expire)."""
+    from kvxfer.protocol import ReadNotice, read_notice_decoder
+    from kvxfer.sidecar.nixl_types import ReadFinished
+    from kvxfer.sidecar.staged_reads import WindowFailed
+
+    async def run() -> tuple[list[Any], list[tuple[str, bytes]]]:
+        port, sent, notes = RecordingPort(), [], []
+        port.notify_soon = lambda agent, payload: notes.append((agent, payload))  # type: ignore[attr-defined]
+        rx = Receiver(config=Config(), registry=mock.MagicMock(), peers=mock.MagicMock(),
+                      book=mock.MagicMock(), nixl=port, observer=Observer(),  # type: ignore[arg-type]
+                      send=lambda owner, msg: sent.append(msg), spawn=asyncio.ensure_future,
+                      agent_name="d")
+        rx.registry.get.return_value = None  # (the rank's layout: not needed here)
+        rx.staging = mock.MagicMock()
+        event = ReadFinished("k", "p-agent", False, 0, 0.5, code=ErrorCode.TRANSFER_ERROR,
+                             reason="window 2: remote access error")
+        rx.staging.read_after.side_effect = WindowFailed(event)
+        msg = Recv(req_id="r1", block_ids=[3, 4], remote_engine_id="p", remote_host="h", remote_port=9,
+                   remote_block_ids=[5, 6])
+        machine = Receive("r1")
+        machine.start(False, 10.0)
+        state = RecvState(owner=b"e", msg=msg, nbytes=1, started=0.0, deadline=1e12, local=mock.MagicMock(),
+                          machine=machine, peer_agent="p-agent")
+        rx.recvs["k"] = state
+        done: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        done.set_result(None)
+        rx._staged("k", state, mock.MagicMock(), [], mock.MagicMock(), mock.MagicMock(), done)
+        return sent, notes
+
+    sent, notes = asyncio.run(run())
+    assert [type(m).__name__ for m in sent] == ["Failed"], sent
+    assert sent[0].code == ErrorCode.TRANSFER_ERROR, sent
+    assert "window 2" in sent[0].reason
+    assert len(notes) == 1, notes
+    notice = read_notice_decoder.decode(notes[0][1])
+    assert isinstance(notice, ReadNotice)
+    assert notes[0][0] == "p-agent"
+    assert notice.ok is False

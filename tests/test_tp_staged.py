@@ -103,8 +103,10 @@ def test_a_read_too_large_for_the_arena_is_staged_in_windows(torch_copies: bool,
     receive's own read. Every byte checked; the sidecars' metrics say how it went."""
     if torch_copies:  # (the copies VRAM staging uses, on host memory)
         monkeypatch.setenv("KVXFER_TEST_TORCH_COPIES", "1")
+    # (one request at a time: its two ranks' 1 MiB slots, and the last request's until their
+    # final notices reach the prefill, fit its 4 MiB; more at once could find it full)
     opts = staged(prefill_tp=1, decode_tp=2, layers=8, blocks_per_request=32, head_dim=128, requests=2,
-                  in_flight=2, extra_serve_args=("--staging-mib", "4", "--stage-min-descs", "1",
+                  in_flight=1, extra_serve_args=("--staging-mib", "4", "--stage-min-descs", "1",
                                                  "--stage-below-kib", "1024"))
     res = run_staged(opts, slots_per_rank=8)  # (8 MiB a rank in 1 MiB windows, one descriptor each)
     got = res["metrics"]["decode"]
