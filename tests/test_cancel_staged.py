@@ -169,3 +169,40 @@ def test_a_window_that_fails_once_posted_fails_the_receives_read_and_tells_the_p
     assert isinstance(notice, ReadNotice)
     assert notes[0][0] == "p-agent"
     assert notice.ok is False
+
+
+def test_a_vram_read_the_prefill_has_no_room_for_asks_again_then_reads_directly() -> None:
+    """A VRAM receive whose StageRequest finds the prefill's arena full asks again (read
+    directly it would crawl over tcp, ~100x slower: README "GPU paths"), for VRAM_WAIT_S at
+    most, then reads directly; a host one reads directly at once, as before."""
+    import types
+
+    import numpy as np
+
+    from kvxfer.protocol import Staged
+    from kvxfer.sidecar import staged_reads
+    from kvxfer.sidecar.staged_reads import Prepared, Staging
+    from kvxfer.sidecar.staging import StagedPlan
+
+    held = Staged(seq=1, held="held", addr=4096, nbytes=10, ttl_s=5.0)
+    msg = Recv(req_id="r1", block_ids=[3], remote_engine_id="p", remote_host="h", remote_port=9,
+               remote_block_ids=[5])
+
+    def ask(device: int, answers: list[Any]) -> tuple[Any, int, Staging]:
+        port = types.SimpleNamespace(spans={})
+        st = Staging(Config(), mock.MagicMock(), mock.MagicMock(), port, "d")  # type: ignore[arg-type]
+        st._ask = mock.AsyncMock(side_effect=answers)  # type: ignore[method-assign]
+        plan = StagedPlan(10, [], np.empty((0, 3), np.int64), 0)
+        prepared = Prepared(plan, 0, [], expected=1, device=device)
+        got = asyncio.run(st.ask(msg, "p", prepared, 30.0, mock.MagicMock(), lambda m: None))
+        return got, st._ask.call_count, st
+
+    got, calls, st = ask(0, [(None, 0.0), (None, 0.0), (held, 1.0)])
+    assert (got, calls, st.fell_back, st.staged) == ((held, 1.0), 3, 0, 1)
+    with mock.patch.object(staged_reads, "VRAM_WAIT_S", 0.05):
+        got, calls, st = ask(0, [(None, 0.0)] * 100)
+    assert got == (None, 0.0)
+    assert 2 <= calls < 20, calls  # (asked again for 50 ms, backing off from 2 ms)
+    assert st.fell_back == 1
+    got, calls, st = ask(-1, [(None, 0.0)] * 3)  # host memory: the batch path, no second ask
+    assert (got, calls, st.fell_back) == ((None, 0.0), 1, 1)

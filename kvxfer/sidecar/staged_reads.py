@@ -54,6 +54,7 @@ BATCH_WINDOW_S = 0.02
 MAX_RUNS_BYTES = 512 << 10  # a StageRequest stays well under the listener's 1 MiB messages
 ROWS_CACHE = 512  # pair_rows kept per (peer registration, local registration, plan)
 MIN_WINDOW = 1 << 20  # a read in windows smaller than this would be mostly round trips: direct
+VRAM_WAIT_S = 1.0  # a VRAM read the prefill has no room for asks again this long, then reads directly
 
 
 @dataclass(frozen=True)
@@ -278,8 +279,7 @@ class Staging:
         ``BATCH_WINDOW_S`` for the others (each TP rank sends its own ``Recv``, in the same
         engine step), and the batch goes as soon as all are in. A read in windows asks alone,
         for each window in turn, and reads all but the last here (``windows``)."""
-        if prepared.windows:
-            assert windows is not None, "a read in windows needs its reads posted"
+        if prepared.windows or prepared.device >= 0:  # (alone: see _in_windows)
             return await self._in_windows(msg, engine, prepared, reading_s, peer, mark, windows)
         loop = asyncio.get_running_loop()
         key = (msg.remote_host, msg.remote_port, engine, msg.remote_req_id or msg.req_id, msg.remote_token,
@@ -300,26 +300,33 @@ class Staging:
         return answer, sent
 
     async def _in_windows(self, msg: Recv, engine: str, prepared: Prepared, reading_s: float, peer: Peer,
-                          mark: Callable[[str], None], windows: Windows) -> tuple[Staged | None, float]:
-        """``ask`` for a read in windows: each window's StageRequest alone, in turn (a later one
-        the prefill has no room for yet asked again: it just gave this reader's slot up, and
-        another reader may have taken it), every window but the last read here; the last's
-        answer is the receive's. Raises CANCELLED once the receive is being cancelled."""
+                          mark: Callable[[str], None],
+                          windows: Windows | None) -> tuple[Staged | None, float]:
+        """``ask`` for a receive that asks alone: a VRAM one, or one read in windows. Each
+        window's StageRequest in turn, every window but the last read here; the last's answer
+        is the receive's. A window the prefill has no room for is asked again: a later one
+        until the deadline (it just gave this reader's slot up, another reader took it), a
+        VRAM read's first for up to VRAM_WAIT_S (reading it directly instead costs ~100x).
+        Raises CANCELLED once the receive is being cancelled."""
         loop = asyncio.get_running_loop()
-        end = time.monotonic() + reading_s
+        start = time.monotonic()
+        end = start + reading_s
         steps = (*prepared.windows, (prepared.plan, prepared.ranks))
         for i, (plan, ranks) in enumerate(steps):
             part = dataclasses.replace(prepared, plan=plan, ranks=ranks, windows=())
             pause = 0.002
+            until = end if i else (min(end, start + VRAM_WAIT_S) if prepared.device >= 0 else 0.0)
             while True:
-                windows.check()
+                if windows is not None:
+                    windows.check()
                 got, sent = await self._ask([_Member(msg, part, mark, reading_s, loop.create_future())],
                                             engine, peer)
-                if got is not None or i == 0 or time.monotonic() + pause > end:
+                if got is not None or time.monotonic() + pause > until:
                     break
                 await asyncio.sleep(pause)
                 pause = min(pause * 2, 0.05)
-            windows.check()  # (a slot it holds at the prefill goes with the cancel's notice)
+            if windows is not None:
+                windows.check()  # (a slot it holds at the prefill goes with the cancel's notice)
             if got is None:
                 if i == 0:
                     self.fell_back += 1
@@ -328,8 +335,9 @@ class Staging:
                                    f"of {len(steps)} in {reading_s:.1f}s")
             if i == len(steps) - 1:
                 self.staged += 1
-                self.windowed += 1
+                self.windowed += bool(prepared.windows)
                 return got, sent
+            assert windows is not None, "a read in windows needs its reads posted"
             await windows.read(i, self._staged_read(windows.key, part, got, sent))
         raise AssertionError("unreachable")
 
