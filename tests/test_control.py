@@ -379,6 +379,11 @@ def test_a_resume_during_a_drain_keeps_the_work_taken_after_it(sidecars: Sidecar
         pr.d.client.recv("out-of-range", [10_000], pr.remote([1]))
         got = wait_for(pr.d.client, lambda a: bool(a.failed))
         assert got.failed[0].code == ErrorCode.BLOCK_OUT_OF_RANGE
+        # (counted right after the engine is answered: a loaded machine may scrape in between)
+        end = time.monotonic() + 5
+        while pr.ds.scrape().get('kvxfer_transfers_total{result="failed"}', 0) < before + 1:
+            assert time.monotonic() < end, "the refused receive was not counted"
+            time.sleep(0.02)
         assert pr.ds.scrape()['kvxfer_transfers_total{result="failed"}'] == before + 1
         # an unknown event kind: INVALID_ARGUMENT at once
         with pytest.raises(grpc.RpcError) as e:
