@@ -206,3 +206,55 @@ def test_a_vram_read_the_prefill_has_no_room_for_asks_again_then_reads_directly(
     assert st.fell_back == 1
     got, calls, st = ask(-1, [(None, 0.0)] * 3)  # host memory: the batch path, no second ask
     assert (got, calls, st.fell_back) == ((None, 0.0), 1, 1)
+
+
+def test_a_reader_asking_again_while_its_slot_is_being_filled_is_told_busy() -> None:
+    """The prefill's half: a reader's repeat StageRequest gives its slot up for the new one
+    (a read in windows), but never while that slot is being filled: the copy would run into a
+    slot freed under it, and the first request's failure path could free the second's."""
+    import types
+
+    import numpy as np
+
+    from kvxfer.protocol import KVLayout, RankInfo, RemoteRegion, StageRank, StageRequest
+    from kvxfer.sidecar.stage_server import StageServer
+
+    async def run() -> list[str]:
+        copying = asyncio.Event()
+        release = asyncio.Event()
+        held = []
+
+        async def gather(ranks: Any, blocks: Any, offset: int, nbytes: int, device: int) -> None:
+            held.append(f"gather at {offset}")
+            copying.set()
+            await release.wait()
+
+        nixl = types.SimpleNamespace(spans={-1: (1 << 30, 1 << 20)}, gather=gather,
+                                     expect_reads=lambda: None)
+        lease = types.SimpleNamespace(engine="p", block_ids=[1, 2])
+        holds = mock.MagicMock()
+        holds.renew.return_value = types.SimpleNamespace(held=["held"])
+        holds.lease_for.return_value = lease
+        info = RankInfo(layout=mock.MagicMock(spec=KVLayout), regions=[RemoteRegion(addr=0, block_len=8,
+                                                                                    block_stride=8)])
+        registry = mock.MagicMock()
+        registry.find.return_value = types.SimpleNamespace(key="rank0", info=info)
+        server = StageServer(holds=holds, registry=registry, nixl=nixl,  # type: ignore[arg-type]
+                             generation=lambda: "g")
+        runs = np.array([[0, 4096]], dtype="<i8").tobytes()
+        req = StageRequest(seq=1, engine_id="p", req_id="x", ranks=[StageRank(rank=0, runs=runs)],
+                           nbytes=4096, readers=["0/0"], extend_s=5.0, agent_name="d", token="t")
+        first = asyncio.ensure_future(server.answer(req))
+        await copying.wait()
+        again = await asyncio.wait_for(server.answer(req), 2.0)  # (not a second copy into that slot)
+        held.append(f"again {again.held}")
+        release.set()
+        got = await first
+        held.append(f"first {got.held}, {server.slots} slot")
+        third = await server.answer(req)  # (its read of the first is done: it asks for the next)
+        release.set()
+        held.append(f"third {third.held}, {server.slots} slot")
+        return held
+
+    assert asyncio.run(run()) == ["gather at 0", "again busy", "first held, 1 slot", "gather at 0",
+                                  "third held, 1 slot"]

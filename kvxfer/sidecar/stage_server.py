@@ -6,7 +6,10 @@ that lease holds and copied, on the NIXL thread, into a slot of this sidecar's s
 the lease must still be held once the copy is done, or the answer is "gone" (the engine may
 have reused the blocks while they were copied). The slot is kept until the reader's final
 ``ReadNotice`` (it settled its read of the slot, landed or failed) or until its expiry,
-whichever comes first; the reader never trusts a landing seen after that expiry.
+whichever comes first; the reader never trusts a landing seen after that expiry. A reader
+that asks again (a read in windows, once it read its last window) gives its slot up for the
+new one: never two slots for one reader. A slot is in the arena of the ranks' device (host
+memory: -1), so all ranks of one request must share a device.
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ class StageServer:
         self.books = Books(nixl.spans)
         self.staged = 0  # requests answered with a slot, ever
         self._waiting: dict[tuple[object, ...], set[str]] = {}  # slot -> readers whose final notice is due
+        self._gathering: set[tuple[object, ...]] = set()  # slots being filled now
 
     async def answer(self, req: StageRequest) -> Staged:
         arrived = time.monotonic()
@@ -66,12 +70,15 @@ class StageServer:
         book = self.books.get(device) if device is not None else None
         if book is None or device is None:
             return Staged(seq=req.seq, held="busy", reason="no staging arena for these ranks' memory")
+        if key in self._gathering:  # (its slot is being filled: never freed or replaced under the copy)
+            return Staged(seq=req.seq, held="busy", reason="this reader's last request is still being copied")
         if key in self._waiting:  # the same readers ask again: they read their last window
             self._free(key)
         offset = book.alloc(req.nbytes, key, arrived + ttl)
         if offset is None:
             return Staged(seq=req.seq, held="busy", reason="staging arena full")
         self._waiting[key] = set(req.readers)
+        self._gathering.add(key)
         try:
             await self.nixl.gather(ranks, list(lease.block_ids), offset, req.nbytes, device)
         except RequestError as e:
@@ -81,6 +88,8 @@ class StageServer:
             self._free(key)
             log.exception("staging %s for %s failed", req.req_id, req.agent_name)
             return Staged(seq=req.seq, held="refused", code=ErrorCode.INTERNAL, reason=repr(e))
+        finally:
+            self._gathering.discard(key)
         if self.holds.lease_for(req.agent_name, req.engine_id, req.req_id, req.token, "stage") is not lease:
             self._free(key)  # released or expired during the copy: the copy proves nothing
             return Staged(seq=req.seq, held="gone", generation=self._generation())

@@ -2,9 +2,10 @@
 prefill's half: ``kvxfer.sidecar.stage_server``).
 
 ``prepare`` decides, for a planned receive, whether it is staged: both sidecars have an
-arena, the read is host memory to host memory with no state blocks, its direct descriptors
-are many and small (``worth_staging``), and its bytes fit a free slot here; the slot is then
-this receive's until ``release``. ``ask`` sends the ``StageRequest`` (the read's claim) and
+arena for its memory (host, or its CUDA device's), no state blocks, its direct descriptors
+many and small (``worth_staging``; VRAM: always), and a free slot here; the slot is then
+this receive's until ``release``. One too large for its share of a slot is read in windows
+through that slot (``Windows``). ``ask`` sends the ``StageRequest`` (the read's claim) and
 waits for its ``Staged`` answer, asking again while the prefill does not know the request
 yet, as a claim does (``receive.claim_verdict``). The receiver then posts the slot-to-slot
 read (``ReadSpec.staged``); the NIXL port scatters the slot into the blocks before it
@@ -131,8 +132,9 @@ class Staging:
     def prepare(self, key: str, msg: Recv, local: RankInfo, peer: Peer, engine: str, plans: list[RankPlan],
                 pairing: BlockPairing, remaining_s: float) -> Prepared | None:
         """The receive's staged plan and slot, or None: read it directly. Host memory is staged
-        when its direct descriptors are many and small (``worth_staging``); VRAM whenever it
-        fits (the arenas are the only memory UCX moves over cuda_ipc: ``staging``)."""
+        when its direct descriptors are many and small (``worth_staging``); VRAM always (the
+        arenas are the only memory UCX moves over cuda_ipc: ``staging``). One too large for
+        its share of a slot goes in windows (``staging.windows_of``)."""
         device = arena_device(local)
         book = self.books.get(device) if device is not None and (device >= 0 or self.below > 0) else None
         if (book is None or not peer.staging_bytes or not msg.block_ids or msg.state_block_ids

@@ -413,6 +413,7 @@ KNOBS: list[tuple[str, dict[str, str], dict[str, int]]] = [
     ("chunk 16 MiB", {}, {"chunk_mib": 16}),
     ("chunk 256 MiB", {}, {"chunk_mib": 256}),
     ("VRAM staging off", {}, {"vram_staging_mib": 0}),  # (every read direct, as before 2026-11-28)
+    ("VRAM staging 64 MiB", {}, {"vram_staging_mib": 64}),  # (512 MiB in 16 windows of 32 MiB)
 ]
 KVXFER_ONLY = {"chunk_mib", "vram_staging_mib"}  # knobs raw NIXL has no counterpart of
 
