@@ -55,8 +55,8 @@ STAGED_DESC_BYTES = 2 << 20
 
 class StagingArena:
     """One arena: host memory of this process (``device`` -1), or VRAM of a CUDA device that
-    this process allocated itself (torch's caching allocator: ``cudaMalloc``), the memory
-    UCX moves over cuda_ipc; copies into and out of it then run on the arena's own stream."""
+    this process allocated itself (``_device_memory``), the memory UCX moves over cuda_ipc;
+    copies into and out of it then run on the arena's own stream."""
 
     def __init__(self, agent: Any, size: int, device: int = -1) -> None:
         self._agent = agent
@@ -130,9 +130,9 @@ class StagingArena:
 
 def _device_memory(size: int, device: int) -> tuple[Any, Any]:
     """A VRAM arena's memory: ``cuMemAlloc``ed through ``kvxfer.vmm`` (legacy-IPC capable,
-    whatever torch's allocator is set to), else torch's allocator, checked to be plain
-    ``cudaMalloc`` (``PYTORCH_CUDA_ALLOC_CONF`` ``expandable_segments`` or ``cudaMallocAsync``
-    give memory UCX moves over tcp). (the buffer to close or None, a uint8 tensor over it)."""
+    whatever torch's allocator is set to), else torch's allocator, with a warning where
+    ``PYTORCH_CUDA_ALLOC_CONF`` (``expandable_segments``, ``cudaMallocAsync``) makes it memory
+    UCX moves over tcp. (the buffer to close or None, a uint8 tensor over it)."""
     import torch
 
     from kvxfer import vmm
@@ -246,13 +246,15 @@ def _rows(addrs: np.ndarray, length: int) -> tuple[np.ndarray, np.ndarray] | Non
     return _view(lo, n * length).reshape(n, length), rel // length
 
 
-def _granules(starts: np.ndarray, lengths: np.ndarray) -> tuple[np.ndarray, int]:
-    """Runs cut into granules of one size (the greatest common divisor of their lengths):
-    each granule's start, in order, and the size."""
-    g = int(np.gcd.reduce(lengths))
-    if g > 0 and int(lengths.min()) == int(lengths.max()):  # (runs of one size: each is one granule)
+def _granules(starts: np.ndarray, lengths: np.ndarray, g: int = 0) -> tuple[np.ndarray, int]:
+    """Runs cut into granules of one size (``g``, which divides every length; 0: the greatest
+    common divisor of their lengths): each granule's start, in order, and the size."""
+    g = g or int(np.gcd.reduce(lengths))
+    if g <= 0:
         return starts, g
     counts = lengths // g
+    if int(counts.max()) == 1:  # (runs of the granule's size: each is one granule)
+        return starts, g
     first = np.cumsum(counts) - counts
     k = np.arange(int(counts.sum()), dtype=np.int64) - np.repeat(first, counts)
     return np.repeat(starts, counts) + k * g, g
@@ -288,11 +290,17 @@ def gather_each(dst: int, runs: np.ndarray) -> int:
     return at - dst
 
 
+def _by_offset(pieces: np.ndarray) -> np.ndarray:
+    """Scatter pieces ([dst addr, offset, len] rows) in order of offset (mostly so already)."""
+    if len(pieces) > 1 and (pieces[1:, 1] < pieces[:-1, 1]).any():
+        return pieces[np.argsort(pieces[:, 1], kind="stable")]
+    return pieces
+
+
 def scatter(src: int, pieces: np.ndarray) -> None:
     """Copy each piece ([dst addr, offset at ``src``, len] rows) from ``src + offset``; the
     pieces tile ``[src, src + their total)`` in order of offset."""
-    if len(pieces) > 1 and (pieces[1:, 1] < pieces[:-1, 1]).any():  # (mostly in order already)
-        pieces = pieces[np.argsort(pieces[:, 1], kind="stable")]
+    pieces = _by_offset(pieces)
     total = int(pieces[:, 2].sum())
     g = int(np.gcd.reduce(pieces[:, 2])) if len(pieces) else 0
     if len(pieces) < FEW_RUNS or total // len(pieces) >= LONG_RUN or g < MIN_GRANULE:
@@ -315,13 +323,8 @@ def _tensor_rows(starts: np.ndarray, lengths: np.ndarray, base: int) -> tuple[np
     length and every start's offset from ``base``: each granule's row in that memory seen
     as back-to-back rows of the size, in order, and the size."""
     rel = starts - base
-    g = int(np.gcd.reduce(np.concatenate([lengths, rel])))
-    counts = lengths // g
-    if int(counts.max()) == 1:
-        return rel // g, g
-    first = np.cumsum(counts) - counts
-    k = np.arange(int(counts.sum()), dtype=np.int64) - np.repeat(first, counts)
-    return np.repeat(rel // g, counts) + k, g
+    granules, g = _granules(rel, lengths, int(np.gcd.reduce(np.concatenate([lengths, rel]))))
+    return granules // g, g
 
 
 def copy_runs(slot: Any, runs: np.ndarray, mem: list[tuple[int, Any]], into_slot: bool) -> None:
@@ -335,10 +338,12 @@ def copy_runs(slot: Any, runs: np.ndarray, mem: list[tuple[int, Any]], into_slot
     runs = runs[runs[:, 1] > 0]  # (an empty run moves nothing and has no granule)
     if not len(runs):
         return
+    if not mem:
+        raise RequestError(ErrorCode.INTERNAL, "runs to copy, and no memory of the rank's")
     bases = np.array([b for b, _ in mem], dtype=np.int64)
     sizes = np.array([t.numel() for _, t in mem], dtype=np.int64)
     addrs, lens = runs[:, 0], runs[:, 1]
-    which = np.searchsorted(bases, addrs, side="right") - 1 if len(bases) else np.full(len(runs), -1)
+    which = np.searchsorted(bases, addrs, side="right") - 1
     inside = (which >= 0) & (addrs + lens <= bases[which] + sizes[which])
     if not inside.all():
         raise RequestError(ErrorCode.INTERNAL, f"run {int(np.argmin(inside))} lies outside the rank's memory")
@@ -385,9 +390,7 @@ def _tensors(rank: LocalRank) -> list[tuple[int, Any]]:
 def scatter_vram(arena: StagingArena, st: StagedRead, rank: LocalRank) -> None:
     """The decode's last step of a staged VRAM read: the landed slot into the blocks, on the
     arena's stream, done before the read is reported landed."""
-    pieces = st.scatter
-    if len(pieces) > 1 and (pieces[1:, 1] < pieces[:-1, 1]).any():
-        pieces = pieces[np.argsort(pieces[:, 1], kind="stable")]
+    pieces = _by_offset(st.scatter)
     total = int(pieces[:, 2].sum())
     slot = arena.slot(st.local_addr + int(pieces[0, 1]), total)
     with arena.on_stream():

@@ -285,7 +285,7 @@ class Staging:
             return await self._in_windows(msg, engine, prepared, reading_s, peer, mark, windows)
         loop = asyncio.get_running_loop()
         key = (msg.remote_host, msg.remote_port, engine, msg.remote_req_id or msg.req_id, msg.remote_token,
-               msg.pp_rank, msg.tp_rank if prepared.device >= 0 else -1)
+               msg.pp_rank)
         batch = self._batches.get(key)
         if batch is None:
             batch = self._batches[key] = _Batch()
@@ -469,19 +469,18 @@ class Windows:
         return self._in_flight is not None and self._in_flight[0] == rid
 
     def landed(self, event: ReadFinished) -> bool:
-        if self._in_flight is None or self._in_flight[0] != event.req_id:
+        if self._in_flight is None or not self.reading(event.req_id):
             return False
         if not self._in_flight[1].done():
             self._in_flight[1].set_result(event)
         return True
 
     def refused(self, event: ReadRefused) -> bool:
-        if self._in_flight is None or self._in_flight[0] != event.req_id:
+        """(its error reaches the receiver through ``ask``, made a RequestError there: ``read_after``)"""
+        if self._in_flight is None or not self.reading(event.req_id):
             return False
         if not self._in_flight[1].done():
-            err = event.error
-            self._in_flight[1].set_exception(err if isinstance(err, RequestError)
-                                             else RequestError(ErrorCode.TRANSFER_ERROR, repr(err)))
+            self._in_flight[1].set_exception(event.error)
         return True
 
     async def settle(self, err: RequestError) -> None:

@@ -21,7 +21,7 @@ rank) and leaves the fine-grained side, if any, to the decode's scatter.
 ``SlotBook`` is the arena's allocator (first fit, aligned, each slot with an expiry).
 
 On a GPU (``--cuda on``) there is an arena per CUDA device, in memory the sidecar itself
-``cudaMalloc``ed (``--vram-staging-mib``): UCX moves only such memory over cuda_ipc between
+allocated (``cuMemAlloc``, ``--vram-staging-mib``): UCX moves only such memory over cuda_ipc between
 processes on a machine without IMEX (README "GPU paths"), so every VRAM read of a rank is
 staged through the arena of its device (``arena_device``), whatever its descriptors.
 """
@@ -177,12 +177,12 @@ def windows_of(plan: StagedPlan, max_bytes: int, max_runs: int) -> list[StagedPl
     """A staged read too large for one slot (or one StageRequest's runs) cut into windows of
     its byte stream (``window_cuts``), read one after another through one slot. Each window
     is a plan of its own: its legs' runs, its scatter pieces with offsets from its start."""
-    lens = [r[:, 1] for r in plan.remote_runs]
-    cuts = window_cuts(np.concatenate(lens) if lens else np.empty(0, np.int64), max_bytes, max_runs)
-    starts, at = [], 0
-    for n in lens:  # each leg's runs' stream offsets (legs one after the other)
-        starts.append(at + np.concatenate(([0], np.cumsum(n)[:-1])) if len(n) else np.empty(0, np.int64))
-        at += int(n.sum())
+    if not plan.remote_runs:
+        return []
+    lens = np.concatenate([r[:, 1] for r in plan.remote_runs])
+    cuts = window_cuts(lens, max_bytes, max_runs)
+    # each leg's runs' stream offsets (legs one after the other)
+    starts = np.split(np.cumsum(lens) - lens, np.cumsum([len(r) for r in plan.remote_runs])[:-1])
     sc = plan.scatter
     out = []
     for a, b in zip(cuts[:-1], cuts[1:], strict=True):
