@@ -258,3 +258,31 @@ def test_a_reader_asking_again_while_its_slot_is_being_filled_is_told_busy() -> 
 
     assert asyncio.run(run()) == ["gather at 0", "again busy", "first held, 1 slot", "gather at 0",
                                   "third held, 1 slot"]
+
+
+def test_a_window_read_is_routed_to_its_receive_whatever_the_request_id_holds() -> None:
+    """Window read ids are ``<receive key>#w<i>#<n>``; a request id is the engine's and may
+    itself hold "#w": the landing still goes to that receive's windows (it went nowhere, and
+    the receive waited for its window until its deadline)."""
+    import types
+
+    from kvxfer.sidecar.nixl_types import ReadFinished
+    from kvxfer.sidecar.staged_reads import Prepared, Staging
+
+    async def run() -> bool:
+        port = types.SimpleNamespace(spans={}, read=lambda spec: None)
+        st = Staging(Config(), mock.MagicMock(), mock.MagicMock(), port, "d")  # type: ignore[arg-type]
+        key = "e/0/0:chat#w3"
+        prepared = Prepared(mock.MagicMock(), 0, [], expected=1, windows=((mock.MagicMock(), []),))
+        windows = st.windows_for(key, prepared, lambda staged, rid: rid)
+        assert windows is not None
+        reading = asyncio.ensure_future(windows.read(0, mock.MagicMock()))
+        await asyncio.sleep(0)
+        assert windows._in_flight is not None
+        rid = windows._in_flight[0]
+        assert rid.startswith(key + "#w0#")
+        routed = st.landed(ReadFinished(rid, "p", True, 8, 0.0, descriptors=1))
+        await asyncio.wait_for(reading, 1.0)
+        return routed
+
+    assert asyncio.run(run())

@@ -218,7 +218,7 @@ class Staging:
         return w
 
     def _windows_of(self, req_id: str) -> Windows | None:
-        w = self._windows.get(req_id.split("#w", 1)[0]) if "#w" in req_id else None
+        w = self._windows.get(req_id.rsplit("#", 2)[0]) if "#w" in req_id else None  # (key#w<i>#<n>)
         return w if w is not None and w.reading(req_id) else None
 
     def landed(self, event: ReadFinished) -> bool:
