@@ -74,7 +74,7 @@ def run_server(config: Config, reload: Callable[[], Config] | None = None) -> in
         return 2
     try:
         uvloop.run(serve(sidecar, policy, on_hup))
-    except (ListenError, OSError) as e:  # a listener could not bind: which, where, why
+    except (ConfigError, OSError) as e:  # a listener could not bind, NIXL refused its backend: which, why
         log.critical("cannot start: %s", e)
         return 2
     return sidecar.exit_code

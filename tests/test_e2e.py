@@ -8,7 +8,9 @@ import sys
 
 import pytest
 
+from kvxfer.client import SidecarClient
 from kvxfer.testing.demo import DemoOptions, _summarise, run_demo
+from kvxfer.testing.procs import SidecarFactory
 from tests.conftest import PD
 
 
@@ -110,6 +112,24 @@ def test_pools_larger_than_the_machine_are_refused_before_anything_starts() -> N
     assert out.returncode == 2
     assert "the KV pools need" in out.stderr
     assert "moved" not in out.stdout  # nothing ran
+
+
+def test_a_ucx_that_cannot_run_the_error_mode_is_a_clear_refusal(sidecars: SidecarFactory) -> None:
+    """``--ucx-error-mode peer`` with no transport that reports a peer's failure (``UCX_TLS=^tcp``
+    here; an H200 run of tests/test_gpu.py met it on 2026-11-28): NIXL says only
+    NIXL_ERR_BACKEND, and the sidecar died with a traceback while its engine waited 60 s for a
+    ping. It now exits 2 at once, saying which setting and why; mode 'none' starts."""
+    sc = sidecars.start("ucx-peer-no-tcp", "--ucx-error-mode", "peer", env={"UCX_TLS": "^tcp"})
+    assert sc.proc.wait(60) == 2
+    assert "error mode 'peer' needs a transport" in sc.log()
+    assert "UCX_TLS=^tcp" in sc.log()
+    assert "Traceback" not in sc.log()
+    ok = sidecars.start("ucx-none-no-tcp", "--ucx-error-mode", "none", env={"UCX_TLS": "^tcp"})
+    client = SidecarClient(ok.endpoint)
+    try:
+        client.ping(30)
+    finally:
+        client.close()
 
 
 def test_wait_any_drains_whichever_rank_answered_first() -> None:

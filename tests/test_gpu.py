@@ -35,9 +35,11 @@ def test_vram_to_vram(sidecars: SidecarFactory, mode: str, gpu_memory: str, stag
     if gpu_memory == "vmm":
         pytest.importorskip("cuda.bindings.driver")
     args = ("--ucx-error-mode", mode, *(("--vram-staging-mib", "0") if staging == "direct" else ()))
-    # staged: tcp is off, so a slot UCX cannot move over cuda_ipc (an arena that is not
-    # legacy-IPC capable: the 2026-11-28 run's finding) fails the read instead of crawling
-    env = {"UCX_TLS": "^tcp"} if staging == "staged" else None
+    # staged in mode none: tcp is off, so a slot UCX cannot move over cuda_ipc (an arena that
+    # is not legacy-IPC capable: the 2026-11-28 H100 run's finding) fails the read instead of
+    # crawling. Mode peer needs tcp (with ^tcp NIXL refuses the UCX backend: H200, 2026-11-28);
+    # there the two descriptors below show the read was staged.
+    env = {"UCX_TLS": "^tcp"} if (staging, mode) == ("staged", "none") else None
     ps = sidecars.start(f"gpu-p-{mode}-{gpu_memory}-{staging}", *args, env=env)
     ds = sidecars.start(f"gpu-d-{mode}-{gpu_memory}-{staging}", *args, env=env)
     layout = make_layout(layers=4, num_blocks=64, heads=8, head_dim=128)

@@ -10,7 +10,7 @@ import importlib
 import os
 from typing import Any
 
-from kvxfer.errors import ErrorCode
+from kvxfer.errors import ConfigError, ErrorCode
 
 os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
 os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
@@ -65,7 +65,14 @@ def create_agent(name: str, ucx_error_mode: str, num_threads: int) -> Any:
     params = {"ucx_error_handling_mode": ucx_error_mode}
     if num_threads > 0:
         params["num_threads"] = str(num_threads)
-    agent.create_backend("UCX", params)
+    try:
+        agent.create_backend("UCX", params)
+    except Exception as e:  # (NIXL says only NIXL_ERR_BACKEND; UCX's own line is on stderr)
+        tls = os.environ.get("UCX_TLS", "(unset)")
+        raise ConfigError(
+            f"NIXL could not create its UCX backend ({e}) with ucx_error_mode={ucx_error_mode!r} and "
+            f"UCX_TLS={tls}: error mode 'peer' needs a transport that reports a peer's failure (tcp or "
+            "an RDMA device); UCX_TLS without one refuses it (mode 'none' does not)") from e
     return agent
 
 

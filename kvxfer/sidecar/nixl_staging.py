@@ -74,6 +74,7 @@ class StagingArena:
                 import torch
 
                 self.tensor = torch.from_numpy(self.buf)
+                self._warm()
         else:
             self._buf, self.tensor = _device_memory(size, device)
             import torch
@@ -94,9 +95,13 @@ class StagingArena:
                 buf.close()
 
     def _warm(self) -> None:
-        """Both copies once on a granule of the arena itself: CUDA loads their kernels lazily,
+        """Both copies once, into and out of the arena's first granule: CUDA loads their kernels lazily,
         which the first staged read would otherwise pay."""
-        run, mem = np.array([[self.addr + 256, 256]], dtype=np.int64), [(self.addr, self.tensor)]
+        # (two tensors of their own: CUDA's index_select refuses an ``out`` in its input's memory)
+        import torch
+
+        src = torch.zeros(256, dtype=torch.uint8, device=self.tensor.device)
+        run, mem = np.array([[src.data_ptr(), 256]], dtype=np.int64), [(src.data_ptr(), src)]
         with self.on_stream():
             copy_runs(self.tensor[:256], run, mem, into_slot=True)
             copy_runs(self.tensor[:256], run, mem, into_slot=False)
