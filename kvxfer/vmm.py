@@ -77,7 +77,8 @@ def _view(obj: Any, ptr: int, device: int) -> Any:
     ``obj`` alive, never a copy (torch copies where the pointer's device is not ``device``)."""
     import torch
 
-    t = torch.as_tensor(obj, device=f"cuda:{device}")
+    with torch.cuda.device(device):  # (a thread with no current context: none made on GPU 0)
+        t = torch.as_tensor(obj, device=f"cuda:{device}")
     if t.data_ptr() != ptr:
         raise RuntimeError(f"torch copied device memory at {ptr:#x} instead of viewing it")
     return t

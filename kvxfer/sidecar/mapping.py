@@ -118,13 +118,35 @@ def host_mapping(mm: mmap.mmap) -> Mapping:
     return Mapping(addr=addr, size=len(mm), mem_type="DRAM", device_id=0, _keep=[mm])
 
 
+def _uuid_key(uuid: str) -> str:
+    return uuid.lower().removeprefix("gpu-").replace("-", "")
+
+
+def local_ordinal(device_index: int, device_uuid: str) -> int:
+    """The sidecar's ordinal of the engine's GPU: by its UUID where the engine sent one
+    (``CUDA_VISIBLE_DEVICES``, or a device plugin, may number the GPUs differently in the two
+    processes: the engine's ``cuda:0`` can be the sidecar's ``cuda:3``), else the engine's."""
+    if not device_uuid:
+        return device_index
+    import torch
+
+    want = _uuid_key(device_uuid)
+    count = torch.cuda.device_count()
+    for i in range(count):
+        if _uuid_key(str(torch.cuda.get_device_properties(i).uuid)) == want:
+            return i
+    raise RequestError(ErrorCode.INVALID_MEMORY, f"no GPU {device_uuid} visible to this sidecar "
+                       f"({count} visible): check CUDA_VISIBLE_DEVICES on both sides")
+
+
 def _map_cuda(ref: CudaIpcMemory) -> Mapping:
+    device = local_ordinal(ref.device_index, ref.device_uuid)
     try:
         import torch
 
         torch.cuda._lazy_init()
         storage = torch.UntypedStorage._new_shared_cuda(
-            ref.device_index,
+            device,
             ref.handle,
             ref.size,
             ref.offset,
@@ -139,7 +161,7 @@ def _map_cuda(ref: CudaIpcMemory) -> Mapping:
         addr=int(storage.data_ptr()),
         size=ref.size,
         mem_type="VRAM",
-        device_id=ref.device_index,
+        device_id=device,
         _keep=[storage],
     )
 

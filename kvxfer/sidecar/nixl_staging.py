@@ -53,6 +53,9 @@ MIN_GRANULE = 64
 STAGED_DESC_BYTES = 2 << 20
 
 
+ARENA_RETRY_S = 30.0  # a device whose arena could not be made (out of memory) is tried again after
+
+
 class StagingArena:
     """One arena: host memory of this process (``device`` -1), or VRAM of a CUDA device that
     this process allocated itself (``_device_memory``), the memory UCX moves over cuda_ipc;
@@ -77,17 +80,24 @@ class StagingArena:
                 self._warm()
         else:
             self._buf, self.tensor = _device_memory(size, device)
-            import torch
-
-            self.stream = torch.cuda.Stream(device)
-            self.addr = int(self.tensor.data_ptr())
-            self._warm()
         self.size = size
-        self._reg = agent.register_memory([(self.addr, size, max(device, 0), "")], self.mem_type)
+        try:
+            if device >= 0:
+                import torch
+
+                self.stream = torch.cuda.Stream(device)
+                self.addr = int(self.tensor.data_ptr())
+                self._warm()
+            self._reg = agent.register_memory([(self.addr, size, max(device, 0), "")], self.mem_type)
+        except BaseException:  # (an arena that failed gives its VRAM back: DeviceBuffer has no finalizer)
+            self._reg = None
+            self.close()
+            raise
 
     def close(self) -> None:
-        with contextlib.suppress(Exception):  # (the agent goes with the process)
-            self._agent.deregister_memory(self._reg)
+        if self._reg is not None:
+            with contextlib.suppress(Exception):  # (the agent goes with the process)
+                self._agent.deregister_memory(self._reg)
         self.tensor = None
         buf, self._buf = self._buf, None
         if buf is not None:
@@ -100,9 +110,9 @@ class StagingArena:
         # (two tensors of their own: CUDA's index_select refuses an ``out`` in its input's memory)
         import torch
 
-        src = torch.zeros(256, dtype=torch.uint8, device=self.tensor.device)
-        run, mem = np.array([[src.data_ptr(), 256]], dtype=np.int64), [(src.data_ptr(), src)]
         with self.on_stream():
+            src = torch.zeros(256, dtype=torch.uint8, device=self.tensor.device)
+            run, mem = np.array([[src.data_ptr(), 256]], dtype=np.int64), [(src.data_ptr(), src)]
             copy_runs(self.tensor[:256], run, mem, into_slot=True)
             copy_runs(self.tensor[:256], run, mem, into_slot=False)
         self.sync()
@@ -171,23 +181,25 @@ class Arenas:
         self._agent = agent
         self.vram_bytes = vram_bytes
         self.by_device: dict[int, StagingArena] = {}
-        self._failed: set[int] = set()
+        self._failed: dict[int, float] = {}  # device: when its arena could not be made
         if host_bytes > 0:
             self.by_device[-1] = StagingArena(agent, host_bytes)
 
     def for_rank(self, info: RankInfo) -> dict[int, tuple[int, int]]:
         """The arena of a newly registered rank's device made if it is the first there; the spans."""
         dev = arena_device(info)
-        if self.vram_bytes <= 0 or dev is None or dev < 0 or dev in self.by_device or dev in self._failed:
+        if self.vram_bytes <= 0 or dev is None or dev < 0 or dev in self.by_device:
+            return self.spans()
+        if time.monotonic() - self._failed.get(dev, -ARENA_RETRY_S) < ARENA_RETRY_S:
             return self.spans()
         try:
             self.by_device[dev] = StagingArena(self._agent, self.vram_bytes, dev)
             log.info("VRAM staging arena: %d MiB on cuda:%d", self.vram_bytes >> 20, dev)
         except Exception as e:  # (out of memory, most likely: its reads go directly, slowly)
-            self._failed.add(dev)
+            self._failed[dev] = time.monotonic()
             log.warning("no VRAM staging arena of %d MiB on cuda:%d (%s): its ranks' reads go directly, "
-                        "over whatever lane UCX finds (tcp where it cannot export them)",
-                        self.vram_bytes >> 20, dev, e)
+                        "over whatever lane UCX finds (tcp where it cannot export them); tried again at "
+                        "a registration on it from %.0f s on", self.vram_bytes >> 20, dev, e, ARENA_RETRY_S)
         return self.spans()
 
     def get(self, device: int) -> StagingArena | None:

@@ -1,0 +1,95 @@
+"""Unit tests, with stand-ins for CUDA and NIXL, of what a GPU run found or a review of the
+VRAM staging code did: an arena that cannot be made gives its VRAM back and is tried again,
+and an engine's GPU is found by its UUID in the sidecar's own numbering. (What only a GPU
+can show, the arenas moving bytes over cuda_ipc, is tests/test_gpu.py's.)"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+
+from kvxfer.errors import ErrorCode, RequestError
+from kvxfer.protocol import CudaIpcMemory
+from kvxfer.sidecar import mapping
+from kvxfer.sidecar import nixl_staging as ns
+
+
+class _Agent:
+    def __init__(self) -> None:
+        self.refuse_vram = True
+        self.registered: list[str] = []
+
+    def register_memory(self, descs: list[Any], mem_type: str) -> tuple[str, str]:
+        if mem_type == "VRAM" and self.refuse_vram:
+            raise RuntimeError("NIXL_ERR_BACKEND")
+        self.registered.append(mem_type)
+        return ("reg", mem_type)
+
+    def deregister_memory(self, reg: Any) -> None:
+        self.registered.remove(reg[1])
+
+
+def test_an_arena_that_cannot_be_made_gives_its_vram_back_and_is_tried_again(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """An arena whose warm-up or registration failed used to keep its cuMemAlloc'ed VRAM
+    (``DeviceBuffer`` has no finalizer: 1 GiB a device, for the sidecar's life: what every
+    device lost on the H200 run), and its device was never tried again."""
+    freed: list[int] = []
+
+    class Buf:
+        def close(self) -> None:
+            freed.append(1)
+
+    monkeypatch.setattr(ns, "_device_memory", lambda size, dev: (Buf(), torch.zeros(size, dtype=torch.uint8)))
+    monkeypatch.setattr(torch.cuda, "Stream", lambda dev: None)  # (no stream: copies run in place)
+    monkeypatch.setattr(ns, "arena_device", lambda info: 0)
+    agent = _Agent()
+    arenas = ns.Arenas(agent, 1 << 16, 1 << 16)
+    assert arenas.for_rank(None) == arenas.spans()
+    assert 0 not in arenas.spans()
+    assert freed == [1]  # the failed arena's VRAM went back
+    agent.refuse_vram = False
+    arenas.for_rank(None)
+    assert 0 not in arenas.spans()  # not at once: a registration storm does not retry each time
+    monkeypatch.setattr(ns, "ARENA_RETRY_S", 0.0)
+    arenas.for_rank(None)
+    assert 0 in arenas.spans()
+    assert agent.registered.count("VRAM") == 1
+    arenas.close()
+    assert freed == [1, 1]
+    assert "VRAM" not in agent.registered
+
+
+def test_an_engines_gpu_is_found_by_its_uuid_in_the_sidecars_numbering(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The engine's ``cuda:0`` can be the sidecar's ``cuda:1`` (CUDA_VISIBLE_DEVICES, a
+    device plugin): the CUDA IPC path used the engine's ordinal for the handle, NIXL and the
+    arena."""
+    uuids = ["5c3f1e2a-0000-1111-2222-333344445555", "9d8e7f60-aaaa-bbbb-cccc-ddddeeeeffff"]
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: len(uuids))
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: SimpleNamespace(uuid=uuids[i]))
+    assert mapping.local_ordinal(0, uuids[1]) == 1
+    assert mapping.local_ordinal(0, "GPU-" + uuids[1].upper()) == 1  # (as nvidia-smi prints it)
+    assert mapping.local_ordinal(1, uuids[0]) == 0
+    assert mapping.local_ordinal(3, "") == 3  # (an engine that sent none: its ordinal)
+    opened: list[int] = []
+
+    def open_handle(device: int, *args: Any) -> Any:
+        opened.append(device)
+        return SimpleNamespace(data_ptr=lambda: 0x7F0000000000)
+
+    monkeypatch.setattr(torch.cuda, "_lazy_init", lambda: None)
+    monkeypatch.setattr(torch.UntypedStorage, "_new_shared_cuda", open_handle)
+    ref = CudaIpcMemory(device_index=0, handle=b"h", size=1 << 20, offset=0, ref_counter_handle=b"r",
+                        ref_counter_offset=0, event_handle=b"", event_sync_required=False,
+                        device_uuid=uuids[1])
+    m = mapping.map_memory(ref)
+    assert opened == [1]  # the handle opened on the sidecar's GPU 1, not its GPU 0
+    assert m.device_id == 1  # and so registered with NIXL, and staged through GPU 1's arena
+    with pytest.raises(RequestError) as ei:
+        mapping.local_ordinal(0, "0123abcd-0000-0000-0000-000000000000")
+    assert ei.value.code == ErrorCode.INVALID_MEMORY
+    assert "CUDA_VISIBLE_DEVICES" in str(ei.value)
