@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
 from collections.abc import Callable
 from typing import Any
@@ -45,12 +46,28 @@ async def serve(sidecar: Sidecar, policy: AccessPolicy, on_hup: Callable[[], Non
         await sidecar.close()
 
 
+def _tie_to_parent() -> bool:
+    """A sidecar that a test, a benchmark or the demo started (``KVXFER_PARENT_PID``, set by
+    ``kvxfer.testing.procs``) is stopped (SIGINT) when that process dies, a crash included:
+    no orphaned sidecars. False: that process is gone already."""
+    want = os.environ.get("KVXFER_PARENT_PID", "")
+    if not want.isdigit():
+        return True
+    import ctypes
+
+    ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGINT), 0, 0, 0)  # PR_SET_PDEATHSIG
+    return os.getppid() == int(want)  # (it may have died before the prctl)
+
+
 def run_server(config: Config, reload: Callable[[], Config] | None = None) -> int:
     """Run the daemon until SIGINT, or SIGTERM and a drain; returns the exit status.
     ``reload``: the configuration read again (SIGHUP applies its log level)."""
     import faulthandler
 
     import uvloop
+
+    if not _tie_to_parent():
+        return 1
 
     faulthandler.enable(all_threads=True)  # a crash in NIXL/UCX leaves every stack in the log
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1` dumps every stack

@@ -132,6 +132,42 @@ def test_a_ucx_that_cannot_run_the_error_mode_is_a_clear_refusal(sidecars: Sidec
         client.close()
 
 
+def test_a_sidecar_a_crashed_driver_started_stops_with_it(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """A demo or test driver that dies without closing its SidecarFactory (a crash, SIGKILL)
+    used to leave its sidecars running for good (48 of them once, here). They now stop with
+    it (PR_SET_PDEATHSIG through ``KVXFER_PARENT_PID``)."""
+    import os
+    import time
+
+    script = tmp_path / "driver.py"
+    script.write_text(
+        "import os, sys\n"
+        "from kvxfer.client import SidecarClient\n"
+        "from kvxfer.testing.procs import SidecarFactory\n"
+        "sc = SidecarFactory().start('orphan')\n"
+        "c = SidecarClient(sc.endpoint)\n"
+        "c.ping(30)\n"
+        "print(sc.proc.pid, flush=True)\n"
+        "os._exit(1)\n")
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120,
+                         check=False)
+    pid = int(out.stdout.split()[0])
+
+    def running() -> bool:
+        try:
+            with open(f"/proc/{pid}/stat") as fh:
+                return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
+        except FileNotFoundError:
+            return False
+
+    end = time.monotonic() + 30
+    while running() and time.monotonic() < end:
+        time.sleep(0.1)
+    if running():
+        os.kill(pid, 9)
+        raise AssertionError("the sidecar outlived the process that started it")
+
+
 def test_wait_any_drains_whichever_rank_answered_first() -> None:
     """The demo's decode engine waits on all its ranks at once: an event for the second rank
     is seen as it arrives, not once a wait on the first rank times out (which the demo's

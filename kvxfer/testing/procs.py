@@ -11,6 +11,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import urllib.request
 from dataclasses import dataclass
 from typing import Any
@@ -111,9 +112,13 @@ class SidecarFactory:
             "--control-target", control, "--metrics-port", str(metrics_port),
             "--metrics-host", "127.0.0.1", *args,
         ]
+        tie = {}  # (the sidecar stops when this process dies: kvxfer.serve._tie_to_parent; not
+        # through a wrapper, whose pid it would see, nor from a thread, whose end would stop it)
+        if not prefix and threading.current_thread() is threading.main_thread():
+            tie = {"KVXFER_PARENT_PID": str(os.getpid())}
         with open(log_path, "wb") as log:
             proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
-                                    env=None if env is None else {**os.environ, **env})
+                                    env={**os.environ, **(env or {}), **tie})
         sc = SidecarProc(name, f"ipc://{sock}", proc, log_path, control, metrics_port)
         self.procs.append(sc)
         return sc
