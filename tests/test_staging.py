@@ -68,7 +68,7 @@ def test_staged_moves_what_the_direct_read_moves(legs_: list[LegPieces], seed: i
     assert np.array_equal(run_staged(legs_, remote), want)
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=150, deadline=None)
 @given(legs(), st.integers(0, 2**31), st.integers(1, 1500), st.integers(1, 6))
 def test_a_read_in_windows_moves_what_the_whole_read_moves(legs_: list[LegPieces], seed: int, max_bytes: int,
                                                           max_runs: int) -> None:
