@@ -371,11 +371,14 @@ class Observer:
 
 
 def staging_gauges(registry: CollectorRegistry, decode: Callable[[], dict[str, int]],
-                   slots: Callable[[], int]) -> None:
+                   slots: Callable[[], int], arenas: Callable[[], tuple[int, int]]) -> None:
     """Staged reads (#35, #39), for the metrics thread: ``kvxfer_staged_receives{how}``, the
     receives this sidecar staged in one slot, in windows (too large for one), or prepared
-    and then read directly (the prefill had no room: on a GPU ~100x slower), and
-    ``kvxfer_staging_slots``, the slots this sidecar holds for readers of its arenas."""
+    and then read directly (the prefill had no room: on a GPU ~100x slower);
+    ``kvxfer_staging_slots``, the slots this sidecar holds for readers of its arenas;
+    ``arenas()``: (``kvxfer_staging_arena_bytes``, the arenas' bytes, host and VRAM,
+    ``kvxfer_staging_arenas_missing``, CUDA devices with VRAM registered and no arena: every
+    read of theirs goes directly, on a GPU over tcp)."""
     g = Gauge("kvxfer_staged_receives", "Receives staged, by how: slot (one slot), windows (a read too "
               "large for one slot, in windows through one), direct (prepared, then read directly: the "
               "prefill had no room).", ["how"], registry=registry)
@@ -383,6 +386,11 @@ def staging_gauges(registry: CollectorRegistry, decode: Callable[[], dict[str, i
         g.labels(how).set_function(lambda how=how: decode().get(how, 0))
     Gauge("kvxfer_staging_slots", "Staging slots this sidecar holds for its readers.",
           registry=registry).set_function(slots)
+    Gauge("kvxfer_staging_arena_bytes", "Bytes of this sidecar's staging arenas (host and VRAM).",
+          registry=registry).set_function(lambda: arenas()[0])
+    Gauge("kvxfer_staging_arenas_missing", "CUDA devices with VRAM registered here and no staging arena "
+          "(it could not be made: their reads go directly, slowly; tried again 30 s on).",
+          registry=registry).set_function(lambda: arenas()[1])
 
 
 def due(warned_at: dict[str, float], key: str) -> bool:

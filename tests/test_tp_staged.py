@@ -113,3 +113,5 @@ def test_a_read_too_large_for_the_arena_is_staged_in_windows(torch_copies: bool,
     assert got['kvxfer_staged_receives{how="windows"}'] == (opts.requests + 1) * opts.decode_tp, got
     assert got['kvxfer_staged_receives{how="slot"}'] == 0, got
     assert got['kvxfer_staged_receives{how="direct"}'] == 0, got
+    assert got["kvxfer_staging_arena_bytes"] == 4 << 20, got  # (--staging-mib 4: the host arena)
+    assert got["kvxfer_staging_arenas_missing"] == 0, got

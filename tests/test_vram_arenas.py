@@ -51,12 +51,14 @@ def test_an_arena_that_cannot_be_made_gives_its_vram_back_and_is_tried_again(
     assert arenas.for_rank(None) == arenas.spans()
     assert 0 not in arenas.spans()
     assert freed == [1]  # the failed arena's VRAM went back
+    assert arenas.missing == {0}  # (kvxfer_staging_arenas_missing)
     agent.refuse_vram = False
     arenas.for_rank(None)
     assert 0 not in arenas.spans()  # not at once: a registration storm does not retry each time
     monkeypatch.setattr(ns, "ARENA_RETRY_S", 0.0)
     arenas.for_rank(None)
     assert 0 in arenas.spans()
+    assert arenas.missing == set()
     assert agent.registered.count("VRAM") == 1
     arenas.close()
     assert freed == [1, 1]

@@ -190,8 +190,9 @@ class NixlPort:
             self._thread.join(timeout)
 
     @property
-    def counts(self) -> tuple[int, int]:  # (lists prepared, peer agents): ints, for the metrics thread
-        return (self._regs.dlists_prepared, len(self._regs.peers)) if self._regs is not None else (0, 0)
+    def counts(self) -> tuple[int, int, int]:  # (lists prepared, peer agents, devices without an arena)
+        regs, arenas = self._regs, self._arenas  # (ints, for the metrics thread)
+        return (regs.dlists_prepared, len(regs.peers), len(arenas.missing)) if regs and arenas else (0, 0, 0)
 
     # ------------------------------------------------------------------ commands
 

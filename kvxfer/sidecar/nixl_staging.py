@@ -182,6 +182,7 @@ class Arenas:
         self.vram_bytes = vram_bytes
         self.by_device: dict[int, StagingArena] = {}
         self._failed: dict[int, float] = {}  # device: when its arena could not be made
+        self.missing: set[int] = set()  # devices with VRAM registered and no arena (yet)
         if host_bytes > 0:
             self.by_device[-1] = StagingArena(agent, host_bytes)
 
@@ -194,9 +195,11 @@ class Arenas:
             return self.spans()
         try:
             self.by_device[dev] = StagingArena(self._agent, self.vram_bytes, dev)
+            self.missing.discard(dev)
             log.info("VRAM staging arena: %d MiB on cuda:%d", self.vram_bytes >> 20, dev)
         except Exception as e:  # (out of memory, most likely: its reads go directly, slowly)
             self._failed[dev] = time.monotonic()
+            self.missing.add(dev)
             log.warning("no VRAM staging arena of %d MiB on cuda:%d (%s): its ranks' reads go directly, "
                         "over whatever lane UCX finds (tcp where it cannot export them); tried again at "
                         "a registration on it from %.0f s on", self.vram_bytes >> 20, dev, e, ARENA_RETRY_S)

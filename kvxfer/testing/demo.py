@@ -364,6 +364,8 @@ _SERIES = (
     'kvxfer_staged_receives{how="slot"}',
     'kvxfer_staged_receives{how="windows"}',
     'kvxfer_staged_receives{how="direct"}',
+    "kvxfer_staging_arena_bytes",
+    "kvxfer_staging_arenas_missing",
 )
 
 
