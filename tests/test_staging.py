@@ -95,6 +95,31 @@ def test_a_read_in_windows_moves_what_the_whole_read_moves(legs_: list[LegPieces
     assert np.array_equal(local, run_staged(legs_, remote))
 
 
+@settings(max_examples=100, deadline=None)
+@given(legs(), st.integers(0, 2**31), st.integers(1, 1500),
+       st.lists(st.integers(0, 2), min_size=8, max_size=8))
+def test_windows_never_span_two_prefill_gpus(legs_: list[LegPieces], seed: int, max_bytes: int,
+                                            gpus: list[int]) -> None:
+    """A VRAM read whose prefill ranks sit on several GPUs (TP that differs across GPUs) is
+    read in windows of one GPU each (no one slot can gather from two arenas): each window's
+    runs come from legs of one group, and the windows still move what the whole read moves."""
+    remote = np.random.default_rng(seed).integers(0, 256, SIZE * 3, dtype=np.uint8)
+    plan = staged_plan(legs_)
+    groups = gpus[:len(plan.remote_runs)]
+    wins = windows_of(plan, max_bytes, 6, groups)
+    assert sum(w.nbytes for w in wins) == plan.nbytes
+    local = np.zeros(SIZE, np.uint8)
+    for w in wins:
+        assert len({groups[k] for k, runs in enumerate(w.remote_runs) if len(runs)}) == 1
+        stream = np.concatenate([remote[a - REMOTE:a - REMOTE + n]
+                                 for runs in w.remote_runs for a, n in runs])
+        for a, off, n in w.scatter:
+            local[a - LOCAL:a - LOCAL + n] = stream[off:off + n]
+    assert np.array_equal(local, run_staged(legs_, remote))
+    if len(set(g for g, r in zip(groups, plan.remote_runs, strict=True) if len(r))) == 1:
+        assert len(wins) == len(windows_of(plan, max_bytes, 6))  # (one GPU: cut as before)
+
+
 def test_windows_are_cut_every_max_bytes_or_where_max_runs_end() -> None:
     """Every window but the last is the largest (the prefill frees a reader's slot for its
     next window: that one must fit where the last was), unless its runs end first."""

@@ -95,3 +95,83 @@ def test_an_engines_gpu_is_found_by_its_uuid_in_the_sidecars_numbering(
         mapping.local_ordinal(0, "0123abcd-0000-0000-0000-000000000000")
     assert ei.value.code == ErrorCode.INVALID_MEMORY
     assert "CUDA_VISIBLE_DEVICES" in str(ei.value)
+
+
+def test_a_reader_moving_on_to_another_gpus_window_gives_its_last_slot_up() -> None:
+    """The prefill's half of windows on several GPUs (a decode rank reading prefill ranks on
+    GPUs 0 and 1): the reader's next window, asked of GPU 1's arena, frees its slot in GPU 0's
+    (it read that window); it used to be kept until the slot's ttl, one per window."""
+    import asyncio
+    import types
+    from unittest import mock
+
+    import numpy as np
+
+    from kvxfer.protocol import KVLayout, RankInfo, RemoteRegion, StageRank, StageRequest
+    from kvxfer.sidecar.stage_server import StageServer
+
+    async def run() -> list[tuple[int, int]]:
+        async def gather(ranks: Any, blocks: Any, offset: int, nbytes: int, device: int) -> None:
+            pass
+
+        nixl = types.SimpleNamespace(spans={0: (1 << 30, 1 << 20), 1: (1 << 31, 1 << 20)}, gather=gather,
+                                     expect_reads=lambda: None)
+        holds = mock.MagicMock()
+        holds.renew.return_value = types.SimpleNamespace(held=["held"])
+        holds.lease_for.return_value = types.SimpleNamespace(engine="p", block_ids=[1, 2])
+
+        def find(engine: str, pp: int, rank: int) -> Any:
+            region = RemoteRegion(addr=0, block_len=8, block_stride=8, device_id=rank)  # (rank r on GPU r)
+            info = RankInfo(layout=mock.MagicMock(spec=KVLayout), regions=[region], mem_type="VRAM")
+            return types.SimpleNamespace(key=f"rank{rank}", info=info)
+
+        registry = mock.MagicMock()
+        registry.find.side_effect = find
+        server = StageServer(holds=holds, registry=registry, nixl=nixl,  # type: ignore[arg-type]
+                             generation=lambda: "g")
+        runs = np.array([[0, 4096]], dtype="<i8").tobytes()
+        slots = []
+        for gpu in (0, 1, 1):
+            req = StageRequest(seq=1, engine_id="p", req_id="x", ranks=[StageRank(rank=gpu, runs=runs)],
+                               nbytes=4096, readers=["0/0"], extend_s=5.0, agent_name="d", token="t")
+            got = await server.answer(req)
+            assert got.held == "held", got
+            slots.append((len(server.books.get(0) or ()), len(server.books.get(1) or ())))
+        return slots
+
+    assert asyncio.run(run()) == [(1, 0), (0, 1), (0, 1)]
+
+
+def test_each_window_is_read_from_the_arena_of_its_prefill_gpu() -> None:
+    """The decode's half: a receive in windows of one prefill GPU each reads every window's
+    slot from that GPU's arena (``StagedRead.remote_device``), the last one included."""
+    import asyncio
+    import types
+    from unittest import mock
+
+    import numpy as np
+
+    from kvxfer.config import Config
+    from kvxfer.protocol import Recv, Staged
+    from kvxfer.sidecar.staged_reads import Prepared, Staging
+    from kvxfer.sidecar.staging import StagedPlan
+
+    def plan() -> StagedPlan:
+        return StagedPlan(10, [], np.empty((0, 3), np.int64), 0)
+
+    msg = Recv(req_id="r1", block_ids=[3], remote_engine_id="p", remote_host="h", remote_port=9,
+               remote_block_ids=[5])
+    port = types.SimpleNamespace(spans={})
+    st = Staging(Config(), mock.MagicMock(), mock.MagicMock(), port, "d")  # type: ignore[arg-type]
+    st._ask = mock.AsyncMock(return_value=(Staged(seq=1, held="held", addr=4096, nbytes=10, ttl_s=5.0),
+                                           1.0))  # type: ignore[method-assign]
+    read_from: list[int] = []
+    st._staged_read = lambda key, part, got, sent: read_from.append(part.remote_device)  # type: ignore
+    prepared = Prepared(plan(), 0, [], expected=1, device=0, remote_device=1,
+                        windows=((plan(), []), (plan(), [])), window_devices=(0, 1))
+    windows = types.SimpleNamespace(key="k", check=lambda: None, read=mock.AsyncMock())
+    got = asyncio.run(st.ask(msg, "p", prepared, 30.0, mock.MagicMock(), lambda m: None,
+                             windows))  # type: ignore[arg-type]
+    assert got[0] is not None
+    assert read_from == [0, 1]  # the two windows read here; the last (GPU 1) is the receive's own
+    assert [c.args[0][0].prepared.remote_device for c in st._ask.call_args_list] == [0, 1, 1]

@@ -72,8 +72,8 @@ class StageServer:
             return Staged(seq=req.seq, held="busy", reason="no staging arena for these ranks' memory")
         if key in self._gathering:  # (its slot is being filled: never freed or replaced under the copy)
             return Staged(seq=req.seq, held="busy", reason="this reader's last request is still being copied")
-        if key in self._waiting:  # the same readers ask again: they read their last window
-            self._free(key)
+        for last in [k for k in self._waiting if k[:4] == key[:4] and k not in self._gathering]:
+            self._free(last)  # the same readers ask again: they read their last window (on any GPU)
         offset = book.alloc(req.nbytes, key, arrived + ttl)
         if offset is None:
             return Staged(seq=req.seq, held="busy", reason="staging arena full")
@@ -128,10 +128,9 @@ class StageServer:
         reader = f"{notice.pp_rank}/{notice.tp_rank}"
         for key, readers in list(self._waiting.items()):
             if key[:3] == (agent, notice.engine_id, notice.req_id) and reader in readers:
-                readers.discard(reader)
+                readers.discard(reader)  # (every slot of the reader's: windows on several GPUs)
                 if not readers:
                     self._free(key)
-                return
 
     def _free(self, key: tuple[object, ...]) -> None:
         self._waiting.pop(key, None)

@@ -71,6 +71,7 @@ class Prepared:
     # a read too large for one slot: the windows read before ``plan`` (the last), each with
     # what its StageRequest asks (``staging.windows_of``)
     windows: tuple[tuple[StagedPlan, list[StageRank]], ...] = ()
+    window_devices: tuple[int, ...] = ()  # each window's prefill arena (TP across GPUs: several)
 
 
 @dataclass
@@ -142,12 +143,10 @@ class Staging:
             return None
         ranks = peer.engine_ranks(engine)
         infos = [ranks[(p.remote_pp, p.remote_rank)] for p in plans]
-        remote_devices = {arena_device(i) for i in infos}
-        if (len(remote_devices) != 1 or None in remote_devices
-                or any(i.mem_type != local.mem_type for i in infos)):
-            return None  # (ranks on several devices of the prefill: no one slot there gathers them)
-        remote_device = remote_devices.pop()
-        assert remote_device is not None
+        gpus = [arena_device(i) for i in infos]
+        if None in gpus or any(i.mem_type != local.mem_type for i in infos):
+            return None  # (a remote rank on several devices: no one slot there gathers it)
+        groups = [int(g) for g in gpus if g is not None]
         remote = {(p.remote_pp, p.remote_rank): (i.regions, i.layout.num_blocks) for p, i in zip(plans, infos,
                                                                                                strict=True)}
         legs = read_pieces(plans, pairing, local.regions, local.layout.num_blocks, remote,
@@ -161,13 +160,16 @@ class Staging:
             return None
         windows: list[StagedPlan] = []
         arena = min(peer.staging_bytes, book.size)  # (the smaller of the two)
-        if plan.nbytes * sharing > arena or plan.gather_runs * 16 > MAX_RUNS_BYTES:
+        big = plan.nbytes * sharing > arena or plan.gather_runs * 16 > MAX_RUNS_BYTES
+        several = len({g for g, runs in zip(groups, plan.remote_runs, strict=True) if len(runs)}) > 1
+        if big or several:
             # too large for its share of a slot (or one request's runs): in windows of half
-            # that share, asking alone
-            room = arena // (2 * sharing)
-            if room < MIN_WINDOW:
+            # that share; gathered on several GPUs of the prefill (TP that differs across GPUs:
+            # a slot there is on one GPU): in windows of one GPU each. Asking alone.
+            room = arena // (2 * sharing) if big else plan.nbytes
+            if room < MIN_WINDOW and big:
                 return None
-            *windows, plan = windows_of(plan, room, MAX_RUNS_BYTES // 16)
+            *windows, plan = windows_of(plan, room, MAX_RUNS_BYTES // 16, groups)
         until = time.monotonic() + remaining_s + self.config.settle_timeout_s
         offset = book.alloc(max(w.nbytes for w in (*windows, plan)), key, until)
         if offset is None:
@@ -177,12 +179,16 @@ class Staging:
             return [StageRank(rank=q.remote_rank, pp_rank=q.remote_pp, runs=runs.astype("<i8").tobytes())
                     for q, runs in zip(plans, p.remote_runs, strict=True) if len(runs)]
 
+        def gpu(p: StagedPlan) -> int:  # (the prefill GPU whose arena gathers the window)
+            return next(g for g, runs in zip(groups, p.remote_runs, strict=True) if len(runs))
+
         # (VRAM: each rank asks alone; its ranks' prefill ranks may sit on other GPUs, whose
         # arenas no one StageRequest reaches; a read in windows asks alone too)
         alone = vram or bool(windows)
         return Prepared(plan, offset, asks(plan), expected=1 if alone else max(1, local.layout.tp_size),
-                        device=device, remote_device=remote_device,
-                        windows=tuple((w, asks(w)) for w in windows))
+                        device=device, remote_device=gpu(plan),
+                        windows=tuple((w, asks(w)) for w in windows),
+                        window_devices=tuple(gpu(w) for w in windows))
 
     def _rows_for(self, peer: Peer, local: RankInfo, plans: list[RankPlan],
                   infos: list[RankInfo]) -> dict[tuple[int, ...], PairRows] | None:
@@ -314,8 +320,10 @@ class Staging:
         start = time.monotonic()
         end = start + reading_s
         steps = (*prepared.windows, (prepared.plan, prepared.ranks))
+        devices = (*prepared.window_devices, prepared.remote_device)
         for i, (plan, ranks) in enumerate(steps):
-            part = dataclasses.replace(prepared, plan=plan, ranks=ranks, windows=())
+            part = dataclasses.replace(prepared, plan=plan, ranks=ranks, windows=(), window_devices=(),
+                                       remote_device=devices[i])
             pause = 0.002
             until = end if i else (min(end, start + VRAM_WAIT_S) if prepared.device >= 0 else 0.0)
             while True:

@@ -28,7 +28,7 @@ staged through the arena of its device (``arena_device``), whatever its descript
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -173,14 +173,26 @@ def window_cuts(lengths: np.ndarray, max_bytes: int, max_runs: int) -> list[int]
     return cuts
 
 
-def windows_of(plan: StagedPlan, max_bytes: int, max_runs: int) -> list[StagedPlan]:
+def windows_of(plan: StagedPlan, max_bytes: int, max_runs: int,
+               groups: Sequence[int] = ()) -> list[StagedPlan]:
     """A staged read too large for one slot (or one StageRequest's runs) cut into windows of
     its byte stream (``window_cuts``), read one after another through one slot. Each window
-    is a plan of its own: its legs' runs, its scatter pieces with offsets from its start."""
+    is a plan of its own: its legs' runs, its scatter pieces with offsets from its start.
+    ``groups``: each leg's group (its prefill rank's GPU); a window never spans two groups
+    (legs are back to back in the stream: it is cut where the group changes, and each stretch
+    of one group in windows of its own)."""
     if not plan.remote_runs:
         return []
     lens = np.concatenate([r[:, 1] for r in plan.remote_runs])
-    cuts = window_cuts(lens, max_bytes, max_runs)
+    ends = np.cumsum(lens)
+    total = int(ends[-1]) if len(ends) else 0
+    leg_ends = [int(e) for e in np.cumsum([int(r[:, 1].sum()) for r in plan.remote_runs])]
+    bounds = [0, *sorted({e for k, e in enumerate(leg_ends[:-1])
+                          if 0 < e < total and groups and groups[k] != groups[k + 1]}), total]
+    cuts = [0]
+    for a, b in zip(bounds[:-1], bounds[1:], strict=True):  # (a and b end runs: legs end runs)
+        i, j = (int(np.searchsorted(ends, x, side="right")) for x in (a, b))
+        cuts += [a + c for c in window_cuts(lens[i:j], max_bytes, max_runs)[1:]]
     # each leg's runs' stream offsets (legs one after the other)
     starts = np.split(np.cumsum(lens) - lens, np.cumsum([len(r) for r in plan.remote_runs])[:-1])
     sc = plan.scatter
