@@ -380,8 +380,8 @@ def staging_gauges(registry: CollectorRegistry, decode: Callable[[], dict[str, i
     ``kvxfer_staging_arenas_missing``, CUDA devices with VRAM registered and no arena: every
     read of theirs goes directly, on a GPU over tcp)."""
     g = Gauge("kvxfer_staged_receives", "Receives staged, by how: slot (one slot), windows (a read too "
-              "large for one slot, in windows through one), direct (prepared, then read directly: the "
-              "prefill had no room).", ["how"], registry=registry)
+              "large for one slot, or gathered on several GPUs of the prefill, in windows through one), "
+              "direct (prepared, then read directly: the prefill had no room).", ["how"], registry=registry)
     for how in ("slot", "windows", "direct"):
         g.labels(how).set_function(lambda how=how: decode().get(how, 0))
     Gauge("kvxfer_staging_slots", "Staging slots this sidecar holds for its readers.",

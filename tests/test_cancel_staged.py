@@ -260,6 +260,53 @@ def test_a_reader_asking_again_while_its_slot_is_being_filled_is_told_busy() -> 
                                   "third held, 1 slot"]
 
 
+def test_a_final_notice_during_the_copy_frees_the_slot_after_it_not_under_it() -> None:
+    """The reader's final ReadNotice (it gave the request up: its StageRequest timed out)
+    arrives while its slot is being filled: the slot used to be freed under the copy (another
+    request could be handed it and gathered into at once); it is now freed once the copy
+    ended, and the answer says busy."""
+    import types
+
+    import msgspec
+    import numpy as np
+
+    from kvxfer.protocol import KVLayout, RankInfo, ReadNotice, RemoteRegion, StageRank, StageRequest
+    from kvxfer.sidecar.stage_server import StageServer
+
+    async def run() -> list[str]:
+        copying, release = asyncio.Event(), asyncio.Event()
+        seen = []
+
+        async def gather(ranks: Any, blocks: Any, offset: int, nbytes: int, device: int) -> None:
+            copying.set()
+            await release.wait()
+
+        nixl = types.SimpleNamespace(spans={-1: (1 << 30, 1 << 20)}, gather=gather, expect_reads=lambda: None)
+        holds = mock.MagicMock()
+        holds.renew.return_value = types.SimpleNamespace(held=["held"])
+        holds.lease_for.return_value = types.SimpleNamespace(engine="p", block_ids=[1, 2])
+        info = RankInfo(layout=mock.MagicMock(spec=KVLayout), regions=[RemoteRegion(addr=0, block_len=8,
+                                                                                    block_stride=8)])
+        registry = mock.MagicMock()
+        registry.find.return_value = types.SimpleNamespace(key="rank0", info=info)
+        server = StageServer(holds=holds, registry=registry, nixl=nixl,  # type: ignore[arg-type]
+                             generation=lambda: "g")
+        runs = np.array([[0, 4096]], dtype="<i8").tobytes()
+        req = StageRequest(seq=1, engine_id="p", req_id="x", ranks=[StageRank(rank=0, runs=runs)],
+                           nbytes=4096, readers=["0/0"], extend_s=5.0, agent_name="d", token="t")
+        first = asyncio.ensure_future(server.answer(req))
+        await copying.wait()
+        notice = ReadNotice(engine_id="p", req_id="x", pp_rank=0, tp_rank=0, ok=False)
+        server.on_notice("d", msgspec.msgpack.encode(notice))
+        seen.append(f"during the copy: {server.slots} slot")
+        release.set()
+        got = await first
+        seen.append(f"after: {got.held}, {server.slots} slot")
+        return seen
+
+    assert asyncio.run(run()) == ["during the copy: 1 slot", "after: busy, 0 slot"]
+
+
 def test_a_window_read_is_routed_to_its_receive_whatever_the_request_id_holds() -> None:
     """Window read ids are ``<receive key>#w<i>#<n>``; a request id is the engine's and may
     itself hold "#w": the landing still goes to that receive's windows (it went nowhere, and

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 
@@ -144,14 +145,15 @@ def test_a_sidecar_a_crashed_driver_started_stops_with_it(tmp_path) -> None:  # 
         "import os, sys\n"
         "from kvxfer.client import SidecarClient\n"
         "from kvxfer.testing.procs import SidecarFactory\n"
-        "sc = SidecarFactory().start('orphan')\n"
+        "f = SidecarFactory()\n"
+        "sc = f.start('orphan')\n"
         "c = SidecarClient(sc.endpoint)\n"
         "c.ping(30)\n"
-        "print(sc.proc.pid, flush=True)\n"
+        "print(sc.proc.pid, f.dir, flush=True)\n"
         "os._exit(1)\n")
     out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120,
                          check=False)
-    pid = int(out.stdout.split()[0])
+    pid, workdir = int(out.stdout.split()[0]), out.stdout.split()[1]
 
     def running() -> bool:
         try:
@@ -163,9 +165,11 @@ def test_a_sidecar_a_crashed_driver_started_stops_with_it(tmp_path) -> None:  # 
     end = time.monotonic() + 30
     while running() and time.monotonic() < end:
         time.sleep(0.1)
-    if running():
+    outlived = running()
+    if outlived:
         os.kill(pid, 9)
-        raise AssertionError("the sidecar outlived the process that started it")
+    shutil.rmtree(workdir, ignore_errors=True)  # (the driver never closed its factory)
+    assert not outlived, "the sidecar outlived the process that started it"
 
 
 def test_wait_any_drains_whichever_rank_answered_first() -> None:

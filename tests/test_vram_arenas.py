@@ -131,10 +131,13 @@ def test_a_reader_moving_on_to_another_gpus_window_gives_its_last_slot_up() -> N
                              generation=lambda: "g")
         runs = np.array([[0, 4096]], dtype="<i8").tobytes()
         slots = []
-        for gpu in (0, 1, 1):
+        for gpu in (0, 1, 1, 2):
             req = StageRequest(seq=1, engine_id="p", req_id="x", ranks=[StageRank(rank=gpu, runs=runs)],
                                nbytes=4096, readers=["0/0"], extend_s=5.0, agent_name="d", token="t")
             got = await server.answer(req)
+            if gpu == 2:  # (no arena on GPU 2: asking again will not help, and the reader is told so)
+                assert (got.held, got.code) == ("busy", ErrorCode.UNSUPPORTED), got
+                continue
             assert got.held == "held", got
             slots.append((len(server.books.get(0) or ()), len(server.books.get(1) or ())))
         return slots
@@ -175,3 +178,40 @@ def test_each_window_is_read_from_the_arena_of_its_prefill_gpu() -> None:
     assert got[0] is not None
     assert read_from == [0, 1]  # the two windows read here; the last (GPU 1) is the receive's own
     assert [c.args[0][0].prepared.remote_device for c in st._ask.call_args_list] == [0, 1, 1]
+
+
+def test_a_window_on_a_prefill_gpu_without_an_arena_sends_the_whole_read_directly() -> None:
+    """A prefill GPU whose arena could not be made answers UNSUPPORTED: the receive reads
+    everything directly at once (rewriting what earlier windows scattered), where it used to
+    ask again for that window until its deadline and then fail."""
+    import asyncio
+    import time
+    import types
+    from unittest import mock
+
+    import numpy as np
+
+    from kvxfer.config import Config
+    from kvxfer.protocol import Recv, Staged
+    from kvxfer.sidecar.staged_reads import NoArena, Prepared, Staging
+    from kvxfer.sidecar.staging import StagedPlan
+
+    def plan() -> StagedPlan:
+        return StagedPlan(10, [], np.empty((0, 3), np.int64), 0)
+
+    msg = Recv(req_id="r1", block_ids=[3], remote_engine_id="p", remote_host="h", remote_port=9,
+               remote_block_ids=[5])
+    st = Staging(Config(), mock.MagicMock(), mock.MagicMock(), types.SimpleNamespace(spans={}),  # type: ignore
+                 "d")
+    held = (Staged(seq=1, held="held", addr=4096, nbytes=10, ttl_s=5.0), 1.0)
+    st._ask = mock.AsyncMock(side_effect=[held, NoArena("no arena")])  # type: ignore[method-assign]
+    st._staged_read = lambda *a: None  # type: ignore[method-assign]
+    prepared = Prepared(plan(), 0, [], expected=1, device=0, remote_device=1, windows=((plan(), []),),
+                        window_devices=(0,))
+    windows = types.SimpleNamespace(key="k", check=lambda: None, read=mock.AsyncMock())
+    t0 = time.monotonic()
+    got = asyncio.run(st.ask(msg, "p", prepared, 30.0, mock.MagicMock(), lambda m: None,
+                             windows))  # type: ignore[arg-type]
+    assert got == (None, 0.0)
+    assert time.monotonic() - t0 < 5
+    assert (st._ask.call_count, st.fell_back, st.staged) == (2, 1, 0)

@@ -140,8 +140,8 @@ def local_ordinal(device_index: int, device_uuid: str) -> int:
 
 
 def _map_cuda(ref: CudaIpcMemory) -> Mapping:
-    device = local_ordinal(ref.device_index, ref.device_uuid)
     try:
+        device = local_ordinal(ref.device_index, ref.device_uuid)
         import torch
 
         torch.cuda._lazy_init()
@@ -155,6 +155,8 @@ def _map_cuda(ref: CudaIpcMemory) -> Mapping:
             ref.event_handle or None,
             ref.event_sync_required,
         )
+    except RequestError:
+        raise
     except Exception as e:  # torch raises RuntimeError subclasses without a common root
         raise RequestError(ErrorCode.MEMORY_MAP_FAILED, f"cannot open CUDA IPC handle: {e}") from e
     return Mapping(

@@ -68,11 +68,13 @@ def create_agent(name: str, ucx_error_mode: str, num_threads: int) -> Any:
     try:
         agent.create_backend("UCX", params)
     except Exception as e:  # (NIXL says only NIXL_ERR_BACKEND; UCX's own line is on stderr)
+        if ucx_error_mode != "peer":
+            raise  # (not a setting: exit 1, which a supervisor restarts; a ConfigError exits 2)
         tls = os.environ.get("UCX_TLS", "(unset)")
         raise ConfigError(
             f"NIXL could not create its UCX backend ({e}) with ucx_error_mode={ucx_error_mode!r} and "
             f"UCX_TLS={tls}: error mode 'peer' needs a transport that reports a peer's failure (tcp or "
-            "an RDMA device); UCX_TLS without one refuses it (mode 'none' does not)") from e
+            "an RDMA device); UCX_TLS without one refuses it (mode 'none' does not need one)") from e
     return agent
 
 

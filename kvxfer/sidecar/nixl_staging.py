@@ -98,11 +98,17 @@ class StagingArena:
         if self._reg is not None:
             with contextlib.suppress(Exception):  # (the agent goes with the process)
                 self._agent.deregister_memory(self._reg)
+        torch_owned = self.device >= 0 and self._buf is None and self.tensor is not None
         self.tensor = None
         buf, self._buf = self._buf, None
         if buf is not None:
             with contextlib.suppress(Exception):
                 buf.close()
+        elif torch_owned:  # (torch's allocator would keep the arena cached from the engine)
+            import torch
+
+            with contextlib.suppress(Exception):
+                torch.cuda.empty_cache()
 
     def _warm(self) -> None:
         """Both copies once, into and out of the arena's first granule: CUDA loads their kernels lazily,

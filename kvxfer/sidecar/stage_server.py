@@ -68,8 +68,9 @@ class StageServer:
             return Staged(seq=req.seq, held="refused", code=ErrorCode.MALFORMED,
                           reason="readers must be distinct")
         book = self.books.get(device) if device is not None else None
-        if book is None or device is None:
-            return Staged(seq=req.seq, held="busy", reason="no staging arena for these ranks' memory")
+        if book is None or device is None:  # (UNSUPPORTED: not later either; read it all directly)
+            return Staged(seq=req.seq, held="busy", code=ErrorCode.UNSUPPORTED,
+                          reason="no staging arena for these ranks' memory")
         if key in self._gathering:  # (its slot is being filled: never freed or replaced under the copy)
             return Staged(seq=req.seq, held="busy", reason="this reader's last request is still being copied")
         for last in [k for k in self._waiting if k[:4] == key[:4] and k not in self._gathering]:
@@ -93,6 +94,9 @@ class StageServer:
         if self.holds.lease_for(req.agent_name, req.engine_id, req.req_id, req.token, "stage") is not lease:
             self._free(key)  # released or expired during the copy: the copy proves nothing
             return Staged(seq=req.seq, held="gone", generation=self._generation())
+        if not self._waiting.get(key, True):  # its readers' final notices came during the copy
+            self._free(key)
+            return Staged(seq=req.seq, held="busy", reason="its readers gave it up while it was copied")
         self.nixl.expect_reads()  # (its read follows: see NixlPort.expect_reads)
         self.staged += 1
         return Staged(seq=req.seq, held="held", addr=self.books.base(device) + offset, nbytes=req.nbytes,
@@ -129,7 +133,7 @@ class StageServer:
         for key, readers in list(self._waiting.items()):
             if key[:3] == (agent, notice.engine_id, notice.req_id) and reader in readers:
                 readers.discard(reader)  # (every slot of the reader's: windows on several GPUs)
-                if not readers:
+                if not readers and key not in self._gathering:  # (being filled: answer() frees it)
                     self._free(key)
 
     def _free(self, key: tuple[object, ...]) -> None:

@@ -329,8 +329,12 @@ class Staging:
             while True:
                 if windows is not None:
                     windows.check()
-                got, sent = await self._ask([_Member(msg, part, mark, reading_s, loop.create_future())],
-                                            engine, peer)
+                try:
+                    got, sent = await self._ask([_Member(msg, part, mark, reading_s, loop.create_future())],
+                                                engine, peer)
+                except NoArena:  # (a GPU of the prefill's without one: the whole read goes directly,
+                    self.fell_back += 1  # rewriting what earlier windows scattered)
+                    return None, 0.0
                 if got is not None or time.monotonic() + pause > until:
                     break
                 await asyncio.sleep(pause)
@@ -369,6 +373,8 @@ class Staging:
                 pass
             elif task.cancelled():
                 m.answer.set_exception(RequestError(ErrorCode.EXPIRED, "stage request cancelled"))
+            elif isinstance(task.exception(), NoArena):
+                m.answer.set_result((None, 0.0))  # (read directly, as for "busy")
             elif task.exception() is not None:
                 m.answer.set_exception(task.exception())  # type: ignore[arg-type]
             else:
@@ -398,6 +404,8 @@ class Staging:
             got: Staged = await self.peers.call_peer(msg.remote_host, msg.remote_port, req,
                                                      max(0.05, end - sent))
             if got.held == "busy":
+                if got.code == ErrorCode.UNSUPPORTED:  # (no arena for those ranks: not later either)
+                    raise NoArena(got.reason)
                 return None, 0.0
             if got.held == "refused":
                 raise RequestError(got.code or ErrorCode.TRANSFER_ERROR,
@@ -420,6 +428,11 @@ class Staging:
 
 
 _WINDOW_IDS = itertools.count(1)
+
+
+class NoArena(Exception):
+    """The prefill has no staging arena for the asked ranks' memory (a GPU whose arena could
+    not be made): asking again would not help."""
 
 
 class WindowFailed(RequestError):

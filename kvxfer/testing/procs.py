@@ -112,13 +112,14 @@ class SidecarFactory:
             "--control-target", control, "--metrics-port", str(metrics_port),
             "--metrics-host", "127.0.0.1", *args,
         ]
-        tie = {}  # (the sidecar stops when this process dies: kvxfer.serve._tie_to_parent; not
-        # through a wrapper, whose pid it would see, nor from a thread, whose end would stop it)
+        child_env = {**os.environ, **(env or {})}
+        child_env.pop("KVXFER_PARENT_PID", None)  # (one this process inherited names another parent)
+        # (the sidecar stops when this process dies: kvxfer.serve._tie_to_parent; not through a
+        # wrapper, whose pid it would see, nor from a thread, whose end would stop it)
         if not prefix and threading.current_thread() is threading.main_thread():
-            tie = {"KVXFER_PARENT_PID": str(os.getpid())}
+            child_env["KVXFER_PARENT_PID"] = str(os.getpid())
         with open(log_path, "wb") as log:
-            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
-                                    env={**os.environ, **(env or {}), **tie})
+            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=child_env)
         sc = SidecarProc(name, f"ipc://{sock}", proc, log_path, control, metrics_port)
         self.procs.append(sc)
         return sc
