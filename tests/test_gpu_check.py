@@ -84,6 +84,12 @@ def test_the_dry_run_measures_what_it_can_and_says_what_it_could_not(first: dict
     for r in rows:  # (every repeat was verified byte for byte, or the stage would have failed)
         for k in ("kvxfer_gbps", "raw_nixl_gbps", "copy_gbps", "staged_gbps"):
             assert r[k] > 0, (k, r)
+        assert r["kvxfer_descriptors"] > 0, r
+    # (whether kvxfer's column measured staged reads: its sidecars' metrics, in the summary too)
+    for k in st["bench-ipc"]["result"]["kvxfer"]:
+        assert "staged_receives{how=\"direct\"}" in k["staging"]["decode"], k["staging"]
+        assert k["staging"]["prefill"]["staging_arenas_missing"] == 0, k["staging"]
+    assert "staging (metrics, decode / prefill)" in "\n".join(st["bench-ipc"]["result"]["summary_lines"])
     assert st["bench-vmm_fd"]["status"] == "dry"
     assert st["bench-vmm_fabric"]["status"] == "unavailable"
     assert all("error" not in c for c in st["knobs"]["result"]["cells"])

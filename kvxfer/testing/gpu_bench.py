@@ -28,6 +28,7 @@ from typing import Any
 
 from kvxfer.testing.gpu_lanes import parse_proto_info
 from kvxfer.testing.gpu_pair import Pair
+from kvxfer.testing.gpu_tables import bench_rows, descriptor_cost_dominates, staging_line, table_lines
 from kvxfer.testing.gpu_xfer import (
     BLOCK,
     LAYOUTS,
@@ -207,7 +208,7 @@ def kvxfer_sweep(kind: str, layout: str, sizes: list[int], repeats: int, *, devi
     """kvxfer's READs through two ``kvxfer serve`` processes, Recv sent -> Done received, the
     first with a cold peer (handshake and wire-up), then warm; every repeat verified.
     ``vram_staging_mib``: the sidecars' VRAM arenas (None: their default; 0: read directly)."""
-    from kvxfer.testing.procs import SidecarFactory
+    from kvxfer.testing.procs import SidecarFactory, free_port
 
     nb = max(sizes) + 2
     cuda = kind != "dram"
@@ -217,13 +218,14 @@ def kvxfer_sweep(kind: str, layout: str, sizes: list[int], repeats: int, *, devi
         serve += ["--vram-staging-mib", str(vram_staging_mib)]
     out: dict[str, Any] = {"kind": kind, "layout": layout, "serve": serve, "env": env or {}, "rows": []}
     with SidecarFactory() as f:
-        ps = f.start("gc-p", *serve, env=env)
-        ds = f.start("gc-d", *serve, env=env)
+        ps = f.start("gc-p", *serve, env=env, metrics_port=free_port())
+        ds = f.start("gc-d", *serve, env=env, metrics_port=free_port())
         p = d = None
         try:
             p = _engine(layout, nb, ps.endpoint, 1, kind, device)
             d = _engine(layout, nb, ds.endpoint, 2, kind, device)
             _kvxfer_reads(p, d, ds, nb, layout, sizes, repeats, out, emit)
+            out["staging"] = _staging_seen(ps, ds)
             log = ds.log() + ps.log()
             out["pool_handles"] = ("posix_fd only (fabric refused)" if "no fabric handles here" in log
                                    else "as the driver allowed" if kind.startswith("vmm") else "")
@@ -232,6 +234,21 @@ def kvxfer_sweep(kind: str, layout: str, sizes: list[int], repeats: int, *, devi
                 if e is not None:
                     e.close()
     return out
+
+
+def _staging_seen(ps: Any, ds: Any) -> dict[str, Any]:
+    """How the sidecars staged (their metrics): whether kvxfer's column measured staged reads
+    (the 2026-11-28 H200 run's arenas all failed, and its numbers were the direct path's)."""
+    seen: dict[str, Any] = {}
+    for side, sc in (("prefill", ps), ("decode", ds)):
+        try:
+            got = sc.scrape()
+        except OSError as e:
+            seen[side] = {"error": str(e)}
+            continue
+        seen[side] = {k.removeprefix("kvxfer_"): v for k, v in got.items()
+                      if k.startswith(("kvxfer_staged_receives", "kvxfer_staging_arena"))}
+    return seen
 
 
 def _kvxfer_reads(p: Any, d: Any, ds: Any, nb: int, layout: str, sizes: list[int], repeats: int,
@@ -264,7 +281,10 @@ def _kvxfer_reads(p: Any, d: Any, ds: Any, nb: int, layout: str, sizes: list[int
         bad = verify(dst, 1, s, dd, nb, layout)
         if bad:
             raise RuntimeError(f"kvxfer read {name}: {bad} bytes wrong")
+        descs[:] = [got.done[0].descriptors]
         return took
+
+    descs = [0]
 
     cold = read("cold", pb[:1], db[:1])
     warm = [read(f"warm{i}", pb[:1], db[:1]) for i in range(3)]
@@ -274,7 +294,7 @@ def _kvxfer_reads(p: Any, d: Any, ds: Any, nb: int, layout: str, sizes: list[int
         row: dict[str, Any] = {"layout": layout, "blocks": n, "bytes": n * BLOCK}
         if not too_slow(last, n * BLOCK, row):
             ts = [read(f"s{n}-{r}", pb[:n], db[:n]) for r in range(repeats)]
-            row.update(kvxfer_gbps=_gbps(n * BLOCK, ts), kvxfer_ms=_ms(ts))
+            row.update(kvxfer_gbps=_gbps(n * BLOCK, ts), kvxfer_ms=_ms(ts), kvxfer_descriptors=descs[0])
             last = (n * BLOCK, statistics.median(ts))
         out["rows"].append(row)
         if emit:
@@ -282,49 +302,6 @@ def _kvxfer_reads(p: Any, d: Any, ds: Any, nb: int, layout: str, sizes: list[int
 
 
 # --------------------------------------------------------------------------- stages
-
-
-def _bench_rows(raw: dict[str, Any], kx: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Raw and kvxfer rows joined by (layout, blocks), with the ratios."""
-    by = {(r["layout"], r["blocks"]): dict(r) for r in raw.get("rows", [])}
-    for k in kx:
-        for r in k.get("rows", []):
-            row = by.setdefault((r["layout"], r["blocks"]), {"layout": r["layout"], "blocks": r["blocks"],
-                                                            "bytes": r["bytes"]})
-            row.update(r)
-    rows = sorted(by.values(), key=lambda r: (LAYOUTS.index(r["layout"]), r["blocks"]))
-    for r in rows:
-        if r.get("kvxfer_gbps") and r.get("raw_nixl_gbps"):
-            r["kvxfer_vs_raw"] = round(r["kvxfer_gbps"] / r["raw_nixl_gbps"], 3)
-        if r.get("kvxfer_gbps") and r.get("copy_gbps"):
-            r["kvxfer_vs_copy"] = round(r["kvxfer_gbps"] / r["copy_gbps"], 3)
-    return rows
-
-
-def table_lines(rows: list[dict[str, Any]]) -> list[str]:
-    def g(r: dict[str, Any], k: str) -> str:
-        v = r.get(k)
-        return f"{v:>8.2f}" if isinstance(v, int | float) else f"{'-':>8}"
-
-    heads = ("kvxfer", "raw", "copy", "staged")
-    out = [f"  {'layout':<6} {'size':>9} {'descs':>6} " + " ".join(f"{h:>8}" for h in heads) + "  GB/s"]
-    for r in rows:
-        out.append(f"  {r['layout']:<6} {r['bytes'] / (1 << 20):>5.0f} MiB {r.get('descriptors', 0):>6} "
-                   f"{g(r, 'kvxfer_gbps')} {g(r, 'raw_nixl_gbps')} {g(r, 'copy_gbps')} {g(r, 'staged_gbps')}"
-                   + (f"  (skipped: {r['skipped']})" if r.get("skipped") else ""))
-    return out
-
-
-def descriptor_cost_dominates(rows: list[dict[str, Any]]) -> bool | None:
-    """Whether 32 KiB descriptors cost more than half the throughput of 2 MiB ones (raw
-    NIXL, the largest size measured in both layouts)."""
-    lb = {r["blocks"]: r for r in rows if r["layout"] == "LBNHC" and r.get("raw_nixl_gbps")}
-    bl = {r["blocks"]: r for r in rows if r["layout"] == "BLNHC" and r.get("raw_nixl_gbps")}
-    both = sorted(set(lb) & set(bl))
-    if not both:
-        return None
-    n = both[-1]
-    return lb[n]["raw_nixl_gbps"] < 0.5 * bl[n]["raw_nixl_gbps"]
 
 
 def stage_bench(kind: str, dry: bool, device: str, emit: Callable[[dict[str, Any]], None]) -> dict[str, Any]:
@@ -343,7 +320,7 @@ def stage_bench(kind: str, dry: bool, device: str, emit: Callable[[dict[str, Any
     res["raw"], res["kvxfer"] = {}, []
 
     def publish() -> None:  # what there is so far (a stage killed at its deadline leaves it)
-        res["rows"] = _bench_rows(res["raw"], res["kvxfer"])
+        res["rows"] = bench_rows(res["raw"], res["kvxfer"])
         emit(res)
 
     def raw_progress(r: dict[str, Any]) -> None:
@@ -369,7 +346,7 @@ def stage_bench(kind: str, dry: bool, device: str, emit: Callable[[dict[str, Any
         except Exception as e:  # one layout failing still leaves the other's numbers
             cur["error"] = f"{type(e).__name__}: {e}"[:3000]
         publish()
-    rows = res["rows"] = _bench_rows(res["raw"], res["kvxfer"])
+    rows = res["rows"] = bench_rows(res["raw"], res["kvxfer"])
     res["per_descriptor_cost_dominates"] = descriptor_cost_dominates(rows)
     first = {"raw_nixl": res["raw"].get("first_transfer_ms"),
              **{f"kvxfer_{k['layout']}": k.get("first_transfer_ms") for k in res["kvxfer"]}}
@@ -381,7 +358,9 @@ def stage_bench(kind: str, dry: bool, device: str, emit: Callable[[dict[str, Any
              "  first transfer ms (cold/warm): " + ", ".join(
                  f"{k} {v['cold']}/{v['warm']}" for k, v in first.items() if v),
              f"  per-descriptor cost dominates (32 KiB vs 2 MiB descriptors, raw): "
-             f"{res['per_descriptor_cost_dominates']}", *errors]
+             f"{res['per_descriptor_cost_dominates']}",
+             *(staging_line(k) for k in res["kvxfer"] if k.get("staging")),
+             *errors]
     res["summary_lines"] = lines
     if errors:
         res["status"] = "failed"
