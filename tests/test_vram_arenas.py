@@ -215,3 +215,48 @@ def test_a_window_on_a_prefill_gpu_without_an_arena_sends_the_whole_read_directl
     assert got == (None, 0.0)
     assert time.monotonic() - t0 < 5
     assert (st._ask.call_count, st.fell_back, st.staged) == (2, 1, 0)
+
+
+def _rank(layout: Any, base: int, device: int) -> Any:
+    from kvxfer.protocol import RankInfo, RemoteRegion
+
+    bl, span = layout.region_block_len, layout.num_blocks * layout.region_block_len
+    regions = [RemoteRegion(addr=base + i * span, block_len=bl, block_stride=bl, device_id=device)
+               for i in range(layout.num_regions)]
+    return RankInfo(layout=layout, regions=regions, mem_type="VRAM", engine_id="p")
+
+
+@pytest.mark.parametrize(("gpus", "windows"), [((0, 1), 1), ((0, 0), 0)])
+def test_a_read_of_prefill_ranks_on_two_gpus_is_prepared_in_windows_of_one_gpu_each(
+        gpus: tuple[int, int], windows: int) -> None:
+    """Staging.prepare for a TP=1 decode on GPU 0 reading a TP=2 prefill (NHD: every token's
+    heads from both ranks): with the prefill ranks on GPUs 0 and 1 it used to return None (read
+    directly, over tcp on a GPU); it is now one window from GPU 0's arena and the receive's
+    own read from GPU 1's, together every byte of the plan; on one GPU, one slot as before."""
+    import types
+    from unittest import mock
+
+    from kvxfer.config import Config
+    from kvxfer.protocol import Recv
+    from kvxfer.sidecar.receive import plan_read
+    from kvxfer.sidecar.staged_reads import Staging
+    from kvxfer.testing.engine import make_layout
+
+    local = make_layout(layers=2, num_blocks=16, heads=8, head_dim=64)
+    remote = {(0, k): _rank(make_layout(layers=2, num_blocks=16, heads=8, head_dim=64, tp_rank=k, tp_size=2),
+                            (k + 1) << 32, gpus[k]) for k in (0, 1)}
+    msg = Recv(req_id="r1", block_ids=[1, 2, 3], remote_engine_id="p", remote_host="h", remote_port=9,
+               remote_block_ids=[4, 5, 6], remote_tp_size=2)
+    plans, pairing = plan_read(msg, local, remote, "p")
+    port = types.SimpleNamespace(spans={0: (1 << 40, 64 << 20)})
+    st = Staging(Config(), mock.MagicMock(), mock.MagicMock(), port, "d")  # type: ignore[arg-type]
+    peer = types.SimpleNamespace(staging_bytes=64 << 20, agent_name="p-agent", engine_ranks=lambda e: remote)
+    prepared = st.prepare("k", msg, _rank(local, 1 << 36, 0), peer, "p", plans, pairing, 30.0)  # type: ignore
+    assert prepared is not None
+    assert len(prepared.windows) == windows
+    assert prepared.window_devices == ((0,) if windows else ())
+    assert prepared.remote_device == gpus[1]
+    total = 3 * local.num_regions * local.region_block_len  # (3 blocks, every region, both halves)
+    assert sum(w.nbytes for w, _ in prepared.windows) + prepared.plan.nbytes == total
+    asked = [{r.rank for r in ranks} for _, ranks in prepared.windows] + [{r.rank for r in prepared.ranks}]
+    assert asked == ([{0}, {1}] if windows else [{0, 1}])
