@@ -441,3 +441,57 @@ def test_push_between_different_tp_sizes(sidecars: SidecarFactory, kind: str, pt
     finally:
         for e in (*ds_eng, *ps_eng):
             e.close()
+
+
+STAGED = ("--staging-mib", "16", "--stage-min-descs", "1", "--stage-below-kib", "1024")
+
+
+@pytest.mark.parametrize("torch_copies", [False, True], ids=["host-copies", "torch-copies"])
+def test_pre_reads_are_staged_as_pull_reads_are(sidecars: SidecarFactory, torch_copies: bool,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """A pre-read (the layers computed so far) is staged as a pull read is: the prefill copies
+    their runs into its arena, one read of that slot, the scatter here. On a GPU that is the
+    only fast lane (a direct read of the engine's VRAM crawls over tcp: README "GPU paths"),
+    and push's pre-reads used to go direct. NHD 2 -> 4 (a head slice: one descriptor per token
+    per layer directly); ``torch-copies`` runs VRAM staging's copy routines on host memory.
+    Every byte checked; the decode's metrics count the staged reads: more than the final ones."""
+    if torch_copies:
+        monkeypatch.setenv("KVXFER_TEST_TORCH_COPIES", "1")
+    name = "tc" if torch_copies else "hc"
+    ds = sidecars.start(f"pushs-d{name}", "--verify-sample", "0", *STAGED, metrics_port=free_port())
+    ps = sidecars.start(f"pushs-p{name}", *STAGED)
+    lay = {"layers": 8, "num_blocks": 32, "heads": 4, "head_dim": 32, "head_layout": "NHD"}
+    ds_eng = [SyntheticEngine(make_layout(tp_size=4, tp_rank=r, **lay), ds.endpoint, seed=7)  # type: ignore[arg-type]
+              for r in range(4)]
+    ps_eng = [SyntheticEngine(make_layout(tp_size=2, tp_rank=r, **lay), ps.endpoint, seed=3)  # type: ignore[arg-type]
+              for r in range(2)]
+    try:
+        for e in (*ds_eng, *ps_eng):
+            e.start()
+        tid = f"push-staged-{name}"
+        pb = ps_eng[0].allocate(3)
+        assert ps_eng[1].allocate(3) == pb
+        db = ds_eng[0].allocate(3)
+        for e in ds_eng[1:]:
+            assert e.allocate(3) == db
+        ps_eng[0].client.hold(tid, pb, token=tid, streamed=True, notify_ranks=True,
+                              expires_unix=time.time() + 60)
+        for r, e in enumerate(ds_eng):
+            e.client.recv(tid, db, streamed_remote(ps_eng[0], tid), tp_rank=r, streamed=True, deadline_s=30)
+        for layer in range(8):  # (both prefill ranks compute each layer, then a pause: pre-reads)
+            for r, e in enumerate(ps_eng):
+                e.fill_layers(tid, pb, range(layer, layer + 1))
+                e.client.send(LayersDone(req_ids=[tid], layers=layer + 1, tp_rank=r))
+            time.sleep(0.1)
+        for e in ds_eng:
+            got = wait_for(e.client, lambda a: bool(a.done or a.failed), timeout=30)
+            assert got.done, got
+            assert e.verify(tid, db), f"decode rank {e.layout.tp_rank}: bytes differ"
+        wait_for(ps_eng[0].client, lambda a: bool(a.released))
+        m = ds.scrape()
+        staged, direct = m['kvxfer_staged_receives{how="slot"}'], m['kvxfer_staged_receives{how="direct"}']
+        assert direct == 0, m
+        assert staged > len(ds_eng), m  # (every rank's final read, and pre-reads before it)
+    finally:
+        for e in (*ds_eng, *ps_eng):
+            e.close()

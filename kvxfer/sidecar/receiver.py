@@ -85,7 +85,8 @@ class Receiver:
         self.verifier = Verifier(config, registry, peers, book, nixl, observer)
         self.claims = Claims(config, peers, book, observer, agent_name)
         self.staging = Staging(config, peers, book, nixl, agent_name)
-        self.feed = StreamFeed(config=config, registry=registry, peers=peers, nixl=nixl, observer=observer)
+        self.feed = StreamFeed(config=config, registry=registry, peers=peers, nixl=nixl, observer=observer,
+                               staging=self.staging)
         self.abandoned = abandoned if abandoned is not None else Abandoned()  # (kvxfer.abandoned)
 
     def __len__(self) -> int:

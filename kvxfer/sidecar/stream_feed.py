@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 from collections.abc import Callable
@@ -36,9 +37,10 @@ from kvxfer.sidecar.nixl_port import NixlPort
 from kvxfer.sidecar.nixl_types import ReadFinished, ReadRefused
 from kvxfer.sidecar.peer_book import Peer
 from kvxfer.sidecar.peer_client import PeerClient
-from kvxfer.sidecar.plan import ReadSpec
+from kvxfer.sidecar.plan import ReadSpec, StagedRead
 from kvxfer.sidecar.recv_state import RecvState, notify_prefill, plan_for
 from kvxfer.sidecar.registry import RankRegistry
+from kvxfer.sidecar.staged_reads import Staging
 from kvxfer.topology import BlockPairing, RankPlan
 
 log = logging.getLogger("kvxfer.streams")
@@ -62,8 +64,9 @@ class Followed:
 
 class StreamFeed:
     def __init__(self, *, config: Config, registry: RankRegistry, peers: PeerClient, nixl: NixlPort,
-                 observer: Observer) -> None:
+                 observer: Observer, staging: Staging | None = None) -> None:
         self.config = config
+        self.staging = staging  # (pre-reads staged as pull reads are: on a GPU the only fast lane)
         self.observer = observer
         self.registry = registry
         self.peers = peers
@@ -187,36 +190,65 @@ class StreamFeed:
         """Read the layers ``[a, b)`` now; wait for them to land (RequestError if they fail: the
         prefill is told at once, its lease then ends with its readers' notices)."""
         try:
-            return await self._read_layers(key, state.msg, local, peer, engine, plans, pairing,
-                                           remote_layouts, layers, state.deadline)
+            return await self._read_layers(key, state, local, peer, engine, plans, pairing,
+                                           remote_layouts, layers)
         except RequestError:
             state.peer_agent = peer.agent_name
             notify_prefill(self.nixl, self.registry, state, False)
             raise
 
-    async def _read_layers(self, key: str, msg: Recv, local: Any, peer: Peer, engine: str,
+    async def _read_layers(self, key: str, state: RecvState, local: Any, peer: Peer, engine: str,
                            plans: list[RankPlan], pairing: BlockPairing, remote_layouts: dict[int, Any],
-                           layers: tuple[int, int], deadline: float) -> int:
+                           layers: tuple[int, int]) -> int:
+        msg, deadline = state.msg, state.deadline
         n_local = local.info.layout.num_regions
         cut = [p for a, b in read_ranges(*layers)
                for p in restrict(plans, (a, b), remote_layouts, n_local, False)]
         rk = f"{key}#{layers[0]}-{layers[1]}"
-        fut: asyncio.Future[ReadFinished] = asyncio.get_running_loop().create_future()
-        self._reads[rk] = (key, fut)
-        spec = ReadSpec(req_id=rk, peer=peer.agent_name, local_rank=local.key,
-                        local_blocks=list(msg.block_ids), remote_blocks=list(msg.remote_block_ids),
-                        plans=cut, pairing=pairing,
-                        deadline_s=max(0.001, deadline - time.monotonic()), remote_engine=engine)
         try:
-            self.nixl.read(spec)
-        except Exception:
-            self._reads.pop(rk, None)
-            raise
-        event = await asyncio.shield(fut)
+            staged = await self._staged(rk, msg, local, peer, engine, cut, pairing, deadline)
+            if state.stopping:  # (cancelled while the prefill copied: nothing is posted after a cancel)
+                raise RequestError(ErrorCode.CANCELLED, "cancelled", msg.req_id)
+            fut: asyncio.Future[ReadFinished] = asyncio.get_running_loop().create_future()
+            self._reads[rk] = (key, fut)
+            spec = ReadSpec(req_id=rk, peer=peer.agent_name, local_rank=local.key,
+                            local_blocks=list(msg.block_ids), remote_blocks=list(msg.remote_block_ids),
+                            plans=cut, pairing=pairing,
+                            deadline_s=max(0.001, deadline - time.monotonic()), remote_engine=engine,
+                            staged=staged)
+            try:
+                self.nixl.read(spec)
+            except Exception:
+                self._reads.pop(rk, None)
+                raise
+            event = await asyncio.shield(fut)
+        finally:
+            if self.staging is not None:
+                self.staging.release(rk)  # (its slot here: the prefill frees its own at the next ask)
         if not event.ok:
             raise RequestError(event.code, f"reading layers {layers[0]}-{layers[1] - 1}: {event.reason}",
                                msg.req_id)
         return event.nbytes
+
+    async def _staged(self, rk: str, msg: Recv, local: Any, peer: Peer, engine: str, cut: list[RankPlan],
+                      pairing: BlockPairing, deadline: float) -> StagedRead | None:
+        """A pre-read staged as a pull read is (``staged_reads``: the prefill copies the layers'
+        runs into its arena, one read of that slot, the scatter here), in one slot and asking
+        alone; None: read directly (staging would not pay, no room, a pre-read too large for
+        a slot or gathered on several prefill GPUs). RequestError: the prefill refused."""
+        if self.staging is None:
+            return None
+        remaining = deadline - time.monotonic()
+        prepared = self.staging.prepare(rk, msg, local.info, peer, engine, cut, pairing, remaining)
+        if prepared is None:
+            return None
+        if prepared.windows:
+            self.staging.release(rk)
+            return None
+        prepared = dataclasses.replace(prepared, expected=1)  # (ranks pre-read at their own pace)
+        task = asyncio.ensure_future(self.staging.ask(msg, engine, prepared, remaining, peer, lambda m: None))
+        await asyncio.wait([task])
+        return self.staging.read_after(rk, prepared, task)
 
 
 def streamable(peer: Peer, msg: Recv) -> None:
