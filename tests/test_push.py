@@ -29,6 +29,8 @@ from kvxfer.testing.procs import SidecarFactory, SidecarProc, free_port
 from tests.test_sidecar import wait_for
 
 LAYOUT = make_layout(layers=16, num_blocks=64, heads=4, head_dim=64)  # 256 KiB per block
+# (both sidecars with a host staging arena, staging whatever a read's descriptors)
+STAGED = ("--staging-mib", "16", "--stage-min-descs", "1", "--stage-below-kib", "1024")
 
 
 def streamed_remote(p: SyntheticEngine, transfer_id: str) -> RemoteBlocks:
@@ -44,12 +46,13 @@ Pair = tuple[SidecarProc, SidecarProc, SyntheticEngine, SyntheticEngine]
 
 
 @contextlib.contextmanager
-def pair(sidecars: SidecarFactory, name: str, *decode_args: str, metrics: bool = False) -> Iterator[Pair]:
+def pair(sidecars: SidecarFactory, name: str, *decode_args: str, metrics: bool = False,
+         prefill_args: tuple[str, ...] = ()) -> Iterator[Pair]:
     """A decode and a prefill sidecar (``<name>-d``, ``<name>-p``), an engine registered with
     each; the engines are closed on leaving."""
     ds = sidecars.start(f"{name}-d", "--verify-sample", "0", *decode_args,
                         **({"metrics_port": free_port()} if metrics else {}))
-    ps = sidecars.start(f"{name}-p")
+    ps = sidecars.start(f"{name}-p", *prefill_args)
     d, p = SyntheticEngine(LAYOUT, ds.endpoint, seed=2), SyntheticEngine(LAYOUT, ps.endpoint, seed=1)
     try:
         d.start()
@@ -128,13 +131,16 @@ def test_a_prefill_that_aborts_mid_stream_fails_the_load(sidecars: SidecarFactor
         assert ds.proc.poll() is None
 
 
+@pytest.mark.parametrize("staged", [False, True], ids=["direct", "staged"])
 def test_a_decode_that_cancels_mid_stream_stops_at_once_and_releases_the_prefill(
-        sidecars: SidecarFactory) -> None:
+        sidecars: SidecarFactory, staged: bool) -> None:
     """The decode engine drops the request while its load follows the prefill (``Cancel``: a
     client gone): the load fails ``cancelled`` at once, not at its deadline; no byte lands in
     its blocks after that, however many layers the prefill computes next; and the prefill's
-    lease ends ``aborted`` now (its engine frees the blocks when it finishes computing)."""
-    with pair(sidecars, "pushc") as (ds, ps, d, p):
+    lease ends ``aborted`` now (its engine frees the blocks when it finishes computing).
+    ``staged``: the pre-reads go through both sidecars' staging arenas."""
+    args = STAGED if staged else ()
+    with pair(sidecars, "pushcs" if staged else "pushc", *args, prefill_args=args) as (ds, ps, d, p):
         tid = "push-cancel"
         pb, db = p.allocate(4), d.allocate(4)
         d.wipe(db)
@@ -442,8 +448,6 @@ def test_push_between_different_tp_sizes(sidecars: SidecarFactory, kind: str, pt
         for e in (*ds_eng, *ps_eng):
             e.close()
 
-
-STAGED = ("--staging-mib", "16", "--stage-min-descs", "1", "--stage-below-kib", "1024")
 
 
 @pytest.mark.parametrize("torch_copies", [False, True], ids=["host-copies", "torch-copies"])
