@@ -83,11 +83,11 @@ def test_a_staged_answer_that_comes_back_during_the_cancel_posts_nothing(room: b
 
 
 def test_a_cancel_waits_for_the_window_read_in_flight_and_posts_no_other() -> None:
-    """A read in windows (``staged_reads.Windows``): a cancel while window 2 is being read
+    """A read in windows (``staged_windows.Windows``): a cancel while window 2 is being read
     cancels that read and returns only once it settled (its scatter can no longer land in
     blocks the engine got back); no window is posted after it."""
     from kvxfer.sidecar.nixl_types import ReadFinished
-    from kvxfer.sidecar.staged_reads import Windows
+    from kvxfer.sidecar.staged_windows import Windows
 
     async def run() -> list[str]:
         calls: list[str] = []
@@ -134,7 +134,7 @@ def test_a_window_that_fails_once_posted_fails_the_receives_read_and_tells_the_p
     ends its lease as aborted, where 'not started' told it nothing and left both to expire)."""
     from kvxfer.protocol import ReadNotice, read_notice_decoder
     from kvxfer.sidecar.nixl_types import ReadFinished
-    from kvxfer.sidecar.staged_reads import WindowFailed
+    from kvxfer.sidecar.staged_windows import WindowFailed
 
     async def run() -> tuple[list[Any], list[tuple[str, bytes]]]:
         port, sent, notes = RecordingPort(), [], []

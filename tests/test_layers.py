@@ -45,7 +45,7 @@ LAYERS: list[tuple[str, list[str]]] = [
         "kvxfer.sidecar.holds", "kvxfer.sidecar.receiver", "kvxfer.sidecar.engine_server",
         "kvxfer.sidecar.verify", "kvxfer.sidecar.keepalive", "kvxfer.sidecar.engines",
         "kvxfer.sidecar.claim", "kvxfer.control.local", "kvxfer.sidecar.stage_server",
-        "kvxfer.sidecar.staged_reads", "kvxfer.sidecar.stall_guard",
+        "kvxfer.sidecar.staged_reads", "kvxfer.sidecar.staged_windows", "kvxfer.sidecar.stall_guard",
         "kvxfer.sidecar.engine_rings", "kvxfer.sidecar.stream_server", "kvxfer.sidecar.stream_feed",
         "kvxfer.sidecar.recv_state",
     ]),

@@ -1,4 +1,4 @@
-"""The staging copies (``kvxfer.sidecar.nixl_staging.gather`` / ``scatter``) move exactly what
+"""The staging copies (``kvxfer.sidecar.nixl_copies.gather`` / ``scatter``) move exactly what
 one ``memmove`` per run moves, whichever path they take: a few runs or long ones one by one,
 granules through an overlapping window, or (a scatter whose granules are whole rows from the
 first) back-to-back rows by ``np.put``."""
@@ -9,7 +9,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvxfer.sidecar.nixl_staging import gather, scatter
+from kvxfer.sidecar.nixl_copies import gather, scatter
 
 SPAN = 1 << 16
 
@@ -123,7 +123,7 @@ def test_vram_copies_move_what_slicing_moves(case: tuple[list[int], list[tuple[i
     The bases are only numbers to it (addresses of memory on a device): here far apart."""
     import torch
 
-    from kvxfer.sidecar.nixl_staging import copy_runs
+    from kvxfer.sidecar.nixl_copies import copy_runs
 
     sizes, runs = case
     rng = np.random.default_rng(seed)
@@ -158,7 +158,7 @@ def test_a_vram_run_outside_the_ranks_memory_is_refused_before_anything_moves() 
     import torch
 
     from kvxfer.errors import RequestError
-    from kvxfer.sidecar.nixl_staging import copy_runs
+    from kvxfer.sidecar.nixl_copies import copy_runs
 
     mem = [(1 << 40, torch.zeros(4096, dtype=torch.uint8))]
     slot = torch.ones(1024, dtype=torch.uint8)

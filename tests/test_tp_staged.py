@@ -85,7 +85,7 @@ def test_ranks_whose_runs_exceed_one_stage_request_are_staged_in_several() -> No
 def test_vram_stagings_copies_end_to_end_on_host_memory(layout: str, ptp: int, dtp: int,
                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     """The copies of VRAM staging (torch ``index_select`` / ``index_copy_`` per stretch of runs,
-    on the arena's CUDA stream: ``nixl_staging.copy_runs``) and the routes to them (the
+    on the arena's CUDA stream: ``nixl_copies.copy_runs``) and the routes to them (the
     prefill's gather into the arena of the ranks' device, the decode's scatter after the slot
     landed) are the host path's too under ``KVXFER_TEST_TORCH_COPIES=1``: the same StageRequest,
     slots and one-descriptor-per-2-MiB read, on CPU tensors over host memory. What no CPU can

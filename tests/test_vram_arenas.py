@@ -193,7 +193,8 @@ def test_a_window_on_a_prefill_gpu_without_an_arena_sends_the_whole_read_directl
 
     from kvxfer.config import Config
     from kvxfer.protocol import Recv, Staged
-    from kvxfer.sidecar.staged_reads import NoArena, Prepared, Staging
+    from kvxfer.sidecar.staged_reads import Prepared, Staging
+    from kvxfer.sidecar.staged_windows import NoArena
     from kvxfer.sidecar.staging import StagedPlan
 
     def plan() -> StagedPlan:

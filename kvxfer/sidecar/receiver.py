@@ -56,7 +56,8 @@ from kvxfer.sidecar.recv_state import (
     window_spec,
 )
 from kvxfer.sidecar.registry import RankKey, RankRegistry
-from kvxfer.sidecar.staged_reads import Prepared, Staging, WindowFailed
+from kvxfer.sidecar.staged_reads import Prepared, Staging
+from kvxfer.sidecar.staged_windows import WindowFailed
 from kvxfer.sidecar.stream_feed import StreamFeed
 from kvxfer.sidecar.verify import Verifier
 from kvxfer.topology import BlockPairing, RankPlan
@@ -77,15 +78,14 @@ class Receiver:
         self.book = book
         self.nixl = nixl
         self.observer = observer
-        self._send = send
-        self._spawn = spawn
+        self._send, self._spawn = send, spawn
         self.changed = Signal()  # a receive started or ended
         self.agent_name = agent_name
         self.recvs: dict[str, RecvState] = {}
         self.verifier = Verifier(config, registry, peers, book, nixl, observer)
         self.claims = Claims(config, peers, book, observer, agent_name)
         self.staging = Staging(config, peers, book, nixl, agent_name)
-        self.feed = StreamFeed(config=config, registry=registry, peers=peers, nixl=nixl, observer=observer,
+        self.feed = StreamFeed(config=config, registry=registry, peers=peers, observer=observer, nixl=nixl,
                                staging=self.staging)
         self.abandoned = abandoned if abandoned is not None else Abandoned()  # (kvxfer.abandoned)
 

@@ -208,7 +208,7 @@ def read_spec(key: str, state: RecvState, peer: Peer, plans: list[RankPlan], pai
 def window_spec(key: str, state: RecvState, peer: Peer, plans: list[RankPlan],
                 pairing: BlockPairing) -> Callable[[StagedRead, str], ReadSpec]:
     """What the NIXL port is asked to read for one earlier window of a staged receive
-    (``staged_reads.Windows``): the receive's read of that slot, under its own id."""
+    (``staged_windows.Windows``): the receive's read of that slot, under its own id."""
     return lambda st, rid: dataclasses.replace(
         read_spec(key, state, peer, plans, pairing, state.deadline - time.monotonic(), st), req_id=rid)
 

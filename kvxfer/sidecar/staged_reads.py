@@ -15,9 +15,7 @@ reports the read landed.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
-import itertools
 import logging
 import time
 from collections.abc import Callable
@@ -34,6 +32,7 @@ from kvxfer.sidecar.peer_book import Peer, PeerBook
 from kvxfer.sidecar.peer_client import PeerClient
 from kvxfer.sidecar.plan import PairRows, StagedRead
 from kvxfer.sidecar.receive import claim_verdict
+from kvxfer.sidecar.staged_windows import NoArena, Windows
 from kvxfer.sidecar.staging import (
     Books,
     StagedPlan,
@@ -110,6 +109,39 @@ def parts(members: list[_Member], limit: int = MAX_RUNS_BYTES) -> list[list[_Mem
     return out
 
 
+_RowsCache = dict[tuple[object, ...], tuple[RankInfo, RankInfo, dict[tuple[int, ...], PairRows]]]
+
+
+def _rows_for(cache: _RowsCache, peer: Peer, local: RankInfo,
+              infos: list[RankInfo]) -> dict[tuple[int, ...], PairRows] | None:
+    """The pair_rows cache of this pair of registrations (None: more than one remote rank's
+    registration is involved, so nothing is cached)."""
+    if len({id(i) for i in infos}) != 1:
+        return None
+    ck = (peer.agent_name, id(local), id(infos[0]))
+    got = cache.get(ck)
+    if got is None or got[0] is not local or got[1] is not infos[0]:
+        if len(cache) >= ROWS_CACHE:
+            cache.clear()
+        got = cache[ck] = (local, infos[0], {})
+    return got[2]
+
+
+def _split(plan: StagedPlan, groups: list[int], arena: int, sharing: int) -> list[StagedPlan] | None:
+    """A staged plan as the windows it is read in (the last: the receive's own read); None: not
+    staged. Too large for its share of a slot (or one request's runs): windows of half that
+    share; gathered on several GPUs of the prefill (TP that differs across GPUs: a slot there
+    is on one GPU): windows of one GPU each."""
+    big = plan.nbytes * sharing > arena or plan.gather_runs * 16 > MAX_RUNS_BYTES
+    several = len({g for g, runs in zip(groups, plan.remote_runs, strict=True) if len(runs)}) > 1
+    if not (big or several):
+        return [plan]
+    room = arena // (2 * sharing) if big else plan.nbytes
+    if room < MIN_WINDOW and big:
+        return None
+    return windows_of(plan, room, MAX_RUNS_BYTES // 16, groups)
+
+
 class Staging:
     def __init__(self, config: Config, peers: PeerClient, book: PeerBook, nixl: NixlPort,
                  agent_name: str) -> None:
@@ -120,7 +152,7 @@ class Staging:
         self.nixl = nixl
         self.agent_name = agent_name
         self.books = Books(nixl.spans)
-        self._rows: dict[tuple[object, ...], tuple[RankInfo, RankInfo, dict[tuple[int, ...], PairRows]]] = {}
+        self._rows: _RowsCache = {}
         self.staged = 0  # receives staged, ever
         self._batches: dict[tuple[object, ...], _Batch] = {}
         self._tasks: set[asyncio.Task[tuple[Staged | None, float]]] = set()
@@ -151,25 +183,17 @@ class Staging:
                                                                                                strict=True)}
         legs = read_pieces(plans, pairing, local.regions, local.layout.num_blocks, remote,
                            list(msg.block_ids),
-                           list(msg.remote_block_ids), self._rows_for(peer, local, plans, infos))
+                           list(msg.remote_block_ids), _rows_for(self._rows, peer, local, infos))
         plan = staged_plan(legs)
         vram = device is not None and device >= 0
         # (a host arena serves all of a request's ranks at once; a VRAM one, the ranks of its device)
         sharing = 1 if vram else max(1, local.layout.tp_size)
         if plan.nbytes == 0 or not (vram or worth_staging(plan, self.below, self.config.stage_min_descs)):
             return None
-        windows: list[StagedPlan] = []
-        arena = min(peer.staging_bytes, book.size)  # (the smaller of the two)
-        big = plan.nbytes * sharing > arena or plan.gather_runs * 16 > MAX_RUNS_BYTES
-        several = len({g for g, runs in zip(groups, plan.remote_runs, strict=True) if len(runs)}) > 1
-        if big or several:
-            # too large for its share of a slot (or one request's runs): in windows of half
-            # that share; gathered on several GPUs of the prefill (TP that differs across GPUs:
-            # a slot there is on one GPU): in windows of one GPU each. Asking alone.
-            room = arena // (2 * sharing) if big else plan.nbytes
-            if room < MIN_WINDOW and big:
-                return None
-            *windows, plan = windows_of(plan, room, MAX_RUNS_BYTES // 16, groups)
+        cut = _split(plan, groups, min(peer.staging_bytes, book.size), sharing)  # (the smaller arena)
+        if cut is None:
+            return None
+        *windows, plan = cut
         until = time.monotonic() + remaining_s + self.config.settle_timeout_s
         offset = book.alloc(max(w.nbytes for w in (*windows, plan)), key, until)
         if offset is None:
@@ -189,20 +213,6 @@ class Staging:
                         device=device, remote_device=gpu(plan),
                         windows=tuple((w, asks(w)) for w in windows),
                         window_devices=tuple(gpu(w) for w in windows))
-
-    def _rows_for(self, peer: Peer, local: RankInfo, plans: list[RankPlan],
-                  infos: list[RankInfo]) -> dict[tuple[int, ...], PairRows] | None:
-        """The pair_rows cache of this pair of registrations (None: more than one remote
-        rank's registration is involved, so nothing is cached)."""
-        if len({id(i) for i in infos}) != 1:
-            return None
-        ck = (peer.agent_name, id(local), id(infos[0]))
-        got = self._rows.get(ck)
-        if got is None or got[0] is not local or got[1] is not infos[0]:
-            if len(self._rows) >= ROWS_CACHE:
-                self._rows.clear()
-            got = self._rows[ck] = (local, infos[0], {})
-        return got[2]
 
     def counts(self) -> dict[str, int]:
         """Receives staged, by how (``observe.staging_gauges``)."""
@@ -425,92 +435,3 @@ class Staging:
             for mark in marks:
                 mark("staged")
             return got, sent
-
-
-_WINDOW_IDS = itertools.count(1)
-
-
-class NoArena(Exception):
-    """The prefill has no staging arena for the asked ranks' memory (a GPU whose arena could
-    not be made): asking again would not help."""
-
-
-class WindowFailed(RequestError):
-    """A window's read failed once posted: the receive's read failed (it did start)."""
-
-    def __init__(self, event: ReadFinished) -> None:
-        super().__init__(event.code or ErrorCode.TRANSFER_ERROR, event.reason)
-        self.event = event
-
-
-class Windows:
-    """The reads of a receive's earlier windows (``Prepared.windows``), posted as reads of
-    their own (``spec(staged, req_id)``: the receive's ReadSpec for that slot) whose
-    landings come back here (``landed``/``refused``, from the receiver, before its own);
-    ``settle`` ends the one in flight (a cancel), after which none is posted. One per
-    receive, made by the receiver."""
-
-    def __init__(self, key: str, spec: Callable[[StagedRead, str], object], nixl: NixlPort) -> None:
-        self.key = key
-        self._spec = spec
-        self._nixl = nixl
-        self.stopped = False
-        self._in_flight: tuple[str, asyncio.Future[ReadFinished]] | None = None
-        self.moved = (0, 0)  # the windows read so far: bytes, descriptors
-        self.t0 = 0.0  # when the first was posted (monotonic)
-
-    def check(self) -> None:
-        if self.stopped:
-            raise RequestError(ErrorCode.CANCELLED, "the receive is being cancelled")
-
-    def before(self) -> tuple[int, int, float]:
-        """What the last window's read reports beside its own: the others' bytes and
-        descriptors, and the seconds since the first was posted."""
-        return (*self.moved, time.monotonic() - self.t0 if self.t0 else 0.0)
-
-    async def read(self, i: int, staged: StagedRead) -> None:
-        """Window ``i`` read into the slot and scattered, or RequestError (``WindowFailed``:
-        it was posted and failed)."""
-        self.check()
-        rid = f"{self.key}#w{i}#{next(_WINDOW_IDS)}"  # (an id no receive key or earlier window has)
-        fut: asyncio.Future[ReadFinished] = asyncio.get_running_loop().create_future()
-        self._in_flight = (rid, fut)
-        self.t0 = self.t0 or time.monotonic()
-        try:
-            self._nixl.read(self._spec(staged, rid))  # type: ignore[arg-type]  (a ReadSpec)
-            got = await asyncio.shield(fut)
-        finally:
-            self._in_flight = None
-        if not got.ok:
-            why = f"window {i + 1}: {got.reason}"
-            raise WindowFailed(dataclasses.replace(got, req_id=self.key, reason=why))
-        self.moved = (self.moved[0] + got.nbytes, self.moved[1] + got.descriptors)
-
-    def reading(self, rid: str) -> bool:
-        return self._in_flight is not None and self._in_flight[0] == rid
-
-    def landed(self, event: ReadFinished) -> bool:
-        if self._in_flight is None or not self.reading(event.req_id):
-            return False
-        if not self._in_flight[1].done():
-            self._in_flight[1].set_result(event)
-        return True
-
-    def refused(self, event: ReadRefused) -> bool:
-        """(its error reaches the receiver through ``ask``, made a RequestError there: ``read_after``)"""
-        if self._in_flight is None or not self.reading(event.req_id):
-            return False
-        if not self._in_flight[1].done():
-            self._in_flight[1].set_exception(event.error)
-        return True
-
-    async def settle(self, err: RequestError) -> None:
-        """No window is posted after this; the one in flight is cancelled and waited for (its
-        scatter never lands in blocks the engine got back)."""
-        self.stopped = True
-        if self._in_flight is not None:
-            rid, fut = self._in_flight
-            if not fut.done():
-                await self._nixl.cancel(rid, err.code, err.reason)
-            with contextlib.suppress(Exception):
-                await asyncio.shield(fut)

@@ -316,7 +316,6 @@ def stage_bench(kind: str, dry: bool, device: str, emit: Callable[[dict[str, Any
     if dry:
         res["stand_in"] = ("host memory (dry run: no GPU here): raw NIXL on torch tensors, kvxfer on its "
                            "shared host memory; the GPU kinds run the same code on VRAM")
-
     res["raw"], res["kvxfer"] = {}, []
 
     def publish() -> None:  # what there is so far (a stage killed at its deadline leaves it)
@@ -358,9 +357,7 @@ def stage_bench(kind: str, dry: bool, device: str, emit: Callable[[dict[str, Any
              "  first transfer ms (cold/warm): " + ", ".join(
                  f"{k} {v['cold']}/{v['warm']}" for k, v in first.items() if v),
              f"  per-descriptor cost dominates (32 KiB vs 2 MiB descriptors, raw): "
-             f"{res['per_descriptor_cost_dominates']}",
-             *(staging_line(k) for k in res["kvxfer"] if k.get("staging")),
-             *errors]
+             f"{res['per_descriptor_cost_dominates']}", *(staging_line(k) for k in res["kvxfer"]), *errors]
     res["summary_lines"] = lines
     if errors:
         res["status"] = "failed"

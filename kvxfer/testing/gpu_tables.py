@@ -55,6 +55,8 @@ def descriptor_cost_dominates(rows: list[dict[str, Any]]) -> bool | None:
 def staging_line(k: dict[str, Any]) -> str:
     """The summary's line of one kvxfer sweep's staging: its sidecars' metrics, and each
     size's descriptors per read (2 MiB ones when staged)."""
+    if not k.get("staging"):
+        return f"  kvxfer {k['layout']} staging: not seen (the sweep failed first)"
     sides = " / ".join(json.dumps(k["staging"].get(s, {}), sort_keys=True) for s in ("decode", "prefill"))
     descs = [r.get("kvxfer_descriptors") for r in k.get("rows", [])]
     return f"  kvxfer {k['layout']} staging (metrics, decode / prefill): {sides}; descriptors a read {descs}"
