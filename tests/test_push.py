@@ -486,7 +486,12 @@ def test_pre_reads_are_staged_as_pull_reads_are(sidecars: SidecarFactory, torch_
             for r, e in enumerate(ps_eng):
                 e.fill_layers(tid, pb, range(layer, layer + 1))
                 e.client.send(LayersDone(req_ids=[tid], layers=layer + 1, tp_rank=r))
-            time.sleep(0.1)
+            if layer == 3:  # (the first half in every decode rank's blocks before the rest is computed)
+                end = time.monotonic() + 20
+                while not all(e.verify_layers(tid, db, range(0, 4)) for e in ds_eng):
+                    assert time.monotonic() < end, "the computed layers never moved"
+                    time.sleep(0.01)
+            time.sleep(0.05)
         for e in ds_eng:
             got = wait_for(e.client, lambda a: bool(a.done or a.failed), timeout=30)
             assert got.done, got

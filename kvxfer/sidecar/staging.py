@@ -187,8 +187,9 @@ def windows_of(plan: StagedPlan, max_bytes: int, max_runs: int,
     ends = np.cumsum(lens)
     total = int(ends[-1]) if len(ends) else 0
     leg_ends = [int(e) for e in np.cumsum([int(r[:, 1].sum()) for r in plan.remote_runs])]
-    bounds = [0, *sorted({e for k, e in enumerate(leg_ends[:-1])
-                          if 0 < e < total and groups and groups[k] != groups[k + 1]}), total]
+    full = [k for k, r in enumerate(plan.remote_runs) if len(r)]  # (an empty leg cuts nothing)
+    bounds = [0, *sorted({leg_ends[k] for k, n in zip(full, full[1:], strict=False)
+                          if groups and groups[k] != groups[n] and 0 < leg_ends[k] < total}), total]
     cuts = [0]
     for a, b in zip(bounds[:-1], bounds[1:], strict=True):  # (a and b end runs: legs end runs)
         i, j = (int(np.searchsorted(ends, x, side="right")) for x in (a, b))
