@@ -504,3 +504,36 @@ def test_pre_reads_are_staged_as_pull_reads_are(sidecars: SidecarFactory, torch_
     finally:
         for e in (*ds_eng, *ps_eng):
             e.close()
+
+
+def test_a_stream_that_fails_after_a_staged_pre_read_frees_the_prefills_slot(
+        sidecars: SidecarFactory) -> None:
+    """The prefill aborts after a staged pre-read landed: the load fails, and the slot the
+    prefill's arena kept for that reader is freed at once (the decode tells the prefill),
+    not at its expiry ~30 s on (on a GPU, other reads found that arena full meanwhile and went
+    directly). Found by review; shown failing without the notice."""
+    ds = sidecars.start("pushsf-d", "--verify-sample", "0", *STAGED)
+    ps = sidecars.start("pushsf-p", *STAGED, metrics_port=free_port())
+    d, p = SyntheticEngine(LAYOUT, ds.endpoint, seed=2), SyntheticEngine(LAYOUT, ps.endpoint, seed=1)
+    try:
+        d.start()
+        p.start()
+        tid = "push-staged-fail"
+        pb, db = p.allocate(4), d.allocate(4)
+        stream(p, d, tid, pb, db, deadline_s=30)
+        compute(p, tid, pb, range(0, 5))
+        end = time.monotonic() + 10
+        while not d.verify_layers(tid, db, range(0, 5)):
+            assert time.monotonic() < end, "the computed layers never moved"
+            time.sleep(0.01)
+        assert ps.scrape()["kvxfer_staging_slots"] == 1  # (the pre-read's, kept for its reader)
+        p.client.release(tid)  # the prefill aborts the request
+        got = wait_for(d.client, lambda a: bool(a.done or a.failed), timeout=30)
+        assert got.failed, got
+        end = time.monotonic() + 5
+        while ps.scrape()["kvxfer_staging_slots"] and time.monotonic() < end:
+            time.sleep(0.05)
+        assert ps.scrape()["kvxfer_staging_slots"] == 0, "the pre-read's slot outlived the failed stream"
+    finally:
+        d.close()
+        p.close()

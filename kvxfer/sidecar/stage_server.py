@@ -73,8 +73,9 @@ class StageServer:
                           reason="no staging arena for these ranks' memory")
         if key in self._gathering:  # (its slot is being filled: never freed or replaced under the copy)
             return Staged(seq=req.seq, held="busy", reason="this reader's last request is still being copied")
-        for last in [k for k in self._waiting if k[:4] == key[:4] and k not in self._gathering]:
-            self._free(last)  # the same readers ask again: they read their last window (on any GPU)
+        for last in [k for k in self._waiting  # (readers ask again only once their last read landed)
+                     if k[:3] == key[:3] and set(k[3]) <= set(key[3]) and k not in self._gathering]:
+            self._free(last)  # the same readers ask again: their last window or pre-read (on any GPU)
         offset = book.alloc(req.nbytes, key, arrived + ttl)
         if offset is None:
             return Staged(seq=req.seq, held="busy", reason="staging arena full")

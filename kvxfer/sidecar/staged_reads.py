@@ -18,7 +18,7 @@ import asyncio
 import dataclasses
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 
 import msgspec
@@ -71,6 +71,7 @@ class Prepared:
     # what its StageRequest asks (``staging.windows_of``)
     windows: tuple[tuple[StagedPlan, list[StageRank]], ...] = ()
     window_devices: tuple[int, ...] = ()  # each window's prefill arena (TP across GPUs: several)
+    alone: bool = False  # asks alone, never in another receive's batch (a push pre-read)
 
 
 @dataclass
@@ -162,8 +163,8 @@ class Staging:
 
     # ------------------------------------------------------------------ decide
 
-    def prepare(self, key: str, msg: Recv, local: RankInfo, peer: Peer, engine: str, plans: list[RankPlan],
-                pairing: BlockPairing, remaining_s: float) -> Prepared | None:
+    def prepare(self, key: Hashable, msg: Recv, local: RankInfo, peer: Peer, engine: str,
+                plans: list[RankPlan], pairing: BlockPairing, remaining_s: float) -> Prepared | None:
         """The receive's staged plan and slot, or None: read it directly. Host memory is staged
         when its direct descriptors are many and small (``worth_staging``); VRAM always (the
         arenas are the only memory UCX moves over cuda_ipc: ``staging``). One too large for
@@ -218,7 +219,7 @@ class Staging:
         """Receives staged, by how (``observe.staging_gauges``)."""
         return {"slot": self.staged - self.windowed, "windows": self.windowed, "direct": self.fell_back}
 
-    def release(self, key: str) -> None:
+    def release(self, key: Hashable) -> None:
         """The receive ended: its slot here is free (its read settled, or never started)."""
         self.books.free(key)
         self._windows.pop(key, None)
@@ -252,7 +253,7 @@ class Staging:
         if w is not None:
             await w.settle(err)
 
-    def read_after(self, key: str, prepared: Prepared,
+    def read_after(self, key: Hashable, prepared: Prepared,
                    task: asyncio.Future[tuple[Staged | None, float]]) -> StagedRead | None:
         """What ``ask`` ended with: the read of the prefill's slot into this receive's, or
         None (the prefill had no room: the slot here is freed, read directly). Raises the
@@ -297,7 +298,7 @@ class Staging:
         ``BATCH_WINDOW_S`` for the others (each TP rank sends its own ``Recv``, in the same
         engine step), and the batch goes as soon as all are in. A read in windows asks alone,
         for each window in turn, and reads all but the last here (``windows``)."""
-        if prepared.windows or prepared.device >= 0:  # (alone: see _in_windows)
+        if prepared.windows or prepared.device >= 0 or prepared.alone:  # (alone: see _in_windows)
             return await self._in_windows(msg, engine, prepared, reading_s, peer, mark, windows)
         loop = asyncio.get_running_loop()
         key = (msg.remote_host, msg.remote_port, engine, msg.remote_req_id or msg.req_id, msg.remote_token,

@@ -73,6 +73,7 @@ class StreamFeed:
         self.nixl = nixl
         # pre-read key -> (its receive's key, its landing)
         self._reads: dict[str, tuple[str, asyncio.Future[ReadFinished]]] = {}
+        self._staged_pre: set[str] = set()  # receives with a staged pre-read (a slot at the prefill)
 
     def in_flight(self, key: str) -> str | None:
         """The pre-read of receive ``key`` that is in flight (None: none)."""
@@ -111,7 +112,19 @@ class StreamFeed:
 
     async def follow(self, key: str, state: RecvState, peer: Peer, alive: Callable[[], bool]) -> Followed:
         """Watch and pre-read until every layer is computed (RequestError when the prefill's
-        lease ends, refuses, or the deadline passes first)."""
+        lease ends, refuses, or the deadline passes first: after a staged pre-read the prefill
+        is told then, which frees the slot it kept for this reader)."""
+        try:
+            return await self._follow(key, state, peer, alive)
+        except RequestError:
+            if key in self._staged_pre:
+                state.peer_agent = peer.agent_name
+                notify_prefill(self.nixl, self.registry, state, False)
+            raise
+        finally:
+            self._staged_pre.discard(key)
+
+    async def _follow(self, key: str, state: RecvState, peer: Peer, alive: Callable[[], bool]) -> Followed:
         local = self.registry.get(state.local)
         if local is None:
             raise RequestError(ErrorCode.NOT_REGISTERED, f"local rank {state.local} was unregistered")
@@ -207,6 +220,8 @@ class StreamFeed:
         rk = f"{key}#{layers[0]}-{layers[1]}"
         try:
             staged = await self._staged(rk, msg, local, peer, engine, cut, pairing, deadline)
+            if staged is not None:
+                self._staged_pre.add(key)
             if state.stopping:  # (cancelled while the prefill copied: nothing is posted after a cancel)
                 raise RequestError(ErrorCode.CANCELLED, "cancelled", msg.req_id)
             fut: asyncio.Future[ReadFinished] = asyncio.get_running_loop().create_future()
@@ -224,7 +239,7 @@ class StreamFeed:
             event = await asyncio.shield(fut)
         finally:
             if self.staging is not None:
-                self.staging.release(rk)  # (its slot here: the prefill frees its own at the next ask)
+                self.staging.release(("pre-read", rk))  # (the prefill frees its own at the next ask)
         if not event.ok:
             raise RequestError(event.code, f"reading layers {layers[0]}-{layers[1] - 1}: {event.reason}",
                                msg.req_id)
@@ -239,16 +254,17 @@ class StreamFeed:
         if self.staging is None:
             return None
         remaining = deadline - time.monotonic()
-        prepared = self.staging.prepare(rk, msg, local.info, peer, engine, cut, pairing, remaining)
+        slot = ("pre-read", rk)  # (its slot here: never a receive's, whatever the request ids)
+        prepared = self.staging.prepare(slot, msg, local.info, peer, engine, cut, pairing, remaining)
         if prepared is None:
             return None
         if prepared.windows:
-            self.staging.release(rk)
+            self.staging.release(slot)
             return None
-        prepared = dataclasses.replace(prepared, expected=1)  # (ranks pre-read at their own pace)
+        prepared = dataclasses.replace(prepared, expected=1, alone=True)  # (ranks pre-read at their own pace)
         task = asyncio.ensure_future(self.staging.ask(msg, engine, prepared, remaining, peer, lambda m: None))
         await asyncio.wait([task])
-        return self.staging.read_after(rk, prepared, task)
+        return self.staging.read_after(slot, prepared, task)
 
 
 def streamable(peer: Peer, msg: Recv) -> None:
