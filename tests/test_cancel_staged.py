@@ -208,16 +208,36 @@ def test_a_vram_read_the_prefill_has_no_room_for_asks_again_then_reads_directly(
     assert (got, calls, st.fell_back) == ((None, 0.0), 1, 1)
 
 
-def test_a_reader_asking_again_while_its_slot_is_being_filled_is_told_busy() -> None:
-    """The prefill's half: a reader's repeat StageRequest gives its slot up for the new one
-    (a read in windows), but never while that slot is being filled: the copy would run into a
-    slot freed under it, and the first request's failure path could free the second's."""
+def _stage_server(gather: Any) -> tuple[Any, Any]:
+    """A prefill's StageServer over a host arena whose copies are ``gather``, a lease that
+    holds, one registered rank; and a reader's StageRequest of 4 KiB of it."""
     import types
 
     import numpy as np
 
     from kvxfer.protocol import KVLayout, RankInfo, RemoteRegion, StageRank, StageRequest
     from kvxfer.sidecar.stage_server import StageServer
+
+    nixl = types.SimpleNamespace(spans={-1: (1 << 30, 1 << 20)}, gather=gather, expect_reads=lambda: None)
+    holds = mock.MagicMock()
+    holds.renew.return_value = types.SimpleNamespace(held=["held"])
+    holds.lease_for.return_value = types.SimpleNamespace(engine="p", block_ids=[1, 2])
+    info = RankInfo(layout=mock.MagicMock(spec=KVLayout), regions=[RemoteRegion(addr=0, block_len=8,
+                                                                                block_stride=8)])
+    registry = mock.MagicMock()
+    registry.find.return_value = types.SimpleNamespace(key="rank0", info=info)
+    server = StageServer(holds=holds, registry=registry, nixl=nixl,  # type: ignore[arg-type]
+                         generation=lambda: "g")
+    runs = np.array([[0, 4096]], dtype="<i8").tobytes()
+    req = StageRequest(seq=1, engine_id="p", req_id="x", ranks=[StageRank(rank=0, runs=runs)],
+                       nbytes=4096, readers=["0/0"], extend_s=5.0, agent_name="d", token="t")
+    return server, req
+
+
+def test_a_reader_asking_again_while_its_slot_is_being_filled_is_told_busy() -> None:
+    """The prefill's half: a reader's repeat StageRequest gives its slot up for the new one
+    (a read in windows), but never while that slot is being filled: the copy would run into a
+    slot freed under it, and the first request's failure path could free the second's."""
 
     async def run() -> list[str]:
         copying = asyncio.Event()
@@ -229,21 +249,7 @@ def test_a_reader_asking_again_while_its_slot_is_being_filled_is_told_busy() -> 
             copying.set()
             await release.wait()
 
-        nixl = types.SimpleNamespace(spans={-1: (1 << 30, 1 << 20)}, gather=gather,
-                                     expect_reads=lambda: None)
-        lease = types.SimpleNamespace(engine="p", block_ids=[1, 2])
-        holds = mock.MagicMock()
-        holds.renew.return_value = types.SimpleNamespace(held=["held"])
-        holds.lease_for.return_value = lease
-        info = RankInfo(layout=mock.MagicMock(spec=KVLayout), regions=[RemoteRegion(addr=0, block_len=8,
-                                                                                    block_stride=8)])
-        registry = mock.MagicMock()
-        registry.find.return_value = types.SimpleNamespace(key="rank0", info=info)
-        server = StageServer(holds=holds, registry=registry, nixl=nixl,  # type: ignore[arg-type]
-                             generation=lambda: "g")
-        runs = np.array([[0, 4096]], dtype="<i8").tobytes()
-        req = StageRequest(seq=1, engine_id="p", req_id="x", ranks=[StageRank(rank=0, runs=runs)],
-                           nbytes=4096, readers=["0/0"], extend_s=5.0, agent_name="d", token="t")
+        server, req = _stage_server(gather)
         first = asyncio.ensure_future(server.answer(req))
         await copying.wait()
         again = await asyncio.wait_for(server.answer(req), 2.0)  # (not a second copy into that slot)
@@ -265,13 +271,9 @@ def test_a_final_notice_during_the_copy_frees_the_slot_after_it_not_under_it() -
     arrives while its slot is being filled: the slot used to be freed under the copy (another
     request could be handed it and gathered into at once); it is now freed once the copy
     ended, and the answer says busy."""
-    import types
-
     import msgspec
-    import numpy as np
 
-    from kvxfer.protocol import KVLayout, RankInfo, ReadNotice, RemoteRegion, StageRank, StageRequest
-    from kvxfer.sidecar.stage_server import StageServer
+    from kvxfer.protocol import ReadNotice
 
     async def run() -> list[str]:
         copying, release = asyncio.Event(), asyncio.Event()
@@ -281,19 +283,7 @@ def test_a_final_notice_during_the_copy_frees_the_slot_after_it_not_under_it() -
             copying.set()
             await release.wait()
 
-        nixl = types.SimpleNamespace(spans={-1: (1 << 30, 1 << 20)}, gather=gather, expect_reads=lambda: None)
-        holds = mock.MagicMock()
-        holds.renew.return_value = types.SimpleNamespace(held=["held"])
-        holds.lease_for.return_value = types.SimpleNamespace(engine="p", block_ids=[1, 2])
-        info = RankInfo(layout=mock.MagicMock(spec=KVLayout), regions=[RemoteRegion(addr=0, block_len=8,
-                                                                                    block_stride=8)])
-        registry = mock.MagicMock()
-        registry.find.return_value = types.SimpleNamespace(key="rank0", info=info)
-        server = StageServer(holds=holds, registry=registry, nixl=nixl,  # type: ignore[arg-type]
-                             generation=lambda: "g")
-        runs = np.array([[0, 4096]], dtype="<i8").tobytes()
-        req = StageRequest(seq=1, engine_id="p", req_id="x", ranks=[StageRank(rank=0, runs=runs)],
-                           nbytes=4096, readers=["0/0"], extend_s=5.0, agent_name="d", token="t")
+        server, req = _stage_server(gather)
         first = asyncio.ensure_future(server.answer(req))
         await copying.wait()
         notice = ReadNotice(engine_id="p", req_id="x", pp_rank=0, tp_rank=0, ok=False)

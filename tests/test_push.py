@@ -79,6 +79,31 @@ def compute(p: SyntheticEngine, tid: str, blocks: list[int], layers: range, paus
             time.sleep(pause_s)
 
 
+def stream_ranks(ps_eng: list[SyntheticEngine], ds_eng: list[SyntheticEngine],
+                 tid: str) -> tuple[list[int], list[int]]:
+    """Push dispatch between TP sizes: every rank of each side allocates the same 3 block ids
+    (as vLLM's ranks do), the prefill holds them streamed, every decode rank follows."""
+    pb, db = ps_eng[0].allocate(3), ds_eng[0].allocate(3)
+    for e in ps_eng[1:]:
+        assert e.allocate(3) == pb
+    for e in ds_eng[1:]:
+        assert e.allocate(3) == db
+    ps_eng[0].client.hold(tid, pb, token=tid, streamed=True, notify_ranks=True, expires_unix=time.time() + 60)
+    for r, e in enumerate(ds_eng):
+        e.client.recv(tid, db, streamed_remote(ps_eng[0], tid), tp_rank=r, streamed=True, deadline_s=30)
+    return pb, db
+
+
+def every_rank_verified(ps_eng: list[SyntheticEngine], ds_eng: list[SyntheticEngine], tid: str,
+                        db: list[int]) -> None:
+    """Every decode rank's load done with the prefill's bytes; the prefill's lease released."""
+    for e in ds_eng:
+        got = wait_for(e.client, lambda a: bool(a.done or a.failed), timeout=30)
+        assert got.done, got
+        assert e.verify(tid, db), f"decode rank {e.layout.tp_rank}: bytes differ"
+    wait_for(ps_eng[0].client, lambda a: bool(a.released))
+
+
 def test_a_streamed_request_is_read_while_its_prefill_computes(sidecars: SidecarFactory) -> None:
     with pair(sidecars, "push", metrics=True) as (ds, ps, d, p):
         for i in range(3):
@@ -424,30 +449,16 @@ def test_push_between_different_tp_sizes(sidecars: SidecarFactory, kind: str, pt
         for e in (*ds_eng, *ps_eng):
             e.start()
         tid = f"push-tp-{name}"
-        pb = ps_eng[0].allocate(3)  # (every rank allocates the same ids, as vLLM's ranks do)
-        for e in ps_eng[1:]:
-            assert e.allocate(3) == pb
-        db = ds_eng[0].allocate(3)
-        for e in ds_eng[1:]:
-            assert e.allocate(3) == db
-        ps_eng[0].client.hold(tid, pb, token=tid, streamed=True, notify_ranks=True,
-                              expires_unix=time.time() + 60)
-        for r, e in enumerate(ds_eng):
-            e.client.recv(tid, db, streamed_remote(ps_eng[0], tid), tp_rank=r, streamed=True, deadline_s=30)
+        pb, db = stream_ranks(ps_eng, ds_eng, tid)
         for r, e in enumerate(ps_eng):  # (rank after rank: the last lags the others by far)
             for layer in range(8):
                 e.fill_layers(tid, pb, range(layer, layer + 1))
                 e.client.send(LayersDone(req_ids=[tid], layers=layer + 1, tp_rank=r))
             time.sleep(0.2)
-        for e in ds_eng:
-            got = wait_for(e.client, lambda a: bool(a.done or a.failed), timeout=30)
-            assert got.done, got
-            assert e.verify(tid, db), f"decode rank {e.layout.tp_rank}: bytes differ"
-        wait_for(ps_eng[0].client, lambda a: bool(a.released))
+        every_rank_verified(ps_eng, ds_eng, tid, db)
     finally:
         for e in (*ds_eng, *ps_eng):
             e.close()
-
 
 
 @pytest.mark.parametrize("torch_copies", [False, True], ids=["host-copies", "torch-copies"])
@@ -473,15 +484,7 @@ def test_pre_reads_are_staged_as_pull_reads_are(sidecars: SidecarFactory, torch_
         for e in (*ds_eng, *ps_eng):
             e.start()
         tid = f"push-staged-{name}"
-        pb = ps_eng[0].allocate(3)
-        assert ps_eng[1].allocate(3) == pb
-        db = ds_eng[0].allocate(3)
-        for e in ds_eng[1:]:
-            assert e.allocate(3) == db
-        ps_eng[0].client.hold(tid, pb, token=tid, streamed=True, notify_ranks=True,
-                              expires_unix=time.time() + 60)
-        for r, e in enumerate(ds_eng):
-            e.client.recv(tid, db, streamed_remote(ps_eng[0], tid), tp_rank=r, streamed=True, deadline_s=30)
+        pb, db = stream_ranks(ps_eng, ds_eng, tid)
         for layer in range(8):  # (both prefill ranks compute each layer, then a pause: pre-reads)
             for r, e in enumerate(ps_eng):
                 e.fill_layers(tid, pb, range(layer, layer + 1))
@@ -492,11 +495,7 @@ def test_pre_reads_are_staged_as_pull_reads_are(sidecars: SidecarFactory, torch_
                     assert time.monotonic() < end, "the computed layers never moved"
                     time.sleep(0.01)
             time.sleep(0.05)
-        for e in ds_eng:
-            got = wait_for(e.client, lambda a: bool(a.done or a.failed), timeout=30)
-            assert got.done, got
-            assert e.verify(tid, db), f"decode rank {e.layout.tp_rank}: bytes differ"
-        wait_for(ps_eng[0].client, lambda a: bool(a.released))
+        every_rank_verified(ps_eng, ds_eng, tid, db)
         m = ds.scrape()
         staged, direct = m['kvxfer_staged_receives{how="slot"}'], m['kvxfer_staged_receives{how="direct"}']
         assert direct == 0, m
