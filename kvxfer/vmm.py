@@ -67,6 +67,11 @@ class Caps:
     rdma: bool  # GPUDirect RDMA on VMM memory
 
 
+def uuid_key(uuid: str) -> str:
+    """A GPU's UUID as hex digits alone, however printed ("GPU-" and dashes optional)."""
+    return uuid.lower().removeprefix("gpu-").replace("-", "")
+
+
 def _interface(ptr: int, size: int) -> dict[str, Any]:
     """``size`` bytes of device memory at ``ptr``, as ``__cuda_array_interface__`` says it."""
     return {"shape": (size,), "typestr": "|u1", "data": (ptr, False), "version": 3, "strides": None}
@@ -212,7 +217,7 @@ class Vmm:
         """The ordinal, in this process, of the GPU with ``uuid`` (as torch or nvidia-smi
         print it: "GPU-" and dashes optional): CUDA_VISIBLE_DEVICES may differ between an
         engine and its sidecar, so an ordinal alone may name another GPU here."""
-        want = uuid.lower().removeprefix("gpu-").replace("-", "")
+        want = uuid_key(uuid)
         with self._lock:
             self._init()
             count = int(self._ok(self.d.cuDeviceGetCount(), "cuDeviceGetCount"))

@@ -35,6 +35,7 @@ from kvxfer.protocol import (
 from kvxfer.sidecar.ownership import Creds
 from kvxfer.sidecar.pool_server import PoolServer
 from kvxfer.sidecar.procfs import has_open
+from kvxfer.vmm import uuid_key
 
 
 @dataclass
@@ -118,10 +119,6 @@ def host_mapping(mm: mmap.mmap) -> Mapping:
     return Mapping(addr=addr, size=len(mm), mem_type="DRAM", device_id=0, _keep=[mm])
 
 
-def _uuid_key(uuid: str) -> str:
-    return uuid.lower().removeprefix("gpu-").replace("-", "")
-
-
 def local_ordinal(device_index: int, device_uuid: str) -> int:
     """The sidecar's ordinal of the engine's GPU: by its UUID where the engine sent one
     (``CUDA_VISIBLE_DEVICES``, or a device plugin, may number the GPUs differently in the two
@@ -130,10 +127,10 @@ def local_ordinal(device_index: int, device_uuid: str) -> int:
         return device_index
     import torch
 
-    want = _uuid_key(device_uuid)
+    want = uuid_key(device_uuid)
     count = torch.cuda.device_count()
     for i in range(count):
-        if _uuid_key(str(torch.cuda.get_device_properties(i).uuid)) == want:
+        if uuid_key(str(torch.cuda.get_device_properties(i).uuid)) == want:
             return i
     raise RequestError(ErrorCode.INVALID_MEMORY, f"no GPU {device_uuid} visible to this sidecar "
                        f"({count} visible): check CUDA_VISIBLE_DEVICES on both sides")
