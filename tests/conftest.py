@@ -10,6 +10,7 @@ import pytest
 
 from kvxfer.auth import new_token
 from kvxfer.client import Drained, RemoteBlocks
+from kvxfer.testing.demo import DemoSidecars
 from kvxfer.testing.engine import SyntheticEngine, make_layout
 from kvxfer.testing.procs import SidecarFactory, SidecarProc
 
@@ -24,6 +25,14 @@ def sidecars() -> Iterator[SidecarFactory]:
     factory = SidecarFactory()
     yield factory
     factory.close()
+
+
+@pytest.fixture(scope="module")
+def kept() -> Iterator[DemoSidecars]:
+    """Demo sidecar pairs a module's ``run_demo`` cases share (one per set of serve arguments)."""
+    pairs = DemoSidecars()
+    yield pairs
+    pairs.close()
 
 
 @pytest.fixture

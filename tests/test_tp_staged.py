@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvxfer.testing.demo import DemoOptions, run_demo
+from kvxfer.testing.demo import DemoOptions, DemoSidecars, run_demo
 
 TPS = (1, 2, 4, 8)
 # (an arena on; small requests, so staging is forced: a quick matrix)
@@ -25,8 +25,8 @@ def staged(**kw: object) -> DemoOptions:
     return DemoOptions(**(base | kw))  # type: ignore[arg-type]
 
 
-def run_staged(opts: DemoOptions, slots_per_rank: int = 1) -> dict:  # type: ignore[type-arg]
-    res = run_demo(opts)
+def run_staged(opts: DemoOptions, kept: DemoSidecars | None, slots_per_rank: int = 1) -> dict:  # type: ignore[type-arg]
+    res = run_demo(opts, kept=kept)
     assert res["problems"] == [], res["problems"]
     assert res["verified"] is True  # every byte of every decode rank
     assert res["released"] == {"read": opts.requests + 1}  # each hold released once, by its reads
@@ -36,26 +36,26 @@ def run_staged(opts: DemoOptions, slots_per_rank: int = 1) -> dict:  # type: ign
 
 @pytest.mark.parametrize("dtp", TPS)
 @pytest.mark.parametrize("ptp", TPS)
-def test_every_tp_pair_staged_in_nhd(ptp: int, dtp: int) -> None:
-    run_staged(staged(prefill_tp=ptp, decode_tp=dtp))
+def test_every_tp_pair_staged_in_nhd(ptp: int, dtp: int, kept: DemoSidecars) -> None:
+    run_staged(staged(prefill_tp=ptp, decode_tp=dtp), kept)
 
 
 @pytest.mark.parametrize(("layout", "ptp", "dtp"), [
     ("LBHNC", 2, 4), ("BLHNC", 1, 8), ("BLNHC", 8, 2),
 ])
-def test_other_layouts_staged(layout: str, ptp: int, dtp: int) -> None:
-    run_staged(staged(prefill_tp=ptp, decode_tp=dtp, kv_layout=layout))
+def test_other_layouts_staged(layout: str, ptp: int, dtp: int, kept: DemoSidecars) -> None:
+    run_staged(staged(prefill_tp=ptp, decode_tp=dtp, kv_layout=layout), kept)
 
 
 @pytest.mark.parametrize(("ptp", "dtp"), [(1, 4), (8, 2)])
-def test_replicated_heads_staged(ptp: int, dtp: int) -> None:
+def test_replicated_heads_staged(ptp: int, dtp: int, kept: DemoSidecars) -> None:
     """2 KV heads: TP 4 and 8 hold copies of one head on several ranks."""
-    run_staged(staged(prefill_tp=ptp, decode_tp=dtp, heads=2))
+    run_staged(staged(prefill_tp=ptp, decode_tp=dtp, heads=2), kept)
 
 
 @pytest.mark.parametrize(("ptp", "dtp"), [(1, 4)])
-def test_mla_staged(ptp: int, dtp: int) -> None:
-    run_staged(staged(prefill_tp=ptp, decode_tp=dtp, mla=True, kv_layout="mla", head_dim=64))
+def test_mla_staged(ptp: int, dtp: int, kept: DemoSidecars) -> None:
+    run_staged(staged(prefill_tp=ptp, decode_tp=dtp, mla=True, kv_layout="mla", head_dim=64), kept)
 
 
 def test_staging_off_reads_directly() -> None:
@@ -67,7 +67,7 @@ def test_staging_off_reads_directly() -> None:
         assert res["descriptors_per_request"] > 2 * 64, args  # per token: far more than one per rank
 
 
-def test_ranks_whose_runs_exceed_one_stage_request_are_staged_in_several() -> None:
+def test_ranks_whose_runs_exceed_one_stage_request_are_staged_in_several(kept: DemoSidecars) -> None:
     """2 KV heads read by 4 decode ranks in NHD: each rank's head is one run per token and
     layer on the prefill (16,384 runs here, 256 KiB of [address, length]), the four ranks'
     1 MiB, over the 512 KiB one StageRequest may carry: the request is staged in two (it
@@ -78,11 +78,11 @@ def test_ranks_whose_runs_exceed_one_stage_request_are_staged_in_several() -> No
                   in_flight=2)
     runs_per_rank = opts.layers * opts.blocks_per_request * opts.block_size  # (at least)
     assert runs_per_rank * 16 <= MAX_RUNS_BYTES < 4 * runs_per_rank * 16
-    run_staged(opts)
+    run_staged(opts, kept)
 
 
 @pytest.mark.parametrize(("layout", "ptp", "dtp"), [("LBNHC", 2, 4), ("BLNHC", 1, 1), ("LBHNC", 4, 2)])
-def test_vram_stagings_copies_end_to_end_on_host_memory(layout: str, ptp: int, dtp: int,
+def test_vram_stagings_copies_end_to_end_on_host_memory(layout: str, ptp: int, dtp: int, kept: DemoSidecars,
                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     """The copies of VRAM staging (torch ``index_select`` / ``index_copy_`` per stretch of runs,
     on the arena's CUDA stream: ``nixl_copies.copy_runs``) and the routes to them (the
@@ -91,7 +91,7 @@ def test_vram_stagings_copies_end_to_end_on_host_memory(layout: str, ptp: int, d
     slots and one-descriptor-per-2-MiB read, on CPU tensors over host memory. What no CPU can
     run (the arenas in VRAM, their streams, cuda_ipc) is ``tests/test_gpu.py``'s."""
     monkeypatch.setenv("KVXFER_TEST_TORCH_COPIES", "1")
-    run_staged(staged(prefill_tp=ptp, decode_tp=dtp, kv_layout=layout))
+    run_staged(staged(prefill_tp=ptp, decode_tp=dtp, kv_layout=layout), kept)
 
 
 @pytest.mark.parametrize("torch_copies", [False, True], ids=["host-copies", "torch-copies"])
@@ -108,7 +108,8 @@ def test_a_read_too_large_for_the_arena_is_staged_in_windows(torch_copies: bool,
     opts = staged(prefill_tp=1, decode_tp=2, layers=8, blocks_per_request=32, head_dim=128, requests=2,
                   in_flight=1, extra_serve_args=("--staging-mib", "4", "--stage-min-descs", "1",
                                                  "--stage-below-kib", "1024"))
-    res = run_staged(opts, slots_per_rank=8)  # (8 MiB a rank in 1 MiB windows, one descriptor each)
+    # (8 MiB a rank in 1 MiB windows, one descriptor each; fresh sidecars: their metrics are this run's)
+    res = run_staged(opts, None, slots_per_rank=8)
     got = res["metrics"]["decode"]
     assert got['kvxfer_staged_receives{how="windows"}'] == (opts.requests + 1) * opts.decode_tp, got
     assert got['kvxfer_staged_receives{how="slot"}'] == 0, got

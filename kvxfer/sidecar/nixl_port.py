@@ -93,7 +93,9 @@ def host_extras(agent: Any, options: TransferOptions, name: str = "") -> tuple[P
         except Exception as e:  # (its memory not registered with it: the main agent reads the words)
             log.warning("lease word reads by the main agent: %s", e)
             scratch = ProofScratch(agent, options.proof_slots)
-    return scratch, Arenas(agent, options.staging_bytes * host, options.vram_staging_bytes * (not host))
+    arenas = Arenas(agent, options.staging_bytes * host, options.vram_staging_bytes * (not host))
+    warm_copies(arenas)  # (at start: a staged read in the import's second would wait for it)
+    return scratch, arenas
 
 
 def read_bound(spec: ReadSpec, info: RankInfo) -> int:

@@ -214,8 +214,11 @@ _warming: list[threading.Thread] = []
 
 
 def warm_copies(arenas: Arenas | None) -> None:
-    """The copies use torch (~1 s to import): import it in the background once a peer is
-    known (its first staged read is near), not in that read, nor in every sidecar started."""
+    """The copies use torch (~1 s to import): import it in the background as soon as this
+    sidecar has a host arena (at start: staging is off by default, so a sidecar that stages
+    was asked to), never in a staged read. Imported at the first handshake instead, the
+    first staged read after it waited for the import (0.9 s of a 1.35 s first read, measured
+    with ``kvxfer demo`` on 2 cores)."""
     if arenas is not None and -1 in arenas.by_device and not _warming:
         _warming.append(threading.Thread(target=_import_torch, name="kvxfer-import", daemon=True))
         _warming[0].start()

@@ -135,7 +135,7 @@ def _engines(opts: DemoOptions, side: str, endpoints: str, seed: int) -> list[Sy
             for r in range(tp)]
 
 
-def _prefill_main(opts: DemoOptions, endpoint: str, to_decode: Any, results: Any) -> None:
+def _prefill_main(opts: DemoOptions, endpoint: str, to_decode: Any, results: Any, tag: str = "") -> None:
     engines = _engines(opts, "prefill", endpoint, 1)
     lead = engines[0]
     try:
@@ -154,7 +154,7 @@ def _prefill_main(opts: DemoOptions, endpoint: str, to_decode: Any, results: Any
             t0 = time.perf_counter()
             params, held = [], {}
             for i in round_:
-                name = _req_name(i)
+                name = tag + _req_name(i)
                 blocks = lead.allocate(opts.side_blocks("prefill"))  # block ids are engine-wide
                 for e in engines:
                     e.fill(name, blocks)
@@ -301,13 +301,67 @@ RECV_DEADLINE_S = 120.0  # one request's (the round's is ``timeout_s``)
 PRELOAD = ["kvxfer.testing.demo", "kvxfer.testing.tensor_kv"]
 
 
-def run_demo(opts: DemoOptions, start_method: str = "forkserver") -> dict[str, Any]:
+class DemoSidecars:
+    """Sidecar pairs kept across ``run_demo`` runs (the tests' matrices: one pair per set of
+    serve arguments, not two fresh processes a case). A run on a kept pair waits until the
+    pair let the last run's engines go (no rank registered, no lease held, nothing in flight),
+    and names its requests apart from every earlier run's; the prefill's engine registers
+    ranks of another TP size or layout on sidecars that served others before, as an engine
+    restarted with a new configuration does. A pair with a dead sidecar is started again."""
+
+    def __init__(self) -> None:
+        self._pairs: dict[tuple[str, ...], tuple[SidecarFactory, list[SidecarProc]]] = {}
+        self.runs = 0
+
+    def pair(self, serve_args: tuple[str, ...]) -> list[SidecarProc]:
+        """The pair for these arguments and this environment (a sidecar reads its hooks there)."""
+        key = (*serve_args, *sorted(f"{k}={v}" for k, v in os.environ.items() if k.startswith(_ENV_KEYS)))
+        got = self._pairs.get(key)
+        if got is not None and all(sc.proc.poll() is None for sc in got[1]):
+            _settled(got[1])
+            return got[1]
+        if got is not None:
+            got[0].close()
+        factory = SidecarFactory()
+        pair = [factory.start(name, *serve_args, metrics_port=free_port()) for name in ("prefill", "decode")]
+        self._pairs[key] = (factory, pair)
+        return pair
+
+    def close(self) -> None:
+        for factory, _ in self._pairs.values():
+            factory.close()
+        self._pairs.clear()
+
+
+_ENV_KEYS = ("KVXFER_", "UCX_", "NIXL_")
+
+
+def _settled(pair: list[SidecarProc], timeout_s: float = 30.0) -> None:
+    """Until neither sidecar holds anything of an earlier run (its engines' exit is seen)."""
+    end = time.monotonic() + timeout_s
+    busy = ("kvxfer_registered_ranks", "kvxfer_held_leases", "kvxfer_inflight_transfers", "kvxfer_pools")
+    while True:
+        try:
+            left = {f"{sc.name} {k}": v for sc in pair for k, v in sc.scrape().items() if k in busy and v}
+        except OSError as e:
+            left = {str(e): 1.0}
+        if not left:
+            return
+        if time.monotonic() > end:
+            raise RuntimeError(f"kept sidecars still hold an earlier run's {left} after {timeout_s:.0f} s")
+        time.sleep(0.02)
+
+
+def run_demo(opts: DemoOptions, start_method: str = "forkserver",
+             kept: DemoSidecars | None = None) -> dict[str, Any]:
     """Run the whole pipeline; returns the summary (``verified`` tells if every byte matched).
     Raises ``ValueError`` for impossible block sizes and ``MemoryError`` for pools larger than
     this machine's available memory, before anything starts. ``start_method``: how the engine
     processes start (``forkserver``: forked from a server that imported torch and this module
     once, ~2 s less per run when runs follow each other, as in the tests and ``kvxfer bench
-    --tp-matrix``; the engines see the environment as it was when the first run started it)."""
+    --tp-matrix``; the engines see the environment as it was when the first run started it).
+    ``kept``: run on its sidecar pair for these serve arguments (started if there is none),
+    left running for the next run."""
     opts.side_blocks("decode")  # refuse impossible block-size combinations up front
     opts.check_memory()
     if start_method == "forkserver":
@@ -317,13 +371,19 @@ def run_demo(opts: DemoOptions, start_method: str = "forkserver") -> dict[str, A
     ctx = mp.get_context(start_method)
     engines: list[Any] = []
     factory = SidecarFactory()
+    tag = ""
     try:
-        sidecars = [factory.start(name, *serve_args, metrics_port=free_port())
-                    for name in ("prefill", "decode")]
+        if kept is None:
+            sidecars = [factory.start(name, *serve_args, metrics_port=free_port())
+                        for name in ("prefill", "decode")]
+        else:
+            sidecars = kept.pair(serve_args)
+            kept.runs += 1
+            tag = f"run{kept.runs}-"
         results = ctx.Queue()
         p_conn, d_conn = ctx.Pipe()
         engines = [
-            ctx.Process(target=_prefill_main, args=(opts, sidecars[0].endpoint, p_conn, results)),
+            ctx.Process(target=_prefill_main, args=(opts, sidecars[0].endpoint, p_conn, results, tag)),
             ctx.Process(target=_decode_main, args=(opts, sidecars[1].endpoint, d_conn, results)),
         ]
         for e in engines:
