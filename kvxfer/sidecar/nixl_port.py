@@ -40,7 +40,7 @@ from kvxfer.protocol import DigestItem, RankInfo, RegisterKV
 from kvxfer.sidecar.nixl_agent import create_agent
 from kvxfer.sidecar.nixl_memory import Cleanup, Registrations
 from kvxfer.sidecar.nixl_reads import ProofScratch, Reads
-from kvxfer.sidecar.nixl_staging import Arenas, gather_ranks, new_read, warm_copies
+from kvxfer.sidecar.nixl_staging import Arenas, Gathers, new_read, plan_gather, warm_copies
 from kvxfer.sidecar.nixl_types import Event, NoticeReceived, PollPolicy, ReadRefused, TransferOptions
 from kvxfer.sidecar.ownership import Creds, Holder
 from kvxfer.sidecar.plan import ReadSpec
@@ -199,8 +199,7 @@ class NixlPort:
     # ------------------------------------------------------------------ commands
 
     async def register(self, key: Hashable, msg: RegisterKV, holder: Holder) -> RankInfo:
-        """Map a rank's memory and register it (replacing the key's registration); ``holder``
-        is the registering process (the memory it names must be provably its own)."""
+        """Map a rank's memory and register it (replacing the key's); ``holder``: its process."""
         info, spans = await self._run(lambda: self._register(key, msg, holder.creds))
         self.spans.update(spans)  # (a VRAM rank's first registration on its device made its arena)
         return info
@@ -210,9 +209,8 @@ class NixlPort:
         return await self._run(lambda: self._unregister(key))
 
     async def add_peer(self, name: str, metadata: bytes, ranks: list[RankInfo], reload: bool = False) -> str:
-        """Load a peer's agent metadata. Agent names carry a per-process nonce, so a restarted
-        peer arrives under a new name; the same name again means the same process
-        re-handshaked: its entry is replaced (``reload``: its registrations changed)."""
+        """Load a peer's agent metadata. A restarted peer arrives under a new name (a per-process
+        nonce); the same name again is the same process: replaced (``reload``: new registrations)."""
         return await self._run(lambda: self._add_peer(name, metadata, ranks, reload))
 
     async def remove_peer(self, name: str, reason: str, stalled: bool = False) -> bool:
@@ -225,8 +223,7 @@ class NixlPort:
         warm_copies(self._arenas)  # (a peer is handshaking: staged reads may follow)
         return await self._run(lambda: bytes(self._agent.get_agent_metadata()))
 
-    async def read_word(self, agent: str, addr: int) -> tuple[int, int] | None:
-        """One lease word of a peer, read now (None: it could not be read in time)."""
+    async def read_word(self, agent: str, addr: int) -> tuple[int, int] | None:  # (None: not in time)
         return await self._run(lambda: self._reads_().read_word(agent, addr))
 
     async def cancel(self, req_id: str, code: str, reason: str) -> bool:
@@ -243,16 +240,17 @@ class NixlPort:
         else:
             self._submit(lambda: send_notif_logged(self._agent, agent, payload))
 
-    async def digest(self, key: Hashable, items: list[DigestItem], region0: int = 0,
-                     num_regions: int = 0) -> str:
+    async def digest(self, key: Hashable, items: list[DigestItem], region0: int = 0, num_regions: int = 0) \
+            -> str:
         return await self._run(lambda: self._regs_().digest(key, items, region0, num_regions))
 
     async def gather(self, ranks: list[tuple[Hashable, Any]], blocks: list[int], offset: int,
                      nbytes: int, device: int = -1) -> None:
-        """Copy runs of held ``blocks`` into the slot at ``offset`` of ``device``'s arena."""
-        await self._run(lambda: gather_ranks(self._regs_().local, self._arenas, device, ranks, blocks, offset,
-                                             nbytes))
-
+        """Copy runs of held ``blocks`` into the slot at ``offset`` of ``device``'s arena (``Gathers``)."""
+        running = await self._run(lambda: self._gathers.start(plan_gather(
+            self._regs_().local, self._arenas, device, ranks, blocks, offset, nbytes)))
+        if running is not None:
+            await asyncio.wrap_future(running)
 
     def read(self, spec: ReadSpec) -> None:
         """Start a read; a ``ReadFinished`` reports its end. A small one is planned, posted and
@@ -341,7 +339,7 @@ class NixlPort:
             return False
         settling = self._reads_().fail_where(lambda r: r.local_rank == key, ErrorCode.NOT_REGISTERED,
                                              "local memory unregistered during the read")
-        regs.unregister(key, settling)
+        regs.unregister(key, settling | self._gathers.pinned(key))  # (its memory outlives its gathers)
         return True
 
     def _add_peer(self, name: str, metadata: bytes, ranks: list[RankInfo], reload: bool) -> str:
@@ -378,6 +376,7 @@ class NixlPort:
         self._regs = Registrations(self._agent, self._pools, cleanup)
         self._scratch, self._arenas = host_extras(self._agent, self.options, self.agent_name)
         self._reads = Reads(self._agent, self.options, self._emit, cleanup, self._scratch)
+        self._gathers = Gathers(cleanup, self._submit)
         self.spans.update(self._arenas.spans())
         self.backends = ["UCX"]
 
@@ -434,6 +433,7 @@ class NixlPort:
 
     def _shutdown(self) -> None:
         regs, reads = self._regs_(), self._reads_()
+        self._gathers.close()
         reads.fail_where(lambda r: True, ErrorCode.DRAINING, "sidecar shutting down")
         for name in list(regs.peers):
             self._remove_peer(name, "sidecar shutting down", ErrorCode.PEER_DISCONNECTED)

@@ -11,6 +11,7 @@ The copies themselves (host and torch) are ``kvxfer.sidecar.nixl_copies``.
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import logging
 import mmap
@@ -18,6 +19,7 @@ import os
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -25,7 +27,7 @@ import numpy as np
 from kvxfer.errors import ErrorCode, RequestError
 from kvxfer.protocol import RankInfo
 from kvxfer.sidecar.nixl_copies import by_offset, copy_runs, gather, scatter
-from kvxfer.sidecar.nixl_memory import Leg, LocalRank, PairLists, Registrations
+from kvxfer.sidecar.nixl_memory import Cleanup, Leg, LocalRank, PairLists, Registrations
 from kvxfer.sidecar.nixl_reads import Read
 from kvxfer.sidecar.nixl_types import TransferOptions
 from kvxfer.sidecar.plan import LegPlan, ReadSpec, StagedRead
@@ -263,11 +265,38 @@ def scatter_vram(arena: StagingArena, st: StagedRead, rank: LocalRank) -> None:
 # ---------------------------------------------------------------------- the two sides
 
 
-def gather_ranks(local: dict[Any, LocalRank], arenas: Arenas | None, device: int,
-                 ranks: list[tuple[Any, np.ndarray]], blocks: list[int], offset: int, nbytes: int) -> None:
-    """The prefill's half: every rank's runs, checked to lie inside ``blocks`` (the held
-    ones) of that rank's regions, copied into the slot at ``offset`` of ``device``'s arena
-    rank after rank."""
+@dataclass
+class GatherJob:
+    """A prefill's gather, checked: ``copy`` moves every rank's runs into the slot at ``dst``."""
+
+    arena: StagingArena
+    dst: int
+    checked: list[tuple[LocalRank, np.ndarray]]
+    keys: list[Any]
+    token: str = ""  # set while it runs off the NIXL thread (``Gathers``)
+
+    def copy(self) -> None:
+        dst = self.dst
+        if self.arena.tensor is not None:  # (VRAM)
+            with self.arena.on_stream():
+                for rank, runs in self.checked:
+                    n = int(runs[:, 1].sum())
+                    copy_runs(self.arena.slot(dst, n), runs, _tensors(rank), into_slot=True)
+                    dst += n
+            self.arena.sync()  # (copied before the answer says so)
+            return
+        for _, runs in self.checked:
+            dst += gather(dst, runs)
+
+
+Runs = list[tuple[Any, np.ndarray]]
+
+
+def plan_gather(local: dict[Any, LocalRank], arenas: Arenas | None, device: int, ranks: Runs,
+                blocks: list[int], offset: int, nbytes: int) -> GatherJob:
+    """The prefill's half, checked (on the thread that owns the registrations): every rank's
+    runs lie inside ``blocks`` (the held ones) of that rank's regions, and fill the slot at
+    ``offset`` of ``device``'s arena, rank after rank."""
     arena = arenas.get(device) if arenas is not None else None
     if arena is None:
         raise RequestError(ErrorCode.INCOMPATIBLE, "this sidecar has no staging arena")
@@ -290,17 +319,62 @@ def gather_ranks(local: dict[Any, LocalRank], arenas: Arenas | None, device: int
             raise RequestError(ErrorCode.BLOCK_OUT_OF_RANGE,
                                f"run {bad} of rank {key} is outside the blocks held for this request")
         checked.append((rank, runs))
-    if arena.tensor is not None:  # (VRAM)
-        at = dst
-        with arena.on_stream():
-            for rank, runs in checked:
-                n = int(runs[:, 1].sum())
-                copy_runs(arena.slot(at, n), runs, _tensors(rank), into_slot=True)
-                at += n
-        arena.sync()  # (copied before the answer says so)
-        return
-    for _, runs in checked:
-        dst += gather(dst, runs)
+    return GatherJob(arena, dst, checked, [key for key, _ in ranks])
+
+
+class Gathers:
+    """Host gathers off the NIXL thread (#35). In UCX peer mode a READ completes only once its
+    target makes progress, so a gather on the prefill's NIXL thread (5-13 ms for 16 MiB of
+    head slices) held every READ from this sidecar until it ended: a decode's read of the
+    request staged before waited behind the gather of the next. A host gather is checked on
+    the NIXL thread and copied on a thread of its own (the copies release the GIL); the ranks
+    it reads stay pinned until it ended (``pinned``: an unregister releases their memory only
+    then). VRAM gathers stay on the NIXL thread (their own CUDA stream; not measured apart)."""
+
+    def __init__(self, cleanup: Cleanup, submit: Callable[[Callable[[], None]], object]) -> None:
+        self._cleanup = cleanup
+        self._submit = submit  # (queues a command to the NIXL thread)
+        self._pinned: dict[Any, set[str]] = {}
+        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self._n = 0
+
+    def start(self, job: GatherJob) -> concurrent.futures.Future[None] | None:
+        """On the NIXL thread: a VRAM job copied here (None), a host one started on the copier."""
+        if job.arena.tensor is not None:
+            job.copy()
+            return None
+        self._n += 1
+        job.token = f"gather#{self._n}"
+        for key in job.keys:
+            self._pinned.setdefault(key, set()).add(job.token)
+        if self._pool is None:
+            self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvxfer-gather")
+        return self._pool.submit(self._copy, job)
+
+    def pinned(self, key: Any) -> set[str]:
+        return set(self._pinned.get(key, ()))
+
+    def _copy(self, job: GatherJob) -> None:
+        try:
+            job.copy()
+        finally:
+            self._submit(lambda: self._done(job))  # (unpinned on the NIXL thread, whatever awaits it)
+
+    def _done(self, job: GatherJob) -> None:
+        for key in job.keys:
+            left = self._pinned.get(key, set())
+            left.discard(job.token)
+            if not left:
+                self._pinned.pop(key, None)
+        self._cleanup.settled(job.token)
+
+    def close(self) -> None:
+        """At shutdown, on the NIXL thread: wait for a copy still running, then let its ranks go."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+        for token in {t for tokens in self._pinned.values() for t in tokens}:
+            self._cleanup.settled(token)
+        self._pinned.clear()
 
 
 def staged_leg(st: StagedRead) -> Leg:
