@@ -10,8 +10,8 @@ import pytest
 
 from kvxfer.auth import new_token
 from kvxfer.client import Drained, RemoteBlocks
-from kvxfer.testing.demo import DemoSidecars
 from kvxfer.testing.engine import SyntheticEngine, make_layout
+from kvxfer.testing.kept import KeptSidecars
 from kvxfer.testing.procs import SidecarFactory, SidecarProc
 
 # Every vLLM server the tests start skips torch.compile: 17 s to start instead of 40 on 2 cores
@@ -28,9 +28,9 @@ def sidecars() -> Iterator[SidecarFactory]:
 
 
 @pytest.fixture(scope="module")
-def kept() -> Iterator[DemoSidecars]:
+def kept() -> Iterator[KeptSidecars]:
     """Demo sidecar pairs a module's ``run_demo`` cases share (one per set of serve arguments)."""
-    pairs = DemoSidecars()
+    pairs = KeptSidecars()
     yield pairs
     pairs.close()
 

@@ -86,7 +86,62 @@ def test_shutdown_waits_for_the_copy_then_lets_its_ranks_go(blocked: dict[str, A
     closing = threading.Thread(target=gathers.close)
     closing.start()
     closing.join(0.2)
-    assert closing.is_alive() and released == []  # (waits for the copy)
+    assert closing.is_alive()  # (waits for the copy)
+    assert released == []
     blocked["go"].set()
     closing.join(10)
     assert released == ["rank-a"]
+
+
+def test_a_gather_given_up_before_it_started_is_unpinned(blocked: dict[str, Any]) -> None:
+    """A gather queued behind another and cancelled by its caller never copies; its ranks
+    must not stay pinned (an unregister would keep their memory until shutdown)."""
+    nixl_thread: queue.SimpleQueue[Any] = queue.SimpleQueue()
+    gathers = ns.Gathers(Cleanup(), nixl_thread.put)
+    first = gathers.start(ns.GatherJob(_Arena(), 0, [], ["rank-a"]))  # type: ignore[arg-type]
+    assert blocked["started"].wait(10)
+    second = gathers.start(ns.GatherJob(_Arena(), 0, [], ["rank-b"]))  # type: ignore[arg-type]
+    assert second is not None
+    assert first is not None
+    assert second.cancel()
+    nixl_thread.get(timeout=10)()  # (the cancelled one's unpin)
+    assert gathers.pinned("rank-b") == set()
+    assert gathers.pinned("rank-a") != set()
+    blocked["go"].set()
+    first.result(10)
+    nixl_thread.get(timeout=10)()
+    assert gathers.pinned("rank-a") == set()
+    gathers.close()
+
+
+def test_the_port_keeps_a_rank_unregistered_mid_gather_until_its_copy_ended(blocked: dict[str, Any]) -> None:
+    """``NixlPort._unregister`` hands its registrations the rank's running gathers with its
+    failed reads: the memory is released only once both settled."""
+    from kvxfer.sidecar.nixl_port import NixlPort
+    from kvxfer.sidecar.nixl_types import TransferOptions
+
+    class Regs:
+        local = {"rank-a": object()}
+        settling: set[str] | None = None
+
+        def unregister(self, key: Any, settling: set[str]) -> None:
+            self.settling = settling
+
+    class Reads:
+        def fail_where(self, match: Any, code: str, reason: str) -> set[str]:
+            return {"decode/0/0:req-1"}
+
+    port = NixlPort("test-agent", TransferOptions())
+    regs, nixl_thread = Regs(), queue.SimpleQueue()  # type: ignore[var-annotated]
+    port._regs, port._reads = regs, Reads()  # type: ignore[assignment]
+    port._gathers = ns.Gathers(Cleanup(), nixl_thread.put)
+    running = port._gathers.start(ns.GatherJob(_Arena(), 0, [], ["rank-a"]))  # type: ignore[arg-type]
+    assert blocked["started"].wait(10)
+    assert port._unregister("rank-a")
+    assert regs.settling is not None
+    assert "decode/0/0:req-1" in regs.settling
+    assert any(t.startswith("gather#") for t in regs.settling), regs.settling
+    blocked["go"].set()
+    assert running is not None
+    running.result(10)
+    port._gathers.close()

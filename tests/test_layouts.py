@@ -20,7 +20,8 @@ from hypothesis import strategies as st
 from kvxfer.errors import RequestError
 from kvxfer.protocol import DTYPE_SIZES, RegisterKV
 from kvxfer.sidecar.validate import validate_registration
-from kvxfer.testing.demo import DemoOptions, DemoSidecars, run_demo
+from kvxfer.testing.demo import DemoOptions, run_demo
+from kvxfer.testing.kept import KeptSidecars
 from kvxfer.testing.tensor_kv import TensorKV
 from kvxfer.testing.vllm_layouts import KINDS, Geometry
 from kvxfer.topology import block_pairing, check_compatible, plan_rank
@@ -196,7 +197,7 @@ TOPOLOGIES = {
 
 @pytest.mark.parametrize("topology", sorted(TOPOLOGIES))
 @pytest.mark.parametrize("kind", MOVABLE)
-def test_real_sidecars_move_every_layout(kind: str, topology: str, kept: DemoSidecars) -> None:
+def test_real_sidecars_move_every_layout(kind: str, topology: str, kept: KeptSidecars) -> None:
     kw = dict(TOPOLOGIES[topology])
     if kind == "cpu":  # K stored transposed: no block-size ratio (refusal tested below)
         kw.pop("decode_block_size", None)
@@ -207,7 +208,7 @@ def test_real_sidecars_move_every_layout(kind: str, topology: str, kept: DemoSid
 
 @pytest.mark.parametrize(("pkind", "dkind"), [("flash_attn", "flashinfer_hnd"), ("triton", "flash_attn"),
                                               ("BLHNC", "LBNHC"), ("LBNHC", "BLNHC")])
-def test_real_sidecars_between_backends(pkind: str, dkind: str, kept: DemoSidecars) -> None:
+def test_real_sidecars_between_backends(pkind: str, dkind: str, kept: KeptSidecars) -> None:
     opts = small(pkind, decode_kv_layout=dkind, prefill_tp=2, decode_tp=4, heads=4)
     check(run_demo(opts, kept=kept), opts)
 

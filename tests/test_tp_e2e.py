@@ -10,7 +10,8 @@ import sys
 
 import pytest
 
-from kvxfer.testing.demo import DemoOptions, DemoSidecars, run_demo
+from kvxfer.testing.demo import DemoOptions, run_demo
+from kvxfer.testing.kept import KeptSidecars
 
 PAIRS = [(1, 1), (1, 2), (2, 4), (4, 2), (8, 2), (2, 8)]
 CASES = [(p, d, max(p, d)) for p, d in PAIRS] + [  # heads >= TP on both sides
@@ -30,19 +31,19 @@ def check(res: dict) -> None:
 
 
 @pytest.mark.parametrize(("ptp", "dtp", "heads"), CASES)
-def test_tp_pairs(ptp: int, dtp: int, heads: int, kept: DemoSidecars) -> None:
+def test_tp_pairs(ptp: int, dtp: int, heads: int, kept: KeptSidecars) -> None:
     res = run_demo(small(prefill_tp=ptp, decode_tp=dtp, heads=heads, head_layout="HND"), kept=kept)
     check(res)
     assert res["bytes"] == 3 * small(decode_tp=dtp, heads=heads).request_bytes()
 
 
 @pytest.mark.parametrize(("ptp", "dtp"), [(2, 4), (4, 2)])
-def test_mla(ptp: int, dtp: int, kept: DemoSidecars) -> None:
+def test_mla(ptp: int, dtp: int, kept: KeptSidecars) -> None:
     check(run_demo(small(prefill_tp=ptp, decode_tp=dtp, mla=True), kept=kept))
 
 
 @pytest.mark.parametrize(("pbs", "dbs", "layout"), [(8, 16, "NHD"), (16, 8, "HND")])
-def test_block_size_ratio(pbs: int, dbs: int, layout: str, kept: DemoSidecars) -> None:
+def test_block_size_ratio(pbs: int, dbs: int, layout: str, kept: KeptSidecars) -> None:
     check(run_demo(small(prefill_tp=2, decode_tp=4, heads=8, prefill_block_size=pbs,
                          decode_block_size=dbs, blocks_per_request=4, head_layout=layout), kept=kept))
 

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import pytest
 
-from kvxfer.testing.demo import DemoOptions, DemoSidecars, run_demo
+from kvxfer.testing.demo import DemoOptions, run_demo
+from kvxfer.testing.kept import KeptSidecars
 
 TPS = (1, 2, 4, 8)
 # (an arena on; small requests, so staging is forced: a quick matrix)
@@ -25,7 +26,7 @@ def staged(**kw: object) -> DemoOptions:
     return DemoOptions(**(base | kw))  # type: ignore[arg-type]
 
 
-def run_staged(opts: DemoOptions, kept: DemoSidecars | None, slots_per_rank: int = 1) -> dict:  # type: ignore[type-arg]
+def run_staged(opts: DemoOptions, kept: KeptSidecars | None, slots_per_rank: int = 1) -> dict:  # type: ignore[type-arg]
     res = run_demo(opts, kept=kept)
     assert res["problems"] == [], res["problems"]
     assert res["verified"] is True  # every byte of every decode rank
@@ -36,25 +37,25 @@ def run_staged(opts: DemoOptions, kept: DemoSidecars | None, slots_per_rank: int
 
 @pytest.mark.parametrize("dtp", TPS)
 @pytest.mark.parametrize("ptp", TPS)
-def test_every_tp_pair_staged_in_nhd(ptp: int, dtp: int, kept: DemoSidecars) -> None:
+def test_every_tp_pair_staged_in_nhd(ptp: int, dtp: int, kept: KeptSidecars) -> None:
     run_staged(staged(prefill_tp=ptp, decode_tp=dtp), kept)
 
 
 @pytest.mark.parametrize(("layout", "ptp", "dtp"), [
     ("LBHNC", 2, 4), ("BLHNC", 1, 8), ("BLNHC", 8, 2),
 ])
-def test_other_layouts_staged(layout: str, ptp: int, dtp: int, kept: DemoSidecars) -> None:
+def test_other_layouts_staged(layout: str, ptp: int, dtp: int, kept: KeptSidecars) -> None:
     run_staged(staged(prefill_tp=ptp, decode_tp=dtp, kv_layout=layout), kept)
 
 
 @pytest.mark.parametrize(("ptp", "dtp"), [(1, 4), (8, 2)])
-def test_replicated_heads_staged(ptp: int, dtp: int, kept: DemoSidecars) -> None:
+def test_replicated_heads_staged(ptp: int, dtp: int, kept: KeptSidecars) -> None:
     """2 KV heads: TP 4 and 8 hold copies of one head on several ranks."""
     run_staged(staged(prefill_tp=ptp, decode_tp=dtp, heads=2), kept)
 
 
 @pytest.mark.parametrize(("ptp", "dtp"), [(1, 4)])
-def test_mla_staged(ptp: int, dtp: int, kept: DemoSidecars) -> None:
+def test_mla_staged(ptp: int, dtp: int, kept: KeptSidecars) -> None:
     run_staged(staged(prefill_tp=ptp, decode_tp=dtp, mla=True, kv_layout="mla", head_dim=64), kept)
 
 
@@ -67,7 +68,7 @@ def test_staging_off_reads_directly() -> None:
         assert res["descriptors_per_request"] > 2 * 64, args  # per token: far more than one per rank
 
 
-def test_ranks_whose_runs_exceed_one_stage_request_are_staged_in_several(kept: DemoSidecars) -> None:
+def test_ranks_whose_runs_exceed_one_stage_request_are_staged_in_several(kept: KeptSidecars) -> None:
     """2 KV heads read by 4 decode ranks in NHD: each rank's head is one run per token and
     layer on the prefill (16,384 runs here, 256 KiB of [address, length]), the four ranks'
     1 MiB, over the 512 KiB one StageRequest may carry: the request is staged in two (it
@@ -82,7 +83,7 @@ def test_ranks_whose_runs_exceed_one_stage_request_are_staged_in_several(kept: D
 
 
 @pytest.mark.parametrize(("layout", "ptp", "dtp"), [("LBNHC", 2, 4), ("BLNHC", 1, 1), ("LBHNC", 4, 2)])
-def test_vram_stagings_copies_end_to_end_on_host_memory(layout: str, ptp: int, dtp: int, kept: DemoSidecars,
+def test_vram_stagings_copies_end_to_end_on_host_memory(layout: str, ptp: int, dtp: int, kept: KeptSidecars,
                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     """The copies of VRAM staging (torch ``index_select`` / ``index_copy_`` per stretch of runs,
     on the arena's CUDA stream: ``nixl_copies.copy_runs``) and the routes to them (the

@@ -303,8 +303,8 @@ class NixlPort:
         return self._reads
 
     def _here(self) -> bool:
-        """The loop may call NIXL now (holding the lock: release it): no command is queued (those
-        run first; only the loop queues them) and the NIXL thread runs, outside NIXL."""
+        """The loop may call NIXL now (holding the lock: release it): no command is queued (the
+        loop's, the gather copier's: they run first) and the NIXL thread runs, outside NIXL."""
         return self._thread.is_alive() and self._cmds.empty() and self._lock.acquire(blocking=False)
 
     def _read_inline(self, spec: ReadSpec) -> bool:

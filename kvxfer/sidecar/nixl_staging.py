@@ -339,26 +339,26 @@ class Gathers:
         self._n = 0
 
     def start(self, job: GatherJob) -> concurrent.futures.Future[None] | None:
-        """On the NIXL thread: a VRAM job copied here (None), a host one started on the copier."""
+        """On the NIXL thread: a VRAM job copied here (None), a host one started on the copier
+        (one worker: a slot freed under a copy abandoned by its caller is filled again only
+        after it)."""
         if job.arena.tensor is not None:
             job.copy()
             return None
-        self._n += 1
-        job.token = f"gather#{self._n}"
-        for key in job.keys:
-            self._pinned.setdefault(key, set()).add(job.token)
         if self._pool is None:
             self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvxfer-gather")
-        return self._pool.submit(self._copy, job)
+        self._n += 1
+        job.token = f"gather#{self._n}"
+        running = self._pool.submit(job.copy)
+        # pinned only once submitted (it raises: nothing to unpin); unpinned on the NIXL thread
+        # once the copy ended, or was cancelled before it started (its caller gave up)
+        for key in job.keys:
+            self._pinned.setdefault(key, set()).add(job.token)
+        running.add_done_callback(lambda _: self._submit(lambda: self._done(job)))
+        return running
 
     def pinned(self, key: Any) -> set[str]:
         return set(self._pinned.get(key, ()))
-
-    def _copy(self, job: GatherJob) -> None:
-        try:
-            job.copy()
-        finally:
-            self._submit(lambda: self._done(job))  # (unpinned on the NIXL thread, whatever awaits it)
 
     def _done(self, job: GatherJob) -> None:
         for key in job.keys:

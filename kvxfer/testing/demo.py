@@ -20,7 +20,7 @@ import multiprocessing as mp
 import os
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvxfer.auth import new_token
 from kvxfer.client import RemoteBlocks, SidecarClient
@@ -29,6 +29,9 @@ from kvxfer.memory import dense_bytes
 from kvxfer.protocol import KVLayout
 from kvxfer.testing.engine import SyntheticEngine, make_layout
 from kvxfer.testing.procs import SidecarFactory, SidecarProc, free_port
+
+if TYPE_CHECKING:
+    from kvxfer.testing.kept import KeptSidecars
 
 
 @dataclass(frozen=True)
@@ -301,66 +304,15 @@ RECV_DEADLINE_S = 120.0  # one request's (the round's is ``timeout_s``)
 PRELOAD = ["kvxfer.testing.demo", "kvxfer.testing.tensor_kv"]
 
 
-class DemoSidecars:
-    """Sidecar pairs kept across ``run_demo`` runs (the tests' matrices: one pair per set of
-    serve arguments, not two fresh processes a case). A run on a kept pair waits until the
-    pair let the last run's engines go (no rank registered, no lease held, nothing in flight),
-    and names its requests apart from every earlier run's; the prefill's engine registers
-    ranks of another TP size or layout on sidecars that served others before, as an engine
-    restarted with a new configuration does. A pair with a dead sidecar is started again."""
-
-    def __init__(self) -> None:
-        self._pairs: dict[tuple[str, ...], tuple[SidecarFactory, list[SidecarProc]]] = {}
-        self.runs = 0
-
-    def pair(self, serve_args: tuple[str, ...]) -> list[SidecarProc]:
-        """The pair for these arguments and this environment (a sidecar reads its hooks there)."""
-        key = (*serve_args, *sorted(f"{k}={v}" for k, v in os.environ.items() if k.startswith(_ENV_KEYS)))
-        got = self._pairs.get(key)
-        if got is not None and all(sc.proc.poll() is None for sc in got[1]):
-            _settled(got[1])
-            return got[1]
-        if got is not None:
-            got[0].close()
-        factory = SidecarFactory()
-        pair = [factory.start(name, *serve_args, metrics_port=free_port()) for name in ("prefill", "decode")]
-        self._pairs[key] = (factory, pair)
-        return pair
-
-    def close(self) -> None:
-        for factory, _ in self._pairs.values():
-            factory.close()
-        self._pairs.clear()
-
-
-_ENV_KEYS = ("KVXFER_", "UCX_", "NIXL_")
-
-
-def _settled(pair: list[SidecarProc], timeout_s: float = 30.0) -> None:
-    """Until neither sidecar holds anything of an earlier run (its engines' exit is seen)."""
-    end = time.monotonic() + timeout_s
-    busy = ("kvxfer_registered_ranks", "kvxfer_held_leases", "kvxfer_inflight_transfers", "kvxfer_pools")
-    while True:
-        try:
-            left = {f"{sc.name} {k}": v for sc in pair for k, v in sc.scrape().items() if k in busy and v}
-        except OSError as e:
-            left = {str(e): 1.0}
-        if not left:
-            return
-        if time.monotonic() > end:
-            raise RuntimeError(f"kept sidecars still hold an earlier run's {left} after {timeout_s:.0f} s")
-        time.sleep(0.02)
-
-
 def run_demo(opts: DemoOptions, start_method: str = "forkserver",
-             kept: DemoSidecars | None = None) -> dict[str, Any]:
+             kept: KeptSidecars | None = None) -> dict[str, Any]:
     """Run the whole pipeline; returns the summary (``verified`` tells if every byte matched).
     Raises ``ValueError`` for impossible block sizes and ``MemoryError`` for pools larger than
     this machine's available memory, before anything starts. ``start_method``: how the engine
     processes start (``forkserver``: forked from a server that imported torch and this module
     once, ~2 s less per run when runs follow each other, as in the tests and ``kvxfer bench
     --tp-matrix``; the engines see the environment as it was when the first run started it).
-    ``kept``: run on its sidecar pair for these serve arguments (started if there is none),
+    ``kept``: run on its sidecar pair for these serve arguments (``kvxfer.testing.kept``),
     left running for the next run."""
     opts.side_blocks("decode")  # refuse impossible block-size combinations up front
     opts.check_memory()
@@ -402,13 +354,22 @@ def run_demo(opts: DemoOptions, start_method: str = "forkserver",
                 break
         summary = _summarise(opts, got, sidecars)
         summary["metrics"] = _metrics(sidecars)
+        if kept is not None:  # (what its engines' exit left behind is this run's, not the next's)
+            _join(engines)
+            late = kept.after_run(sidecars)
+            summary["problems"] += late
+            summary["verified"] = summary["verified"] and not late
         return summary
     finally:
-        for e in engines:
-            e.join(10)
-            if e.is_alive():
-                e.kill()
+        _join(engines)
         factory.close()
+
+
+def _join(engines: list[Any]) -> None:
+    for e in engines:
+        e.join(10)
+        if e.is_alive():
+            e.kill()
 
 
 _SERIES = (
