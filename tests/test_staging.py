@@ -161,6 +161,36 @@ def test_pieces_of_follows_the_geometry() -> None:
     assert p.length.tolist() == [64, 32]
 
 
+@settings(max_examples=150, deadline=None)
+@given(st.data())
+def test_leg_pieces_are_the_pieces_of_the_direct_reads_descriptors(data: st.DataObject) -> None:
+    """``leg_pieces`` (a staged read's pieces, computed from rows and blocks) equals
+    ``pieces_of`` of the descriptor indices the direct read posts (``plan.leg_indices``),
+    piece for piece and in order, for any rows, sub-positions and block pairs."""
+    from kvxfer.sidecar.plan import leg_indices
+    from kvxfer.sidecar.staging import leg_pieces
+
+    local_nb, remote_nb = data.draw(st.integers(1, 40)), data.draw(st.integers(1, 40))
+    n_rows = data.draw(st.integers(1, 6))
+    geo = st.tuples(st.integers(0, 1 << 30), st.integers(1, 4096), st.integers(1, 1 << 16), st.just(0))
+    lg = np.array(data.draw(st.lists(geo, min_size=n_rows, max_size=n_rows)), dtype=np.int64)
+    rg = np.array(data.draw(st.lists(geo, min_size=n_rows, max_size=n_rows)), dtype=np.int64)
+    subs = data.draw(st.integers(1, 3))
+    row_ids = st.lists(st.integers(0, n_rows - 1), min_size=0, max_size=n_rows)
+    rows = [np.array(data.draw(row_ids), dtype=np.int64) for _ in range(subs)]
+    n_local, n_remote = data.draw(st.integers(1, 12)), data.draw(st.integers(1, 12))
+    lb = np.array(data.draw(st.lists(st.integers(0, local_nb - 1), min_size=n_local, max_size=n_local)))
+    rb = np.array(data.draw(st.lists(st.integers(0, remote_nb - 1), min_size=n_remote, max_size=n_remote)))
+    pairs = data.draw(st.lists(st.tuples(st.integers(0, n_local - 1), st.integers(0, n_remote - 1),
+                                         st.integers(0, subs - 1)), max_size=12))
+    li, ri, _ = leg_indices(rows, lg, pairs, lb, rb, local_nb, remote_nb)
+    want = pieces_of(li, ri, lg, rg, local_nb, remote_nb)
+    got = leg_pieces(rows, lg, rg, pairs, lb, rb)
+    assert got.local.tolist() == want.local.tolist()
+    assert got.remote.tolist() == want.remote.tolist()
+    assert got.length.tolist() == want.length.tolist()
+
+
 def test_worth_staging() -> None:
     many_small = staged_plan([LegPieces(np.arange(1000, dtype=np.int64) * 8192,
                                         np.arange(1000, dtype=np.int64) * 16384,

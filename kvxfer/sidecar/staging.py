@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvxfer.protocol import RankInfo, RemoteRegion
-from kvxfer.sidecar.plan import PairRows, leg_indices, pair_rows
+from kvxfer.sidecar.plan import PairRows, pair_rows
 from kvxfer.topology import BlockPairing, RankPlan
 
 # Staging costs two copies and a round trip before the transfer; below this many direct
@@ -63,6 +63,27 @@ def pieces_of(local_idx: np.ndarray, remote_idx: np.ndarray, local_geometry: np.
     return LegPieces(lg[:, 0] + lblk * lg[:, 2], rg[:, 0] + rblk * rg[:, 2], lg[:, 1].copy())
 
 
+def leg_pieces(rows: list[np.ndarray], local_geometry: np.ndarray, remote_geometry: np.ndarray,
+               pairs: list[tuple[int, int, int]], lb: np.ndarray, rb: np.ndarray) -> LegPieces:
+    """``pieces_of(leg_indices(...))`` without the descriptor indices between (a staged read
+    posts none: the divisions back to rows and blocks were a third of a rank's planning):
+    per sub-position, every row with every block paired there, row-major as the indices go."""
+    local, remote, length = [], [], []
+    for q, qrows in enumerate(rows):
+        sel = [(a, b) for a, b, qq in pairs if qq == q]
+        if not sel:
+            continue
+        la, ra = lb[[a for a, _ in sel]], rb[[b for _, b in sel]]
+        lg, rg = local_geometry[qrows], remote_geometry[qrows]
+        local.append((lg[:, :1] + la[None, :] * lg[:, 2:3]).ravel())
+        remote.append((rg[:, :1] + ra[None, :] * rg[:, 2:3]).ravel())
+        length.append(np.repeat(lg[:, 1], len(sel)))
+    if not local:
+        empty = np.empty(0, dtype=np.int64)
+        return LegPieces(empty, empty.copy(), empty.copy())
+    return LegPieces(np.concatenate(local), np.concatenate(remote), np.concatenate(length))
+
+
 def read_pieces(plans: list[RankPlan], pairing: BlockPairing, local_regions: list[RemoteRegion],
                 local_nb: int, remote: dict[tuple[int, int], tuple[list[RemoteRegion], int]],
                 local_blocks: list[int], remote_blocks: list[int],
@@ -84,8 +105,7 @@ def read_pieces(plans: list[RankPlan], pairing: BlockPairing, local_regions: lis
             rows = pair_rows(plan, local_regions, regions, min(local_nb, remote_nb))
             if rows_of is not None:
                 rows_of[key] = rows
-        li, ri, _ = leg_indices(rows.rows, rows.local_geometry, pairs, lb, rb, local_nb, remote_nb)
-        out.append(pieces_of(li, ri, rows.local_geometry, rows.remote_geometry, local_nb, remote_nb))
+        out.append(leg_pieces(rows.rows, rows.local_geometry, rows.remote_geometry, pairs, lb, rb))
     return out
 
 
