@@ -13,13 +13,24 @@ from kvxfer.sidecar.staging import (
     LegPieces,
     SlotBook,
     held_intervals,
-    pieces_of,
     runs_inside,
     staged_plan,
     window_cuts,
     windows_of,
     worth_staging,
 )
+
+
+def pieces_of(local_idx: np.ndarray, remote_idx: np.ndarray, local_geometry: np.ndarray,
+              remote_geometry: np.ndarray, local_nb: int, remote_nb: int) -> LegPieces:
+    """The pieces of descriptor indices (``row * num_blocks + block``; geometry rows
+    ``[addr, block_len, stride, device]``, as ``kvxfer.sidecar.plan`` makes them): the
+    reference ``staging.leg_pieces`` is checked against."""
+    lrow, lblk = np.divmod(np.asarray(local_idx, dtype=np.int64), local_nb)
+    rrow, rblk = np.divmod(np.asarray(remote_idx, dtype=np.int64), remote_nb)
+    lg, rg = local_geometry[lrow], remote_geometry[rrow]
+    return LegPieces(lg[:, 0] + lblk * lg[:, 2], rg[:, 0] + rblk * rg[:, 2], lg[:, 1].copy())
+
 
 LOCAL, REMOTE = 1 << 20, 1 << 22  # base addresses of the simulated memories
 SIZE = 4096

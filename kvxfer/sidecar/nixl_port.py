@@ -199,7 +199,8 @@ class NixlPort:
     # ------------------------------------------------------------------ commands
 
     async def register(self, key: Hashable, msg: RegisterKV, holder: Holder) -> RankInfo:
-        """Map a rank's memory and register it (replacing the key's); ``holder``: its process."""
+        """Map a rank's memory and register it (replacing the key's registration); ``holder``
+        is the registering process (the memory it names must be provably its own)."""
         info, spans = await self._run(lambda: self._register(key, msg, holder.creds))
         self.spans.update(spans)  # (a VRAM rank's first registration on its device made its arena)
         return info
@@ -220,10 +221,10 @@ class NixlPort:
         return await self._run(lambda: self._remove_peer(name, reason, code, stalled))
 
     async def metadata(self) -> bytes:
-        warm_copies(self._arenas)  # (a peer is handshaking: staged reads may follow)
         return await self._run(lambda: bytes(self._agent.get_agent_metadata()))
 
-    async def read_word(self, agent: str, addr: int) -> tuple[int, int] | None:  # (None: not in time)
+    async def read_word(self, agent: str, addr: int) -> tuple[int, int] | None:
+        """One lease word of a peer, read now (None: it could not be read in time)."""
         return await self._run(lambda: self._reads_().read_word(agent, addr))
 
     async def cancel(self, req_id: str, code: str, reason: str) -> bool:
@@ -240,8 +241,8 @@ class NixlPort:
         else:
             self._submit(lambda: send_notif_logged(self._agent, agent, payload))
 
-    async def digest(self, key: Hashable, items: list[DigestItem], region0: int = 0, num_regions: int = 0) \
-            -> str:
+    async def digest(self, key: Hashable, items: list[DigestItem], region0: int = 0,
+                     num_regions: int = 0) -> str:
         return await self._run(lambda: self._regs_().digest(key, items, region0, num_regions))
 
     async def gather(self, ranks: list[tuple[Hashable, Any]], blocks: list[int], offset: int,
@@ -343,7 +344,6 @@ class NixlPort:
         return True
 
     def _add_peer(self, name: str, metadata: bytes, ranks: list[RankInfo], reload: bool) -> str:
-        warm_copies(self._arenas)
         if name in self._regs_().peers:
             # Not "disconnected": the loop would drop the peer it is handshaking right now.
             self._remove_peer(name, "peer metadata replaced", ErrorCode.TRANSFER_ERROR)

@@ -11,6 +11,7 @@ device]``; a *descriptor index* is ``row * num_blocks + block`` into a prepared 
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import msgspec
@@ -189,6 +190,15 @@ def pair_rows(plan: RankPlan, local_regions: list[RemoteRegion], remote_regions:
     return PairRows(rows, lrows, rrows, geometry(lrows), geometry(rrows))
 
 
+def paired_blocks(subs: int, pairs: list[tuple[int, int, int]], lb: np.ndarray,
+                  rb: np.ndarray) -> Iterator[tuple[int, np.ndarray, np.ndarray]]:
+    """Per sub-position ``q`` that has pairs: the local and remote blocks paired there, in order."""
+    for q in range(subs):
+        sel = [(a, b) for a, b, qq in pairs if qq == q]
+        if sel:
+            yield q, lb[[a for a, _ in sel]], rb[[b for _, b in sel]]
+
+
 def leg_indices(rows: list[np.ndarray], local_geometry: np.ndarray, pairs: list[tuple[int, int, int]],
                 lb: np.ndarray, rb: np.ndarray, local_nb: int,
                 remote_nb: int) -> tuple[np.ndarray, np.ndarray, int]:
@@ -197,15 +207,11 @@ def leg_indices(rows: list[np.ndarray], local_geometry: np.ndarray, pairs: list[
     Grouped by sub-position, then row, then block: contiguous blocks stay adjacent.
     """
     li_parts, ri_parts, nbytes = [], [], 0
-    for q, qrows in enumerate(rows):
-        sel = [(li, ri) for li, ri, qq in pairs if qq == q]
-        if not sel:
-            continue
-        lblocks = lb[[a for a, _ in sel]]
-        rblocks = rb[[b for _, b in sel]]
+    for q, lblocks, rblocks in paired_blocks(len(rows), pairs, lb, rb):
+        qrows = rows[q]
         li_parts.append(desc_indices(qrows, local_nb, lblocks))
         ri_parts.append(desc_indices(qrows, remote_nb, rblocks))
-        nbytes += int(local_geometry[qrows, 1].sum()) * len(sel)
+        nbytes += int(local_geometry[qrows, 1].sum()) * len(lblocks)
     if not li_parts:
         return np.empty(0, np.int32), np.empty(0, np.int32), 0
     return np.concatenate(li_parts), np.concatenate(ri_parts), nbytes

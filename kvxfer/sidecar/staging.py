@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvxfer.protocol import RankInfo, RemoteRegion
-from kvxfer.sidecar.plan import PairRows, pair_rows
+from kvxfer.sidecar.plan import PairRows, pair_rows, paired_blocks
 from kvxfer.topology import BlockPairing, RankPlan
 
 # Staging costs two copies and a round trip before the transfer; below this many direct
@@ -53,31 +53,17 @@ class LegPieces:
     length: np.ndarray
 
 
-def pieces_of(local_idx: np.ndarray, remote_idx: np.ndarray, local_geometry: np.ndarray,
-              remote_geometry: np.ndarray, local_nb: int, remote_nb: int) -> LegPieces:
-    """The pieces of descriptor indices (``row * num_blocks + block``; geometry rows
-    ``[addr, block_len, stride, device]``, as ``kvxfer.sidecar.plan`` makes them)."""
-    lrow, lblk = np.divmod(np.asarray(local_idx, dtype=np.int64), local_nb)
-    rrow, rblk = np.divmod(np.asarray(remote_idx, dtype=np.int64), remote_nb)
-    lg, rg = local_geometry[lrow], remote_geometry[rrow]
-    return LegPieces(lg[:, 0] + lblk * lg[:, 2], rg[:, 0] + rblk * rg[:, 2], lg[:, 1].copy())
-
-
 def leg_pieces(rows: list[np.ndarray], local_geometry: np.ndarray, remote_geometry: np.ndarray,
                pairs: list[tuple[int, int, int]], lb: np.ndarray, rb: np.ndarray) -> LegPieces:
-    """``pieces_of(leg_indices(...))`` without the descriptor indices between (a staged read
-    posts none: the divisions back to rows and blocks were a third of a rank's planning):
-    per sub-position, every row with every block paired there, row-major as the indices go."""
+    """A leg's pieces: per sub-position, every row with every block paired there, row-major as
+    ``plan.leg_indices`` orders the direct read's descriptors (computed from rows and blocks,
+    not from those indices divided back: that was a third of a rank's planning)."""
     local, remote, length = [], [], []
-    for q, qrows in enumerate(rows):
-        sel = [(a, b) for a, b, qq in pairs if qq == q]
-        if not sel:
-            continue
-        la, ra = lb[[a for a, _ in sel]], rb[[b for _, b in sel]]
-        lg, rg = local_geometry[qrows], remote_geometry[qrows]
+    for q, la, ra in paired_blocks(len(rows), pairs, lb, rb):
+        lg, rg = local_geometry[rows[q]], remote_geometry[rows[q]]
         local.append((lg[:, :1] + la[None, :] * lg[:, 2:3]).ravel())
         remote.append((rg[:, :1] + ra[None, :] * rg[:, 2:3]).ravel())
-        length.append(np.repeat(lg[:, 1], len(sel)))
+        length.append(np.repeat(lg[:, 1], len(la)))
     if not local:
         empty = np.empty(0, dtype=np.int64)
         return LegPieces(empty, empty.copy(), empty.copy())

@@ -20,7 +20,7 @@ import multiprocessing as mp
 import os
 import time
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from kvxfer.auth import new_token
 from kvxfer.client import RemoteBlocks, SidecarClient
@@ -28,10 +28,8 @@ from kvxfer.memchannel import available_memory, gib
 from kvxfer.memory import dense_bytes
 from kvxfer.protocol import KVLayout
 from kvxfer.testing.engine import SyntheticEngine, make_layout
-from kvxfer.testing.procs import SidecarFactory, SidecarProc, free_port
-
-if TYPE_CHECKING:
-    from kvxfer.testing.kept import KeptSidecars
+from kvxfer.testing.kept import KeptSidecars, start_pair
+from kvxfer.testing.procs import SidecarFactory, SidecarProc
 
 
 @dataclass(frozen=True)
@@ -326,8 +324,7 @@ def run_demo(opts: DemoOptions, start_method: str = "forkserver",
     tag = ""
     try:
         if kept is None:
-            sidecars = [factory.start(name, *serve_args, metrics_port=free_port())
-                        for name in ("prefill", "decode")]
+            sidecars = start_pair(factory, serve_args)
         else:
             sidecars = kept.pair(serve_args)
             kept.runs += 1

@@ -36,7 +36,7 @@ class KeptSidecars:
         if got is not None:
             got[0].close()
         factory = SidecarFactory()
-        pair = [factory.start(name, *serve_args, metrics_port=free_port()) for name in ("prefill", "decode")]
+        pair = start_pair(factory, serve_args)
         self._pairs[key] = (factory, pair)
         return pair
 
@@ -54,6 +54,11 @@ class KeptSidecars:
         for factory, _ in self._pairs.values():
             factory.close()
         self._pairs.clear()
+
+
+def start_pair(factory: SidecarFactory, serve_args: tuple[str, ...]) -> list[SidecarProc]:
+    """A demo's prefill and decode sidecars, each with its /metrics."""
+    return [factory.start(name, *serve_args, metrics_port=free_port()) for name in ("prefill", "decode")]
 
 
 def leftovers(pair: list[SidecarProc], timeout_s: float) -> dict[str, float]:
