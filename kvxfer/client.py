@@ -14,6 +14,7 @@ import os
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import msgspec
 import zmq
@@ -58,6 +59,24 @@ class RemoteBlocks:
     token: str = ""  # the prefill lease's capability (kv_transfer_params remote_lease_token)
     # a hybrid model's blocks, one list per KV cache group (block_ids: their distinct blocks)
     groups: tuple[tuple[int, ...], ...] = ()
+
+    @property
+    def streamed(self) -> bool:
+        """Push mode (``parse_push``): the transfer id, no blocks: the prefill is still computing."""
+        return not self.block_ids and bool(self.req_id)
+
+
+@dataclass(frozen=True)
+class GroupedLoad:
+    """Push mode, a model of several KV cache groups: what a decode's sidecar pairs with the
+    prefill's lists once it names them (``Recv.groups``)."""
+
+    groups: list[list[int]]  # this engine's blocks per group (0: vLLM's null block)
+    state: list[bool]  # per group: a state group (Mamba/GDN)
+    num_tokens: int  # the prompt tokens it loads (the prefill must have computed exactly these)
+
+    def fields(self) -> dict[str, Any]:
+        return {"groups": self.groups, "state_groups": self.state, "num_tokens": self.num_tokens}
 
 
 @dataclass
@@ -217,14 +236,15 @@ class SidecarClient:
         engine_id: str = "",
         token: str = "",
         streamed: bool = False,
+        groups: list[list[int]] | None = None,
+        num_tokens: int = 0,
     ) -> None:
         """``token``: the request's capability (``kvxfer.auth.new_token``), which the decode must
-        present (``RemoteBlocks.token``); "" any authenticated peer. ``streamed``: push mode."""
-        self._send(
-            Hold(req_id=req_id, block_ids=list(block_ids), lease_s=lease_s, reads=reads,
-                 notify_ranks=notify_ranks, expires_unix=expires_unix, engine_id=engine_id, token=token,
-                 streamed=streamed)
-        )
+        present (``RemoteBlocks.token``); "" any authenticated peer. ``streamed``: push mode
+        (``groups``/``num_tokens``: ``Hold.groups``)."""
+        self._send(Hold(req_id=req_id, block_ids=list(block_ids), lease_s=lease_s, reads=reads,
+                        notify_ranks=notify_ranks, expires_unix=expires_unix, engine_id=engine_id,
+                        token=token, streamed=streamed, groups=groups, num_tokens=num_tokens))
 
     def send(self, msg: LayersDone | Cancel) -> None:
         """A message with no answer: push mode's ``LayersDone`` (this rank computed ``msg.layers``
@@ -249,33 +269,21 @@ class SidecarClient:
         state: tuple[Iterable[int], Iterable[int]] = ((), ()),
         trace: bool = False,
         streamed: bool = False,
+        groups: GroupedLoad | None = None,
     ) -> None:
         """``state``: (local, remote) blocks of state groups (Mamba/GDN), paired one to one.
         ``trace``: the ``Done`` carries the sidecar's per-hop times (``Done.trace``).
-        ``streamed`` (push mode): ``remote.req_id`` is the transfer id, no block ids."""
+        ``streamed`` (push mode): ``remote.req_id`` is the transfer id, no block ids (several KV
+        cache groups: ``groups``)."""
         self._send(
-            Recv(
-                req_id=req_id,
-                block_ids=list(block_ids),
-                remote_engine_id=remote.engine_id,
-                remote_host=remote.host,
-                remote_port=remote.port,
-                remote_block_ids=list(remote.block_ids),
-                remote_tp_size=remote.tp_size,
-                tp_rank=tp_rank,
-                remote_req_id=remote.req_id,
-                deadline_s=deadline_s,
-                reply_to_rank=reply_to_rank,
-                expires_unix=expires_unix,
-                remote_generation=remote.generation,
-                engine_id=engine_id,
-                pp_rank=pp_rank,
-                remote_token=remote.token,
-                state_block_ids=list(state[0]) or None,
-                remote_state_block_ids=list(state[1]) or None,
-                trace=trace,
-                streamed=streamed,
-            )
+            Recv(req_id=req_id, block_ids=list(block_ids), remote_engine_id=remote.engine_id,
+                 remote_host=remote.host, remote_port=remote.port, remote_block_ids=list(remote.block_ids),
+                 remote_tp_size=remote.tp_size, tp_rank=tp_rank, remote_req_id=remote.req_id,
+                 deadline_s=deadline_s, reply_to_rank=reply_to_rank, expires_unix=expires_unix,
+                 remote_generation=remote.generation, engine_id=engine_id, pp_rank=pp_rank,
+                 remote_token=remote.token, state_block_ids=list(state[0]) or None,
+                 remote_state_block_ids=list(state[1]) or None, trace=trace, streamed=streamed,
+                 **(groups.fields() if groups else {}))
         )
 
     def keepalive(self, remote: RemoteBlocks, remote_req_ids: list[str], req_ids: list[str],

@@ -37,6 +37,10 @@ class Lease:
     engine: str = ""
     duration: float = 0.0  # the lease's length: a keep-alive renews it by this much
     token: str = ""  # the request's capability: peers must present it ("": none was given)
+    # push mode, several KV cache groups: the engine's lists per group and the prompt tokens it
+    # computes (Hold.groups / num_tokens), for a decode to pair its own lists with
+    groups: list[list[int]] | None = None
+    num_tokens: int = 0
 
     @property
     def key(self) -> LeaseKey:

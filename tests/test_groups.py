@@ -15,6 +15,7 @@ from vllm.v1.kv_cache_interface import (
     SlidingWindowSpec,
 )
 
+from kvxfer.client import RemoteBlocks
 from kvxfer.connector.groups import Groups, UnsupportedModel, held_blocks, pair_groups
 from kvxfer.connector.params import InvalidTransferParams, parse_remote
 
@@ -152,7 +153,7 @@ def test_a_windowed_group_makes_the_prefill_stop_one_token_short() -> None:
     assert req.num_prompt_tokens == 99
     decode = SimpleNamespace(prompt_token_ids=list(tokens), kv_transfer_params={"do_remote_prefill": True},
                              request_id="d")
-    side._remote_for = lambda r: object()  # type: ignore[method-assign]
+    side._remote_for = lambda r: RemoteBlocks("p", "h", 1, [1])  # type: ignore[method-assign]
     assert side.get_num_new_matched_tokens(decode, 0) == (99, True)  # the decode computes the last one
     # a prompt longer here than the prefill computed: only what the prefill has is claimed
     longer = SimpleNamespace(prompt_token_ids=list(range(3, 123)), request_id="l",
@@ -235,7 +236,7 @@ def test_a_state_is_loaded_only_under_the_claim_it_was_computed_for() -> None:
 
     side = SchedulerSide(ConnectorSettings(sidecar="ipc:///none"), 1, client=NoSidecar())  # type: ignore[arg-type]
     side.backoff, side.state_groups = 1, (True, False)
-    side._remote_for = lambda r: object()  # type: ignore[method-assign]
+    side._remote_for = lambda r: RemoteBlocks("p", "h", 1, [1])  # type: ignore[method-assign]
 
     def claim(prompt: int, computed: object) -> tuple[int, bool]:
         params = {"do_remote_prefill": True} | ({} if computed is None else {"remote_num_tokens": computed})

@@ -128,17 +128,18 @@ def test_family_through_kvxfer_and_nixl_connector(family: str, tmp_path: Any) ->
 
 @pytest.mark.timeout(1200)  # three vLLM servers, 13 prompts pulled and 13 pushed
 @pytest.mark.parametrize("family", list(FAMILIES))
-def test_family_in_push_mode_is_pulled_or_computed_by_the_decode(family: str, tmp_path: Any) -> None:
-    """Push mode (#36) on every hybrid family, as it is built: push moves models of one KV
-    cache group, so a push request to an engine of several groups (or a state group) is
-    computed by the decode whole (``push_pairs`` refuses it; the prefill's lease is released
-    once it computed): no KV moves, and the tokens are one engine's. The same engines in push
-    mode still serve pull requests (prefill first), every one loaded."""
+def test_family_in_push_mode(family: str, tmp_path: Any) -> None:
+    """Push mode (#36) on every hybrid family: the request goes to both engines at once, the
+    decode's sidecar pairs its block lists per KV cache group with the prefill's (as pull
+    does: windows' tails, the state's one block) and reads them, the state once the prefill's
+    forward is over. Every prompt of more than one token is loaded, pushed or pulled (the same
+    engines serve pull requests too), and the tokens are one engine's."""
     pl = Pipeline(os.path.join(str(tmp_path), f"{family}-push"), python=PY, family=family,
                   extra_args=FAMILIES[family], mode="push")
     try:
         pl.start()
         as_one = {"push": 0, "pull": 0}
+        unlike_pull = []
         for i, n in enumerate(LENGTHS):
             text = prompt(n, 700 + i)
             one = text_of(pl.baseline(text, 8))
@@ -146,13 +147,17 @@ def test_family_in_push_mode_is_pulled_or_computed_by_the_decode(family: str, tm
             pushed = text_of(pl.complete_push(text, 8))
             as_one["push"] += pushed == one
             as_one["pull"] += pulled == one
+            if pushed != pulled:
+                unlike_pull.append(n)
             print(f"{family:>9} {n:>5} tokens: push {'same' if pushed == one else 'OTHER'}, pull "
                   f"{'same' if pulled == one else 'OTHER'} as one engine")
         m = pl.d_sidecar.scrape()
         ok = m.get('kvxfer_transfers_total{result="ok"}', 0)
-        print(f"{family} in push mode: as one engine {as_one}; kvxfer {ok:.0f} transfers ok")
-        assert ok == len([n for n in LENGTHS if n > 1]), m  # (the pulls; a push moved nothing)
+        print(f"{family} in push mode: as one engine {as_one}; kvxfer {ok:.0f} transfers ok, "
+              f"{m.get('kvxfer_transferred_bytes_total', 0) / 1e6:.2f} MB")
+        assert ok == 2 * len([n for n in LENGTHS if n > 1]), m  # (pulled and pushed: every one loaded)
         assert not m.get('kvxfer_transfers_total{result="failed"}', 0), m
+        assert not unlike_pull, ("push gave other tokens than pull (the same n - 1 split)", unlike_pull)
         if family != "qwen3next":  # (bf16 Gated DeltaNet: two engines' tokens may differ, above)
             assert as_one == {"push": len(LENGTHS), "pull": len(LENGTHS)}, as_one
     finally:

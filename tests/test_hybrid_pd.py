@@ -34,7 +34,8 @@ PAGE = 1 * BS * 2 * 64 * 4  # 1 KV head x 32 tokens x (K|V) x head_dim 64 x fp32
 
 @pytest.fixture(scope="module")
 def pipeline(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pipeline]:
-    pl = Pipeline(str(tmp_path_factory.mktemp("hybrid-pd")), python=PY, block_size=BS, family="gemma3")
+    pl = Pipeline(str(tmp_path_factory.mktemp("hybrid-pd")), python=PY, block_size=BS, family="gemma3",
+                  mode="push")  # (a push-mode engine serves pull requests too)
     with pl:
         yield pl
 
@@ -95,3 +96,24 @@ def test_every_group_moves_the_prefills_bytes(pipeline: Pipeline) -> None:
             assert len(rows) == 1, f"prefill block {b}: {len(rows)} decode blocks hold its bytes"
             checked += 1
     assert checked == 3 * (SW_BLOCKS - 1) + (math.ceil(199 / BS) - 1)
+
+
+def test_push_mode_moves_each_group_as_pull_pairs_it(pipeline: Pipeline) -> None:
+    """Push (#36) on a model of 4 KV cache groups (3 sliding-window, 1 full): the router sends
+    each request to both engines at once; the decode's sidecar pairs its lists per group with
+    the prefill's (each window's tail, every full-attention block) and reads them: one
+    engine's tokens, inside and beyond the window, every load read (none recomputed)."""
+    d = pipeline.d_sidecar
+    before = d.scrape()
+    lengths = (2, 33, 65, 200, 700, *EDGE[:3])
+    for i, n in enumerate(lengths):
+        text = prompt(n, 450 + i)
+        moved = moved_bytes(pipeline)
+        got = pipeline.complete_push(text, 8)
+        assert text_of(got) == text_of(pipeline.baseline(text, 8)), n
+        blocks = math.ceil((n - 1) / BS)  # (the most the decode reads: every pair of every group)
+        assert 0 < moved_bytes(pipeline) - moved <= (blocks + 3 * min(blocks, SW_BLOCKS)) * PAGE, n
+    m = d.scrape()
+    ok, failed = 'kvxfer_transfers_total{result="ok"}', 'kvxfer_transfers_total{result="failed"}'
+    assert m[ok] - before.get(ok, 0) == len(lengths), m
+    assert m.get(failed, 0) == before.get(failed, 0), m

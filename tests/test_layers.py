@@ -27,6 +27,7 @@ LAYERS: list[tuple[str, list[str]]] = [
     ]),
     ("pure logic: no asyncio, sockets, NIXL or threads", [
         "kvxfer.topology", "kvxfer.leases", "kvxfer.abandoned", "kvxfer.integrity", "kvxfer.auth",
+        "kvxfer.pairing",
         "kvxfer.sidecar.lifecycle", "kvxfer.sidecar.plan", "kvxfer.sidecar.admission",
         "kvxfer.sidecar.validate", "kvxfer.sidecar.receive", "kvxfer.sidecar.nixl_types",
         "kvxfer.sidecar.peer_book", "kvxfer.sidecar.ownership", "kvxfer.sidecar.staging",

@@ -26,14 +26,14 @@ MESSAGES: dict[str, tuple[object, str]] = {
         ),
     ),
     "unregister": (p.Unregister(tp_rank=1), "94aa756e726567697374657201a000"),
-    "hold": (p.Hold(req_id="r1", block_ids=[1, 2, 3], lease_s=2.5, reads=2), "9aa4686f6c64a2723193010203cb400400000000000002c2cb0000000000000000a0a0c2"),
+    "hold": (p.Hold(req_id="r1", block_ids=[1, 2, 3], lease_s=2.5, reads=2), "9ca4686f6c64a2723193010203cb400400000000000002c2cb0000000000000000a0a0c2c000"),
     "release": (p.Release(req_id="r1"), "93a772656c65617365a27231a0"),
     "recv": (
         p.Recv(req_id="r1", block_ids=[4, 5], remote_engine_id="P", remote_host="10.0.0.1",
                remote_port=5700, remote_block_ids=[1, 2]),
         (
-            "dc0015a472656376a27231920405a150a831302e302e302e31cd16449201020100a0cb0000000000"
-            "000000c2cb0000000000000000a0a000a0c0c0c2c2"
+            "dc0018a472656376a27231920405a150a831302e302e302e31cd16449201020100a0cb0000000000"
+            "000000c2cb0000000000000000a0a000a0c0c0c2c2c0c000"
         ),
     ),
     "ping": (p.Ping(seq=7), "92a470696e6707"),
@@ -52,9 +52,9 @@ MESSAGES: dict[str, tuple[object, str]] = {
         p.Welcome(version=1, compat_hash="abcd", engine_id="P", agent_name="b",
                   ranks=[p.RankInfo(layout=LAYOUT, regions=[p.RemoteRegion(addr=4096, block_len=64, block_stride=64)])]),
         (
-            "9ca777656c636f6d6501a461626364a150a1629196a472616e6bdc0016a66c61796f7574020a1008"
+            "9da777656c636f6d6501a461626364a150a1629196a472616e6bdc0016a66c61796f7574020a1008"
             "08cc80a862666c6f6174313602c2a34e48440001a0a0000100000000a09195a772726567696f6ecd"
-            "1000404000a44452414da000a0a0000000c2"
+            "1000404000a44452414da000a0a0000000c2c2"
         ),
     ),
     "refused": (p.Refused(version=1, code="incompatible", reason="no"), "94a77265667573656401ac696e636f6d70617469626c65a26e6f"),
@@ -73,7 +73,7 @@ MESSAGES: dict[str, tuple[object, str]] = {
     "watch": (p.LayerWatch(seq=4, engine_id="P", req_id="t1", have=2, token="tok"),
               "9aa5776174636804a150a2743102a3746f6bcb3ff0000000000000cb0000000000000000a0a0"),
     "layersat": (p.LayersAt(seq=4, held="held", ready=3, total=8, block_ids=[1, 2], generation="g", tp_size=2,
-                            engine_id="P"), "9ca86c6179657273617404a468656c64030892010290a16702a150a0a0"),
+                            engine_id="P"), "9ea86c6179657273617404a468656c64030892010290a16702a150a0a0c000"),
     "stage": (
         p.StageRequest(seq=3, engine_id="P", req_id="r1", ranks=[p.StageRank(rank=0, runs=bytes(range(16)))],
                        nbytes=64, readers=["0/0"], extend_s=2.5, agent_name="a"),

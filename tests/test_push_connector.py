@@ -20,11 +20,13 @@ BS = 16
 class Client:
     holds: list[tuple[str, list[int]]] = field(default_factory=list)
     releases: list[str] = field(default_factory=list)
+    groups: list[tuple[list[list[int]] | None, int]] = field(default_factory=list)
 
     def hold(self, req_id: str, blocks: list[int], *a: Any, **kw: Any) -> None:
         assert kw["streamed"] is True
         assert kw["token"] == req_id
         self.holds.append((req_id, list(blocks)))
+        self.groups.append((kw.get("groups"), kw.get("num_tokens", 0)))
 
     def release(self, req_id: str, **kw: Any) -> None:
         self.releases.append(req_id)
@@ -104,3 +106,44 @@ def test_a_preempted_streamed_request_is_released_and_not_streamed_again() -> No
     assert len(client.holds) == 1  # (not held again)
     r.status = SimpleNamespace(name="FINISHED_LENGTH_CAPPED")
     assert push.finish(r) == (False, None)
+
+
+def test_a_model_of_several_groups_is_held_with_its_lists_cut_as_pull_gets_them() -> None:
+    """A hybrid model (push, #36): one list per vLLM group, the attention groups cut to the
+    prompt's blocks (never a lookahead block), then clipped as pull's request_finished gets
+    them (a window's tail, the state's one block); the hold names the lists and the tokens."""
+    from kvxfer.connector.groups import Group, Groups
+
+    kinds = (Group("full", BS), Group("sliding_window", BS, window=20), Group("state", BS))
+    groups = Groups(kinds, (0, 1, 2), 3)
+    push, client = holds()
+    r = request("r1", "t1", prompt=100)  # 7 blocks of 16
+    push.allocated(r, [[1, 2, 3, 4, 5, 6, 7, 8], [0, 0, 0, 0, 13, 14, 15, 16], [21]], BS, groups.clip,
+                   groups.state_by_vllm_group)
+    push.scheduled({"r1": 100}, None, StepPlan())
+    # full: 7 prompt blocks (not the lookahead 8); window: cdiv(20, 16) + 1 = 3 at the tail of
+    # the prompt's 7 (not 16); state: its block
+    assert client.groups == [([[1, 2, 3, 4, 5, 6, 7], [13, 14, 15], [21]], 100)]
+    assert client.holds == [("t1", [1, 2, 3, 4, 5, 6, 7, 13, 14, 15, 21])]
+
+
+def test_layer_reports_count_tensors_whose_every_layer_is_computed_and_the_state_last() -> None:
+    """What a prefill worker reports (push, ``LayerReports``): the first n KV tensors all of
+    whose layers are computed, in the model's order, whatever layers vLLM names; a hybrid
+    tensor is shared by one layer of each group; a state only when the forward is over."""
+    from kvxfer.connector.layer_reports import LayerReports
+
+    one = LayerReports({f"model.layers.{i}.attn": i for i in range(4)})
+    step = object()
+    assert one.computed("model.layers.0.attn", step) == 1
+    assert one.computed("model.layers.2.attn", step) == 3  # (layer 1 not named: computed before 2)
+    assert one.computed("model.layers.1.attn", step) is None  # (nothing new)
+    assert one.computed("", step) == 4
+    assert one.computed("model.layers.0.attn", object()) == 1  # (a new step starts at 0)
+    # 6 layers, 2 groups: tensor 0 holds layers 0 and 3, tensor 1 layers 1 and 4, tensor 2 2 and 5
+    hybrid = LayerReports({f"model.layers.{i}.attn": i % 3 for i in range(6)}, state=True)
+    assert (hybrid.tensors, hybrid.total) == (3, 4)
+    step = object()
+    assert [hybrid.computed(f"model.layers.{i}.attn", step) for i in range(6)] == [None, None, None, 1, 2, 3]
+    assert hybrid.computed("", step) == 4  # the state: only now
+    assert hybrid.computed("mamba.7", object()) is None  # (not an attention layer: nothing)

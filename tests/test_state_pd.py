@@ -34,7 +34,7 @@ BS = 128  # the attention block size vLLM picks for this model on the CPU backen
 
 @pytest.fixture(scope="module")
 def pipeline(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pipeline]:
-    pl = Pipeline(str(tmp_path_factory.mktemp("state-pd")), python=PY, family="granite",
+    pl = Pipeline(str(tmp_path_factory.mktemp("state-pd")), python=PY, family="granite", mode="push",
                   extra_args=("--no-enable-prefix-caching",), decode_sidecar_args=("--verify-sample", "1"))
     with pl:
         yield pl
@@ -104,3 +104,27 @@ def test_a_failed_load_is_recomputed_and_the_engine_lives_on(pipeline: Pipeline)
     assert d.scrape().get(failed, 0) == before + 1
     again = prompt(200, 10)
     assert text_of(pipeline.complete(again, 8)[0]) == text_of(pipeline.baseline(again, 8))
+
+
+def test_push_mode_moves_the_attention_layers_and_the_state(pipeline: Pipeline) -> None:
+    """Push (#36) on a state model (engines in push mode serve the pulls above too): the router
+    sends each request to both engines at once; the decode's sidecar pairs its lists per group
+    with the prefill's (the state's one block, the n - 1 tokens' attention blocks), reads the
+    attention layers and then the state once the prefill's forward is over: one engine's
+    tokens, every load read (none recomputed), every receive digested equal at both ends."""
+    d = pipeline.d_sidecar
+    before = d.scrape()
+    lengths = (2, 3, 127, 128, 129, 300, 700)
+    for i, n in enumerate(lengths):
+        text = prompt(n, 650 + i)
+        got = pipeline.complete_push(text, 8)
+        assert text_of(got) == text_of(pipeline.baseline(text, 8)), n
+    m = d.scrape()
+    for key, want in (('kvxfer_transfers_total{result="ok"}', len(lengths)),
+                      ('kvxfer_integrity_checks_total{result="ok"}', len(lengths)),
+                      ('kvxfer_transfers_total{result="failed"}', 0),
+                      ('kvxfer_integrity_checks_total{result="mismatch"}', 0)):
+        assert m.get(key, 0) - before.get(key, 0) == want, (key, m)
+    # the state moved: bytes of 2 state layers per request beyond the attention blocks
+    moved = m["kvxfer_transferred_bytes_total"] - before["kvxfer_transferred_bytes_total"]
+    assert moved >= len(lengths) * 2 * 39296, moved

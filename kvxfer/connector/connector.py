@@ -224,8 +224,11 @@ class KvxferConnector(KVConnectorBase_V1, *_HMA):  # type: ignore[misc]
         assert self.scheduler is not None
         if self.scheduler.push.streams(request):  # (push mode, prefill side: held before it is computed)
             ids = blocks.get_block_ids()
-            if len(ids) == 1:  # (several KV cache groups: held when it finishes, pulled)
-                size = self._vllm_config.cache_config.block_size
+            size = self._vllm_config.cache_config.block_size
+            if self.groups is not None and self.groups.grouped:  # (one list per group, cut as pull's)
+                self.scheduler.push.allocated(request, [list(g) for g in ids], size, self.groups.clip,
+                                              self.groups.state_by_vllm_group)
+            elif len(ids) == 1:
                 self.scheduler.push.allocated(request, list(ids[0]), size)
             return
         unhashed: list[int] | list[list[int]] = []

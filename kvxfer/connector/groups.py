@@ -40,7 +40,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from kvxfer.pairing import Pairs, held_blocks, pair_groups
 from kvxfer.protocol import KVGroup
+
+__all__ = ["Group", "Groups", "Pairs", "UnsupportedModel", "held_blocks", "pair_groups", "push_pairs"]
 
 
 class UnsupportedModel(ValueError):
@@ -168,6 +171,12 @@ class Groups:
         return tuple(g.is_state for g in self.groups)
 
     @property
+    def state_by_vllm_group(self) -> tuple[bool, ...]:
+        """Per group of vLLM's (all of them, transferable or not): a state group."""
+        state = {i for g, i in zip(self.groups, self.ids, strict=True) if g.is_state}
+        return tuple(i in state for i in range(self.total))
+
+    @property
     def state_group(self) -> Group | None:
         return next((g for g in self.groups if g.is_state), None)
 
@@ -199,57 +208,9 @@ class Groups:
                          for g in self.groups)
 
 
-@dataclass
-class Pairs:
-    """A request's block pairs: attention (``local``/``remote``) and state, flat."""
-
-    local: list[int]
-    remote: list[int]
-    state_local: list[int]
-    state_remote: list[int]
-
-
-def pair_groups(local: Sequence[Sequence[int]], remote: Sequence[Sequence[int]],
-                state: Sequence[bool] = ()) -> Pairs:
-    """Per-group block lists of the decode (``local``) and the prefill (``remote``) -> flat
-    lists, pair by pair: each group lined up at the tail (the decode's list may be shorter:
-    its prefix cache), pairs with a null block (0) on either side skipped; groups flagged in
-    ``state`` go to the state lists. ``ValueError`` when the group counts differ or a decode
-    list is longer than the prefill's."""
-    if len(local) != len(remote):
-        raise ValueError(f"the prefill has {len(remote)} KV cache groups, this engine {len(local)}: "
-                         "not the same model")
-    out = Pairs([], [], [], [])
-    for i, (lg, rg) in enumerate(zip(local, remote, strict=True)):
-        if len(lg) > len(rg):  # pairing would shift every block of the group: wrong KV
-            raise ValueError(f"group {i}: {len(lg)} blocks to load, the prefill holds {len(rg)}")
-        is_state = i < len(state) and state[i]
-        if is_state and (len(lg) != len(rg) or not all(lg) or not all(rg)):
-            # a state is one block, whole: without it the decode would run on another state
-            raise ValueError(f"group {i} (state): blocks {list(lg)} to load from {list(rg)}")
-        la, ra = (out.state_local, out.state_remote) if is_state else (out.local, out.remote)
-        for a, b in zip(lg, list(rg)[len(rg) - len(lg):], strict=True):
-            if a and b:
-                la.append(a)
-                ra.append(b)
-    return out
-
-
-def push_pairs(local: Sequence[Sequence[int]]) -> Pairs:
-    """Push mode: the decode's blocks alone (its sidecar learns the prefill's from the prefill's
-    sidecar, and reads into these the suffix of them); one attention group only (``ValueError``:
-    a hybrid model is pulled)."""
-    if len(local) != 1:
-        raise ValueError(f"push mode moves models of one KV cache group, this one has {len(local)}: "
-                         "send the request to the prefill first (pull)")
-    return Pairs([b for b in local[0] if b], [], [], [])
-
-
-def held_blocks(groups: Sequence[Sequence[int]]) -> list[int]:
-    """The distinct real blocks of all groups (what the prefill's lease holds)."""
-    seen: dict[int, None] = {}
-    for g in groups:
-        for b in g:
-            if b:
-                seen.setdefault(b, None)
-    return list(seen)
+def push_pairs(local: Sequence[Sequence[int]], state: Sequence[bool] = ()) -> Pairs:
+    """Push mode: the decode's blocks alone, its attention groups' real blocks flat (its sidecar
+    learns the prefill's from the prefill's sidecar and pairs them: with one group, the suffix
+    of the prefill's; with several, group by group as ``pair_groups`` does, the state too)."""
+    return Pairs([b for i, g in enumerate(local) if not (i < len(state) and state[i]) for b in g if b],
+                 [], [], [])

@@ -177,6 +177,17 @@ class _Found:
     shared: int = 0  # layers (attention or state) whose tensor another layer already registered
 
 
+def _view(t: Any) -> tuple[Any, ...]:
+    return (t.data_ptr(), tuple(t.shape), tuple(t.stride()), str(t.dtype))
+
+
+def tensor_of_layer(kv_caches: dict[str, Any]) -> dict[str, int]:
+    """Each attention layer's tensor, numbered as registered (the distinct tensors in order:
+    layers of a hybrid model share one, one layer of each KV cache group)."""
+    index: dict[tuple[Any, ...], int] = {}
+    return {name: index.setdefault(_view(t), len(index)) for name, t in kv_caches.items()}
+
+
 def _find_attention(found: _Found, kv_caches: dict[str, Any], memories: _Memories, num_blocks: int,
                     block_size: int, local_kv_heads: int, mla: bool) -> None:
     seen: set[tuple[Any, ...]] = set()
@@ -184,7 +195,7 @@ def _find_attention(found: _Found, kv_caches: dict[str, Any], memories: _Memorie
         # A tensor several layers share (vLLM's hybrid KV cache: one layer of each group per
         # tensor; cross-layer KV sharing) is one region: block b of it is whichever layer's
         # group holds b, and moving it once moves that.
-        view = (t.data_ptr(), tuple(t.shape), tuple(t.stride()), str(t.dtype))
+        view = _view(t)
         if view in seen:
             found.shared += 1
             continue

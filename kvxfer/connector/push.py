@@ -22,12 +22,14 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from kvxfer.client import SEND_ERRORS, SidecarClient
 from kvxfer.connector.params import transfer_id_of
 from kvxfer.connector.settings import ConnectorSettings
 from kvxfer.connector.step import FINISHED_OK, StepPlan
+from kvxfer.pairing import held_blocks
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +42,8 @@ class StreamedHolds:
         self.tp_size = tp_size
         self.local_engine = engine_id
         self._streams: dict[str, str] = {}  # request id -> transfer id (its lease, held)
-        self._pending: dict[str, tuple[Any, list[int]]] = {}  # allocated this step: (request, blocks)
+        # allocated this step: (request, blocks, blocks per KV cache group or None: one group)
+        self._pending: dict[str, tuple[Any, list[int], list[list[int]] | None]] = {}
         self._released: set[str] = set()  # streamed requests whose lease ended before vLLM finished them
         self._spent: set[str] = set()  # request ids never to stream (again): preempted
         # preempted while streamed: vLLM freed their blocks, the Released of the lease given up
@@ -53,11 +56,22 @@ class StreamedHolds:
         return (self.settings.mode == "push" and bool(params) and bool(params.get("do_remote_decode"))
                 and bool(transfer_id_of(params)))
 
-    def allocated(self, request: Any, block_ids: list[int], block_size: int) -> None:
-        """Its blocks (the prompt's only: never lookahead ones); held in ``scheduled``."""
+    def allocated(self, request: Any, block_ids: list[int] | list[list[int]], block_size: int,
+                  clip: Callable[[list[list[int]]], list[list[int]]] | None = None,
+                  state: Sequence[bool] = ()) -> None:
+        """Its blocks (the prompt's only: never lookahead ones); held in ``scheduled``. A model
+        of several KV cache groups gives one list per vLLM group, ``state`` says which of them
+        are state groups (not cut to the prompt: one block per request) and ``clip`` cuts the
+        lists as pull's ``request_finished`` gets them (windows, state blocks)."""
         n = -(-request.num_prompt_tokens // block_size)
-        if request.request_id not in self._streams and request.request_id not in self._spent:
-            self._pending[request.request_id] = (request, list(block_ids[:n]))
+        if request.request_id in self._streams or request.request_id in self._spent:
+            return
+        if clip is None:
+            self._pending[request.request_id] = (request, list(block_ids[:n]), None)  # type: ignore[arg-type]
+            return
+        groups = clip([list(g) if i < len(state) and state[i] else list(g)[:n]  # type: ignore[arg-type]
+                       for i, g in enumerate(block_ids)])
+        self._pending[request.request_id] = (request, held_blocks(groups), groups)
 
     def scheduled(self, num_scheduled: dict[str, int], preempted: set[str] | None, plan: StepPlan) -> None:
         """The step is scheduled: hold what it computes whole, release what vLLM preempted."""
@@ -70,11 +84,12 @@ class StreamedHolds:
                             "recomputes", req_id)
                 self._release(req_id, tid)
         pending, self._pending = self._pending, {}
-        for req_id, (request, blocks) in pending.items():
+        for req_id, (request, blocks, groups) in pending.items():
             if request.num_computed_tokens + num_scheduled.get(req_id, 0) >= request.num_prompt_tokens:
-                self._hold(request, blocks, plan)
+                self._hold(request, blocks, groups, plan)
 
-    def _hold(self, request: Any, block_ids: list[int], plan: StepPlan) -> None:
+    def _hold(self, request: Any, block_ids: list[int], groups: list[list[int]] | None,
+              plan: StepPlan) -> None:
         """Hold the blocks now, before their KV is computed (``Hold.streamed``). The lease is
         the transfer id, which is also its token: the decode was given it by the router."""
         req_id = request.request_id
@@ -85,7 +100,8 @@ class StreamedHolds:
         try:
             self.client.hold(tid, block_ids, self.settings.lease_s, reads=self.tp_size, notify_ranks=True,
                              expires_unix=time.time() + give_up, engine_id=self.local_engine, token=tid,
-                             streamed=True)
+                             streamed=True, groups=groups,
+                             num_tokens=request.num_prompt_tokens if groups is not None else 0)
         except SEND_ERRORS as e:
             log.warning("request %s: streamed hold not sent to the sidecar (%s); held when it finishes",
                         req_id, e)

@@ -29,8 +29,8 @@ import time
 from typing import Any
 
 from kvxfer.auth import new_token
-from kvxfer.client import SEND_ERRORS, Drained, RemoteBlocks, SidecarClient
-from kvxfer.connector.groups import held_blocks, pair_groups, push_pairs
+from kvxfer.client import SEND_ERRORS, Drained, GroupedLoad, RemoteBlocks, SidecarClient
+from kvxfer.connector.groups import Pairs, held_blocks, pair_groups, push_pairs
 from kvxfer.connector.params import InvalidTransferParams, parse_push, parse_remote, transfer_id_of
 from kvxfer.connector.push import StreamedHolds
 from kvxfer.connector.settings import ConnectorSettings
@@ -167,6 +167,8 @@ class SchedulerSide:
             return 0, False
         computed = params.get("remote_num_tokens")
         prompt = len(request.prompt_token_ids or ())
+        if computed is None and remote.streamed:  # (push: the prefill computes what this engine
+            computed = max(prompt - self.backoff, 0)  # loads; its sidecar is asked, Recv.num_tokens)
         n = tokens_to_load(prompt, self.backoff, computed, any(self.state_groups))
         if n < 0:
             log.info("request %s: the prefill's state covers %s tokens, this engine would load %d; "
@@ -199,9 +201,9 @@ class SchedulerSide:
         hybrid = bool(unhashed_block_ids) and isinstance(unhashed_block_ids[0], list | tuple)
         mine = [list(g) for g in unhashed_block_ids] if hybrid else [list(unhashed_block_ids)]  # type: ignore[arg-type]
         theirs = [list(g) for g in remote.groups] if remote.groups else [list(remote.block_ids)]
+        flags = self.state_groups if hybrid else ()
         try:
-            pairs = (push_pairs(mine) if not remote.block_ids and remote.req_id  # (push: parse_push)
-                     else pair_groups(mine, theirs, self.state_groups if hybrid else ()))
+            pairs = push_pairs(mine, flags) if remote.streamed else pair_groups(mine, theirs, flags)
         except ValueError as e:
             self.errors[request.request_id] = str(e)
             log.warning("request %s: %s; computing the prompt locally", request.request_id, e)
@@ -209,31 +211,16 @@ class SchedulerSide:
             fail_unposted(self._plan, request.request_id, mine, 1)
             return
         local = pairs.local + pairs.state_local  # every block the load writes
+        grouped = None
+        if remote.streamed and hybrid:  # (its sidecar pairs them, the state too, and may write fewer)
+            local = [b for g in mine for b in g if b]
+            n = tokens_to_load(len(request.prompt_token_ids or ()), self.backoff, None, False)
+            grouped = GroupedLoad(mine, list(self.state_groups), n)
         give_up = self.settings.transfer_timeout_s + self.settings.grace_s
-        expires = time.time() + give_up
-        for n, (pp, rank) in enumerate(self._ranks()):
-            try:
-                self.client.recv(
-                    request.request_id,
-                    pairs.local,
-                    RemoteBlocks(remote.engine_id, remote.host, remote.port, pairs.remote, remote.tp_size,
-                                 remote.req_id, remote.generation, remote.token),
-                    streamed=not remote.block_ids and bool(remote.req_id),  # (push mode: parse_push)
-                    tp_rank=rank,
-                    deadline_s=self.settings.transfer_timeout_s,
-                    reply_to_rank=True,
-                    expires_unix=expires,
-                    engine_id=self.local_engine,
-                    pp_rank=pp,
-                    state=(pairs.state_local, pairs.state_remote),
-                )
-            except SEND_ERRORS as e:
-                log.warning("request %s: KV load not posted to the sidecar (rank pp%d/tp%d): %s",
-                            request.request_id, pp, rank, e)
-                if n == 0:  # nothing was sent: fail the load now, vLLM recomputes
-                    self._plan.failed[request.request_id] = local
-                    return
-                break  # some ranks were sent: their deadlines settle it (expires_unix bounds them)
+        if not post_loads(self.client, self.settings, self._ranks(), request.request_id, pairs, remote,
+                          grouped, self.local_engine, time.time() + give_up):
+            self._plan.failed[request.request_id] = local  # (nothing was sent: vLLM recomputes)
+            return
         self._plan.recvs[request.request_id] = (local, time.monotonic() + give_up)
         self._loads[request.request_id] = time.monotonic() + give_up
 
@@ -265,7 +252,7 @@ class SchedulerSide:
         try:
             for pp, rank in self._ranks():
                 self.client.recv(req_id, [], remote, tp_rank=rank, engine_id=self.local_engine, pp_rank=pp,
-                                 streamed=not remote.block_ids and bool(remote.req_id))  # (push: parse_push)
+                                 streamed=remote.streamed)
         except SEND_ERRORS as e:  # the prefill's lease frees it
             log.warning("request %s: release of the prefill blocks not sent: %s", req_id, e)
 
@@ -298,12 +285,16 @@ class SchedulerSide:
         give_up = self.settings.lease_s + self.settings.grace_s
         token = new_token()  # only the decode this request's params reach can read or release it
         lease = req_id
+        groups, tokens = None, 0
         if self.settings.mode == "push" and (tid := transfer_id_of(params)):
             lease = token = tid  # (a push request not streamed: a chunked prompt; read as it is now)
             self._plan.names[tid] = req_id
+            if grouped:  # (its decode pairs its lists with these: Hold.groups)
+                groups, tokens = [list(g) for g in block_ids], request.num_prompt_tokens
         try:
             self.client.hold(lease, held, self.settings.lease_s, reads=self.tp_size, notify_ranks=True,
-                             expires_unix=time.time() + give_up, engine_id=self.local_engine, token=token)
+                             expires_unix=time.time() + give_up, engine_id=self.local_engine, token=token,
+                             groups=groups, num_tokens=tokens)
         except SEND_ERRORS as e:
             log.warning("request %s: hold not sent to the sidecar (%s); freeing its blocks, the decode "
                         "will compute the prompt", req_id, e)
@@ -382,6 +373,26 @@ class SchedulerSide:
 
     def shutdown(self) -> None:
         self.client.close()
+
+
+def post_loads(client: SidecarClient, settings: ConnectorSettings, ranks: list[tuple[int, int]], req_id: str,
+               pairs: Pairs, remote: RemoteBlocks, grouped: GroupedLoad | None, engine: str,
+               expires: float) -> bool:
+    """A load's Recv to every (pp, tp) rank: False when none could be sent (the load fails now;
+    when some were, their deadlines settle it: ``expires`` bounds them)."""
+    for n, (pp, rank) in enumerate(ranks):
+        try:
+            client.recv(req_id, pairs.local,
+                        RemoteBlocks(remote.engine_id, remote.host, remote.port, pairs.remote, remote.tp_size,
+                                     remote.req_id, remote.generation, remote.token),
+                        streamed=remote.streamed, groups=grouped, tp_rank=rank,
+                        deadline_s=settings.transfer_timeout_s, reply_to_rank=True, expires_unix=expires,
+                        engine_id=engine, pp_rank=pp, state=(pairs.state_local, pairs.state_remote))
+        except SEND_ERRORS as e:
+            log.warning("request %s: KV load not posted to the sidecar (rank pp%d/tp%d): %s", req_id, pp,
+                        rank, e)
+            return n > 0
+    return True
 
 
 def tokens_to_load(prompt: int, backoff: int, computed: Any, state: bool) -> int:

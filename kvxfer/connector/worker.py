@@ -35,7 +35,8 @@ from typing import Any
 import msgspec
 
 from kvxfer.client import SEND_ERRORS, Drained, SidecarClient
-from kvxfer.connector.layout import Placement, registration_from_tensors
+from kvxfer.connector.layer_reports import LayerReports
+from kvxfer.connector.layout import Placement, registration_from_tensors, tensor_of_layer
 from kvxfer.connector.settings import ConnectorSettings
 from kvxfer.connector.shm_pool import SharedAllocator
 from kvxfer.connector.sidecar_death import SidecarDeath
@@ -106,7 +107,7 @@ class WorkerSide:
         self._recvs: dict[str, tuple[list[int], float]] = {}
         self._holds: dict[str, float] = {}
         self._names: dict[str, str] = {}  # push mode: lease (transfer) id -> vLLM's request id
-        self._layer_index: dict[str, int] = {}  # layer name -> its place in this stage (registration order)
+        self._layers = LayerReports({})  # push mode: the layers a step computed, as the sidecar counts them
         self._invalid: set[int] = set()
         self.stats = WorkerStats()
         self._registration: Any = None
@@ -167,7 +168,7 @@ class WorkerSide:
         self.client = SidecarClient(self.settings.sidecar, ring=self.settings.engine_channel == "ring")
         self.client.ping(self.settings.sidecar_timeout_s)
         self.registered = self.client.register(msg, self.settings.sidecar_timeout_s)
-        self._layer_index = {name: i for i, name in enumerate(kv_caches)}
+        self._layers = LayerReports(tensor_of_layer(kv_caches), state=bool(state))
         self._registration = msg
         self._instance = self.registered.agent_name
         self.death.watch(self.pools)
@@ -362,12 +363,12 @@ class WorkerSide:
                 self.stats.expired += 1
 
     def save_layer(self, layer_name: str, streamed: list[str]) -> None:
-        """Push mode: this step computed ``layer_name`` ("": every layer) of the requests it
-        streams (decodes read it now: ``LayersDone``). Never raises into vLLM's forward."""
-        index = len(self._layer_index) - 1 if not layer_name else self._layer_index.get(layer_name)
-        if self.client is None or index is None:
+        """Push mode: this step (``streamed``: its requests) computed ``layer_name`` ("": all); what
+        is now ready is reported (``LayersDone``, ``LayerReports``). Never raises into vLLM."""
+        layers = self._layers.computed(layer_name, streamed)
+        if self.client is None or layers is None:
             return
-        msg = LayersDone(req_ids=streamed, layers=index + 1, tp_rank=self.tp_rank,
+        msg = LayersDone(req_ids=streamed, layers=layers, tp_rank=self.tp_rank,
                          pp_rank=self.place.pp_rank, engine_id=self.place.engine_id)
         try:
             self.client.send(msg)

@@ -119,6 +119,10 @@ from kvxfer.protocol.peer import (
 #    (peer) added; a decode sends LayerWatch only to a prefill whose Welcome says layer_streams)
 #    (and Cancel, engine -> sidecar, added: a 6 that does not know it answers Error unknown_message,
 #    and the load runs to its end as before)
+#    (and push mode of models of several KV cache groups, decodable by any 6: Hold.groups/
+#    num_tokens, Recv.groups/state_groups/num_tokens, LayersAt.groups/num_tokens and
+#    Welcome.grouped_streams appended; a decode follows a grouped request only at a prefill
+#    whose Welcome says grouped_streams, else the load fails incompatible and is recomputed)
 PROTOCOL_VERSION = 6
 
 

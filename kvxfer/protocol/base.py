@@ -13,6 +13,7 @@ from msgspec import Meta, Struct
 NonNeg = Annotated[int, Meta(ge=0)]
 Positive = Annotated[int, Meta(gt=0)]
 BlockIds = list[NonNeg]
+GroupBlockIds = Annotated[list[BlockIds], Meta(max_length=64)]  # one list per KV cache group
 ReqId = Annotated[str, Meta(min_length=1, max_length=512)]
 Token = Annotated[str, Meta(max_length=128)]  # a lease capability (kvxfer.auth.new_token)
 

@@ -10,7 +10,7 @@ from typing import Annotated, Literal
 
 from msgspec import Meta
 
-from kvxfer.protocol.base import BlockIds, EngineId, NonNeg, Positive, ReqId, Token, _Msg
+from kvxfer.protocol.base import BlockIds, EngineId, GroupBlockIds, NonNeg, Positive, ReqId, Token, _Msg
 from kvxfer.protocol.layout import KVGroup, KVLayout, KVRegion, MemoryRef
 
 # --------------------------------------------------------------------------- engine -> sidecar
@@ -61,6 +61,12 @@ class Hold(_Msg, tag="hold"):
     # their KV is computed; the workers report each layer (``LayersDone``) and a decode's
     # ``LayerWatch`` reads the layers computed so far while the prefill goes on.
     streamed: bool = False
+    # Push mode, a model of several KV cache groups (or a windowed or state group): the
+    # engine's block list per group, positions kept (0: vLLM's null block; ``block_ids`` are
+    # their distinct real blocks), and the prompt tokens it computes. A decode pairs its own
+    # lists with these (``kvxfer.pairing``). None: one group, ``block_ids`` in order.
+    groups: GroupBlockIds | None = None
+    num_tokens: NonNeg = 0
 
 
 class LayersDone(_Msg, tag="layers"):
@@ -133,6 +139,14 @@ class Recv(_Msg, tag="recv"):
     # sidecar's ``LayerWatch``es (``remote_block_ids`` and the remote state ids may be empty;
     # ``remote_req_id`` is the shared transfer id), and its layers are read as they are computed.
     streamed: bool = False
+    # Push mode, several KV cache groups: this engine's block list per group (``block_ids``:
+    # its attention groups' real blocks, flat; no state ids yet), which of them are state
+    # groups, and the prompt tokens it loads. Paired with the prefill's lists
+    # (``LayersAt.groups``) once its sidecar names them; a prefill that computed another
+    # number of tokens is not read (the pairs, or the state, would be another prompt's).
+    groups: GroupBlockIds | None = None
+    state_groups: Annotated[list[bool], Meta(max_length=64)] | None = None
+    num_tokens: NonNeg = 0
 
     @property
     def state_pairs(self) -> tuple[list[int], list[int]]:

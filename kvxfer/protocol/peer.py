@@ -11,7 +11,7 @@ from typing import Annotated, Literal
 
 from msgspec import Meta
 
-from kvxfer.protocol.base import BlockIds, EngineId, NonNeg, Positive, ReqId, Token, _Msg
+from kvxfer.protocol.base import BlockIds, EngineId, GroupBlockIds, NonNeg, Positive, ReqId, Token, _Msg
 from kvxfer.protocol.layout import KVLayout
 
 # --------------------------------------------------------------------------- handshake
@@ -168,6 +168,7 @@ class Welcome(_Msg, tag="welcome"):
     lease_words_addr: NonNeg = 0  # its lease words (kvxfer.sidecar.lease_words) in its NIXL memory
     lease_words_slots: NonNeg = 0  # 0: none (every read waits for its claim's answer)
     layer_streams: bool = False  # it answers LayerWatch (push mode)
+    grouped_streams: bool = False  # ... and its LayersAt names the blocks per KV cache group
 
 
 class Challenge(_Msg, tag="challenge"):
@@ -236,6 +237,8 @@ class LayersAt(_Msg, tag="layersat"):
     engine_id: EngineId = ""  # the prefill engine holding it
     code: str = ""
     reason: str = ""
+    groups: GroupBlockIds | None = None  # as Hold.groups (several KV cache groups)
+    num_tokens: NonNeg = 0  # as Hold.num_tokens
 
 
 HandshakeReply = Welcome | Refused | DigestReply | LeaseState | Challenge | Staged | LayersAt

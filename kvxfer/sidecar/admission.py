@@ -41,6 +41,12 @@ def admit_hold(msg: Hold, engine: str, num_blocks: int | None, *, draining: bool
         raise RequestError(ErrorCode.NOT_REGISTERED, f"{missing} rank(s) of engine {engine!r} are not "
                            "registered (yet): not held", msg.req_id)
     check_blocks(msg.req_id, msg.block_ids, num_blocks, "held")
+    if msg.groups is not None:  # (push mode, several KV cache groups: what a decode pairs with)
+        held = set(msg.block_ids)
+        stray = [b for g in msg.groups for b in g if b and b not in held]
+        if stray:
+            raise RequestError(ErrorCode.MALFORMED, f"blocks {stray[:8]} in the hold's groups are not "
+                               "among its blocks", msg.req_id)
     if msg.expires_unix and now_unix > msg.expires_unix:
         raise RequestError(ErrorCode.EXPIRED, "hold arrived after the engine freed its blocks "
                            f"({now_unix - msg.expires_unix:.1f}s late)", msg.req_id)

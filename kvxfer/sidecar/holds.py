@@ -107,7 +107,8 @@ class Holds:
         duration = msg.lease_s or self.config.lease_s
         lease = Lease(req_id=msg.req_id, owner=ident, block_ids=list(msg.block_ids),
                       expires=now + duration, reads_expected=msg.reads, created=now,
-                      notify_ranks=msg.notify_ranks, engine=engine, duration=duration, token=msg.token)
+                      notify_ranks=msg.notify_ranks, engine=engine, duration=duration, token=msg.token,
+                      groups=msg.groups, num_tokens=msg.num_tokens)
         self.table.add(lease)
         self.words.put(lease.key, lease_tag(engine, msg.req_id, msg.token), deadline_ms(msg.expires_unix))
         self.changed.emit()

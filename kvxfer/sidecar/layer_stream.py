@@ -143,8 +143,11 @@ class LayerBook:
 
 def stages_of(layouts: list[KVLayout]) -> tuple[dict[int, tuple[int, int]], int]:
     """An engine's pipeline stages ((first layer, layers) by pp rank) and TP size, from the
-    layouts of its registered ranks."""
-    stages = {lay.pp_rank: (lay.first_layer, lay.num_layers) for lay in layouts}
+    layouts of its registered ranks. A stage's layers are its KV tensors and, where it has
+    state layers (Mamba/GDN), its state as one more: reported only once the forward is over
+    (``kvxfer.connector.layer_reports``), read with the last range (``restrict``)."""
+    stages = {lay.pp_rank: (lay.first_layer, lay.num_layers + (1 if lay.state_regions else 0))
+              for lay in layouts}
     return stages, max((lay.tp_size for lay in layouts), default=1)
 
 

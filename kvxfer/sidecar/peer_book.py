@@ -36,6 +36,7 @@ class Peer:
     staging_bytes: int = 0  # its staging arena (Welcome.staging_bytes): 0, it stages nothing
     lease_words: tuple[int, int] = (0, 0)  # (address, slots) of its lease words: (0, 0), none
     layer_streams: bool = False  # it answers LayerWatch (push mode; Welcome.layer_streams)
+    grouped_streams: bool = False  # ... naming a request's blocks per KV cache group
 
     def outdated_by(self, generation: str) -> bool:
         """Both generations known and different: this description came from another

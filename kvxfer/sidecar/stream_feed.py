@@ -31,7 +31,9 @@ import msgspec
 from kvxfer.config import Config
 from kvxfer.errors import ErrorCode, RequestError
 from kvxfer.observe import Observer
-from kvxfer.protocol import LayersAt, LayerWatch, Recv
+from kvxfer.pairing import pair_groups
+from kvxfer.protocol import KVLayout, LayersAt, LayerWatch, Recv
+from kvxfer.sidecar.admission import check_blocks
 from kvxfer.sidecar.layer_stream import read_ranges, remote_suffix, restrict
 from kvxfer.sidecar.nixl_port import NixlPort
 from kvxfer.sidecar.nixl_types import ReadFinished, ReadRefused
@@ -163,8 +165,13 @@ class StreamFeed:
                 ranks = peer.engine_ranks(ans.engine_id or engine)
                 remote_layouts = {pp: info.layout for (pp, _), info in ranks.items()}
                 same = all(lay.block_size == local.info.layout.block_size for lay in remote_layouts.values())
-                msg = completed(msg, ans, peer, same)
-                plans, pairing = plan(msg)
+                try:
+                    msg = completed(msg, ans, peer, same, local.info.layout)
+                    plans, pairing = plan(msg)
+                except RequestError:  # (never to be read: the prefill frees its blocks now)
+                    state.peer_agent, state.remote_engine = peer.agent_name, ans.engine_id or engine
+                    notify_prefill(self.nixl, self.registry, state, False)
+                    raise
             have = ans.ready
             if have >= ans.total:
                 n_local = local.info.layout.num_regions
@@ -272,19 +279,51 @@ def streamable(peer: Peer, msg: Recv) -> None:
     if not peer.layer_streams:
         raise RequestError(ErrorCode.INCOMPATIBLE, f"prefill sidecar {peer.endpoint} does not serve "
                            "push mode (an older kvxfer): send it the request first and pull")
-    if msg.state_block_ids:
-        raise RequestError(ErrorCode.INCOMPATIBLE, "push mode moves attention layers only (state "
-                           "groups are pulled: send the request to the prefill first)")
+    if msg.state_block_ids:  # (a streamed receive's state blocks are paired from its groups)
+        raise RequestError(ErrorCode.MALFORMED, "a streamed receive names its state blocks in its groups")
+    if msg.groups is not None and not peer.grouped_streams:
+        raise RequestError(ErrorCode.INCOMPATIBLE, f"prefill sidecar {peer.endpoint} does not stream models "
+                           "of several KV cache groups (an older kvxfer): send it the request first and pull")
 
 
-def completed(msg: Recv, ans: LayersAt, peer: Peer, same_block_size: bool) -> Recv:
+def completed(msg: Recv, ans: LayersAt, peer: Peer, same_block_size: bool, local: KVLayout) -> Recv:
     """The Recv of a streamed receive once the prefill's sidecar named its blocks (a partial
-    prefix hit on the decode reads the suffix; with block sizes that differ, every block)."""
+    prefix hit on the decode reads the suffix; with block sizes that differ, every block; a
+    model of several KV cache groups pairs them group by group: ``paired``)."""
+    common = {"remote_generation": ans.generation or peer.generation,
+              "remote_tp_size": ans.tp_size or msg.remote_tp_size,
+              "remote_engine_id": ans.engine_id or msg.remote_engine_id}
+    if msg.groups is not None:
+        return msgspec.structs.replace(msg, **paired(msg, ans, local), **common)
     remote = remote_suffix(list(ans.block_ids), len(msg.block_ids), same_block_size)
-    return msgspec.structs.replace(msg, remote_block_ids=remote,
-                                   remote_generation=ans.generation or peer.generation,
-                                   remote_tp_size=ans.tp_size or msg.remote_tp_size,
-                                   remote_engine_id=ans.engine_id or msg.remote_engine_id)
+    return msgspec.structs.replace(msg, remote_block_ids=remote, **common)
+
+
+def paired(msg: Recv, ans: LayersAt, local: KVLayout) -> dict[str, Any]:
+    """A grouped streamed receive's blocks, paired with the prefill's lists as pull pairs them
+    (``kvxfer.pairing``): RequestError ``incompatible`` when they cannot be (another number of
+    groups or of prompt tokens: the state, or the window, would be another prompt's)."""
+    if ans.groups is None:
+        raise RequestError(ErrorCode.INCOMPATIBLE, "the prefill holds this request without its blocks per "
+                           "KV cache group (one group there: not the same model)", msg.req_id)
+    if msg.num_tokens != ans.num_tokens:
+        raise RequestError(ErrorCode.INCOMPATIBLE, f"the prefill computes {ans.num_tokens} prompt tokens, "
+                           f"this engine loads {msg.num_tokens}: not read", msg.req_id)
+    try:
+        pairs = pair_groups(msg.groups or [], ans.groups, msg.state_groups or ())
+    except ValueError as e:
+        raise RequestError(ErrorCode.INCOMPATIBLE, str(e), msg.req_id) from None
+    mine = set(msg.block_ids)
+    if any(b not in mine for b in pairs.local):  # (only blocks admitted with the Recv are written)
+        raise RequestError(ErrorCode.MALFORMED, "the receive's groups name attention blocks its block "
+                           "ids do not", msg.req_id)
+    check_blocks(msg.req_id, pairs.state_local, local.num_blocks, "local")
+    if pairs.state_local and not local.state_regions:
+        raise RequestError(ErrorCode.INVALID_LAYOUT, "state blocks to receive, but this rank registered no "
+                           "state layers", msg.req_id)
+    return {"block_ids": pairs.local, "remote_block_ids": pairs.remote,
+            "state_block_ids": pairs.state_local or None,
+            "remote_state_block_ids": pairs.state_remote or None}
 
 
 def _refusal(ans: LayersAt, req_id: str) -> RequestError:

@@ -202,7 +202,8 @@ class StreamServer:
         total = sum(n for _, n in stages.values())
         ready = prog.ready if prog is not None else total
         return LayersAt(seq=msg.seq, held="held", ready=ready, total=total, block_ids=list(lease.block_ids),
-                        generation=self._generation(), tp_size=tp_size, engine_id=lease.engine)
+                        generation=self._generation(), tp_size=tp_size, engine_id=lease.engine,
+                        groups=lease.groups, num_tokens=lease.num_tokens)
 
     def _not_held(self, msg: LayerWatch) -> LayersAt:
         return LayersAt(seq=msg.seq, held=self.holds.absent(msg.engine_id, msg.req_id),

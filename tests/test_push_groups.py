@@ -1,0 +1,129 @@
+"""Push mode for models of several KV cache groups (#36 item 3) on real sidecars: real
+``kvxfer serve`` processes, real NIXL reads on shared host memory, every byte checked.
+
+A hybrid engine here has attention layers (one KV tensor each, shared in vLLM by one layer of
+each group: a full-attention group and a sliding-window one) and state layers (Mamba/GDN).
+The prefill holds its lists per group (``Hold.groups``, as its connector cuts them), the
+decode names its own (``Recv.groups``); the decode's sidecar pairs them once the prefill's
+sidecar names the prefill's (as pull pairs them: each group at its tail, a window's tail only,
+the state's one block), reads each attention layer as it is computed, and the state only
+once the prefill's forward is over (its last "layer").
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+
+from kvxfer.client import GroupedLoad
+from kvxfer.errors import ErrorCode
+from kvxfer.protocol import LayersDone
+from kvxfer.testing.engine import SyntheticEngine, make_layout
+from kvxfer.testing.procs import SidecarFactory
+from tests.test_push import streamed_remote
+from tests.test_sidecar import wait_for
+
+LAYERS = 6
+STATE = 4096  # bytes of one request's state per state layer
+STATE_FLAGS = [False, False, True]  # full attention, sliding window, state
+TOKENS = 80  # the prompt tokens the prefill computes (and the decode loads)
+
+
+@pytest.fixture
+def pair() -> Iterator[tuple[SyntheticEngine, SyntheticEngine]]:
+    layout = make_layout(layers=LAYERS, num_blocks=64, heads=2, head_dim=64, state_layers=2,
+                         state_bytes=STATE)
+    with SidecarFactory() as f:
+        ps = f.start("prefill", "--lease-s", "30")
+        ds = f.start("decode", "--verify-sample", "0")
+        p, d = SyntheticEngine(layout, ps.endpoint, seed=1), SyntheticEngine(layout, ds.endpoint, seed=2)
+        p.start()
+        d.start()
+        try:
+            yield p, d
+        finally:
+            p.close()
+            d.close()
+
+
+def state_of(e: SyntheticEngine, block: int) -> np.ndarray:
+    return e.kv.state_blocks()[:, block, :].copy()  # type: ignore[union-attr]
+
+
+def test_a_hybrid_request_streams_its_layers_by_group_and_its_state_last(
+        pair: tuple[SyntheticEngine, SyntheticEngine]) -> None:
+    p, d = pair
+    for rnd, hit in enumerate((0, 2)):  # (then a partial prefix hit on the decode: its 2 first blocks)
+        tid = f"hybrid-{rnd}"
+        pf, pw, (ps,) = p.allocate(5), p.allocate(3), p.allocate(1)
+        df, dw, (ds,) = d.allocate(5), d.allocate(3), d.allocate(1)
+        df_load = df[hit:]  # (the decode's lists as its connector gives them: its prefix hit left out)
+        # the prefill's window list has vLLM's null block in front (out of the window)
+        p_groups, d_groups = [pf, [0, *pw[1:]], [ps]], [df_load, dw[1:], [ds]]
+        # pairs as pull makes them: each group at its tail, a null on either side skipped
+        remote, local = pf[hit:] + pw[1:], df_load + dw[1:]
+        d.wipe(df + dw)
+        d.kv.state_blocks()[:, ds, :] = 0  # type: ignore[union-attr]
+        p.wipe(pf + pw)
+        p.kv.state_blocks()[:, ps, :] = 0  # type: ignore[union-attr]
+        p.client.hold(tid, [b for g in p_groups for b in g if b], token=tid, streamed=True,
+                      expires_unix=time.time() + 60, groups=p_groups, num_tokens=TOKENS)
+        d.client.recv(tid, local, streamed_remote(p, tid), streamed=True, deadline_s=30,
+                      groups=GroupedLoad(d_groups, STATE_FLAGS, TOKENS))
+        for layer in range(LAYERS):  # the prefill computes one attention layer at a time
+            p.fill_layers(tid, remote, range(layer, layer + 1))
+            p.client.send(LayersDone(req_ids=[tid], layers=layer + 1))
+            time.sleep(0.02)
+        deadline = time.monotonic() + 10  # every attention layer read while the state is not
+        while not d.verify_layers(tid, local, range(LAYERS)) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert d.verify_layers(tid, local, range(LAYERS)), "the computed layers did not move meanwhile"
+        time.sleep(0.2)
+        assert not d.client.poll().done, "done before the prefill's forward was over"
+        assert not state_of(d, ds).any(), "the state was read before the prefill finished it"
+        p.fill_state(tid, [ps])  # the forward is over: the state is whole
+        p.client.send(LayersDone(req_ids=[tid], layers=LAYERS + 1))
+        got = wait_for(d.client, lambda a: bool(a.done or a.failed), timeout=30)
+        assert got.done, got.failed
+        assert d.verify(tid, local), "attention bytes differ"
+        assert d.verify_state(tid, [ds]), "state bytes differ"
+        assert got.done[0].nbytes == len(local) * d.layout.num_regions * d.layout.region_block_len + 2 * STATE
+        assert not d.kv.blocks()[:, :, [dw[0], *df[:hit]], :].any(), "a block outside the pairs was written"  # type: ignore[union-attr]
+        wait_for(p.client, lambda a: bool(a.released))
+        p.free(pf + pw + [ps])
+        d.free(df + dw + [ds])
+
+
+def test_a_grouped_load_that_cannot_be_paired_fails_and_releases_the_prefill(
+        pair: tuple[SyntheticEngine, SyntheticEngine]) -> None:
+    """Another number of prompt tokens at the prefill (its state would be another prompt's),
+    a prefill held without groups, a decode list longer than the prefill's: refused
+    ``incompatible`` before anything is read; the prefill's lease ends, the engine goes on."""
+    p, d = pair
+    cases = {
+        "tokens": ([[1, 2], [3], [4]], TOKENS + 1, [[11, 12], [13], [14]]),
+        "no-groups": (None, 0, [[11, 12], [13], [14]]),
+        "longer": ([[1, 2], [3], [4]], TOKENS, [[10, 11, 12], [13], [14]]),
+    }
+    for name, (p_groups, tokens, d_groups) in cases.items():
+        tid = f"bad-{name}"
+        p.client.hold(tid, [1, 2, 3, 4], token=tid, streamed=True, expires_unix=time.time() + 60,
+                      groups=p_groups, num_tokens=tokens)
+        d.client.recv(tid, [b for g in d_groups[:2] for b in g], streamed_remote(p, tid), streamed=True,
+                      deadline_s=30, groups=GroupedLoad(d_groups, STATE_FLAGS, TOKENS))
+        got = wait_for(d.client, lambda a: bool(a.done or a.failed), timeout=10)
+        assert got.failed, (name, got)
+        assert got.failed[0].code == ErrorCode.INCOMPATIBLE, (name, got)
+        released = wait_for(p.client, lambda a: bool(a.released), timeout=10)
+        assert released.released[0].req_id == tid, (name, released)
+
+
+def test_a_hold_whose_groups_name_blocks_it_does_not_hold_is_refused(
+        pair: tuple[SyntheticEngine, SyntheticEngine]) -> None:
+    p, _ = pair
+    p.client.hold("stray", [1, 2], token="stray", streamed=True, groups=[[1, 2], [9]], num_tokens=TOKENS)
+    got = wait_for(p.client, lambda a: bool(a.errors), timeout=10)
+    assert got.errors[0].code == ErrorCode.MALFORMED, got.errors
