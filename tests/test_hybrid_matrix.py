@@ -139,16 +139,13 @@ def test_family_in_push_mode(family: str, tmp_path: Any) -> None:
     try:
         pl.start()
         as_one = {"push": 0, "pull": 0}
-        unlike_pull = []
         for i, n in enumerate(LENGTHS):
-            text = prompt(n, 700 + i)
-            one = text_of(pl.baseline(text, 8))
+            text, other = prompt(n, 700 + i), prompt(n, 900 + i)  # (one each: a prompt pushed after
+            one = text_of(pl.baseline(text, 8))  # it was pulled would hit the decode's prefix cache)
             pulled = text_of(pl.complete(text, 8)[0])
-            pushed = text_of(pl.complete_push(text, 8))
-            as_one["push"] += pushed == one
+            pushed = text_of(pl.complete_push(other, 8))
+            as_one["push"] += pushed == text_of(pl.baseline(other, 8))
             as_one["pull"] += pulled == one
-            if pushed != pulled:
-                unlike_pull.append(n)
             print(f"{family:>9} {n:>5} tokens: push {'same' if pushed == one else 'OTHER'}, pull "
                   f"{'same' if pulled == one else 'OTHER'} as one engine")
         m = pl.d_sidecar.scrape()
@@ -157,7 +154,6 @@ def test_family_in_push_mode(family: str, tmp_path: Any) -> None:
               f"{m.get('kvxfer_transferred_bytes_total', 0) / 1e6:.2f} MB")
         assert ok == 2 * len([n for n in LENGTHS if n > 1]), m  # (pulled and pushed: every one loaded)
         assert not m.get('kvxfer_transfers_total{result="failed"}', 0), m
-        assert not unlike_pull, ("push gave other tokens than pull (the same n - 1 split)", unlike_pull)
         if family != "qwen3next":  # (bf16 Gated DeltaNet: two engines' tokens may differ, above)
             assert as_one == {"push": len(LENGTHS), "pull": len(LENGTHS)}, as_one
     finally:

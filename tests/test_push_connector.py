@@ -108,23 +108,27 @@ def test_a_preempted_streamed_request_is_released_and_not_streamed_again() -> No
     assert push.finish(r) == (False, None)
 
 
-def test_a_model_of_several_groups_is_held_with_its_lists_cut_as_pull_gets_them() -> None:
-    """A hybrid model (push, #36): one list per vLLM group, the attention groups cut to the
-    prompt's blocks (never a lookahead block), then clipped as pull's request_finished gets
-    them (a window's tail, the state's one block); the hold names the lists and the tokens."""
+def test_a_model_of_several_groups_is_held_with_its_lists_as_vllm_will_finish_them() -> None:
+    """A hybrid model (push, #36): one list per vLLM group, as ``request_finished`` will get
+    them once the prompt is computed: attention groups cut to the prompt's blocks (never a
+    lookahead block), the blocks vLLM then frees outside the window nulled (never held: it
+    reuses them), a window's tail, the state's one block; the hold names them and the tokens."""
     from kvxfer.connector.groups import Group, Groups
 
     kinds = (Group("full", BS), Group("sliding_window", BS, window=20), Group("state", BS))
     groups = Groups(kinds, (0, 1, 2), 3)
     push, client = holds()
     r = request("r1", "t1", prompt=100)  # 7 blocks of 16
-    push.allocated(r, [[1, 2, 3, 4, 5, 6, 7, 8], [0, 0, 0, 0, 13, 14, 15, 16], [21]], BS, groups.clip,
-                   groups.state_by_vllm_group)
+    lists = groups.at_finish([[1, 2, 3, 4, 5, 6, 7, 8], [11, 12, 13, 14, 15, 16, 17, 18], [21]], 100)
+    # window: tokens 0-80 fall out of the window of token 100 (100 - 20 + 1 = 81): blocks 0-4
+    # freed by vLLM; the tail of cdiv(20, 16) + 1 = 3 of the prompt's 7 blocks
+    assert lists == [[1, 2, 3, 4, 5, 6, 7], [0, 16, 17], [21]]
+    push.allocated_groups(r, lists)
     push.scheduled({"r1": 100}, None, StepPlan())
-    # full: 7 prompt blocks (not the lookahead 8); window: cdiv(20, 16) + 1 = 3 at the tail of
-    # the prompt's 7 (not 16); state: its block
-    assert client.groups == [([[1, 2, 3, 4, 5, 6, 7], [13, 14, 15], [21]], 100)]
-    assert client.holds == [("t1", [1, 2, 3, 4, 5, 6, 7, 13, 14, 15, 21])]
+    assert client.groups == [(lists, 100)]
+    assert client.holds == [("t1", [1, 2, 3, 4, 5, 6, 7, 16, 17, 21])]
+    # the same lists as pull's request_finished gets from vLLM once it freed those blocks
+    assert groups.clip([[1, 2, 3, 4, 5, 6, 7], [0, 0, 0, 0, 0, 16, 17], [21]]) == lists
 
 
 def test_layer_reports_count_tensors_whose_every_layer_is_computed_and_the_state_last() -> None:
@@ -147,3 +151,8 @@ def test_layer_reports_count_tensors_whose_every_layer_is_computed_and_the_state
     assert [hybrid.computed(f"model.layers.{i}.attn", step) for i in range(6)] == [None, None, None, 1, 2, 3]
     assert hybrid.computed("", step) == 4  # the state: only now
     assert hybrid.computed("mamba.7", object()) is None  # (not an attention layer: nothing)
+    # two attention modules in one decoder layer (one number): naming one proves nothing of the other
+    twin = LayerReports({"model.layers.0.attn": 0, "model.layers.0.cross": 1, "model.layers.1.attn": 2})
+    step = object()
+    assert twin.computed("model.layers.0.attn", step) == 1
+    assert twin.computed("model.layers.1.attn", step) == 3  # (layer 0's modules are all before it)

@@ -198,6 +198,7 @@ class KvxferConnector(KVConnectorBase_V1, *_HMA):  # type: ignore[misc]
             self.scheduler = SchedulerSide(self.settings, size, engine_id=engine_id_of(vllm_config),
                                            pp_size=pc.pipeline_parallel_size)
             self.scheduler.backoff = self.groups.backoff if self.groups is not None else 0
+            self.scheduler.grouped = self.groups is not None and self.groups.grouped
             self.scheduler.state_groups = self.groups.state if self.groups is not None else ()
         else:
             device = str(vllm_config.device_config.device_type) if vllm_config.device_config else "cuda"
@@ -225,9 +226,9 @@ class KvxferConnector(KVConnectorBase_V1, *_HMA):  # type: ignore[misc]
         if self.scheduler.push.streams(request):  # (push mode, prefill side: held before it is computed)
             ids = blocks.get_block_ids()
             size = self._vllm_config.cache_config.block_size
-            if self.groups is not None and self.groups.grouped:  # (one list per group, cut as pull's)
-                self.scheduler.push.allocated(request, [list(g) for g in ids], size, self.groups.clip,
-                                              self.groups.state_by_vllm_group)
+            if self.groups is not None and self.groups.grouped:  # (one list per group, as pull's)
+                lists = self.groups.at_finish([list(g) for g in ids], request.num_prompt_tokens)
+                self.scheduler.push.allocated_groups(request, lists)
             elif len(ids) == 1:
                 self.scheduler.push.allocated(request, list(ids[0]), size)
             return

@@ -73,6 +73,16 @@ class Group:
     state_bytes: int = 0  # state groups: bytes of one request's state per layer
     spec_blocks: int = 0  # state groups: speculative scratch blocks after the state block
     state_kind: str = ""  # state groups: what the state is (e.g. "mamba2: conv (3, 544) ...")
+    chunk: int = 0  # chunked local attention: tokens per chunk
+
+    def skipped(self, tokens: int) -> int:
+        """Tokens vLLM no longer keeps once ``tokens`` are computed (its managers'
+        ``get_num_skipped_tokens``, without speculative decoding's retained tokens)."""
+        if self.kind == "sliding_window":
+            return max(0, tokens - self.window + 1)
+        if self.kind == "chunked_local" and self.chunk:
+            return tokens // self.chunk * self.chunk
+        return 0
 
     @property
     def window_blocks(self) -> int:
@@ -115,7 +125,8 @@ def _group_of(spec: Any, layers: Sequence[str]) -> Group:
     if _is(s, "SlidingWindowSpec"):
         return Group("sliding_window", int(s.block_size), int(s.sliding_window), tuple(layers))
     if _is(s, "ChunkedLocalAttentionSpec"):
-        return Group("chunked_local", int(s.block_size), 0, tuple(layers))  # moved in full
+        return Group("chunked_local", int(s.block_size), 0, tuple(layers),  # moved in full
+                     chunk=int(getattr(s, "attention_chunk_size", 0) or 0))
     if _is(s, "MLAAttentionSpec"):
         return Group("mla", int(s.block_size), 0, tuple(layers))
     return Group("full", int(s.block_size), 0, tuple(layers))
@@ -144,6 +155,8 @@ class Groups:
                 if getattr(k, "prefix_replay_tokens", 0):
                     raise UnsupportedModel("kvxfer cannot move this model's KV cache: a sliding window "
                                            "with bounded prefix replay is not supported yet")
+        if len(ids) > 64:  # (a message carries at most 64 lists: GroupBlockIds)
+            raise UnsupportedModel(f"kvxfer cannot move a KV cache of {len(ids)} groups (64 at most)")
         groups = tuple(_group_of(all_groups[i].kv_cache_spec, list(all_groups[i].layer_names)) for i in ids)
         specs = [k for i in ids for k in _kinds(all_groups[i].kv_cache_spec) if _is(k, "AttentionSpec")]
         shapes = {(int(k.block_size), getattr(k, "num_kv_heads", None), getattr(k, "head_size", None),
@@ -170,11 +183,23 @@ class Groups:
         """Per transferable group: a state group (its pairs move in the state regions)."""
         return tuple(g.is_state for g in self.groups)
 
-    @property
-    def state_by_vllm_group(self) -> tuple[bool, ...]:
-        """Per group of vLLM's (all of them, transferable or not): a state group."""
-        state = {i for g, i in zip(self.groups, self.ids, strict=True) if g.is_state}
-        return tuple(i in state for i in range(self.total))
+    def at_finish(self, block_ids: Sequence[Sequence[int]], tokens: int) -> list[list[int]]:
+        """vLLM's per-group lists (all groups) as they will be when its prefill has computed
+        ``tokens`` prompt tokens and ends, for push mode, which holds them before: each
+        attention group cut to the prompt's blocks (never a lookahead block), the blocks vLLM
+        then frees (``remove_skipped_blocks``: outside the window of the next token, left of
+        its local chunk) nulled, and ``clip``ped as ``request_finished``'s lists are."""
+        kinds = dict(zip(self.ids, self.groups, strict=True))
+        out = []
+        for i, blocks in enumerate(block_ids):
+            g = kinds.get(i)
+            lst = list(blocks)
+            if g is not None and not g.is_state:
+                lst = lst[:_cdiv(tokens, g.block_size)]
+                skip = min(g.skipped(tokens) // g.block_size, len(lst))
+                lst = [0] * skip + lst[skip:]
+            out.append(lst)
+        return self.clip(out)
 
     @property
     def state_group(self) -> Group | None:

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Sequence
 from typing import Any
 
 from kvxfer.client import SEND_ERRORS, SidecarClient
@@ -56,22 +55,18 @@ class StreamedHolds:
         return (self.settings.mode == "push" and bool(params) and bool(params.get("do_remote_decode"))
                 and bool(transfer_id_of(params)))
 
-    def allocated(self, request: Any, block_ids: list[int] | list[list[int]], block_size: int,
-                  clip: Callable[[list[list[int]]], list[list[int]]] | None = None,
-                  state: Sequence[bool] = ()) -> None:
-        """Its blocks (the prompt's only: never lookahead ones); held in ``scheduled``. A model
-        of several KV cache groups gives one list per vLLM group, ``state`` says which of them
-        are state groups (not cut to the prompt: one block per request) and ``clip`` cuts the
-        lists as pull's ``request_finished`` gets them (windows, state blocks)."""
+    def allocated(self, request: Any, block_ids: list[int], block_size: int) -> None:
+        """Its blocks (the prompt's only: never lookahead ones); held in ``scheduled``."""
         n = -(-request.num_prompt_tokens // block_size)
-        if request.request_id in self._streams or request.request_id in self._spent:
-            return
-        if clip is None:
-            self._pending[request.request_id] = (request, list(block_ids[:n]), None)  # type: ignore[arg-type]
-            return
-        groups = clip([list(g) if i < len(state) and state[i] else list(g)[:n]  # type: ignore[arg-type]
-                       for i, g in enumerate(block_ids)])
-        self._pending[request.request_id] = (request, held_blocks(groups), groups)
+        if request.request_id not in self._streams and request.request_id not in self._spent:
+            self._pending[request.request_id] = (request, list(block_ids[:n]), None)
+
+    def allocated_groups(self, request: Any, groups: list[list[int]]) -> None:
+        """A model of several KV cache groups: its lists as vLLM will hand them to
+        ``request_finished`` once the prompt is computed (``Groups.at_finish``); held (with
+        them, and the prompt's tokens: ``Hold.groups``) in ``scheduled``."""
+        if request.request_id not in self._streams and request.request_id not in self._spent:
+            self._pending[request.request_id] = (request, held_blocks(groups), groups)
 
     def scheduled(self, num_scheduled: dict[str, int], preempted: set[str] | None, plan: StepPlan) -> None:
         """The step is scheduled: hold what it computes whole, release what vLLM preempted."""

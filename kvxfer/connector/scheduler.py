@@ -42,7 +42,7 @@ log = logging.getLogger(__name__)
 # A Hold refused with one of these made no lease (nothing else the scheduler sends under a
 # lease's name is refused so: a Release of an ended lease is UNKNOWN_REQUEST)
 HOLD_REFUSED = frozenset({ErrorCode.DRAINING, ErrorCode.NOT_REGISTERED, ErrorCode.BLOCK_OUT_OF_RANGE,
-                          ErrorCode.EXPIRED})
+                          ErrorCode.EXPIRED, ErrorCode.MALFORMED})
 
 
 class SentHolds:
@@ -90,6 +90,7 @@ class SchedulerSide:
         self.settings = settings
         self.tp_size = tp_size
         self.backoff = 0  # prompt tokens the prefill leaves to the decode (windowed or state groups)
+        self.grouped = False  # block ids travel per KV cache group (Groups.grouped)
         self.state_groups: tuple[bool, ...] = ()  # per transferable group: a state (Mamba/GDN) group
         self._hetero_warned: set[str] = set()  # prefill engines of another TP size (state models)
         self.pp_size = pp_size  # each (pp, tp) worker receives its own layers and reports its own Done
@@ -103,6 +104,8 @@ class SchedulerSide:
         self.handshake_host = pong.handshake_host
         self.handshake_port = pong.handshake_port
         self.generation = pong.generation  # the sidecar's registrations (kv_transfer_params)
+        self.grouped_push = pong.grouped_streams  # it pairs a push load's groups (Recv.groups)
+        self._claimed: dict[str, int] = {}  # push loads: the prompt tokens claimed from the prefill
         self._remote: dict[str, RemoteBlocks] = {}  # decode requests with usable params
         self._waiting: dict[str, RemoteBlocks] = {}  # ... not given blocks yet: their leases are kept alive
         self._next_keepalive = time.monotonic() + settings.keepalive_period_s
@@ -169,7 +172,12 @@ class SchedulerSide:
         prompt = len(request.prompt_token_ids or ())
         if computed is None and remote.streamed:  # (push: the prefill computes what this engine
             computed = max(prompt - self.backoff, 0)  # loads; its sidecar is asked, Recv.num_tokens)
-        n = tokens_to_load(prompt, self.backoff, computed, any(self.state_groups))
+            if self.grouped and not self.grouped_push:  # (a sidecar that would read it as one group)
+                log.warning("request %s: an older sidecar, no push of several KV cache groups; computing "
+                            "it here", request.request_id)
+                return 0, False
+        n = self._claimed[request.request_id] = tokens_to_load(prompt, self.backoff, computed,
+                                                               any(self.state_groups))  # (Recv.num_tokens)
         if n < 0:
             log.info("request %s: the prefill's state covers %s tokens, this engine would load %d; "
                      "computing the prompt here", request.request_id, computed, -n)
@@ -212,10 +220,10 @@ class SchedulerSide:
             return
         local = pairs.local + pairs.state_local  # every block the load writes
         grouped = None
+        claimed = self._claimed.pop(request.request_id, 0)
         if remote.streamed and hybrid:  # (its sidecar pairs them, the state too, and may write fewer)
             local = [b for g in mine for b in g if b]
-            n = tokens_to_load(len(request.prompt_token_ids or ()), self.backoff, None, False)
-            grouped = GroupedLoad(mine, list(self.state_groups), n)
+            grouped = GroupedLoad(mine, list(self.state_groups), claimed)
         give_up = self.settings.transfer_timeout_s + self.settings.grace_s
         if not post_loads(self.client, self.settings, self._ranks(), request.request_id, pairs, remote,
                           grouped, self.local_engine, time.time() + give_up):
@@ -268,6 +276,7 @@ class SchedulerSide:
         req_id = request.request_id
         remote = self._remote.pop(req_id, None)
         self._waiting.pop(req_id, None)
+        self._claimed.pop(req_id, None)
         error = self.errors.pop(req_id, None)
         status = getattr(request.status, "name", str(request.status))
         if not params:

@@ -121,7 +121,8 @@ from kvxfer.protocol.peer import (
 #    and the load runs to its end as before)
 #    (and push mode of models of several KV cache groups, decodable by any 6: Hold.groups/
 #    num_tokens, Recv.groups/state_groups/num_tokens, LayersAt.groups/num_tokens and
-#    Welcome.grouped_streams appended; a decode follows a grouped request only at a prefill
+#    Welcome.grouped_streams and Pong.grouped_streams appended (a connector claims a grouped push
+#    load only from a sidecar whose Pong says so); a decode follows a grouped request only at a prefill
 #    whose Welcome says grouped_streams, else the load fails incompatible and is recomputed)
 PROTOCOL_VERSION = 6
 

@@ -230,6 +230,7 @@ class Pong(_Msg, tag="pong"):
     handshake_port: NonNeg
     instance: str = ""  # the sidecar's agent name: changes when the sidecar restarts
     generation: str = ""  # changes when the sidecar restarts or a registration is replaced or removed
+    grouped_streams: bool = False  # it follows push loads of several KV cache groups (Recv.groups)
 
 
 SidecarEvent = Registered | Done | Failed | Released | Error | Pong

@@ -20,11 +20,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import msgspec
 
@@ -50,6 +51,7 @@ log = logging.getLogger("kvxfer.streams")
 WATCH_WAIT_S = 5.0  # a watch waits this long at the prefill for more layers (then it is sent again)
 UNKNOWN_PAUSE_S = 0.002  # the prefill's Hold is not there yet: ask again after this, doubling
 UNKNOWN_PAUSE_MAX_S = 0.1  # ... up to this
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -132,12 +134,7 @@ class StreamFeed:
             raise RequestError(ErrorCode.NOT_REGISTERED, f"local rank {state.local} was unregistered")
         engine = peer.resolve_engine(state.msg.remote_engine_id)
         msg, deadline = state.msg, state.deadline
-
-        def plan(completed: Recv) -> tuple[list[RankPlan], BlockPairing]:
-            state.msg = completed
-            return plan_for(self.registry, state, peer)
-
-        streamable(peer, msg)
+        self._told_if(state, peer, engine, lambda: streamable(peer, msg))
         host, port = msg.remote_host, msg.remote_port
         req_id = msg.remote_req_id or msg.req_id
         have = read = nbytes = 0
@@ -164,14 +161,8 @@ class StreamFeed:
                 blocks = list(ans.block_ids)
                 ranks = peer.engine_ranks(ans.engine_id or engine)
                 remote_layouts = {pp: info.layout for (pp, _), info in ranks.items()}
-                same = all(lay.block_size == local.info.layout.block_size for lay in remote_layouts.values())
-                try:
-                    msg = completed(msg, ans, peer, same, local.info.layout)
-                    plans, pairing = plan(msg)
-                except RequestError:  # (never to be read: the prefill frees its blocks now)
-                    state.peer_agent, state.remote_engine = peer.agent_name, ans.engine_id or engine
-                    notify_prefill(self.nixl, self.registry, state, False)
-                    raise
+                msg, plans, pairing = self._told_if(state, peer, ans.engine_id or engine, functools.partial(
+                    self._planned, state, peer, local, ans, remote_layouts))
             have = ans.ready
             if have >= ans.total:
                 n_local = local.info.layout.num_regions
@@ -186,6 +177,28 @@ class StreamFeed:
                                                pairing, remote_layouts, (read, have))
                 read = have
             ans = await self._answer(sent, deadline)
+
+    def _told_if(self, state: RecvState, peer: Peer, engine: str, step: Callable[[], T]) -> T:
+        """``step()``; if it refuses (RequestError) the receive will never read: its prefill is
+        told now, so that it frees its blocks (not at its lease's end)."""
+        try:
+            return step()
+        except RequestError:
+            state.peer_agent, state.remote_engine = peer.agent_name, engine
+            notify_prefill(self.nixl, self.registry, state, False)
+            raise
+
+    def _planned(self, state: RecvState, peer: Peer, local: Any, ans: LayersAt,
+                 remote_layouts: dict[int, Any]) -> tuple[Recv, list[RankPlan], BlockPairing]:
+        """The receive completed with the prefill's first answer, and planned."""
+        msg = state.msg
+        same = all(lay.block_size == local.info.layout.block_size for lay in remote_layouts.values())
+        if msg.groups is not None and not same:  # (pairs per group are block for block)
+            raise RequestError(ErrorCode.INCOMPATIBLE, "push of several KV cache groups between different "
+                               "block sizes is not supported", msg.req_id)
+        state.msg = completed(msg, ans, peer, same, local.info.layout)
+        plans, pairing = plan_for(self.registry, state, peer)
+        return state.msg, plans, pairing
 
     def _send_watch(self, host: str, port: int, engine: str, req_id: str, token: str, have: int) -> Any:
         watch = LayerWatch(seq=0, engine_id=engine, req_id=req_id, have=have, token=token,
