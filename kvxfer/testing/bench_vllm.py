@@ -15,8 +15,7 @@ counters (vLLM's ``vllm:nixl_bytes_transferred``, the kvxfer sidecar's
 ``kvxfer_transferred_bytes_total``) and the decode's prompt tokens by source (loaded vs
 computed there). ``--plot`` draws TTFT p50/p99 against the rate, one line per system.
 
-The model is the tiny Llama of ``vllm_pd.write_model`` (output sensitive to its KV cache),
-with positions for 4,000-token prompts.
+Model: ``vllm_pd.write_model``'s tiny Llama (KV-sensitive), or ``--family``'s tiny hybrid.
 """
 
 from __future__ import annotations
@@ -26,6 +25,7 @@ import http.client
 import json
 import os
 import random
+import shlex
 import shutil
 import statistics
 import sys
@@ -381,6 +381,8 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--output-tokens", default="32,128", help="LO,HI output length spread (or one number)")
     ap.add_argument("--systems", default=",".join(DEFAULT_SYSTEMS))
     ap.add_argument("--seed", type=int, default=7)
+    ap.add_argument("--family", default="", help="a tiny hybrid model (vllm_pd.FAMILIES)")
+    ap.add_argument("--engine-args", default="", help="more arguments for every vLLM server")
     ap.add_argument("--plot", default="", help="write TTFT and CPU vs rate to this PNG")
     ap.add_argument("--json", action="store_true", help="last line: one JSON object")
     return ap
@@ -392,9 +394,10 @@ def _run_system(work: str, rnd: int, system: str, rates: list[float], args: argp
     stopped."""
     runs: list[Run] = []
     servers = ("baseline",) if system == "one-engine" else ("prefill", "decode")
-    pl = Pipeline(os.path.join(work, f"{system}-{rnd}"), max_model_len=MAX_MODEL_LEN,
+    pl = Pipeline(os.path.join(work, f"{system}-{rnd}"), max_model_len=4096 if args.family else MAX_MODEL_LEN,
                   connector="nixl" if system.startswith("nixl") else "kvxfer", servers=servers,
-                  mode="push" if system.endswith("push") else "pull", max_position_embeddings=MAX_MODEL_LEN)
+                  mode="push" if system.endswith("push") else "pull", max_position_embeddings=MAX_MODEL_LEN,
+                  family=args.family, extra_args=tuple(shlex.split(args.engine_args)))
     try:
         t = time.monotonic()
         pl.start()
@@ -459,7 +462,7 @@ def main(argv: list[str] | None = None) -> int:
     work = tempfile.mkdtemp(prefix="kvxfer-bench-vllm-", dir="/tmp")
     setup = (f"{args.requests} requests per rate, {args.rounds} rounds, prompts {prompt_tokens[0]}-"
              f"{prompt_tokens[1]} tokens ({args.shared_prefix:.0%} share a prefix), {out_tokens[0]}-"
-             f"{out_tokens[1]} output tokens; {os.cpu_count()} cores shared by every process")
+             f"{out_tokens[1]} output tokens; {os.cpu_count()} cores shared; {args.family or 'llama'}")
     print(f"bench-vllm: systems {systems}, rates {rates} req/s, {setup}", flush=True)
     t_start = time.monotonic()
     runs: list[Run] = []
