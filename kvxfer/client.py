@@ -238,13 +238,16 @@ class SidecarClient:
         streamed: bool = False,
         groups: list[list[int]] | None = None,
         num_tokens: int = 0,
+        partial: bool = False,
+        extends: bool = False,
     ) -> None:
         """``token``: the request's capability (``kvxfer.auth.new_token``), which the decode must
         present (``RemoteBlocks.token``); "" any authenticated peer. ``streamed``: push mode
         (``groups``/``num_tokens``: ``Hold.groups``)."""
         self._send(Hold(req_id=req_id, block_ids=list(block_ids), lease_s=lease_s, reads=reads,
                         notify_ranks=notify_ranks, expires_unix=expires_unix, engine_id=engine_id,
-                        token=token, streamed=streamed, groups=groups, num_tokens=num_tokens))
+                        token=token, streamed=streamed, groups=groups, num_tokens=num_tokens,
+                        partial=partial, extends=extends))
 
     def send(self, msg: LayersDone | Cancel) -> None:
         """A message with no answer: push mode's ``LayersDone`` (this rank computed ``msg.layers``

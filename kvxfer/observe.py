@@ -105,8 +105,7 @@ class Observer:
         self.m_leases = Counter("kvxfer_leases_released", "Prefill holds released, by reason.",
                                 ["reason"], registry=r)
         self.m_expired = Counter("kvxfer_leases_expired", "Prefill holds whose lease ran out.", registry=r)
-        self.m_handshakes = Counter("kvxfer_handshakes", "Peer handshakes, by result.", ["result"],
-                                    registry=r)
+        self.m_handshakes = Counter("kvxfer_handshakes", "Peer handshakes by result.", ["result"], registry=r)
         self.m_stalls = Counter("kvxfer_peer_stalls", "Peers dropped as stalled: they owed an answer and "
                                 "said nothing for --peer-stall-s (their reads were stopped).", registry=r)
         self.m_loop_stalls = Counter("kvxfer_loop_stalls", "Times this sidecar's event loop ran more "
@@ -144,9 +143,10 @@ class Observer:
         self.m_proofs = Counter("kvxfer_lease_word_proofs_total", "Reads whose lease word was read after "
                                 "they landed, by whether it proved the lease held (else the claim "
                                 "decided).", ["proved"], registry=r)
-        self.m_stream_layers = Counter("kvxfer_push_layers_total", "Push mode: layers a decode read, by "
-                                       "when: while the prefill still computed (early) or once it had "
-                                       "computed every layer (final).", ["when"], registry=r)
+        self.m_stream_layers = Counter("kvxfer_push_layers_total", "Push mode: layers a decode read, early "
+                                       "(its prefill computing) or final.", ["when"], registry=r)
+        self.m_stream_chunks = Counter("kvxfer_push_chunk_blocks_total", "Push mode: blocks a decode read "
+                                       "whole while its prefill computed the next chunks.", registry=r)
         self.m_watches = Counter("kvxfer_push_watches_total", "Push mode, prefill side: layer watches "
                                  "received, by whether the lease they name was held yet (no: the watch "
                                  "waits for its Hold).", ["held"], registry=r)
@@ -267,8 +267,7 @@ class Observer:
             self._engines_of[agent] = engine
 
     def served(self, agent: str, blocks: int) -> None:
-        """A peer finished reading a held request (one notice per reading rank; ``blocks``:
-        the request's blocks, counted with its first notice)."""
+        """A peer's rank read a held request (``blocks``: its blocks, with the first notice)."""
         peer = self._engines_of.get(agent, "") or "unknown"
         self.m_served_reads.labels(peer).inc()
         if blocks:
@@ -321,9 +320,10 @@ class Observer:
             self.emit(Event("peer_disconnected", peer=peer, reason=reason))
         self.m_handshakes.labels("ok" if ok else "failed").inc()
 
-    def stream_layers(self, early: int, final: int) -> None:
+    def stream_layers(self, early: int, final: int, chunk_blocks: int = 0) -> None:
         self.m_stream_layers.labels("early").inc(early)
         self.m_stream_layers.labels("final").inc(final)
+        self.m_stream_chunks.inc(chunk_blocks)
 
     def layer_watch(self, held: bool) -> None:
         self.m_watches.labels("yes" if held else "no").inc()
@@ -352,8 +352,8 @@ class Observer:
         log.warning("control %s from %s refused: %s", method, peer, reason)
 
     def connection_refused(self, listener: str, cap: int) -> None:
-        """A listener closed a connection because it held ``cap`` already (any thread): counted,
-        and a WARNING at most every WARN_EVERY_S per listener, with the count since the last."""
+        """A listener at its ``cap`` closed a connection (any thread): counted, and a WARNING
+        at most every WARN_EVERY_S per listener, with the count since the last."""
         self.m_conn_refused.labels(listener).inc()
         now = time.monotonic()
         with self._warn_lock:

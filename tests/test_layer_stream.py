@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import itertools
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvxfer.errors import RequestError
 from kvxfer.protocol import KVLayout
 from kvxfer.sidecar.layer_stream import (
     WATCHERS_MAX,
@@ -176,3 +178,44 @@ def test_a_read_cut_to_some_layers_counts_only_their_regions_toward_the_inline_c
     assert read_bound(dataclasses.replace(spec, plans=[off_by_one]), info) == 3 * (103 + 104)
     both = dataclasses.replace(spec, plans=[cut, whole])
     assert read_bound(both, info) == 3 * sum(r.block_len for r in regions)
+
+
+def test_a_prompt_held_in_chunks_wakes_readers_of_chunks_and_not_older_readers() -> None:
+    """A prompt computed in chunks (push, #36): its first blocks complete in every layer as
+    each chunk is computed (the least of every rank), each change a new version; a reader of
+    chunks is answered at each, an older reader (``LayerWatch``) only once the last chunk is
+    held and layers are ready (it never sees a list that is not the last)."""
+    book = LayerBook()
+    key = ("P", "t")
+    book.start(key, {0: (0, 4)}, 2, partial=True)
+    assert book.watch(key, 0, "new", seen=0) is False
+    assert book.watch(key, 0, "old") is False  # (partial: the older reader waits)
+    assert book.report(key, 0, 0, 0, blocks=5) == []  # (rank 1 has not computed them)
+    assert book.report(key, 0, 1, 0, blocks=5) == ["new"]
+    prog = book.get(key)
+    assert prog is not None
+    assert (prog.complete, prog.ready, prog.version) == (5, 0, 1)
+    assert book.watch(key, 0, "new", seen=1) is False
+    assert book.extend(key, partial=False) == ["new"]  # the last chunk held
+    assert book.watch(key, 0, "new", seen=2) is False
+    assert book.report(key, 0, 0, 2) == []
+    assert sorted(book.report(key, 0, 1, 3)) == ["new", "old"]  # layers 0-1 of the last chunk, on both ranks
+
+
+def test_chunk_pairs_and_what_is_left_after_them() -> None:
+    from kvxfer.protocol import LayersAt, Recv
+    from kvxfer.sidecar.layer_stream import after_chunks, chunk_pairs
+
+    # a prompt of 8 blocks; the decode had its first 3 (a prefix hit): its 5 blocks are positions 3-7
+    local, remote = [50, 51, 52, 53, 54], [10, 11, 12, 13, 14]  # (the prefill's first chunk: 5 blocks)
+    assert chunk_pairs(local, remote, 8, 0, 5) == ([50, 51], [13, 14])
+    assert chunk_pairs(local, remote, 8, 5, 5) == ([], [])
+    assert chunk_pairs([1] * 9, remote, 8, 0, 5) is None  # (more blocks than the prompt has)
+    full = [10, 11, 12, 13, 14, 15, 16, 17]
+    msg = Recv(req_id="r", block_ids=local, remote_engine_id="P", remote_host="h", remote_port=1,
+               remote_block_ids=full[3:])
+    ans = LayersAt(seq=0, held="held", block_ids=full, num_tokens=8 * 16 - 5)
+    rest = after_chunks(msg, ans, 5, 16)
+    assert (rest.block_ids, rest.remote_block_ids) == ([52, 53, 54], [15, 16, 17])
+    with pytest.raises(RequestError):
+        after_chunks(msg, LayersAt(seq=0, held="held", block_ids=full, num_tokens=4 * 16), 5, 16)

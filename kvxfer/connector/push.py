@@ -35,7 +35,7 @@ log = logging.getLogger(__name__)
 
 class StreamedHolds:
     def __init__(self, settings: ConnectorSettings, client: SidecarClient, tp_size: int,
-                 engine_id: str) -> None:
+                 engine_id: str, chunks: bool = False) -> None:
         self.settings = settings
         self.client = client
         self.tp_size = tp_size
@@ -48,6 +48,11 @@ class StreamedHolds:
         # preempted while streamed: vLLM freed their blocks, the Released of the lease given up
         # is not for it (a finished send of an unfinished request kills vLLM's scheduler)
         self._dropped: set[str] = set()
+        # push of prompts computed in chunks (the sidecar's Pong says it holds them chunk by
+        # chunk): request id -> (request, its blocks held so far, tokens per block)
+        self.chunks = chunks
+        self.block_size = 1
+        self._chunked: dict[str, tuple[Any, list[int], int]] = {}
 
     def streams(self, request: Any) -> bool:
         """A push-mode prefill request (``transfer_id``): held as soon as its prompt is scheduled."""
@@ -58,6 +63,7 @@ class StreamedHolds:
     def allocated(self, request: Any, block_ids: list[int], block_size: int) -> None:
         """Its blocks (the prompt's only: never lookahead ones); held in ``scheduled``."""
         n = -(-request.num_prompt_tokens // block_size)
+        self.block_size = block_size
         if request.request_id not in self._streams and request.request_id not in self._spent:
             self._pending[request.request_id] = (request, list(block_ids[:n]), None)
 
@@ -68,9 +74,13 @@ class StreamedHolds:
         if request.request_id not in self._streams and request.request_id not in self._spent:
             self._pending[request.request_id] = (request, held_blocks(groups), groups)
 
-    def scheduled(self, num_scheduled: dict[str, int], preempted: set[str] | None, plan: StepPlan) -> None:
-        """The step is scheduled: hold what it computes whole, release what vLLM preempted."""
+    def scheduled(self, num_scheduled: dict[str, int], preempted: set[str] | None, plan: StepPlan,
+                  cached: Any = None) -> None:
+        """The step is scheduled: hold what it computes whole, or (``chunks``) the first chunk
+        of a prompt computed in chunks and, with its next chunks' blocks (``cached``: vLLM's
+        ``scheduled_cached_reqs``), the hold grown; release what vLLM preempted."""
         for req_id in preempted or ():
+            self._chunked.pop(req_id, None)
             tid = self._streams.pop(req_id, None)
             if tid is not None:
                 self._spent.add(req_id)
@@ -80,31 +90,65 @@ class StreamedHolds:
                 self._release(req_id, tid)
         pending, self._pending = self._pending, {}
         for req_id, (request, blocks, groups) in pending.items():
-            if request.num_computed_tokens + num_scheduled.get(req_id, 0) >= request.num_prompt_tokens:
+            done = request.num_computed_tokens + num_scheduled.get(req_id, 0)
+            if done >= request.num_prompt_tokens:
                 self._hold(request, blocks, groups, plan)
+            elif self.chunks and groups is None and req_id in num_scheduled and self._hold(
+                    request, blocks, None, plan, partial=True):  # (a first chunk: read as it is done)
+                self._chunked[req_id] = (request, blocks, self.block_size)
+                plan.chunks[self._streams[req_id]] = done // self.block_size
+        if cached is not None and self._chunked:
+            for i, req_id in enumerate(cached.req_ids):
+                if req_id in self._chunked and req_id in num_scheduled:
+                    self._next_chunk(req_id, cached.new_block_ids[i], num_scheduled[req_id], plan)
+
+    def _next_chunk(self, req_id: str, new: Any, scheduled: int, plan: StepPlan) -> None:
+        """This step computes the next chunk of a prompt held chunk by chunk: its blocks held
+        too (``Hold.extends``); the last chunk's layers are reported one by one (``streamed``),
+        an earlier one's blocks once it is computed (``chunks``)."""
+        request, blocks, size = self._chunked.pop(req_id)
+        tid = self._streams[req_id]
+        blocks = (blocks + list(new[0] if new else ()))[:-(-request.num_prompt_tokens // size)]
+        done = request.num_computed_tokens + scheduled
+        final = done >= request.num_prompt_tokens
+        try:
+            self.client.hold(tid, blocks, self.settings.lease_s, reads=self.tp_size, notify_ranks=True,
+                             engine_id=self.local_engine, token=tid, streamed=True, extends=True,
+                             partial=not final, num_tokens=request.num_prompt_tokens)
+        except SEND_ERRORS as e:  # (its decode waits for its deadline, or the lease's end)
+            log.warning("request %s: its next chunk's blocks not held (%s)", req_id, e)
+            return
+        if final:
+            plan.streamed.append(tid)
+        else:
+            self._chunked[req_id] = (request, blocks, size)
+            plan.chunks[tid] = done // size
 
     def _hold(self, request: Any, block_ids: list[int], groups: list[list[int]] | None,
-              plan: StepPlan) -> None:
-        """Hold the blocks now, before their KV is computed (``Hold.streamed``). The lease is
-        the transfer id, which is also its token: the decode was given it by the router."""
+              plan: StepPlan, partial: bool = False) -> bool:
+        """Hold the blocks now, before their KV is computed (``Hold.streamed``; ``partial``: the
+        first chunk's of a prompt computed in chunks). The lease is the transfer id, which is
+        also its token: the decode was given it by the router. False: not held."""
         req_id = request.request_id
         tid = transfer_id_of(request.kv_transfer_params)
         if not block_ids or tid in self._streams.values():
-            return  # (nothing to hold; or its transfer id is live already: never two leases under one)
+            return False  # (nothing to hold; or its transfer id is live: never two leases under one)
         give_up = self.settings.lease_s + self.settings.grace_s
         try:
             self.client.hold(tid, block_ids, self.settings.lease_s, reads=self.tp_size, notify_ranks=True,
                              expires_unix=time.time() + give_up, engine_id=self.local_engine, token=tid,
-                             streamed=True, groups=groups,
-                             num_tokens=request.num_prompt_tokens if groups is not None else 0)
+                             streamed=True, groups=groups, num_tokens=request.num_prompt_tokens,
+                             partial=partial)
         except SEND_ERRORS as e:
             log.warning("request %s: streamed hold not sent to the sidecar (%s); held when it finishes",
                         req_id, e)
-            return
+            return False
         self._streams[req_id] = tid
         plan.holds[tid] = time.monotonic() + give_up
         plan.names[tid] = req_id
-        plan.streamed.append(tid)
+        if not partial:
+            plan.streamed.append(tid)
+        return True
 
     def held(self, req_id: str) -> bool:
         return req_id in self._streams or req_id in self._spent

@@ -26,3 +26,6 @@ class StepPlan:
     # leases whose Hold the sidecar refused (no lease was made, no Released will come): the
     # workers free their blocks now (a live sidecar's refusal, draining, pinned them for ever)
     unheld: list[str] = field(default_factory=list)
+    # push mode (prefill), a prompt computed in chunks: the lease -> its blocks computed whole
+    # once this step's chunk is (reported by the workers when the forward is over)
+    chunks: dict[str, int] = field(default_factory=dict)

@@ -365,15 +365,15 @@ class WorkerSide:
     def save_layer(self, layer_name: str, streamed: list[str]) -> None:
         """Push mode: this step (``streamed``: its requests) computed ``layer_name`` ("": all); what
         is now ready is reported (``LayersDone``, ``LayerReports``). Never raises into vLLM."""
-        layers = self._layers.computed(layer_name, streamed)
-        if self.client is None or layers is None:
-            return
-        msg = LayersDone(req_ids=streamed, layers=layers, tp_rank=self.tp_rank,
-                         pp_rank=self.place.pp_rank, engine_id=self.place.engine_id)
-        try:
-            self.client.send(msg)
-        except SEND_ERRORS as e:  # (the decode then waits for its deadline and recomputes)
-            log.warning("layer %s not reported to the sidecar: %s", layer_name, e)
+        n = self._layers.computed(layer_name, streamed)
+        if self.client is not None and n is not None:
+            report(self.client, streamed, n, self.place, self.tp_rank)
+
+    def save_chunks(self, chunks: dict[str, int]) -> None:
+        """Push mode: a chunk of these prompts is computed (lease -> its blocks now whole)."""
+        for n, leases in by_value(chunks).items():
+            if self.client is not None and n:
+                report(self.client, leases, 0, self.place, self.tp_rank, blocks=n)
 
     def take_invalid_block_ids(self) -> set[int]:
         out, self._invalid = self._invalid, set()
@@ -386,3 +386,21 @@ class WorkerSide:
             self.client = None
         if self.allocator is not None:
             self.allocator.close()
+
+
+def report(client: SidecarClient, leases: list[str], layers: int, place: Placement, tp_rank: int,
+           blocks: int = 0) -> None:
+    """Push mode: layers (or a chunk's blocks) computed (``LayersDone``); never raises into
+    vLLM's forward (a report not sent: the decode reads at the end, or at its deadline fails)."""
+    try:
+        client.send(LayersDone(req_ids=leases, layers=layers, tp_rank=tp_rank, pp_rank=place.pp_rank,
+                               engine_id=place.engine_id, blocks=blocks))
+    except SEND_ERRORS as e:
+        log.warning("computed layers of %s not reported to the sidecar: %s", leases[:4], e)
+
+
+def by_value(d: dict[str, int]) -> dict[int, list[str]]:
+    out: dict[int, list[str]] = {}
+    for k, v in d.items():
+        out.setdefault(v, []).append(k)
+    return out

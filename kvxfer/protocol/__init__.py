@@ -81,6 +81,7 @@ from kvxfer.protocol.layout import (
 )
 from kvxfer.protocol.peer import (
     Challenge,
+    ChunkWatch,
     DigestItem,
     DigestRank,
     DigestReply,
@@ -124,6 +125,11 @@ from kvxfer.protocol.peer import (
 #    Welcome.grouped_streams and Pong.grouped_streams appended (a connector claims a grouped push
 #    load only from a sidecar whose Pong says so); a decode follows a grouped request only at a prefill
 #    whose Welcome says grouped_streams, else the load fails incompatible and is recomputed)
+#    (and push of prompts computed in chunks, decodable by any 6: Hold.partial/extends,
+#    LayersDone.blocks, LayersAt.partial/complete/version, Pong.chunk_streams and
+#    Welcome.chunk_streams appended; ChunkWatch (peer) added, sent only to a prefill whose
+#    Welcome says chunk_streams; an older reader of a partial hold reads nothing wrong: it
+#    sees no layer ready until the last chunk, and a list that grew fails it incompatible)
 PROTOCOL_VERSION = 6
 
 
@@ -159,6 +165,7 @@ __all__ = [
     "KVLayout",
     "KVRegion",
     "KeepAlive",
+    "ChunkWatch",
     "LayerWatch",
     "LayersAt",
     "LayersDone",

@@ -67,6 +67,11 @@ class Hold(_Msg, tag="hold"):
     # lists with these (``kvxfer.pairing``). None: one group, ``block_ids`` in order.
     groups: GroupBlockIds | None = None
     num_tokens: NonNeg = 0
+    # Push mode, a prompt computed in chunks: ``partial``, more of its blocks will be held
+    # (each chunk's, as vLLM allocates them); ``extends``, this Hold extends the streamed hold
+    # of this id (``block_ids``: the whole list so far, starting with the one held).
+    partial: bool = False
+    extends: bool = False
 
 
 class LayersDone(_Msg, tag="layers"):
@@ -79,6 +84,9 @@ class LayersDone(_Msg, tag="layers"):
     tp_rank: NonNeg = 0
     pp_rank: NonNeg = 0
     engine_id: EngineId = ""
+    # a chunk of a prompt computed in chunks: every layer of the held request's first
+    # ``blocks`` blocks is computed (``layers`` 0)
+    blocks: NonNeg = 0
 
 
 class Release(_Msg, tag="release"):
@@ -231,6 +239,7 @@ class Pong(_Msg, tag="pong"):
     instance: str = ""  # the sidecar's agent name: changes when the sidecar restarts
     generation: str = ""  # changes when the sidecar restarts or a registration is replaced or removed
     grouped_streams: bool = False  # it follows push loads of several KV cache groups (Recv.groups)
+    chunk_streams: bool = False  # it holds a prompt computed in chunks chunk by chunk (Hold.partial)
 
 
 SidecarEvent = Registered | Done | Failed | Released | Error | Pong

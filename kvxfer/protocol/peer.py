@@ -124,7 +124,15 @@ class LayerWatch(_Msg, tag="watch"):
     mac: str = ""  # with a shared secret: HMAC of the request (kvxfer.auth)
 
 
-HandshakeRequest = Hello | DigestRequest | LeaseRenew | StageRequest | LayerWatch
+class ChunkWatch(LayerWatch, tag="cwatch"):
+    """A ``LayerWatch`` of a reader that reads a prompt computed in chunks as its chunks are
+    computed (sent only to a prefill whose ``Welcome`` says ``chunk_streams``): answered as
+    soon as the request's progress is past version ``seen`` (``LayersAt.version``)."""
+
+    seen: int = 0
+
+
+HandshakeRequest = Hello | DigestRequest | LeaseRenew | StageRequest | LayerWatch | ChunkWatch
 
 
 class RemoteRegion(_Msg, tag="rregion"):
@@ -169,6 +177,7 @@ class Welcome(_Msg, tag="welcome"):
     lease_words_slots: NonNeg = 0  # 0: none (every read waits for its claim's answer)
     layer_streams: bool = False  # it answers LayerWatch (push mode)
     grouped_streams: bool = False  # ... and its LayersAt names the blocks per KV cache group
+    chunk_streams: bool = False  # ... and answers ChunkWatch (prompts computed in chunks)
 
 
 class Challenge(_Msg, tag="challenge"):
@@ -239,6 +248,12 @@ class LayersAt(_Msg, tag="layersat"):
     reason: str = ""
     groups: GroupBlockIds | None = None  # as Hold.groups (several KV cache groups)
     num_tokens: NonNeg = 0  # as Hold.num_tokens
+    # a prompt computed in chunks: more blocks will be held (``block_ids``: the list so far),
+    # its first ``complete`` blocks are computed in every layer (``ready`` counts layers of the
+    # last chunk, once it is held); ``version`` of that progress (ChunkWatch.seen)
+    partial: bool = False
+    complete: NonNeg = 0
+    version: NonNeg = 0
 
 
 HandshakeReply = Welcome | Refused | DigestReply | LeaseState | Challenge | Staged | LayersAt

@@ -48,7 +48,7 @@ from kvxfer.protocol import (
     Released,
     read_notice_decoder,
 )
-from kvxfer.sidecar.admission import admit_hold
+from kvxfer.sidecar.admission import admit_hold, check_blocks
 from kvxfer.sidecar.lease_words import LeaseWords, deadline_ms, lease_tag
 from kvxfer.sidecar.lifecycle import Signal
 from kvxfer.sidecar.ownership import Creds, authorize
@@ -160,6 +160,24 @@ class Holds:
         refused to that peer: a refusal looks like no lease at all)."""
         known = self.table.resolve(engine, req_id) is not None  # (refused, not ended)
         return "gone" if not known and self.table.ended(engine, req_id) else "unknown"
+
+    def grow(self, msg: Hold, sender: Creds) -> Lease:
+        """The next chunk of a prompt held in chunks (``Hold.extends``): ``block_ids`` is the
+        list so far, starting with the one held. RequestError: no hold of this id and token
+        here, a list that does not start with the held one, blocks out of range."""
+        engine = self.registry.engine_of(msg.engine_id)
+        authorize(sender, self.registry.holders(engine), self.config.engine_ownership, "hold", engine,
+                  msg.req_id)
+        lease = self.table.get((engine, msg.req_id))
+        if lease is None or lease.token != msg.token:
+            raise RequestError(ErrorCode.UNKNOWN_REQUEST, "no hold of this id to extend", msg.req_id)
+        if list(msg.block_ids[:len(lease.block_ids)]) != lease.block_ids:
+            raise RequestError(ErrorCode.MALFORMED, "an extended hold starts with the blocks held",
+                               msg.req_id)
+        ranks = self.registry.of_engine(engine)
+        check_blocks(msg.req_id, msg.block_ids, min((r.layout.num_blocks for r in ranks), default=0), "held")
+        lease.block_ids = list(msg.block_ids)
+        return lease
 
     def extend(self, lease: Lease, by_s: float, agent: str, message: str, cap_s: float) -> None:
         """Keep ``lease`` ``by_s`` more seconds, but never more than ``cap_s`` at once nor past

@@ -24,7 +24,10 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvxfer.protocol import KVLayout
+import msgspec
+
+from kvxfer.errors import ErrorCode, RequestError
+from kvxfer.protocol import KVLayout, LayersAt, Recv
 from kvxfer.topology import RankPlan
 
 LayerKey = tuple[str, str]  # (engine, request id): as leases are keyed
@@ -53,17 +56,34 @@ def ready_layers(stages: dict[int, tuple[int, int]], tp_size: int, done: dict[tu
 
 @dataclass
 class Progress:
-    """One held request's layers: what each rank computed, what a reader may read."""
+    """One held request's layers: what each rank computed, what a reader may read. A prompt
+    computed in chunks (``partial``: more of its blocks are still to be held) has its leading
+    ``complete`` blocks computed in every layer; layers (``ready``) count once its last chunk
+    is held. ``version`` counts every change a reader may act on."""
 
     stages: dict[int, tuple[int, int]]
     tp_size: int
     done: dict[tuple[int, int], int] = field(default_factory=dict)
     ready: int = 0
-    watchers: list[Any] = field(default_factory=list)  # (have, waiter): waiting for more than have
+    # (have, version or None, waiter): waiting for more than ``have`` layers (a reader of
+    # chunks: for a version after the one it saw)
+    watchers: list[Any] = field(default_factory=list)
+    partial: bool = False
+    blocks_done: dict[tuple[int, int], int] = field(default_factory=dict)
+    complete: int = 0
+    version: int = 0
 
     @property
     def total(self) -> int:
         return sum(n for _, n in self.stages.values())
+
+    def due(self) -> list[Any]:
+        """The watchers that now see something new (taken off the list)."""
+        def wakes(have: int, seen: int | None) -> bool:
+            return self.version > seen if seen is not None else not self.partial and have < self.ready
+        out = [w for have, seen, w in self.watchers if wakes(have, seen)]
+        self.watchers = [(h, s, w) for h, s, w in self.watchers if not wakes(h, s)]
+        return out
 
 
 class LayerBook:
@@ -73,7 +93,8 @@ class LayerBook:
 
     def __init__(self) -> None:
         self._progress: dict[LayerKey, Progress] = {}
-        self._early: collections.OrderedDict[LayerKey, dict[tuple[int, int], int]] = collections.OrderedDict()
+        self._early: collections.OrderedDict[LayerKey, dict[tuple[int, int], tuple[int, int]]] = (
+            collections.OrderedDict())
 
     def __len__(self) -> int:
         return len(self._progress)
@@ -84,42 +105,65 @@ class LayerBook:
     def get(self, key: LayerKey) -> Progress | None:
         return self._progress.get(key)
 
-    def start(self, key: LayerKey, stages: dict[int, tuple[int, int]], tp_size: int) -> list[Any]:
-        """A streamed Hold: its stages ((first, n) by pipeline stage) and TP size."""
-        prog = Progress(dict(stages), tp_size)
-        prog.done.update(self._early.pop(key, {}))
-        prog.ready = ready_layers(prog.stages, tp_size, prog.done)
+    def start(self, key: LayerKey, stages: dict[int, tuple[int, int]], tp_size: int,
+              partial: bool = False) -> list[Any]:
+        """A streamed Hold: its stages ((first, n) by pipeline stage) and TP size; ``partial``:
+        a prompt computed in chunks, held at its first (``extend`` holds the next ones)."""
+        prog = Progress(dict(stages), tp_size, partial=partial)
+        for rank, (layers, blocks) in self._early.pop(key, {}).items():
+            prog.done[rank], prog.blocks_done[rank] = layers, blocks
+        self._advance(prog)
         self._progress[key] = prog
         return []
 
-    def report(self, key: LayerKey, pp: int, tp: int, layers: int) -> list[Any]:
-        """A rank computed ``layers`` layers of its stage: the watchers that now see more."""
+    def extend(self, key: LayerKey, partial: bool) -> list[Any]:
+        """The next chunk's blocks are held (``partial`` False: the last): readers see it."""
+        prog = self._progress[key]
+        prog.partial = prog.partial and partial
+        prog.version += 1
+        return prog.due()
+
+    def report(self, key: LayerKey, pp: int, tp: int, layers: int, blocks: int = 0) -> list[Any]:
+        """A rank computed ``layers`` layers of its stage (of the last chunk), or every layer
+        of the first ``blocks`` blocks (a chunk): the watchers that now see more."""
         prog = self._progress.get(key)
         if prog is None:
             early = self._early.setdefault(key, {})
-            early[(pp, tp)] = max(early.get((pp, tp), 0), layers)
+            old = early.get((pp, tp), (0, 0))
+            early[(pp, tp)] = (max(old[0], layers), max(old[1], blocks))
             self._early.move_to_end(key)
             while len(self._early) > EARLY_MAX:
                 self._early.popitem(last=False)
             return []
-        if layers <= prog.done.get((pp, tp), 0):
+        if layers <= prog.done.get((pp, tp), 0) and blocks <= prog.blocks_done.get((pp, tp), 0):
             return []
-        prog.done[(pp, tp)] = layers
-        ready = ready_layers(prog.stages, prog.tp_size, prog.done)
-        if ready <= prog.ready:
-            return []
-        prog.ready = ready
-        due = [w for have, w in prog.watchers if have < ready]
-        prog.watchers = [(have, w) for have, w in prog.watchers if have >= ready]
-        return due
+        prog.done[(pp, tp)] = max(layers, prog.done.get((pp, tp), 0))
+        prog.blocks_done[(pp, tp)] = max(blocks, prog.blocks_done.get((pp, tp), 0))
+        return prog.due() if self._advance(prog) else []
 
-    def watch(self, key: LayerKey, have: int, waiter: Any) -> bool:
-        """A reader waits for more than ``have`` layers: True, answer it now (more are ready,
-        or all are); False, it waits (``report``/``end``/``unwatch`` give it back)."""
+    def _advance(self, prog: Progress) -> bool:
+        ready = ready_layers(prog.stages, prog.tp_size, prog.done)
+        ranks = [(pp, tp) for pp in prog.stages for tp in range(prog.tp_size)]
+        complete = min((prog.blocks_done.get(r, 0) for r in ranks), default=0)
+        if ready <= prog.ready and complete <= prog.complete:
+            return False
+        prog.ready, prog.complete = max(ready, prog.ready), max(complete, prog.complete)
+        prog.version += 1
+        return True
+
+    def watch(self, key: LayerKey, have: int, waiter: Any, seen: int | None = None) -> bool:
+        """A reader waits for more than ``have`` layers (a reader of chunks, ``seen``: for a
+        version after this one): True, answer it now (there is more, or all is ready); False,
+        it waits (``report``/``extend``/``end``/``unwatch`` give it back). An older reader of
+        a hold still partial waits for the last chunk's layers: it never sees a partial list."""
         prog = self._progress[key]
-        if prog.ready > have or prog.ready >= prog.total or len(prog.watchers) >= WATCHERS_MAX:
+        if seen is not None:
+            now = prog.version > seen or (not prog.partial and prog.ready >= prog.total)
+        else:
+            now = not prog.partial and (prog.ready > have or prog.ready >= prog.total)
+        if now or len(prog.watchers) >= WATCHERS_MAX:
             return True
-        prog.watchers.append((have, waiter))
+        prog.watchers.append((have, seen, waiter))
         return False
 
     def unwatch(self, key: LayerKey, waiter: Any) -> bool:
@@ -128,14 +172,14 @@ class LayerBook:
         if prog is None:
             return False
         n = len(prog.watchers)
-        prog.watchers = [(h, w) for h, w in prog.watchers if w is not waiter]
+        prog.watchers = [(h, s, w) for h, s, w in prog.watchers if w is not waiter]
         return len(prog.watchers) < n
 
     def end(self, key: LayerKey) -> list[Any]:
         """Its lease ended: the watchers still waiting (answer them "gone")."""
         self._early.pop(key, None)
         prog = self._progress.pop(key, None)
-        return [w for _, w in prog.watchers] if prog is not None else []
+        return [w for _, _, w in prog.watchers] if prog is not None else []
 
     def held(self) -> list[LayerKey]:
         return list(self._progress)
@@ -204,3 +248,31 @@ def remote_suffix(remote: list[int], n_local: int, ratio_one: bool) -> list[int]
     if ratio_one and 0 < n_local < len(remote):
         return remote[len(remote) - n_local:]
     return remote
+
+
+def chunk_pairs(local: list[int], remote: list[int], total: int, lo: int, hi: int
+                ) -> tuple[list[int], list[int]] | None:
+    """A prompt held chunk by chunk: the pairs of the prefill's blocks ``[lo, hi)`` (computed
+    whole; ``remote``: its list so far) and the decode's, which are the last ``len(local)`` of
+    the prompt's ``total`` blocks (a partial prefix hit on the decode: positions before those
+    are not read). None: the decode names more blocks than the prompt has."""
+    offset = total - len(local)
+    if offset < 0:
+        return None
+    pos = range(max(lo, offset), min(hi, len(remote), total))
+    return [local[p - offset] for p in pos], [remote[p] for p in pos]
+
+
+def after_chunks(msg: Recv, ans: LayersAt, read_blocks: int, block_size: int) -> Recv:
+    """A completed streamed Recv less the pairs of the prefill's first ``read_blocks`` blocks
+    (read whole as chunks, ``chunk_pairs``). RequestError ``incompatible``: the prefill's list
+    is not the length its prompt's tokens make (the positions read would not be these)."""
+    total = len(ans.block_ids)
+    if not ans.num_tokens or -(-ans.num_tokens // block_size) != total:
+        raise RequestError(ErrorCode.INCOMPATIBLE, f"the prefill holds {total} blocks for "
+                           f"{ans.num_tokens} tokens: its chunks read are not these", msg.req_id)
+    k = max(0, read_blocks - (total - len(msg.block_ids)))
+    if k >= len(msg.block_ids):
+        return msg  # (nothing left: read it all again rather than nothing)
+    return msgspec.structs.replace(msg, block_ids=msg.block_ids[k:],
+                                   remote_block_ids=msg.remote_block_ids[k:])

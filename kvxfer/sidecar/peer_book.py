@@ -37,6 +37,7 @@ class Peer:
     lease_words: tuple[int, int] = (0, 0)  # (address, slots) of its lease words: (0, 0), none
     layer_streams: bool = False  # it answers LayerWatch (push mode; Welcome.layer_streams)
     grouped_streams: bool = False  # ... naming a request's blocks per KV cache group
+    chunk_streams: bool = False  # ... answering ChunkWatch (prompts computed in chunks)
 
     def outdated_by(self, generation: str) -> bool:
         """Both generations known and different: this description came from another

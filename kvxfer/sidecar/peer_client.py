@@ -260,7 +260,7 @@ class PeerClient:
                     generation=reply.generation, staging_bytes=reply.staging_bytes,
                     lease_words=(reply.lease_words_addr, reply.lease_words_slots),
                     layer_streams=reply.layer_streams,
-                    grouped_streams=reply.grouped_streams)
+                    grouped_streams=reply.grouped_streams, chunk_streams=reply.chunk_streams)
         self.book.put(peer)
         self._stalled.discard(key)
         self.observer.handshake(key, True, took)

@@ -33,14 +33,15 @@ from kvxfer.config import Config
 from kvxfer.errors import ErrorCode, RequestError
 from kvxfer.observe import Observer
 from kvxfer.pairing import pair_groups
-from kvxfer.protocol import KVLayout, LayersAt, LayerWatch, Recv
+from kvxfer.protocol import ChunkWatch, KVLayout, LayersAt, LayerWatch, Recv
 from kvxfer.sidecar.admission import check_blocks
-from kvxfer.sidecar.layer_stream import read_ranges, remote_suffix, restrict
+from kvxfer.sidecar.layer_stream import after_chunks, chunk_pairs, read_ranges, remote_suffix, restrict
 from kvxfer.sidecar.nixl_port import NixlPort
 from kvxfer.sidecar.nixl_types import ReadFinished, ReadRefused
 from kvxfer.sidecar.peer_book import Peer
 from kvxfer.sidecar.peer_client import PeerClient
 from kvxfer.sidecar.plan import ReadSpec, StagedRead
+from kvxfer.sidecar.receive import plan_read
 from kvxfer.sidecar.recv_state import RecvState, notify_prefill, plan_for
 from kvxfer.sidecar.registry import RankRegistry
 from kvxfer.sidecar.staged_reads import Staging
@@ -52,6 +53,21 @@ WATCH_WAIT_S = 5.0  # a watch waits this long at the prefill for more layers (th
 UNKNOWN_PAUSE_S = 0.002  # the prefill's Hold is not there yet: ask again after this, doubling
 UNKNOWN_PAUSE_MAX_S = 0.1  # ... up to this
 T = TypeVar("T")
+
+
+@dataclass
+class Following:
+    """What a streamed receive has seen and read of its prefill so far."""
+
+    host: str
+    port: int
+    req_id: str  # the transfer id
+    token: str
+    seen: int | None  # the prefill's progress version seen (None: it answers LayerWatch only)
+    have: int = 0  # layers seen ready
+    read: int = 0  # layers pre-read
+    nbytes: int = 0
+    read_blocks: int = 0  # the prefill's first blocks read whole (a prompt computed in chunks)
 
 
 @dataclass(frozen=True)
@@ -135,48 +151,81 @@ class StreamFeed:
         engine = peer.resolve_engine(state.msg.remote_engine_id)
         msg, deadline = state.msg, state.deadline
         self._told_if(state, peer, engine, lambda: streamable(peer, msg))
-        host, port = msg.remote_host, msg.remote_port
-        req_id = msg.remote_req_id or msg.req_id
-        have = read = nbytes = 0
+        f = Following(msg.remote_host, msg.remote_port, msg.remote_req_id or msg.req_id, msg.remote_token,
+                      0 if peer.chunk_streams else None)
         pause = UNKNOWN_PAUSE_S / 2
         plans: list[RankPlan] = []
         pairing: BlockPairing | None = None
         remote_layouts: dict[int, Any] = {}
         blocks: list[int] = []
-        ans = await self._watch(host, port, engine, req_id, msg.remote_token, 0, deadline)
+        ans = await self._answer(self._send_watch(f, engine), deadline)
         while True:
             if not alive():
                 raise RequestError(ErrorCode.CANCELLED, "receive ended", msg.req_id)
             if ans.held == "unknown":  # (its Hold is not there yet: ask again, less and less often)
                 pause = min(UNKNOWN_PAUSE_MAX_S, pause * 2)
                 await asyncio.sleep(pause)
-                ans = await self._watch(host, port, engine, req_id, msg.remote_token, have, deadline)
+                ans = await self._answer(self._send_watch(f, engine), deadline)
                 continue
             if ans.held != "held":
                 raise _refusal(ans, msg.req_id)
+            if ans.partial and pairing is None:  # (a prompt computed in chunks: read those done)
+                ans = await self._chunk(key, state, local, peer, ans.engine_id or engine, f, ans)
+                continue
             if pairing is not None and list(ans.block_ids) != blocks:
                 raise RequestError(ErrorCode.INCOMPATIBLE, "the prefill's blocks for this transfer id "
                                    "changed while it was read (the id was held again): not used", msg.req_id)
-            if pairing is None:  # (the first answer names the prefill's blocks)
+            if pairing is None:  # (the first answer naming all of the prefill's blocks)
                 blocks = list(ans.block_ids)
                 ranks = peer.engine_ranks(ans.engine_id or engine)
                 remote_layouts = {pp: info.layout for (pp, _), info in ranks.items()}
                 msg, plans, pairing = self._told_if(state, peer, ans.engine_id or engine, functools.partial(
-                    self._planned, state, peer, local, ans, remote_layouts))
-            have = ans.ready
-            if have >= ans.total:
+                    self._planned, state, peer, local, ans, remote_layouts, f.read_blocks))
+            f.have, f.seen = ans.ready, ans.version if f.seen is not None else None
+            if f.have >= ans.total:
                 n_local = local.info.layout.num_regions
-                rest = plans if read == 0 else [  # (nothing pre-read: the whole plan, as pull reads it)
-                    p for a, b in read_ranges(read, ans.total)
+                rest = plans if f.read == 0 else [  # (nothing pre-read: the whole plan, as pull reads it)
+                    p for a, b in read_ranges(f.read, ans.total)
                     for p in restrict(plans, (a, b), remote_layouts, n_local, last=b == ans.total)]
-                self.observer.stream_layers(read, ans.total - read)
-                return Followed(msg, rest, pairing, read, nbytes)
-            sent = self._send_watch(host, port, engine, req_id, msg.remote_token, have)  # (waits there
-            if have > read and msg.block_ids:  # while the ready layers are read)
-                nbytes += await self._pre_read(key, state, local, peer, ans.engine_id or engine, plans,
-                                               pairing, remote_layouts, (read, have))
-                read = have
-            ans = await self._answer(sent, deadline)
+                self.observer.stream_layers(f.read, ans.total - f.read)
+                return Followed(msg, rest, pairing, f.read, f.nbytes)
+            sent = self._send_watch(f, engine)  # (waits there while the ready layers are read)
+            if f.have > f.read and msg.block_ids:
+                n_local = local.info.layout.num_regions
+                cut = [p for a, b in read_ranges(f.read, f.have)
+                       for p in restrict(plans, (a, b), remote_layouts, n_local, False)]
+                f.nbytes += await self._pre_read(key, state, local, peer, ans.engine_id or engine, state.msg,
+                                                 cut, pairing, f"layers {f.read}-{f.have - 1}")
+                f.read = f.have
+            ans = await self._answer(sent, state.deadline)
+
+    async def _chunk(self, key: str, state: RecvState, local: Any, peer: Peer, engine: str, f: Following,
+                     ans: LayersAt) -> LayersAt:
+        """A prompt held chunk by chunk (``LayersAt.partial``): the blocks computed whole since
+        the last answer are read (every layer) while the next watch waits there; the answer."""
+        f.seen = ans.version
+        sent = self._send_watch(f, engine)
+        msg = state.msg
+        lay = local.info.layout
+        ranks = peer.engine_ranks(engine)
+        same = all(info.layout.block_size == lay.block_size for info in ranks.values())
+        pairs = (chunk_pairs(list(msg.block_ids), list(ans.block_ids), -(-ans.num_tokens // lay.block_size),
+                             f.read_blocks, ans.complete)
+                 if msg.groups is None and ans.num_tokens and same and ranks else None)
+        if pairs is not None and ans.complete > f.read_blocks:  # (else read at the end)
+            mine, theirs = pairs
+            if mine:
+                sub = msgspec.structs.replace(msg, block_ids=mine, remote_block_ids=theirs,
+                                              remote_generation=ans.generation or peer.generation,
+                                              remote_tp_size=ans.tp_size or msg.remote_tp_size,
+                                              remote_engine_id=ans.engine_id or msg.remote_engine_id)
+                plans, pairing = self._told_if(state, peer, engine, functools.partial(
+                    plan_read, sub, lay, ranks, engine))
+                f.nbytes += await self._pre_read(key, state, local, peer, engine, sub, plans, pairing,
+                                                 f"blocks {f.read_blocks}-{ans.complete - 1}")
+                self.observer.stream_layers(0, 0, len(mine))
+            f.read_blocks = ans.complete
+        return await self._answer(sent, state.deadline)
 
     def _told_if(self, state: RecvState, peer: Peer, engine: str, step: Callable[[], T]) -> T:
         """``step()``; if it refuses (RequestError) the receive will never read: its prefill is
@@ -189,21 +238,26 @@ class StreamFeed:
             raise
 
     def _planned(self, state: RecvState, peer: Peer, local: Any, ans: LayersAt,
-                 remote_layouts: dict[int, Any]) -> tuple[Recv, list[RankPlan], BlockPairing]:
-        """The receive completed with the prefill's first answer, and planned."""
+                 remote_layouts: dict[int, Any], read_blocks: int
+                 ) -> tuple[Recv, list[RankPlan], BlockPairing]:
+        """The receive completed with the prefill's first answer naming all its blocks, less the
+        blocks read whole as chunks (``read_blocks``, the prefill's first), and planned."""
         msg = state.msg
         same = all(lay.block_size == local.info.layout.block_size for lay in remote_layouts.values())
         if msg.groups is not None and not same:  # (pairs per group are block for block)
             raise RequestError(ErrorCode.INCOMPATIBLE, "push of several KV cache groups between different "
                                "block sizes is not supported", msg.req_id)
         state.msg = completed(msg, ans, peer, same, local.info.layout)
+        if read_blocks:
+            state.msg = after_chunks(state.msg, ans, read_blocks, local.info.layout.block_size)
         plans, pairing = plan_for(self.registry, state, peer)
         return state.msg, plans, pairing
 
-    def _send_watch(self, host: str, port: int, engine: str, req_id: str, token: str, have: int) -> Any:
-        watch = LayerWatch(seq=0, engine_id=engine, req_id=req_id, have=have, token=token,
-                           wait_s=WATCH_WAIT_S, agent_name=self.peers.channel.agent_name)
-        return asyncio.ensure_future(self.peers.call_peer(host, port, watch, WATCH_WAIT_S + 5.0))
+    def _send_watch(self, f: Following, engine: str) -> Any:
+        common = {"seq": 0, "engine_id": engine, "req_id": f.req_id, "have": f.have, "token": f.token,
+                  "wait_s": WATCH_WAIT_S, "agent_name": self.peers.channel.agent_name}
+        watch = LayerWatch(**common) if f.seen is None else ChunkWatch(**common, seen=f.seen)
+        return asyncio.ensure_future(self.peers.call_peer(f.host, f.port, watch, WATCH_WAIT_S + 5.0))
 
     async def _answer(self, sent: asyncio.Future[Any], deadline: float) -> LayersAt:
         try:
@@ -213,31 +267,22 @@ class StreamFeed:
             raise RequestError(ErrorCode.DEADLINE, "the prefill computed not every layer before the "
                                "receive's deadline") from None
 
-    async def _watch(self, host: str, port: int, engine: str, req_id: str, token: str, have: int,
-                     deadline: float) -> LayersAt:
-        return await self._answer(self._send_watch(host, port, engine, req_id, token, have), deadline)
-
-    async def _pre_read(self, key: str, state: RecvState, local: Any, peer: Peer, engine: str,
-                        plans: list[RankPlan], pairing: BlockPairing, remote_layouts: dict[int, Any],
-                        layers: tuple[int, int]) -> int:
-        """Read the layers ``[a, b)`` now; wait for them to land (RequestError if they fail: the
-        prefill is told at once, its lease then ends with its readers' notices)."""
+    async def _pre_read(self, key: str, state: RecvState, local: Any, peer: Peer, engine: str, msg: Recv,
+                        cut: list[RankPlan], pairing: BlockPairing, what: str) -> int:
+        """Read these plans of ``msg``'s blocks now (some layers, or a chunk's blocks whole);
+        wait for them to land (RequestError if they fail: the prefill is told at once, its
+        lease then ends with its readers' notices)."""
         try:
-            return await self._read_layers(key, state, local, peer, engine, plans, pairing,
-                                           remote_layouts, layers)
+            return await self._read(key, state, local, peer, engine, msg, cut, pairing, what)
         except RequestError:
             state.peer_agent = peer.agent_name
             notify_prefill(self.nixl, self.registry, state, False)
             raise
 
-    async def _read_layers(self, key: str, state: RecvState, local: Any, peer: Peer, engine: str,
-                           plans: list[RankPlan], pairing: BlockPairing, remote_layouts: dict[int, Any],
-                           layers: tuple[int, int]) -> int:
-        msg, deadline = state.msg, state.deadline
-        n_local = local.info.layout.num_regions
-        cut = [p for a, b in read_ranges(*layers)
-               for p in restrict(plans, (a, b), remote_layouts, n_local, False)]
-        rk = f"{key}#{layers[0]}-{layers[1]}"
+    async def _read(self, key: str, state: RecvState, local: Any, peer: Peer, engine: str, msg: Recv,
+                    cut: list[RankPlan], pairing: BlockPairing, what: str) -> int:
+        deadline = state.deadline
+        rk = f"{key}#{what.replace(' ', '')}"
         try:
             staged = await self._staged(rk, msg, local, peer, engine, cut, pairing, deadline)
             if staged is not None:
@@ -261,8 +306,7 @@ class StreamFeed:
             if self.staging is not None:
                 self.staging.release(("pre-read", rk))  # (the prefill frees its own at the next ask)
         if not event.ok:
-            raise RequestError(event.code, f"reading layers {layers[0]}-{layers[1] - 1}: {event.reason}",
-                               msg.req_id)
+            raise RequestError(event.code, f"reading {what}: {event.reason}", msg.req_id)
         return event.nbytes
 
     async def _staged(self, rk: str, msg: Recv, local: Any, peer: Peer, engine: str, cut: list[RankPlan],

@@ -8,7 +8,7 @@ answered ``LayersAt`` at once when more layers are ready than it has seen, else 
 when the lease ends, or after its ``wait_s``. Watches wait here, not in a listener slot: a
 thousand decodes watching cost no handshake its turn. A watch renews the lease like a claim.
 A watch for a lease not held yet (the decode was dispatched first; a prompt computed in
-chunks is held only once it finished) waits for its ``Hold`` the same way (``EARLY_MAX`` at
+chunks is held only once its first chunk is scheduled) waits for its ``Hold`` the same way (``EARLY_MAX`` at
 once), so the decode learns of it when it comes, not at its next ask (it used to ask again
 every 2 ms, backing off to 100 ms: up to 100 ms lost per request after a chunked prefill).
 
@@ -30,7 +30,7 @@ from kvxfer.config import Config
 from kvxfer.errors import ErrorCode, RequestError
 from kvxfer.leases import Lease
 from kvxfer.observe import Observer
-from kvxfer.protocol import Hold, LayersAt, LayersDone, LayerWatch
+from kvxfer.protocol import ChunkWatch, Hold, LayersAt, LayersDone, LayerWatch
 from kvxfer.sidecar.holds import Holds
 from kvxfer.sidecar.layer_stream import LayerBook, LayerKey, stages_of
 from kvxfer.sidecar.ownership import Creds, authorize
@@ -72,13 +72,19 @@ class StreamServer:
 
     def hold(self, ident: bytes, msg: Hold, draining: bool, sender: Creds) -> None:
         """Any Hold: held (``Holds``); a streamed one also starts its book; watches that came
-        before it are watched now."""
+        before it are watched now. A chunk's (``extends``) grows a streamed hold."""
+        if msg.extends:
+            lease = self.holds.grow(msg, sender)
+            if lease.key in self.book:
+                for watch in self.book.extend(lease.key, msg.partial):
+                    self._answer(lease.key, watch)
+            return
         self.holds.hold(ident, msg, draining, sender)
         engine = self.registry.engine_of(msg.engine_id)
         if msg.streamed and (engine, msg.req_id) in self.holds.table:  # (not released at once: its
             # decode cancelled before it came, ``Holds._keep_until_held``)
             stages, tp_size = stages_of([r.layout for r in self.registry.of_engine(engine)])
-            self.book.start((engine, msg.req_id), stages, tp_size)
+            self.book.start((engine, msg.req_id), stages, tp_size, partial=msg.partial)
             log.debug("streamed hold %s of engine %s: %d blocks, layers %s by %d ranks", msg.req_id, engine,
                       len(msg.block_ids), stages, tp_size)
         if msg.req_id in self._early:
@@ -98,7 +104,7 @@ class StreamServer:
             key = (engine, req_id)
             if key not in self.book and self.holds.table.ended(engine, req_id):
                 continue  # (its lease ended: kept as early, they would count for a new hold of the id)
-            for watch in self.book.report(key, msg.pp_rank, msg.tp_rank, msg.layers):
+            for watch in self.book.report(key, msg.pp_rank, msg.tp_rank, msg.layers, msg.blocks):
                 self._answer(key, watch)
 
     # ------------------------------------------------------------------ decodes
@@ -122,7 +128,7 @@ class StreamServer:
             return
         self._extend(lease, msg)
         watch = Watch(msg, reply)
-        if self.book.watch(key, msg.have, watch):
+        if self.book.watch(key, msg.have, watch, msg.seen if isinstance(msg, ChunkWatch) else None):
             self._answer(key, watch)
             return
         watch.timer = asyncio.get_running_loop().call_later(msg.wait_s, self._timed_out, key, watch)
@@ -201,9 +207,10 @@ class StreamServer:
         stages, tp_size = stages_of([r.layout for r in ranks])
         total = sum(n for _, n in stages.values())
         ready = prog.ready if prog is not None else total
+        chunks = {"partial": prog.partial, "complete": prog.complete, "version": prog.version} if prog else {}
         return LayersAt(seq=msg.seq, held="held", ready=ready, total=total, block_ids=list(lease.block_ids),
                         generation=self._generation(), tp_size=tp_size, engine_id=lease.engine,
-                        groups=lease.groups, num_tokens=lease.num_tokens)
+                        groups=lease.groups, num_tokens=lease.num_tokens, **chunks)
 
     def _not_held(self, msg: LayerWatch) -> LayersAt:
         return LayersAt(seq=msg.seq, held=self.holds.absent(msg.engine_id, msg.req_id),
