@@ -93,17 +93,49 @@ def test_a_prompt_computed_in_chunks_is_read_chunk_by_chunk(pair: tuple[Syntheti
     assert rest  # (the last chunk had blocks of its own)
 
 
+def test_a_chunk_reported_before_its_blocks_are_held_is_read_once_they_are(
+        pair: tuple[SyntheticEngine, SyntheticEngine]) -> None:
+    """The workers' report of a chunk (their sockets) may overtake the scheduler's Hold that
+    extends to its blocks (another socket): the decode reads only blocks held, and the rest of
+    that chunk once they are (found by review: it counted them read and never read them)."""
+    p, d = pair
+    tid = "overtaken"
+    pb, db = p.allocate(8), d.allocate(8)
+    p.wipe(pb)
+    d.wipe(db)
+    p.client.hold(tid, pb[:3], token=tid, streamed=True, partial=True, num_tokens=8 * BS,
+                  expires_unix=time.time() + 60)
+    d.client.recv(tid, db, streamed_remote(p, tid), streamed=True, deadline_s=30)
+    p.fill(tid, pb[:5])
+    p.client.send(LayersDone(req_ids=[tid], layers=0, blocks=5))  # (before the Hold of blocks 3-4)
+    assert until(lambda: same_bytes(p, pb[:3], d, db[:3]))
+    time.sleep(0.2)
+    p.client.hold(tid, pb[:5], token=tid, streamed=True, extends=True, partial=True, num_tokens=8 * BS)
+    assert until(lambda: same_bytes(p, pb[:5], d, db[:5])), "blocks 3-4 were never read"
+    p.client.hold(tid, pb, token=tid, streamed=True, extends=True, num_tokens=8 * BS)
+    for layer in range(LAYOUT.num_layers):
+        p.fill_layers(tid, pb, range(layer, layer + 1))
+        p.client.send(LayersDone(req_ids=[tid], layers=layer + 1))
+    got = wait_for(d.client, lambda a: bool(a.done or a.failed), timeout=30)
+    assert got.done, got.failed
+    assert same_bytes(p, pb, d, db)
+
+
 def test_a_chunk_extension_must_start_with_the_held_blocks(
         pair: tuple[SyntheticEngine, SyntheticEngine]) -> None:
     p, _ = pair
     pb = p.allocate(4)
     p.client.hold("ext", pb[:2], token="ext", streamed=True, partial=True, num_tokens=4 * BS)
-    p.client.hold("ext", [pb[1], pb[0], *pb[2:]], token="ext", streamed=True, extends=True, num_tokens=4 * BS)
-    got = wait_for(p.client, lambda a: bool(a.errors), timeout=10)
-    assert got.errors[0].code == ErrorCode.MALFORMED, got.errors
+    # another engine's token: refused, the lease untouched
     p.client.hold("ext", pb, token="other", streamed=True, extends=True, num_tokens=4 * BS)
     got = wait_for(p.client, lambda a: bool(a.errors), timeout=10)
     assert got.errors[0].code == ErrorCode.UNKNOWN_REQUEST, got.errors
+    assert not got.released
+    # a list that does not start with the one held: refused, and the lease ends (one Released)
+    p.client.hold("ext", [pb[1], pb[0], *pb[2:]], token="ext", streamed=True, extends=True, num_tokens=4 * BS)
+    got = wait_for(p.client, lambda a: bool(a.errors and a.released), timeout=10)
+    assert got.errors[0].code == ErrorCode.INCOMPATIBLE, got.errors  # (not: "no lease was made")
+    assert [(r.req_id, r.reason) for r in got.released] == [("ext", "aborted")]
 
 
 PY = os.environ.get("KVXFER_VLLM_PYTHON", "")

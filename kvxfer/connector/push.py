@@ -98,6 +98,8 @@ class StreamedHolds:
                 self._chunked[req_id] = (request, blocks, self.block_size)
                 plan.chunks[self._streams[req_id]] = done // self.block_size
         if cached is not None and self._chunked:
+            for req_id in getattr(cached, "resumed_req_ids", ()) or ():  # (vLLM preempted it: its
+                self._chunked.pop(req_id, None)  # blocks are new; never appended to the held ones)
             for i, req_id in enumerate(cached.req_ids):
                 if req_id in self._chunked and req_id in num_scheduled:
                     self._next_chunk(req_id, cached.new_block_ids[i], num_scheduled[req_id], plan)
@@ -111,13 +113,20 @@ class StreamedHolds:
         blocks = (blocks + list(new[0] if new else ()))[:-(-request.num_prompt_tokens // size)]
         done = request.num_computed_tokens + scheduled
         final = done >= request.num_prompt_tokens
+        give_up = self.settings.lease_s + self.settings.grace_s  # (renewed: a long prompt outlives one)
         try:
             self.client.hold(tid, blocks, self.settings.lease_s, reads=self.tp_size, notify_ranks=True,
-                             engine_id=self.local_engine, token=tid, streamed=True, extends=True,
-                             partial=not final, num_tokens=request.num_prompt_tokens)
-        except SEND_ERRORS as e:  # (its decode waits for its deadline, or the lease's end)
-            log.warning("request %s: its next chunk's blocks not held (%s)", req_id, e)
+                             expires_unix=time.time() + give_up, engine_id=self.local_engine, token=tid,
+                             streamed=True, extends=True, partial=not final,
+                             num_tokens=request.num_prompt_tokens)
+        except SEND_ERRORS as e:
+            if final:  # (never to be complete: its decode fails now, not at its deadline)
+                log.warning("request %s: its last chunk's blocks not held (%s); released", req_id, e)
+                self._release(req_id, tid)
+            else:  # (the next chunk's extension carries the whole list)
+                self._chunked[req_id] = (request, blocks, size)
             return
+        plan.holds[tid] = time.monotonic() + give_up
         if final:
             plan.streamed.append(tid)
         else:
@@ -159,6 +168,7 @@ class StreamedHolds:
         freed once that is done."""
         req_id = request.request_id
         self._spent.discard(req_id)
+        self._chunked.pop(req_id, None)
         tid = self._streams.pop(req_id, None)
         if tid is None:
             return False, None  # (preempted: released already, nothing held now)

@@ -163,20 +163,35 @@ class Holds:
 
     def grow(self, msg: Hold, sender: Creds) -> Lease:
         """The next chunk of a prompt held in chunks (``Hold.extends``): ``block_ids`` is the
-        list so far, starting with the one held. RequestError: no hold of this id and token
-        here, a list that does not start with the held one, blocks out of range."""
+        list so far, starting with the one held; the lease renewed as a new hold's would be.
+        RequestError: no hold of this id and token here (``unknown_request``), or an extension
+        that cannot be right (a list not starting with the one held, blocks out of range): the
+        lease ends ``aborted`` (its decode recomputes) and the refusal is ``incompatible``, never
+        a code that tells the connector no lease was made (one was, and ends with a Released)."""
         engine = self.registry.engine_of(msg.engine_id)
         authorize(sender, self.registry.holders(engine), self.config.engine_ownership, "hold", engine,
                   msg.req_id)
         lease = self.table.get((engine, msg.req_id))
         if lease is None or lease.token != msg.token:
             raise RequestError(ErrorCode.UNKNOWN_REQUEST, "no hold of this id to extend", msg.req_id)
-        if list(msg.block_ids[:len(lease.block_ids)]) != lease.block_ids:
-            raise RequestError(ErrorCode.MALFORMED, "an extended hold starts with the blocks held",
-                               msg.req_id)
-        ranks = self.registry.of_engine(engine)
-        check_blocks(msg.req_id, msg.block_ids, min((r.layout.num_blocks for r in ranks), default=0), "held")
+        try:
+            if list(msg.block_ids[:len(lease.block_ids)]) != lease.block_ids:
+                raise RequestError(ErrorCode.MALFORMED, "an extended hold starts with the blocks held")
+            if msg.expires_unix and time.time() > msg.expires_unix:
+                raise RequestError(ErrorCode.EXPIRED, "the extension came after its engine's deadline")
+            fewest = min((r.layout.num_blocks for r in self.registry.of_engine(engine)), default=0)
+            check_blocks(msg.req_id, msg.block_ids, fewest, "held")
+        except RequestError as e:
+            if self.table.pop(lease.key) is not None:
+                self.release(lease, "aborted")
+            raise RequestError(ErrorCode.INCOMPATIBLE, f"extension refused ({e.code}: {e.reason}); "
+                               "the lease ended", msg.req_id) from None
         lease.block_ids = list(msg.block_ids)
+        until = time.monotonic() + (msg.lease_s or lease.duration or self.config.lease_s)
+        if self.table.extend(lease.key, min(until, lease.created + self.config.max_lease_s)):
+            self._wakeup.set()
+        if msg.expires_unix:  # (its lease word's deadline: the engine's own, renewed)
+            self.words.put(lease.key, lease_tag(engine, msg.req_id, msg.token), deadline_ms(msg.expires_unix))
         return lease
 
     def extend(self, lease: Lease, by_s: float, agent: str, message: str, cap_s: float) -> None:

@@ -224,7 +224,7 @@ class StreamFeed:
                 f.nbytes += await self._pre_read(key, state, local, peer, engine, sub, plans, pairing,
                                                  f"blocks {f.read_blocks}-{ans.complete - 1}")
                 self.observer.stream_layers(0, 0, len(mine))
-            f.read_blocks = ans.complete
+            f.read_blocks = min(ans.complete, len(ans.block_ids))  # (what chunk_pairs could read)
         return await self._answer(sent, state.deadline)
 
     def _told_if(self, state: RecvState, peer: Peer, engine: str, step: Callable[[], T]) -> T:

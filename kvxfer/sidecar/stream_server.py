@@ -207,7 +207,11 @@ class StreamServer:
         stages, tp_size = stages_of([r.layout for r in ranks])
         total = sum(n for _, n in stages.values())
         ready = prog.ready if prog is not None else total
-        chunks = {"partial": prog.partial, "complete": prog.complete, "version": prog.version} if prog else {}
+        if prog is not None and prog.partial and not isinstance(msg, ChunkWatch):
+            return LayersAt(seq=msg.seq, held="unknown", generation=self._generation())  # (an older
+            # reader never sees a list that is not the last: it asks again)
+        chunks = ({"partial": prog.partial, "complete": min(prog.complete, len(lease.block_ids)),
+                   "version": prog.version} if prog else {})
         return LayersAt(seq=msg.seq, held="held", ready=ready, total=total, block_ids=list(lease.block_ids),
                         generation=self._generation(), tp_size=tp_size, engine_id=lease.engine,
                         groups=lease.groups, num_tokens=lease.num_tokens, **chunks)
