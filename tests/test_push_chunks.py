@@ -126,6 +126,14 @@ def test_a_chunk_extension_must_start_with_the_held_blocks(
     p, _ = pair
     pb = p.allocate(4)
     p.client.hold("ext", pb[:2], token="ext", streamed=True, partial=True, num_tokens=4 * BS)
+    # a hold of the same id that is not partial (pulled, held at its end): never extended
+    p.client.hold("whole", pb, token="whole")
+    p.client.hold("whole", pb, token="whole", streamed=True, extends=True, num_tokens=4 * BS)
+    got = wait_for(p.client, lambda a: bool(a.errors), timeout=10)
+    assert got.errors[0].code == ErrorCode.UNKNOWN_REQUEST, got.errors
+    assert not got.released
+    p.client.release("whole")
+    wait_for(p.client, lambda a: bool(a.released), timeout=10)
     # another engine's token: refused, the lease untouched
     p.client.hold("ext", pb, token="other", streamed=True, extends=True, num_tokens=4 * BS)
     got = wait_for(p.client, lambda a: bool(a.errors), timeout=10)

@@ -191,3 +191,20 @@ def test_a_prompt_computed_in_chunks_is_held_chunk_by_chunk() -> None:
     push.allocated(request("r2", "t2", prompt=150), [1, 2, 3, 4], BS)
     push.scheduled({"r2": 64}, None, StepPlan())
     assert old.holds == []
+
+
+def test_a_chunked_prompt_whose_lease_ended_is_extended_no_more() -> None:
+    """The lease of a prompt held chunk by chunk ends while vLLM still computes it (its decode
+    gave up; found by review): the next chunks send no extension and re-arm no deadline (an
+    orphan engine-side hold would be freed again later, under its transfer id)."""
+    client = Client()
+    push = StreamedHolds(ConnectorSettings(mode="push"), client, 1, "P", chunks=True)  # type: ignore[arg-type]
+    r = request("r1", "t1", prompt=150)
+    push.allocated(r, [1, 2, 3, 4], BS)
+    push.scheduled({"r1": 64}, None, StepPlan())
+    assert push.hold_back({"r1"}) == set()  # (its Released came: kept until vLLM finishes it)
+    r.num_computed_tokens = 64
+    plan = StepPlan()
+    push.scheduled({"r1": 64}, None, plan, SimpleNamespace(req_ids=["r1"], new_block_ids=[([5, 6, 7, 8],)]))
+    assert len(client.holds) == 1
+    assert (plan.holds, plan.chunks) == ({}, {})

@@ -190,6 +190,8 @@ class StreamedHolds:
         self._dropped -= dropped
         early = {r for r in finished_sending if r in self._streams}
         self._released |= early
+        for r in early:  # (its lease ended: no later chunk extends it, nor re-arms its deadline)
+            self._chunked.pop(r, None)
         return finished_sending - early - dropped
 
     def _release(self, req_id: str, tid: str) -> None:

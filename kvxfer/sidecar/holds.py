@@ -161,10 +161,11 @@ class Holds:
         known = self.table.resolve(engine, req_id) is not None  # (refused, not ended)
         return "gone" if not known and self.table.ended(engine, req_id) else "unknown"
 
-    def grow(self, msg: Hold, sender: Creds) -> Lease:
+    def grow(self, msg: Hold, sender: Creds, growing: bool) -> Lease:
         """The next chunk of a prompt held in chunks (``Hold.extends``): ``block_ids`` is the
         list so far, starting with the one held; the lease renewed as a new hold's would be.
-        RequestError: no hold of this id and token here (``unknown_request``), or an extension
+        RequestError: no partial hold of this id and token here (``growing`` False: none, or
+        no longer partial, or not streamed: ``unknown_request``, nothing ends), or an extension
         that cannot be right (a list not starting with the one held, blocks out of range): the
         lease ends ``aborted`` (its decode recomputes) and the refusal is ``incompatible``, never
         a code that tells the connector no lease was made (one was, and ends with a Released)."""
@@ -172,8 +173,8 @@ class Holds:
         authorize(sender, self.registry.holders(engine), self.config.engine_ownership, "hold", engine,
                   msg.req_id)
         lease = self.table.get((engine, msg.req_id))
-        if lease is None or lease.token != msg.token:
-            raise RequestError(ErrorCode.UNKNOWN_REQUEST, "no hold of this id to extend", msg.req_id)
+        if lease is None or lease.token != msg.token or not growing:  # (``growing``: a partial hold)
+            raise RequestError(ErrorCode.UNKNOWN_REQUEST, "no partial hold of this id to extend", msg.req_id)
         try:
             if list(msg.block_ids[:len(lease.block_ids)]) != lease.block_ids:
                 raise RequestError(ErrorCode.MALFORMED, "an extended hold starts with the blocks held")

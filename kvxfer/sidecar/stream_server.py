@@ -74,7 +74,8 @@ class StreamServer:
         """Any Hold: held (``Holds``); a streamed one also starts its book; watches that came
         before it are watched now. A chunk's (``extends``) grows a streamed hold."""
         if msg.extends:
-            lease = self.holds.grow(msg, sender)
+            prog = self.book.get((self.registry.engine_of(msg.engine_id), msg.req_id))
+            lease = self.holds.grow(msg, sender, growing=prog is not None and prog.partial)
             if lease.key in self.book:
                 for watch in self.book.extend(lease.key, msg.partial):
                     self._answer(lease.key, watch)
