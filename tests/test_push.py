@@ -21,7 +21,7 @@ import pytest
 
 from kvxfer.client import RemoteBlocks
 from kvxfer.errors import ErrorCode
-from kvxfer.protocol import Cancel, LayersDone
+from kvxfer.protocol import Cancel, KVLayout, LayersDone
 from kvxfer.sidecar.stream_feed import WATCH_WAIT_S
 from kvxfer.testing.engine import SyntheticEngine, make_layout
 from kvxfer.testing.pattern import request_pattern
@@ -47,13 +47,13 @@ Pair = tuple[SidecarProc, SidecarProc, SyntheticEngine, SyntheticEngine]
 
 @contextlib.contextmanager
 def pair(sidecars: SidecarFactory, name: str, *decode_args: str, metrics: bool = False,
-         prefill_args: tuple[str, ...] = ()) -> Iterator[Pair]:
+         prefill_args: tuple[str, ...] = (), layout: KVLayout = LAYOUT) -> Iterator[Pair]:
     """A decode and a prefill sidecar (``<name>-d``, ``<name>-p``), an engine registered with
     each; the engines are closed on leaving."""
     ds = sidecars.start(f"{name}-d", "--verify-sample", "0", *decode_args,
                         **({"metrics_port": free_port()} if metrics else {}))
     ps = sidecars.start(f"{name}-p", *prefill_args)
-    d, p = SyntheticEngine(LAYOUT, ds.endpoint, seed=2), SyntheticEngine(LAYOUT, ps.endpoint, seed=1)
+    d, p = SyntheticEngine(layout, ds.endpoint, seed=2), SyntheticEngine(layout, ps.endpoint, seed=1)
     try:
         d.start()
         p.start()

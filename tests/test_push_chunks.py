@@ -24,6 +24,7 @@ from kvxfer.errors import ErrorCode
 from kvxfer.protocol import LayersDone
 from kvxfer.testing.engine import SyntheticEngine, make_layout
 from kvxfer.testing.procs import SidecarFactory
+from tests.test_push import pair as started_pair
 from tests.test_push import streamed_remote
 from tests.test_sidecar import wait_for
 
@@ -32,18 +33,9 @@ BS = LAYOUT.block_size
 
 
 @pytest.fixture
-def pair() -> Iterator[tuple[SyntheticEngine, SyntheticEngine]]:
-    with SidecarFactory() as f:
-        ps = f.start("prefill", "--lease-s", "30")
-        ds = f.start("decode", "--verify-sample", "0")
-        p, d = SyntheticEngine(LAYOUT, ps.endpoint, seed=1), SyntheticEngine(LAYOUT, ds.endpoint, seed=2)
-        p.start()
-        d.start()
-        try:
-            yield p, d
-        finally:
-            p.close()
-            d.close()
+def pair(sidecars: SidecarFactory) -> Iterator[tuple[SyntheticEngine, SyntheticEngine]]:
+    with started_pair(sidecars, "chunks", prefill_args=("--lease-s", "30"), layout=LAYOUT) as (_, _, d, p):
+        yield p, d
 
 
 def same_bytes(p: SyntheticEngine, pb: list[int], d: SyntheticEngine, db: list[int]) -> bool:

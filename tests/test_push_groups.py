@@ -23,6 +23,7 @@ from kvxfer.errors import ErrorCode
 from kvxfer.protocol import LayersDone
 from kvxfer.testing.engine import SyntheticEngine, make_layout
 from kvxfer.testing.procs import SidecarFactory
+from tests.test_push import pair as started_pair
 from tests.test_push import streamed_remote
 from tests.test_sidecar import wait_for
 
@@ -33,20 +34,11 @@ TOKENS = 80  # the prompt tokens the prefill computes (and the decode loads)
 
 
 @pytest.fixture
-def pair() -> Iterator[tuple[SyntheticEngine, SyntheticEngine]]:
+def pair(sidecars: SidecarFactory) -> Iterator[tuple[SyntheticEngine, SyntheticEngine]]:
     layout = make_layout(layers=LAYERS, num_blocks=64, heads=2, head_dim=64, state_layers=2,
                          state_bytes=STATE)
-    with SidecarFactory() as f:
-        ps = f.start("prefill", "--lease-s", "30")
-        ds = f.start("decode", "--verify-sample", "0")
-        p, d = SyntheticEngine(layout, ps.endpoint, seed=1), SyntheticEngine(layout, ds.endpoint, seed=2)
-        p.start()
-        d.start()
-        try:
-            yield p, d
-        finally:
-            p.close()
-            d.close()
+    with started_pair(sidecars, "groups", prefill_args=("--lease-s", "30"), layout=layout) as (_, _, d, p):
+        yield p, d
 
 
 def state_of(e: SyntheticEngine, block: int) -> np.ndarray:

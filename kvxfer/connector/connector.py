@@ -226,11 +226,11 @@ class KvxferConnector(KVConnectorBase_V1, *_HMA):  # type: ignore[misc]
         assert self.scheduler is not None
         if self.scheduler.push.streams(request):  # (push mode, prefill side: held before it is computed)
             ids = blocks.get_block_ids()
-            size = self._vllm_config.cache_config.block_size
             if self.groups is not None and self.groups.grouped:  # (one list per group, as pull's)
                 lists = self.groups.at_finish([list(g) for g in ids], request.num_prompt_tokens)
                 self.scheduler.push.allocated_groups(request, lists)
             elif len(ids) == 1:
+                size = self._vllm_config.cache_config.block_size
                 self.scheduler.push.allocated(request, list(ids[0]), size)
             return
         unhashed: list[int] | list[list[int]] = []

@@ -49,10 +49,10 @@ class StreamedHolds:
         # is not for it (a finished send of an unfinished request kills vLLM's scheduler)
         self._dropped: set[str] = set()
         # push of prompts computed in chunks (the sidecar's Pong says it holds them chunk by
-        # chunk): request id -> (request, its blocks held so far, tokens per block)
+        # chunk): request id -> (request, its blocks held so far)
         self.chunks = chunks
         self.block_size = 1
-        self._chunked: dict[str, tuple[Any, list[int], int]] = {}
+        self._chunked: dict[str, tuple[Any, list[int]]] = {}
 
     def streams(self, request: Any) -> bool:
         """A push-mode prefill request (``transfer_id``): held as soon as its prompt is scheduled."""
@@ -95,7 +95,7 @@ class StreamedHolds:
                 self._hold(request, blocks, groups, plan)
             elif self.chunks and groups is None and req_id in num_scheduled and self._hold(
                     request, blocks, None, plan, partial=True):  # (a first chunk: read as it is done)
-                self._chunked[req_id] = (request, blocks, self.block_size)
+                self._chunked[req_id] = (request, blocks)
                 plan.chunks[self._streams[req_id]] = done // self.block_size
         if cached is not None and self._chunked:
             for req_id in getattr(cached, "resumed_req_ids", ()) or ():  # (vLLM preempted it: its
@@ -108,7 +108,8 @@ class StreamedHolds:
         """This step computes the next chunk of a prompt held chunk by chunk: its blocks held
         too (``Hold.extends``); the last chunk's layers are reported one by one (``streamed``),
         an earlier one's blocks once it is computed (``chunks``)."""
-        request, blocks, size = self._chunked.pop(req_id)
+        request, blocks = self._chunked.pop(req_id)
+        size = self.block_size
         tid = self._streams[req_id]
         blocks = (blocks + list(new[0] if new else ()))[:-(-request.num_prompt_tokens // size)]
         done = request.num_computed_tokens + scheduled
@@ -124,13 +125,13 @@ class StreamedHolds:
                 log.warning("request %s: its last chunk's blocks not held (%s); released", req_id, e)
                 self._release(req_id, tid)
             else:  # (the next chunk's extension carries the whole list)
-                self._chunked[req_id] = (request, blocks, size)
+                self._chunked[req_id] = (request, blocks)
             return
         plan.holds[tid] = time.monotonic() + give_up
         if final:
             plan.streamed.append(tid)
         else:
-            self._chunked[req_id] = (request, blocks, size)
+            self._chunked[req_id] = (request, blocks)
             plan.chunks[tid] = done // size
 
     def _hold(self, request: Any, block_ids: list[int], groups: list[list[int]] | None,

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -239,6 +240,18 @@ def restrict(plans: list[RankPlan], layers: tuple[int, int], remote: dict[int, K
         out.append(dataclasses.replace(plan, remote_region0=start, local_region0=lslice.start + shift,
                                        num_regions=stop - start))
     return out
+
+
+def cut_to_layers(plans: list[RankPlan], layers: tuple[int, int], remote: dict[int, KVLayout],
+                  n_local_regions: int, total: int) -> list[RankPlan]:
+    """``plans`` cut to the layers ``[a, b)`` in ``read_ranges``' runs (``restrict`` each; the
+    state goes with the run that ends at ``total``)."""
+    return [p for a, b in read_ranges(*layers)
+            for p in restrict(plans, (a, b), remote, n_local_regions, last=b == total)]
+
+
+def same_block_size(local: KVLayout, remote: Iterable[KVLayout]) -> bool:
+    return all(lay.block_size == local.block_size for lay in remote)
 
 
 def remote_suffix(remote: list[int], n_local: int, ratio_one: bool) -> list[int]:

@@ -35,7 +35,13 @@ from kvxfer.observe import Observer
 from kvxfer.pairing import pair_groups
 from kvxfer.protocol import ChunkWatch, KVLayout, LayersAt, LayerWatch, Recv
 from kvxfer.sidecar.admission import check_blocks
-from kvxfer.sidecar.layer_stream import after_chunks, chunk_pairs, read_ranges, remote_suffix, restrict
+from kvxfer.sidecar.layer_stream import (
+    after_chunks,
+    chunk_pairs,
+    cut_to_layers,
+    remote_suffix,
+    same_block_size,
+)
 from kvxfer.sidecar.nixl_port import NixlPort
 from kvxfer.sidecar.nixl_types import ReadFinished, ReadRefused
 from kvxfer.sidecar.peer_book import Peer
@@ -149,7 +155,7 @@ class StreamFeed:
         if local is None:
             raise RequestError(ErrorCode.NOT_REGISTERED, f"local rank {state.local} was unregistered")
         engine = peer.resolve_engine(state.msg.remote_engine_id)
-        msg, deadline = state.msg, state.deadline
+        msg = state.msg
         self._told_if(state, peer, engine, lambda: streamable(peer, msg))
         f = Following(msg.remote_host, msg.remote_port, msg.remote_req_id or msg.req_id, msg.remote_token,
                       0 if peer.chunk_streams else None)
@@ -158,14 +164,14 @@ class StreamFeed:
         pairing: BlockPairing | None = None
         remote_layouts: dict[int, Any] = {}
         blocks: list[int] = []
-        ans = await self._answer(self._send_watch(f, engine), deadline)
+        ans = await self._answer(self._send_watch(f, engine), state.deadline)
         while True:
             if not alive():
                 raise RequestError(ErrorCode.CANCELLED, "receive ended", msg.req_id)
             if ans.held == "unknown":  # (its Hold is not there yet: ask again, less and less often)
                 pause = min(UNKNOWN_PAUSE_MAX_S, pause * 2)
                 await asyncio.sleep(pause)
-                ans = await self._answer(self._send_watch(f, engine), deadline)
+                ans = await self._answer(self._send_watch(f, engine), state.deadline)
                 continue
             if ans.held != "held":
                 raise _refusal(ans, msg.req_id)
@@ -183,17 +189,14 @@ class StreamFeed:
                     self._planned, state, peer, local, ans, remote_layouts, f.read_blocks))
             f.have, f.seen = ans.ready, ans.version if f.seen is not None else None
             if f.have >= ans.total:
-                n_local = local.info.layout.num_regions
-                rest = plans if f.read == 0 else [  # (nothing pre-read: the whole plan, as pull reads it)
-                    p for a, b in read_ranges(f.read, ans.total)
-                    for p in restrict(plans, (a, b), remote_layouts, n_local, last=b == ans.total)]
+                rest = plans if f.read == 0 else cut_to_layers(  # (nothing pre-read: the whole plan)
+                    plans, (f.read, ans.total), remote_layouts, local.info.layout.num_regions, ans.total)
                 self.observer.stream_layers(f.read, ans.total - f.read)
                 return Followed(msg, rest, pairing, f.read, f.nbytes)
             sent = self._send_watch(f, engine)  # (waits there while the ready layers are read)
             if f.have > f.read and msg.block_ids:
-                n_local = local.info.layout.num_regions
-                cut = [p for a, b in read_ranges(f.read, f.have)
-                       for p in restrict(plans, (a, b), remote_layouts, n_local, False)]
+                cut = cut_to_layers(plans, (f.read, f.have), remote_layouts, local.info.layout.num_regions,
+                                    ans.total)
                 f.nbytes += await self._pre_read(key, state, local, peer, ans.engine_id or engine, state.msg,
                                                  cut, pairing, f"layers {f.read}-{f.have - 1}")
                 f.read = f.have
@@ -208,7 +211,7 @@ class StreamFeed:
         msg = state.msg
         lay = local.info.layout
         ranks = peer.engine_ranks(engine)
-        same = all(info.layout.block_size == lay.block_size for info in ranks.values())
+        same = same_block_size(lay, (info.layout for info in ranks.values()))
         pairs = (chunk_pairs(list(msg.block_ids), list(ans.block_ids), -(-ans.num_tokens // lay.block_size),
                              f.read_blocks, ans.complete)
                  if msg.groups is None and ans.num_tokens and same and ranks else None)
@@ -243,7 +246,7 @@ class StreamFeed:
         """The receive completed with the prefill's first answer naming all its blocks, less the
         blocks read whole as chunks (``read_blocks``, the prefill's first), and planned."""
         msg = state.msg
-        same = all(lay.block_size == local.info.layout.block_size for lay in remote_layouts.values())
+        same = same_block_size(local.info.layout, remote_layouts.values())
         if msg.groups is not None and not same:  # (pairs per group are block for block)
             raise RequestError(ErrorCode.INCOMPATIBLE, "push of several KV cache groups between different "
                                "block sizes is not supported", msg.req_id)
