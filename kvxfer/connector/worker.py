@@ -16,12 +16,7 @@ While the sidecar still answers heartbeats an overdue receive is left to it (up 
 ``settle_s`` more): a failed read is reported only once its NIXL chunks stopped, and
 failing it here first would let vLLM reuse blocks a late chunk may still write.
 
-Early events. With async scheduling (vLLM's default on GPUs) the scheduler posts a
-``Recv`` while a worker still executes the previous step, so its ``Done`` (or a hold's
-``Released``) can reach the worker before the step whose metadata names the request. Such
-events are kept by request id (at most ``EARLY_MAX``, each for ``early_ttl_s``) and applied
-once the request is bound; dropping them would leave the load waiting for its deadline
-and the prefill blocks pinned until their lease ran out.
+Early events (a ``Done`` that comes before the step that names its request): ``early.py``.
 """
 
 from __future__ import annotations
@@ -35,8 +30,10 @@ from typing import Any
 import msgspec
 
 from kvxfer.client import SEND_ERRORS, Drained, SidecarClient
+from kvxfer.connector.early import EARLY_MAX, EarlyEvents
 from kvxfer.connector.layer_reports import LayerReports
 from kvxfer.connector.layout import Placement, registration_from_tensors, tensor_of_layer
+from kvxfer.connector.rejoin import Rejoin, naming_abandoned
 from kvxfer.connector.settings import ConnectorSettings
 from kvxfer.connector.shm_pool import SharedAllocator
 from kvxfer.connector.sidecar_death import SidecarDeath
@@ -47,8 +44,6 @@ from kvxfer.protocol import Done, Failed, KVGroup, LayersDone, MemoryRef, Regist
 
 log = logging.getLogger(__name__)
 
-EARLY_MAX = 4096  # events kept for requests not bound yet (async scheduling)
-ABANDONED_MAX = 16384  # request ids a re-registration names (RegisterKV.abandoned)
 
 
 @dataclass
@@ -117,12 +112,11 @@ class WorkerSide:
         self._failed_now: dict[str, list[int]] = {}
         self._abandoned: dict[str, float] = {}  # req id -> deadline: failed / freed at a sidecar restart
         self._reported_failed: set[str] = set()  # metadata can be bound twice in one step
-        self._registering = False  # a registration with a restarted sidecar is on its way
+        self._rejoin = Rejoin()  # registering with a restarted sidecar (sent again until answered)
         self.death = SidecarDeath()  # the sidecar's pidfd: proof that it exited
         self._gone = False  # it exited (proven) and no successor answered yet
-        # "kind:req id" -> (event, arrival): Done/Failed/Released that came before their bind()
-        self._early: dict[str, tuple[Done | Failed | Released, float]] = {}
-        self.early_ttl_s = settings.transfer_timeout_s + settings.lease_s + settings.grace_s
+        # Done/Failed/Released that came before their bind()
+        self._early = EarlyEvents(settings.transfer_timeout_s + settings.lease_s + settings.grace_s)
 
     def mem_pool_context(self) -> AbstractContextManager[Any] | None:
         return self.allocator
@@ -187,7 +181,7 @@ class WorkerSide:
         self._holds.update(holds)
         self._names.update(names or {})
         for lease in [x for x in unheld or () if x in self._holds]:  # (its Hold refused: no Released
-            self._keep_early(Released(req_id=lease, reason="refused"), time.monotonic())  # will come)
+            self._early.keep(Released(req_id=lease, reason="refused"), time.monotonic())  # will come)
         for req_id, blocks in (failed or {}).items():
             if req_id not in self._failed_now and req_id not in self._reported_failed:
                 self._failed_now[req_id] = blocks
@@ -225,14 +219,20 @@ class WorkerSide:
         elif self._gone or (now - self._last_pong > self.settings.heartbeat_s and self.death.proven()):
             self._sidecar_gone(out, now)
         for reg in ev.registered:
-            self.registered, self._instance, self._registering = reg, reg.agent_name, False
+            self.registered, self._instance = reg, reg.agent_name
+            self._rejoin.answered()
             log.info("rank %d re-registered with sidecar %s", self.tp_rank, self.settings.sidecar)
-        self._apply_early(out, now)
+        self._early.apply(lambda event: self._apply(out, event), now)
         for event in [*ev.done, *ev.failed, *ev.released]:
             if not self._apply(out, event):
-                self._keep_early(event, now)
+                self._early.keep(event, now)
         for e in ev.errors:
-            log.warning("sidecar error for %r: [%s] %s", e.req_id, e.code, e.message)
+            if not e.req_id and self._rejoin.active:  # (the answer to our registration)
+                log.error("re-registration of rank %d refused by sidecar %s: [%s] %s; again in %.1fs",
+                          self.tp_rank, self.settings.sidecar, e.code, e.message, self._rejoin.failed(now))
+            else:
+                log.warning("sidecar error for %r: [%s] %s", e.req_id, e.code, e.message)
+        self._register_again(now)
         self._expire(out, time.monotonic())
         return out
 
@@ -260,19 +260,6 @@ class WorkerSide:
             self.stats.expired += event.reason == "expired"
         return True
 
-    def _keep_early(self, event: Done | Failed | Released, now: float) -> None:
-        if len(self._early) >= EARLY_MAX:
-            oldest = next(iter(self._early))
-            log.warning("dropping an unclaimed sidecar event for request %s (%d kept)", oldest, EARLY_MAX)
-            del self._early[oldest]
-        self._early[f"{type(event).__name__}:{event.req_id}"] = (event, now)
-
-    def _apply_early(self, out: TransferResults, now: float) -> None:
-        """Events that arrived before their request was bound: apply now, or expire."""
-        for key, (event, arrived) in list(self._early.items()):
-            if self._apply(out, event) or now - arrived > self.early_ttl_s:
-                del self._early[key]
-
     def _sidecar_restarted(self, out: TransferResults, pongs: list[Any]) -> None:
         """A new sidecar answers on our socket: everything the old one held is gone."""
         log.warning("sidecar %s restarted: failing %d loads, freeing %d holds, re-registering",
@@ -286,23 +273,33 @@ class WorkerSide:
         self._give_up(out, time.monotonic())
         self._early.clear()  # the old sidecar's answers
         self._gone = False
-        now = time.monotonic()
+        # (do not treat the same restart twice; the registration is sent until answered)
+        self._instance = next((p.instance for p in reversed(pongs) if p.instance), "")
+        self._rejoin.restarted(time.monotonic())
+        self._register_again(time.monotonic())
+        self.death.watch(self.pools)
+
+    def _register_again(self, now: float) -> None:
+        """Send our registration to the restarted sidecar when ``Rejoin`` says so. Never blocks
+        the engine step: the answer comes back through poll(); until it does, the sidecar
+        refuses this rank's loads (not_registered) and vLLM recomputes."""
+        if not self._rejoin.due(now):
+            return
         assert self.client is not None
-        assert self._registration is not None
-        # Never block the engine step on it: the answer comes back through poll(). Until it
-        # does, the sidecar refuses this rank's loads (not_registered) and vLLM recomputes.
-        new_instance = next((p.instance for p in reversed(pongs) if p.instance), "")
         try:
             if self.pools is not None and self.pools.pools:
                 # the restarted sidecar gets our pools back (same ids) before the registration
                 # that names them; local and quick (one packet per pool)
                 self.pools.readopt()
-            self.client.register_nowait(self._reregistration(now))
-            self._registering = True
-            self._instance = new_instance  # do not treat the same restart twice
+            self.client.register_nowait(naming_abandoned(self._registration, self._abandoned, now))
         except KvxferError as e:
-            log.error("re-registration with the restarted sidecar not sent: %s", e)
-        self.death.watch(self.pools)
+            log.error("re-registration of rank %d with sidecar %s not sent: %s; again in %.1fs",
+                      self.tp_rank, self.settings.sidecar, e, self._rejoin.failed(now))
+            return
+        self._rejoin.sent(now)
+        if self._rejoin.attempts > 1:
+            log.warning("rank %d: re-registration with sidecar %s sent again (attempt %d)", self.tp_rank,
+                        self.settings.sidecar, self._rejoin.attempts)
 
     def _sidecar_gone(self, out: TransferResults, now: float) -> None:
         """The sidecar process exited (its pidfd says so; ``connector.sidecar_death``): none of
@@ -325,19 +322,6 @@ class WorkerSide:
         self._recvs.clear()
         out.finished_sending.update(self._names.pop(r, r) for r in self._holds)
         self._holds.clear()
-
-    def _reregistration(self, now: float) -> Any:
-        """Our registration, naming what we gave up on while it was away (RegisterKV.abandoned)."""
-        if not self._abandoned:
-            return self._registration
-        ids = list(self._abandoned)
-        if len(ids) > ABANDONED_MAX:
-            log.warning("%d requests given up on at a sidecar restart; naming the newest %d", len(ids),
-                        ABANDONED_MAX)
-            ids = ids[-ABANDONED_MAX:]
-        last = max(self._abandoned[r] for r in ids)
-        return msgspec.structs.replace(self._registration, abandoned=ids,
-                                       abandoned_s=max(0.0, last - now) + 5.0)
 
     def _fail(self, out: TransferResults, req_id: str, blocks: list[int]) -> None:
         out.finished_recving.add(req_id)
