@@ -1,7 +1,7 @@
 """The staging copies (``kvxfer.sidecar.nixl_copies.gather`` / ``scatter``) move exactly what
 one ``memmove`` per run moves, whichever path they take: a few runs or long ones one by one,
-granules through an overlapping window, or (a scatter whose granules are whole rows from the
-first) back-to-back rows by ``np.put``."""
+granules through an overlapping window, or (granules that are whole rows from the first)
+back-to-back rows: ``np.put`` to scatter, ``index_select`` to gather."""
 
 from __future__ import annotations
 
@@ -76,6 +76,20 @@ def test_a_scatter_on_the_grid_lands_every_row_where_it_belongs() -> None:
     untouched = np.ones(n * 8, bool)
     untouched[rows] = False
     assert not view[untouched].any()
+
+
+def test_a_gather_on_the_grid_takes_every_row_in_its_order() -> None:
+    """16K head slices of 1 KiB, one of every two rows of random 16-row blocks (the staged
+    NHD 1 -> 2 case): the back-to-back rows path, checked byte for byte and in order."""
+    g, n = 1024, 16384
+    rng = np.random.default_rng(3)
+    src = rng.integers(0, 256, 1024 * 32 * g, dtype=np.uint8)
+    blocks = rng.permutation(1024)[:n // 16]
+    rows = (blocks[:, None] * 32 + np.arange(16)[None, :] * 2 + 1).ravel()
+    runs = np.stack([src.ctypes.data + rows * g, np.full(n, g)], axis=1).astype(np.int64)
+    slot = np.zeros(n * g, np.uint8)
+    assert gather(slot.ctypes.data, runs) == n * g
+    assert np.array_equal(slot.reshape(-1, g), src.reshape(-1, g)[rows])
 
 
 def test_empty_runs_copy_nothing() -> None:
