@@ -173,7 +173,9 @@ class Config:
                                  "arena full reads directly. 0: never stage VRAM (machines whose "
                                  "fabric handles let UCX export any memory).", default=1024)
     stage_below_kib: int = _doc("Stage a read when its direct descriptors average under this many "
-                                "KiB (and it has at least --stage-min-descs of them); 0: never stage.",
+                                "KiB times the engine's TP size (each rank's direct read pays a "
+                                "read's fixed cost; one staged request serves them all) and it has "
+                                "at least --stage-min-descs of them; 0: never stage.",
                                 default=8)
     stage_min_descs: int = _doc("Never stage a read of fewer direct descriptors than this (it costs a "
                                 "few ms at most either way, and staging adds a round trip and two "

@@ -10,8 +10,10 @@ from hypothesis import strategies as st
 
 from kvxfer.sidecar.staging import (
     SLOT_ALIGN,
+    SMALL_SHARE,
     LegPieces,
     SlotBook,
+    StagedPlan,
     held_intervals,
     runs_inside,
     staged_plan,
@@ -215,6 +217,25 @@ def test_worth_staging() -> None:
                                         np.full(1000, 4096, dtype=np.int64))])
     assert contiguous.direct_descs == 1
     assert not worth_staging(contiguous, 32 << 10)
+
+
+def test_small_shares_stage_more_readily_the_more_ranks_read_them() -> None:
+    """Each decode rank's direct read pays a read's fixed cost; one staged request serves them
+    all: a share of at most SMALL_SHARE is staged below ranks x the size, a larger one not."""
+    def plan(n: int, size: int) -> StagedPlan:
+        at = np.arange(n, dtype=np.int64) * size
+        return staged_plan([LegPieces(at * 2, at * 3, np.full(n, size, dtype=np.int64))])
+
+    eight_to_eight = plan(256, 8 << 10)  # 2 MiB of 8 KiB: an NHD rank's share at 8 -> 8
+    assert eight_to_eight.nbytes <= SMALL_SHARE
+    assert not worth_staging(eight_to_eight, 8 << 10)  # (8 KiB is not under 8)
+    assert worth_staging(eight_to_eight, 8 << 10, ranks=8)
+    assert worth_staging(eight_to_eight, 8 << 10, ranks=2)
+    two_to_two = plan(256, 32 << 10)  # 8 MiB of 32 KiB: too large a share
+    assert not worth_staging(two_to_two, 8 << 10, ranks=2)
+    latent = plan(1024, 16 << 10)  # MLA: every rank reads the whole 16 MiB latent
+    assert not worth_staging(latent, 8 << 10, ranks=8)
+    assert not worth_staging(eight_to_eight, 0, ranks=8)  # off stays off
 
 
 @settings(max_examples=300, deadline=None)

@@ -189,7 +189,8 @@ class Staging:
         vram = device is not None and device >= 0
         # (a host arena serves all of a request's ranks at once; a VRAM one, the ranks of its device)
         sharing = 1 if vram else max(1, local.layout.tp_size)
-        if plan.nbytes == 0 or not (vram or worth_staging(plan, self.below, self.config.stage_min_descs)):
+        if plan.nbytes == 0 or not (vram or worth_staging(plan, self.below, self.config.stage_min_descs,
+                                                          ranks=local.layout.tp_size)):
             return None
         cut = _split(plan, groups, min(peer.staging_bytes, book.size), sharing)  # (the smaller arena)
         if cut is None:
