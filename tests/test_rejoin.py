@@ -16,38 +16,47 @@ from kvxfer.testing.procs import SidecarFactory
 
 
 def test_backoff_doubles_up_to_its_cap_and_a_restart_starts_over() -> None:
-    r = Rejoin(first_s=0.5, max_s=2.0, answer_s=10.0)
+    r = Rejoin(first_s=0.5, max_s=2.0)
     assert not r.active
     assert not r.due(0.0)
     r.restarted(100.0)
     assert r.active
     assert r.due(100.0)
-    r.sent(100.0)
-    assert not r.due(109.9)
-    assert r.due(110.0)  # no answer in answer_s: sent again
-    assert [r.failed(t) for t in (101.0, 102.0, 103.0, 104.0)] == [0.5, 1.0, 2.0, 2.0]
-    assert not r.due(105.9)
-    assert r.due(106.0)
-    r.sent(106.0)
-    assert r.attempts == 2
+    assert r.not_sent(100.0) == 0.5  # (its memory channel not answering yet)
+    assert not r.due(100.4)
+    assert r.due(100.5)
+    r.sent()
+    assert r.outstanding
+    assert not r.due(1e9)  # an attempt with no answer is never resent (a duplicate registers twice)
+    assert r.refused(101.0) == 1.0
+    assert r.refused(101.0) == 0.0  # a second error is not this attempt's refusal: counted once
+    assert r.due(102.0)
+    r.sent()
+    assert r.refused(102.0) == 2.0
+    r.sent()
+    assert r.refused(104.0) == 2.0  # (capped)
+    r.sent()
+    assert r.attempts == 4
     r.answered()
     assert not r.active
-    assert not r.due(1e9)
-    assert r.failed(200.0) == 0.0  # an error after the answer retries nothing
+    assert r.refused(200.0) == 0.0  # an error after the answer retries nothing
     assert not r.active
     r.restarted(300.0)
-    r.sent(300.0)
-    assert r.failed(300.0) == 0.5
+    r.sent()
+    assert r.refused(300.0) == 0.5
     assert r.attempts == 1
 
 
-@pytest.mark.parametrize("how", ["refused", "not_sent"])
+@pytest.mark.parametrize("how", ["refused", "not_sent", "took_while_reporting_layers"])
 def test_a_refused_or_unsent_re_registration_is_sent_again(sidecars: SidecarFactory, how: str,
                                                            monkeypatch: pytest.MonkeyPatch) -> None:
     """A real sidecar restarts. The worker's first re-registration fails: ``refused`` hands its
     pools back too late (the new sidecar refuses a registration naming pools it does not
     know), ``not_sent`` cannot reach the memory channel. The next attempt is registered, and
-    the engine step never waited."""
+    the engine step never waited. ``took_while_reporting_layers``: the first attempt takes,
+    while the worker reports computed layers (push mode) that the sidecar answers
+    ``not_registered`` until it has; those are not the registration's refusal, and no second
+    registration goes (it would end the engine's leases and fail the rank's reads)."""
     import torch
 
     from kvxfer.connector.settings import ConnectorSettings
@@ -65,7 +74,7 @@ def test_a_refused_or_unsent_re_registration_is_sent_again(sidecars: SidecarFact
 
     def first_fails() -> int:
         calls.append(time.monotonic())
-        if len(calls) > 1:
+        if len(calls) > 1 or how == "took_while_reporting_layers":
             return real()
         if how == "not_sent":
             raise KvxferError("memory channel not answering (test)")
@@ -84,10 +93,101 @@ def test_a_refused_or_unsent_re_registration_is_sent_again(sidecars: SidecarFact
             t0 = time.monotonic()
             ws.get_transfer_results()
             slowest = max(slowest, time.monotonic() - t0)
+            if how == "took_while_reporting_layers":
+                for _ in range(20):
+                    ws.save_chunks({"lease": 1})
             time.sleep(0.02)
-        assert len(calls) == 2, calls  # one failed attempt, then the one that took
-        assert calls[1] - calls[0] >= 0.45  # after the backoff, not in a tight loop
+        if how == "took_while_reporting_layers":
+            time.sleep(1.0)  # (a second attempt would be due 0.5 s after a mistaken refusal)
+            ws.get_transfer_results()
+            assert len(calls) == 1, calls
+        else:
+            assert len(calls) == 2, calls  # one failed attempt, then the one that took
+            assert calls[1] - calls[0] >= 0.45  # after the backoff, not in a tight loop
         assert slowest < 0.5, slowest
         assert not ws._rejoin.active
     finally:
         ws.shutdown()
+
+
+def test_errors_for_layer_reports_are_not_the_registrations_refusal(tmp_path: os.PathLike[str]) -> None:
+    """A stand-in sidecar restarts and answers the worker's re-registration only after 1 s;
+    meanwhile it answers each layer report ``not_registered`` with no request id, as the real
+    one does for a rank not registered yet. None of those is taken for the registration's
+    refusal: exactly one re-registration goes (a second would end the engine's leases)."""
+    import threading
+
+    import torch
+    import zmq
+
+    from kvxfer.connector.settings import ConnectorSettings
+    from kvxfer.connector.worker import CacheShape, WorkerSide
+    from kvxfer.errors import ErrorCode
+    from kvxfer.memchannel import mem_socket_path
+    from kvxfer.protocol import Error, Pong, Registered, encode, engine_request_decoder
+    from kvxfer.sidecar.pool_server import PoolServer
+
+    endpoint = f"ipc://{tmp_path}/fake.sock"
+    ctx = zmq.Context()
+    router = ctx.socket(zmq.ROUTER)
+    router.bind(endpoint)
+    stop = threading.Event()
+    registrations: list[float] = []
+
+    def registered(name: str) -> bytes:
+        return encode(Registered(tp_rank=0, engine_id="fake", agent_name=name, bytes_registered=1,
+                                 handshake_host="127.0.0.1", handshake_port=1))
+
+    def fake_sidecar() -> None:  # "one" registers at once; "two" (its restart) after 1 s
+        instance, answer_at, who = "one", 0.0, b""
+        while not stop.is_set():
+            if answer_at and time.monotonic() >= answer_at:
+                router.send_multipart([who, registered("two")])
+                answer_at = 0.0
+            if not router.poll(10):
+                continue
+            ident, body = router.recv_multipart()
+            msg = engine_request_decoder.decode(body)
+            kind = type(msg).__name__
+            if kind == "RegisterKV":
+                registrations.append(time.monotonic())
+                if instance == "one":
+                    router.send_multipart([ident, registered("one")])
+                    instance = "two"
+                else:
+                    answer_at, who = time.monotonic() + 1.0, ident
+            elif kind == "LayersDone":
+                router.send_multipart([ident, encode(Error(code=ErrorCode.NOT_REGISTERED,
+                                                           message="rank pp0/tp0 is not registered"))])
+            elif kind == "Ping":
+                router.send_multipart([ident, encode(Pong(seq=msg.seq, engine_id="fake", version=2,
+                                                          handshake_host="127.0.0.1", handshake_port=1,
+                                                          instance=instance))])
+
+    thread = threading.Thread(target=fake_sidecar, daemon=True)
+    thread.start()
+    pools = PoolServer(mem_socket_path(endpoint))
+    pools.start()
+    ws = WorkerSide(ConnectorSettings(sidecar=endpoint, heartbeat_s=0.05, sidecar_timeout_s=5.0,
+                                      engine_channel="zmq"), 0, 1, "cpu")
+    try:
+        ctx_pool = ws.mem_pool_context()
+        assert ctx_pool is not None
+        with ctx_pool:
+            kv = {"l0": torch.zeros(2, 8, 16, 8, 64, dtype=torch.float16)}
+        ws.register_kv_caches(kv, CacheShape(8, 16, 8, 8, 64, False))
+        end = time.monotonic() + 2.5
+        while time.monotonic() < end:
+            ws.get_transfer_results()
+            ws.save_chunks({"lease": 1})  # (push mode: each answered not_registered meanwhile)
+            time.sleep(0.01)
+        assert ws.registered is not None
+        assert ws.registered.agent_name == "two"
+        assert len(registrations) == 2, registrations  # the first, and one re-registration
+    finally:
+        stop.set()
+        thread.join(2)
+        ws.shutdown()
+        pools.close()
+        router.close(0)
+        ctx.term()

@@ -4,10 +4,15 @@ After a sidecar restart the worker re-registers without waiting in the engine st
 comes back through ``poll``. Until it is ``Registered`` the sidecar refuses the rank's loads
 (``not_registered``) and its holds, so vLLM recomputes every prompt: P/D is off for that rank.
 A registration that could not be sent (the new sidecar's queue full, its memory channel not
-answering yet), that the sidecar refused (its memory not mapped yet, a layout it cannot take)
-or that no answer came for is therefore sent again, after 0.5 s, then twice as long each time
-up to 30 s, until one is answered ``Registered`` or the sidecar restarts once more (which starts
-over). Each attempt is logged by the worker with what ended the one before.
+answering yet) or that the sidecar refused (its memory not mapped yet, a layout it cannot
+take) is therefore sent again, after 0.5 s, then twice as long each time up to 30 s, until
+one is answered ``Registered`` or the sidecar restarts once more (which starts over).
+
+One attempt is outstanding at a time, and only its failure schedules the next: a registration
+sent again while one is still in the sidecar's hands (or after it took) would register the
+rank a second time, which ends the engine's leases and fails the rank's reads in flight. So
+an attempt with no answer is never resent (a restart, seen by the heartbeat, starts over),
+and a refusal counts once per attempt (``failed`` is a no-op unless one is outstanding).
 """
 
 from __future__ import annotations
@@ -27,42 +32,50 @@ ABANDONED_MAX = 16384  # request ids a re-registration names (RegisterKV.abandon
 class Rejoin:
     first_s: float = 0.5  # the wait before the first retry
     max_s: float = 30.0  # the longest wait between two attempts
-    answer_s: float = 60.0  # an attempt with no answer for this long is sent again
     attempts: int = 0  # registrations sent since the restart
     _due: float | None = None  # when to send (None: nothing to send)
-    _waiting_until: float | None = None  # sent, answer expected before this
+    _outstanding: bool = False  # sent, its answer not in yet
     _backoff: float = 0.0
 
     @property
     def active(self) -> bool:
         """A registration is to be sent or its answer is awaited."""
-        return self._due is not None or self._waiting_until is not None
+        return self._due is not None or self._outstanding
+
+    @property
+    def outstanding(self) -> bool:
+        """A registration was sent and is not answered yet (an error now may be its refusal)."""
+        return self._outstanding
 
     def restarted(self, now: float) -> None:
         """A (new) restarted sidecar answers: register with it now, backoff reset."""
-        self._due, self._waiting_until, self._backoff, self.attempts = now, None, self.first_s, 0
+        self._due, self._outstanding, self._backoff, self.attempts = now, False, self.first_s, 0
 
     def due(self, now: float) -> bool:
-        """Time to send: first attempt, a retry's wait is over, or no answer came in time."""
-        if self._due is not None:
-            return now >= self._due
-        return self._waiting_until is not None and now >= self._waiting_until
+        """Time to send: the first attempt, or a retry whose wait is over."""
+        return self._due is not None and now >= self._due
 
-    def sent(self, now: float) -> None:
-        self._due, self._waiting_until = None, now + self.answer_s
+    def sent(self) -> None:
+        self._due, self._outstanding = None, True
         self.attempts += 1
 
-    def failed(self, now: float) -> float:
-        """The attempt was not sent or was refused: send again later; returns the wait."""
-        if not self.active:
-            return 0.0  # (an error that came after the answer: nothing to retry)
+    def not_sent(self, now: float) -> float:
+        """The attempt due could not be sent: again later; returns the wait."""
+        return self._again(now) if self._due is not None else 0.0
+
+    def refused(self, now: float) -> float:
+        """The outstanding attempt was refused: again later; returns the wait (0.0: none was
+        outstanding, an error that was not its answer)."""
+        return self._again(now) if self._outstanding else 0.0
+
+    def _again(self, now: float) -> float:
         wait = self._backoff
-        self._due, self._waiting_until = now + wait, None
+        self._due, self._outstanding = now + wait, False
         self._backoff = min(self._backoff * 2, self.max_s)
         return wait
 
     def answered(self) -> None:
-        self._due = self._waiting_until = None
+        self._due, self._outstanding = None, False
 
 
 def naming_abandoned(registration: Any, abandoned: dict[str, float], now: float) -> Any:

@@ -37,7 +37,7 @@ from kvxfer.connector.rejoin import Rejoin, naming_abandoned
 from kvxfer.connector.settings import ConnectorSettings
 from kvxfer.connector.shm_pool import SharedAllocator
 from kvxfer.connector.sidecar_death import SidecarDeath
-from kvxfer.errors import KvxferError
+from kvxfer.errors import ErrorCode, KvxferError
 from kvxfer.memory import cuda_ipc_memory, cuda_ordinal
 from kvxfer.pool import PoolClient
 from kvxfer.protocol import Done, Failed, KVGroup, LayersDone, MemoryRef, Registered, Released
@@ -227,12 +227,15 @@ class WorkerSide:
             if not self._apply(out, event):
                 self._early.keep(event, now)
         for e in ev.errors:
-            if not e.req_id and self._rejoin.active:  # (the answer to our registration)
+            # (a RegisterKV's refusal names no request; a LayersDone of this rank before it is
+            # registered is answered not_registered, never a registration)
+            if not e.req_id and self._rejoin.outstanding and e.code != ErrorCode.NOT_REGISTERED:
                 log.error("re-registration of rank %d refused by sidecar %s: [%s] %s; again in %.1fs",
-                          self.tp_rank, self.settings.sidecar, e.code, e.message, self._rejoin.failed(now))
+                          self.tp_rank, self.settings.sidecar, e.code, e.message, self._rejoin.refused(now))
             else:
                 log.warning("sidecar error for %r: [%s] %s", e.req_id, e.code, e.message)
-        self._register_again(now)
+        if not self._gone and now - self._last_pong <= 2 * self.settings.heartbeat_s:
+            self._register_again(now)  # (only while it answers: the memory channel's connect waits)
         self._expire(out, time.monotonic())
         return out
 
@@ -273,6 +276,7 @@ class WorkerSide:
         self._give_up(out, time.monotonic())
         self._early.clear()  # the old sidecar's answers
         self._gone = False
+        self._last_pong = time.monotonic()
         # (do not treat the same restart twice; the registration is sent until answered)
         self._instance = next((p.instance for p in reversed(pongs) if p.instance), "")
         self._rejoin.restarted(time.monotonic())
@@ -294,12 +298,13 @@ class WorkerSide:
             self.client.register_nowait(naming_abandoned(self._registration, self._abandoned, now))
         except KvxferError as e:
             log.error("re-registration of rank %d with sidecar %s not sent: %s; again in %.1fs",
-                      self.tp_rank, self.settings.sidecar, e, self._rejoin.failed(now))
+                      self.tp_rank, self.settings.sidecar, e, self._rejoin.not_sent(now))
             return
-        self._rejoin.sent(now)
+        self._rejoin.sent()
         if self._rejoin.attempts > 1:
             log.warning("rank %d: re-registration with sidecar %s sent again (attempt %d)", self.tp_rank,
                         self.settings.sidecar, self._rejoin.attempts)
+            self.death.watch(self.pools)  # (the first attempt's watch may have found no channel)
 
     def _sidecar_gone(self, out: TransferResults, now: float) -> None:
         """The sidecar process exited (its pidfd says so; ``connector.sidecar_death``): none of

@@ -164,11 +164,13 @@ class Staging:
     # ------------------------------------------------------------------ decide
 
     def prepare(self, key: Hashable, msg: Recv, local: RankInfo, peer: Peer, engine: str,
-                plans: list[RankPlan], pairing: BlockPairing, remaining_s: float) -> Prepared | None:
+                plans: list[RankPlan], pairing: BlockPairing, remaining_s: float,
+                alone: bool = False) -> Prepared | None:
         """The receive's staged plan and slot, or None: read it directly. Host memory is staged
         when its direct descriptors are many and small (``worth_staging``); VRAM always (the
         arenas are the only memory UCX moves over cuda_ipc: ``staging``). One too large for
-        its share of a slot goes in windows (``staging.windows_of``)."""
+        its share of a slot goes in windows (``staging.windows_of``). ``alone``: it will ask
+        alone (a push pre-read), so no other rank's read shares its request."""
         device = arena_device(local)
         book = self.books.get(device) if device is not None and (device >= 0 or self.below > 0) else None
         if (book is None or not peer.staging_bytes or not msg.block_ids or msg.state_block_ids
@@ -190,7 +192,7 @@ class Staging:
         # (a host arena serves all of a request's ranks at once; a VRAM one, the ranks of its device)
         sharing = 1 if vram else max(1, local.layout.tp_size)
         if plan.nbytes == 0 or not (vram or worth_staging(plan, self.below, self.config.stage_min_descs,
-                                                          ranks=local.layout.tp_size)):
+                                                          ranks=1 if alone else local.layout.tp_size)):
             return None
         cut = _split(plan, groups, min(peer.staging_bytes, book.size), sharing)  # (the smaller arena)
         if cut is None:

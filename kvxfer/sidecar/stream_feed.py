@@ -322,7 +322,8 @@ class StreamFeed:
             return None
         remaining = deadline - time.monotonic()
         slot = ("pre-read", rk)  # (its slot here: never a receive's, whatever the request ids)
-        prepared = self.staging.prepare(slot, msg, local.info, peer, engine, cut, pairing, remaining)
+        prepared = self.staging.prepare(slot, msg, local.info, peer, engine, cut, pairing, remaining,
+                                        alone=True)
         if prepared is None:
             return None
         if prepared.windows:
