@@ -7,7 +7,6 @@ from __future__ import annotations
 import os
 import signal
 import time
-from typing import Any
 
 import pytest
 
@@ -116,59 +115,79 @@ def test_errors_for_layer_reports_are_not_the_registrations_refusal(tmp_path: os
     meanwhile it answers each layer report ``not_registered`` with no request id, as the real
     one does for a rank not registered yet. None of those is taken for the registration's
     refusal: exactly one re-registration goes (a second would end the engine's leases)."""
+    import threading
+
     import torch
+    import zmq
 
     from kvxfer.connector.settings import ConnectorSettings
     from kvxfer.connector.worker import CacheShape, WorkerSide
     from kvxfer.errors import ErrorCode
-    from kvxfer.protocol import Error, Pong, Registered, encode
-    from tests.stand_in import stand_in_sidecar
+    from kvxfer.memchannel import mem_socket_path
+    from kvxfer.protocol import Error, Pong, Registered, encode, engine_request_decoder
+    from kvxfer.sidecar.pool_server import PoolServer
 
+    endpoint = f"ipc://{tmp_path}/fake.sock"
+    ctx = zmq.Context()
+    router = ctx.socket(zmq.ROUTER)
+    router.bind(endpoint)
+    stop = threading.Event()
     registrations: list[float] = []
-    state: dict[str, Any] = {"instance": "one", "answer_at": 0.0, "who": b""}
 
     def registered(name: str) -> bytes:
         return encode(Registered(tp_rank=0, engine_id="fake", agent_name=name, bytes_registered=1,
                                  handshake_host="127.0.0.1", handshake_port=1))
 
-    def late_answer(router: Any) -> None:  # "two" (the restart) answers its registration after 1 s
-        if state["answer_at"] and time.monotonic() >= state["answer_at"]:
-            router.send_multipart([state["who"], registered("two")])
-            state["answer_at"] = 0.0
+    def fake_sidecar() -> None:  # "one" registers at once; "two" (its restart) after 1 s
+        instance, answer_at, who = "one", 0.0, b""
+        while not stop.is_set():
+            if answer_at and time.monotonic() >= answer_at:
+                router.send_multipart([who, registered("two")])
+                answer_at = 0.0
+            if not router.poll(10):
+                continue
+            ident, body = router.recv_multipart()
+            msg = engine_request_decoder.decode(body)
+            kind = type(msg).__name__
+            if kind == "RegisterKV":
+                registrations.append(time.monotonic())
+                if instance == "one":
+                    router.send_multipart([ident, registered("one")])
+                    instance = "two"
+                else:
+                    answer_at, who = time.monotonic() + 1.0, ident
+            elif kind == "LayersDone":
+                router.send_multipart([ident, encode(Error(code=ErrorCode.NOT_REGISTERED,
+                                                           message="rank pp0/tp0 is not registered"))])
+            elif kind == "Ping":
+                router.send_multipart([ident, encode(Pong(seq=msg.seq, engine_id="fake", version=2,
+                                                          handshake_host="127.0.0.1", handshake_port=1,
+                                                          instance=instance))])
 
-    def handle(router: Any, ident: bytes, msg: Any) -> None:  # "one" registers at once
-        kind = type(msg).__name__
-        if kind == "RegisterKV":
-            registrations.append(time.monotonic())
-            if state["instance"] == "one":
-                router.send_multipart([ident, registered("one")])
-                state["instance"] = "two"
-            else:
-                state["answer_at"], state["who"] = time.monotonic() + 1.0, ident
-        elif kind == "LayersDone":
-            router.send_multipart([ident, encode(Error(code=ErrorCode.NOT_REGISTERED,
-                                                       message="rank pp0/tp0 is not registered"))])
-        elif kind == "Ping":
-            router.send_multipart([ident, encode(Pong(seq=msg.seq, engine_id="fake", version=2,
-                                                      handshake_host="127.0.0.1", handshake_port=1,
-                                                      instance=state["instance"]))])
-
-    with stand_in_sidecar(tmp_path, handle, late_answer) as (endpoint, _pools):
-        ws = WorkerSide(ConnectorSettings(sidecar=endpoint, heartbeat_s=0.05, sidecar_timeout_s=5.0,
-                                          engine_channel="zmq"), 0, 1, "cpu")
-        try:
-            ctx_pool = ws.mem_pool_context()
-            assert ctx_pool is not None
-            with ctx_pool:
-                kv = {"l0": torch.zeros(2, 8, 16, 8, 64, dtype=torch.float16)}
-            ws.register_kv_caches(kv, CacheShape(8, 16, 8, 8, 64, False))
-            end = time.monotonic() + 2.5
-            while time.monotonic() < end:
-                ws.get_transfer_results()
-                ws.save_chunks({"lease": 1})  # (push mode: each answered not_registered meanwhile)
-                time.sleep(0.01)
-            assert ws.registered is not None
-            assert ws.registered.agent_name == "two"
-            assert len(registrations) == 2, registrations  # the first, and one re-registration
-        finally:
-            ws.shutdown()
+    thread = threading.Thread(target=fake_sidecar, daemon=True)
+    thread.start()
+    pools = PoolServer(mem_socket_path(endpoint))
+    pools.start()
+    ws = WorkerSide(ConnectorSettings(sidecar=endpoint, heartbeat_s=0.05, sidecar_timeout_s=5.0,
+                                      engine_channel="zmq"), 0, 1, "cpu")
+    try:
+        ctx_pool = ws.mem_pool_context()
+        assert ctx_pool is not None
+        with ctx_pool:
+            kv = {"l0": torch.zeros(2, 8, 16, 8, 64, dtype=torch.float16)}
+        ws.register_kv_caches(kv, CacheShape(8, 16, 8, 8, 64, False))
+        end = time.monotonic() + 2.5
+        while time.monotonic() < end:
+            ws.get_transfer_results()
+            ws.save_chunks({"lease": 1})  # (push mode: each answered not_registered meanwhile)
+            time.sleep(0.01)
+        assert ws.registered is not None
+        assert ws.registered.agent_name == "two"
+        assert len(registrations) == 2, registrations  # the first, and one re-registration
+    finally:
+        stop.set()
+        thread.join(2)
+        ws.shutdown()
+        pools.close()
+        router.close(0)
+        ctx.term()
