@@ -28,9 +28,6 @@ class EarlyEvents:
         self.limit = limit
         self._kept: dict[str, tuple[Event, float]] = {}  # "kind:req id" -> (event, arrival)
 
-    def __len__(self) -> int:
-        return len(self._kept)
-
     def keep(self, event: Event, now: float) -> None:
         if len(self._kept) >= self.limit:
             oldest = next(iter(self._kept))

@@ -12,7 +12,7 @@ One attempt is outstanding at a time, and only its failure schedules the next: a
 sent again while one is still in the sidecar's hands (or after it took) would register the
 rank a second time, which ends the engine's leases and fails the rank's reads in flight. So
 an attempt with no answer is never resent (a restart, seen by the heartbeat, starts over),
-and a refusal counts once per attempt (``failed`` is a no-op unless one is outstanding).
+and a refusal counts once per attempt (``refused`` is a no-op unless one is outstanding).
 """
 
 from __future__ import annotations
