@@ -10,8 +10,9 @@ With a secret configured (``--secret-file`` or ``KVXFER_SECRET``):
   no two clocks need to agree.
 - **Welcome.** Signed over the protocol version, compatibility hash, both engine ids and
   agents, both nonces, the advertised ranks (addresses, block lengths, layouts), the
-  registration generation and a digest of the NIXL metadata frame: the dialer knows the
-  answer, and the memory it describes, comes from a holder of the secret.
+  registration generation, a digest of the NIXL metadata frame, its staging arena and, for a
+  dialer that asks (``welcome_cover``), its lease words and push-mode flags: the dialer knows
+  the answer, and the memory it describes, comes from a holder of the secret.
 - **Requests after the handshake** (``LeaseRenew``, ``DigestRequest``): signed over their
   whole encoding. Each names per-request tokens that only the engine that held the blocks
   handed out (``kvxfer.sidecar.holds``), so a replay to another sidecar names nothing it holds.
@@ -40,6 +41,9 @@ from kvxfer.protocol import DigestRequest, Hello, LayerWatch, LeaseRenew, StageR
 
 CHALLENGE_S = 30.0  # a challenge must be answered within this
 CHALLENGES_MAX = 4096  # outstanding challenges kept (oldest forgotten first)
+# How much of a Welcome its MAC covers (``welcome_cover``): 0, the fields of protocol 6 as first
+# released (through staging_bytes); 1, also the lease words and the push-mode flags.
+WELCOME_COVER = 1
 
 
 def _mac(secret: bytes, label: str, *fields: Any) -> str:
@@ -54,7 +58,7 @@ def _hello_fields(hello: Hello) -> tuple[Any, ...]:
 
 def sign_hello(secret: bytes, hello: Hello, challenge: str, target: str) -> Hello:
     """The Hello answering a listener's challenge (``target``: its agent name)."""
-    hello = msgspec.structs.replace(hello, nonce=secrets.token_hex(16), ts=time.time(),
+    hello = msgspec.structs.replace(hello, nonce=f"w{WELCOME_COVER}.{secrets.token_hex(16)}", ts=time.time(),
                                     challenge=challenge, target=target, mac="")
     return msgspec.structs.replace(hello, mac=_mac(secret, "hello", *_hello_fields(hello)))
 
@@ -98,21 +102,46 @@ class ChallengeBook:
         return None
 
 
-def _welcome_fields(welcome: Welcome, hello: Hello, metadata: bytes) -> tuple[Any, ...]:
+def welcome_cover(hello: Hello) -> int:
+    """How much of the Welcome the dialer of ``hello`` checks (``WELCOME_COVER``; 0: the fields
+    of protocol 6 as first released). Carried in the nonce's prefix (``w<N>.``): the nonce is
+    under the Hello's MAC since protocol 4, so a listener of any 6 accepts it and nobody without
+    the secret can strip it to make a listener sign less."""
+    head, dot, _ = hello.nonce.partition(".")
+    if not dot or head[:1] != "w" or not head[1:].isdigit():
+        return 0
+    return min(int(head[1:]), WELCOME_COVER)
+
+
+def _welcome_fields(welcome: Welcome, hello: Hello, metadata: bytes, cover: int) -> tuple[Any, ...]:
     ranks = msgspec.msgpack.encode(welcome.ranks)
-    return (welcome.version, welcome.compat_hash, welcome.engine_id, welcome.agent_name, hello.engine_id,
-            hello.agent_name, hello.nonce, hello.challenge, ranks, welcome.generation,
-            hashlib.sha256(metadata).hexdigest(), welcome.staging_bytes)
+    fields: tuple[Any, ...] = (
+        welcome.version, welcome.compat_hash, welcome.engine_id, welcome.agent_name, hello.engine_id,
+        hello.agent_name, hello.nonce, hello.challenge, ranks, welcome.generation,
+        hashlib.sha256(metadata).hexdigest(), welcome.staging_bytes)
+    if cover >= 1:  # what was appended to Welcome within protocol 6, after staging_bytes
+        fields += (cover, welcome.lease_words_addr, welcome.lease_words_slots, welcome.layer_streams,
+                   welcome.grouped_streams, welcome.chunk_streams)
+    return fields
 
 
 def sign_welcome(secret: bytes, welcome: Welcome, hello: Hello, metadata: bytes) -> Welcome:
-    return msgspec.structs.replace(
-        welcome, mac=_mac(secret, "welcome", *_welcome_fields(welcome, hello, metadata)))
+    """Signed over as much as ``hello``'s dialer checks (a dialer of an older 6 checks less)."""
+    fields = _welcome_fields(welcome, hello, metadata, welcome_cover(hello))
+    return msgspec.structs.replace(welcome, mac=_mac(secret, "welcome", *fields))
 
 
 def check_welcome(secret: bytes, welcome: Welcome, hello: Hello, metadata: bytes) -> bool:
-    want = _mac(secret, "welcome", *_welcome_fields(welcome, hello, metadata))
-    return bool(welcome.mac) and hmac.compare_digest(want, welcome.mac)
+    """The Welcome is signed over everything our Hello asked to be covered, or (a listener of an
+    older 6, which covers less and ignores the ask) over the first release's fields. Only a
+    holder of the secret chooses which: a listener that read our ask signs the whole, and a MAC
+    over the whole does not check as one over the part, so nobody can make us accept a
+    Welcome whose later fields (lease words, stream flags) were changed on the way."""
+    if not welcome.mac:
+        return False
+    covers = {welcome_cover(hello), 0}
+    return any(hmac.compare_digest(_mac(secret, "welcome", *_welcome_fields(welcome, hello, metadata, c)),
+                                   welcome.mac) for c in sorted(covers, reverse=True))
 
 
 SignedRequest = TypeVar("SignedRequest", DigestRequest, LeaseRenew, StageRequest, LayerWatch)

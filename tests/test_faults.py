@@ -529,6 +529,8 @@ def test_shared_secret_handshake(sidecars: SidecarFactory, tmp_path: os.PathLike
             assert "secret" in results[name].reason, results[name]
         # An outsider on the port speaking plain ZMQ gets nothing, NIXL metadata least of all.
         with zmq.Context.instance().socket(zmq.DEALER) as s:
+            s.setsockopt(zmq.SNDTIMEO, 5000)  # a send that cannot queue fails here, never hangs
+            s.setsockopt(zmq.LINGER, 0)
             s.connect(f"tcp://127.0.0.1:{reg.handshake_port}")
             s.send(encode_hello(Hello(version=PROTOCOL_VERSION, compat_hash="x", engine_id="x",
                                       agent_name="x")))
@@ -541,6 +543,8 @@ def test_shared_secret_handshake(sidecars: SidecarFactory, tmp_path: os.PathLike
         q.start()
         assert q.registered is not None
         with zmq.Context.instance().socket(zmq.DEALER) as s:
+            s.setsockopt(zmq.SNDTIMEO, 5000)
+            s.setsockopt(zmq.LINGER, 0)
             s.connect(f"tcp://127.0.0.1:{q.registered.handshake_port}")
             hello = Hello(version=PROTOCOL_VERSION, compat_hash="x", engine_id="x", agent_name="x")
             s.send(encode_hello(hello))

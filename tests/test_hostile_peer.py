@@ -128,10 +128,11 @@ class LyingProxy:
     """Stands between a decode sidecar and a real prefill sidecar's listener, holding the
     secret: forwards every request, and re-signs each Welcome after ``lie`` changed it."""
 
-    def __init__(self, target_port: int) -> None:
+    def __init__(self, target_port: int, resign: bool = True) -> None:
         self.target = f"tcp://127.0.0.1:{target_port}"
         self.port = free_port()
         self.lie: Lie | None = None
+        self.resign = resign  # False: a man in the middle without the secret (keeps the MAC)
         self.welcomes = 0
         self._stop = threading.Event()
         self._ready = threading.Event()
@@ -160,8 +161,11 @@ class LyingProxy:
                 if isinstance(reply, Welcome) and self.lie is not None:
                     hello = handshake_request_decoder.decode(body)
                     assert isinstance(hello, Hello)
-                    lied = self.lie(msgspec.structs.replace(reply, mac=""))
-                    frames[0] = encode(sign_welcome(SECRET, lied, hello, frames[1]))
+                    if self.resign:
+                        lied = self.lie(msgspec.structs.replace(reply, mac=""))
+                        frames[0] = encode(sign_welcome(SECRET, lied, hello, frames[1]))
+                    else:
+                        frames[0] = encode(self.lie(reply))
                 if isinstance(reply, Welcome):
                     self.welcomes += 1
                 front.send_multipart([ident, *frames])
@@ -212,6 +216,58 @@ def test_a_lying_prefill_is_refused_before_any_descriptor(factory: SidecarFactor
         assert ds.scrape()["kvxfer_descriptor_lists_prepared"] >= 1  # the gauge does count
         rel = p.client.wait_until(lambda a: bool(a.released), 10).released
         assert [(r.req_id, r.reason) for r in rel] == [("x", "read")]
+    finally:
+        if proxy is not None:
+            proxy.close()
+        p.close()
+        d.close()
+
+
+def _set(w: Welcome, **fields: Any) -> Welcome:
+    assert w.lease_words_slots, "a prefill without lease words: nothing to change"
+    return msgspec.structs.replace(w, **fields)
+
+
+def test_a_welcome_changed_on_the_way_is_refused(factory: SidecarFactory, secret_file: str) -> None:
+    """Someone on the path without the secret (the channel in the clear) changes what a Welcome
+    says about the lease words or push mode: the MAC covers those fields, so the decode
+    refuses the answer and reads nothing; the same Welcome passed on unchanged is read."""
+    ps, p = _engine(factory, "wp", secret_file, 1)
+    ds, d = _engine(factory, "wd", secret_file, 2, "--handshake-timeout-s", "2")
+    proxy = None
+    try:
+        reg = p.registered
+        assert reg is not None
+        proxy = LyingProxy(reg.handshake_port, resign=False)
+        pbk = p.allocate(2)
+        p.fill("x", pbk)
+        token = new_token()
+        p.client.hold("x", pbk, lease_s=60, token=token)
+        changes: dict[str, Lie] = {
+            "no lease words (every read waits for its claim)": lambda w: _set(w, lease_words_slots=0),
+            "lease words elsewhere": lambda w: _set(w, lease_words_addr=w.lease_words_addr + 64),
+            "push mode switched": lambda w: _set(w, layer_streams=not w.layer_streams,
+                                                 chunk_streams=not w.chunk_streams)}
+        for i, (what, change) in enumerate(changes.items()):
+            proxy.lie = change
+            blocks = d.allocate(2)
+            d.client.recv(f"mitm-{i}", blocks, RemoteBlocks(reg.engine_id, "127.0.0.1", proxy.port, pbk,
+                                                            req_id="x", token=token))
+            got = d.client.wait_until(lambda a: bool(a.done or a.failed), 20)
+            assert not got.done, f"{what}: a changed Welcome was used: {got}"
+            (f,) = got.failed
+            assert f.code == ErrorCode.UNAUTHORIZED, f"{what}: {f}"
+            assert "prove" in f.reason, f"{what}: {f}"
+            d.free(blocks)
+            assert ds.scrape()["kvxfer_peers"] == 0, what
+        proxy.lie = lambda w: w  # passed on as it came
+        honest = d.allocate(2)
+        d.wipe(honest)
+        d.client.recv("truth", honest, RemoteBlocks(reg.engine_id, "127.0.0.1", proxy.port, pbk,
+                                                    req_id="x", token=token))
+        got = d.client.wait_until(lambda a: bool(a.done or a.failed), 20)
+        assert [x.req_id for x in got.done] == ["truth"], got
+        assert d.verify("x", honest)
     finally:
         if proxy is not None:
             proxy.close()

@@ -103,6 +103,49 @@ def test_the_welcome_mac_covers_what_it_vouches_for() -> None:
     assert not check_welcome(SECRET, w, sign_hello(SECRET, _hello(), "c2", "p-agent"), b"md")
 
 
+# What was appended to Welcome within protocol 6: each changes how the decode reads
+LATER_FIELDS = {"lease_words_addr": 1 << 20, "lease_words_slots": 7, "layer_streams": True,
+                "grouped_streams": True, "chunk_streams": True}
+
+
+def test_the_welcome_mac_covers_the_fields_appended_within_protocol_six() -> None:
+    hello = sign_hello(SECRET, _hello(), "c", "p-agent")
+    assert auth.welcome_cover(hello) == auth.WELCOME_COVER >= 1
+    w = sign_welcome(SECRET, Welcome(version=PROTOCOL_VERSION, compat_hash="h", engine_id="pre",
+                                     agent_name="p-agent", ranks=[], lease_words_addr=4096,
+                                     lease_words_slots=64), hello, b"md")
+    assert check_welcome(SECRET, w, hello, b"md")
+    for name, value in LATER_FIELDS.items():  # changed on the way by someone without the secret
+        assert not check_welcome(SECRET, msgspec.structs.replace(w, **{name: value}), hello, b"md"), name
+    # nor can the ask be stripped from the Hello (the nonce is under the Hello's MAC) to make a
+    # listener sign the first release's fields only
+    stripped = msgspec.structs.replace(hello, nonce=hello.nonce.partition(".")[2])
+    book = ChallengeBook("p-agent")
+    assert "signature" in (book.check_hello(SECRET, stripped) or "")
+
+
+def test_sidecars_of_older_sixes_still_shake_hands_with_a_secret() -> None:
+    """A listener of an older 6 signs the first release's fields (it ignores the ask); a dialer
+    of an older 6 asks nothing (a bare nonce) and is answered with what it checks."""
+    hello = sign_hello(SECRET, _hello(), "c", "p-agent")
+    ours = Welcome(version=PROTOCOL_VERSION, compat_hash="h", engine_id="pre", agent_name="p-agent",
+                   ranks=[], lease_words_addr=4096, lease_words_slots=64)
+    older_listener = msgspec.structs.replace(
+        ours, mac=auth._mac(SECRET, "welcome", *auth._welcome_fields(ours, hello, b"md", 0)))
+    assert check_welcome(SECRET, older_listener, hello, b"md")
+    book = ChallengeBook("p-agent")
+    older_hello = msgspec.structs.replace(_hello(), nonce="ab" * 16, challenge=book.issue(), target="p-agent")
+    older_hello = msgspec.structs.replace(
+        older_hello, mac=auth._mac(SECRET, "hello", *auth._hello_fields(older_hello)))
+    assert book.check_hello(SECRET, older_hello) is None
+    assert auth.welcome_cover(older_hello) == 0
+    answer = sign_welcome(SECRET, ours, older_hello, b"md")
+    assert answer.mac == auth._mac(SECRET, "welcome", *auth._welcome_fields(ours, older_hello, b"md", 0))
+    # a listener that read the ask never signs the part: what it signs does not check as one
+    whole = sign_welcome(SECRET, ours, hello, b"md")
+    assert whole.mac != older_listener.mac
+
+
 def test_ranks_of_two_decode_engines_never_add_up_to_a_release() -> None:
     t = LeaseTable()
     t.add(Lease(req_id="r", owner=b"w", block_ids=[1], expires=10.0, reads_expected=2, engine="e"))
