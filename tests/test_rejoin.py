@@ -191,3 +191,64 @@ def test_errors_for_layer_reports_are_not_the_registrations_refusal(tmp_path: os
         pools.close()
         router.close(0)
         ctx.term()
+
+
+def test_no_attempt_goes_to_a_sidecar_that_died_again(sidecars: SidecarFactory,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """The restarted sidecar refuses the first re-registration and dies before the retry is
+    due. No attempt goes while nothing answers the heartbeat (its memory channel's connect
+    would wait inside the engine step for a sidecar that is not there), and the engine step
+    never waits; the next sidecar is registered with at once, backoff started over."""
+    import torch
+
+    from kvxfer.connector.settings import ConnectorSettings
+    from kvxfer.connector.worker import CacheShape, WorkerSide
+
+    sc = sidecars.start("rejoin-dead")
+    ws = WorkerSide(ConnectorSettings(sidecar=sc.endpoint, heartbeat_s=0.1), 0, 1, "cpu")
+    ctx = ws.mem_pool_context()
+    assert ctx is not None
+    assert ws.pools is not None
+    with ctx:
+        kv = {"l0": torch.zeros(2, 8, 16, 8, 64, dtype=torch.float16)}
+    calls: list[float] = []
+    real = ws.pools.readopt
+
+    def first_refused() -> int:
+        calls.append(time.monotonic())
+        return real() if len(calls) > 1 else 0  # (the first names pools the sidecar does not know)
+
+    def step() -> float:
+        t0 = time.monotonic()
+        ws.get_transfer_results()
+        return time.monotonic() - t0
+
+    try:
+        first = ws.register_kv_caches(kv, CacheShape(8, 16, 8, 8, 64, False))
+        monkeypatch.setattr(ws.pools, "readopt", first_refused)
+        os.kill(sc.proc.pid, signal.SIGKILL)
+        sc.proc.wait()
+        second = sidecars.start("rejoin-dead")
+        deadline = time.monotonic() + 30
+        while not (calls and ws._rejoin.active and not ws._rejoin.outstanding):  # refused, retry due
+            assert time.monotonic() < deadline, f"the first attempt was never refused ({len(calls)})"
+            step()
+            time.sleep(0.01)
+        os.kill(second.proc.pid, signal.SIGKILL)  # before the retry's 0.5 s are over
+        second.proc.wait()
+        slowest, end = 0.0, time.monotonic() + 3.0  # six times the retry's wait
+        while time.monotonic() < end:
+            slowest = max(slowest, step())
+            time.sleep(0.02)
+        assert len(calls) == 1, f"{len(calls) - 1} attempts went to a dead sidecar"
+        assert slowest < 0.5, slowest
+        sidecars.start("rejoin-dead")
+        deadline = time.monotonic() + 30
+        while ws.registered is None or ws.registered.agent_name == first.agent_name:
+            assert time.monotonic() < deadline, f"never registered with the third ({len(calls)} attempts)"
+            slowest = max(slowest, step())
+            time.sleep(0.02)
+        assert len(calls) == 2, calls
+        assert slowest < 0.5, slowest
+    finally:
+        ws.shutdown()
