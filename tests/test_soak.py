@@ -32,7 +32,10 @@ def status(control: str) -> pb.Status:
 def test_soak_several_decoders_random_aborts_and_failures(sidecars: SidecarFactory) -> None:
     rng = random.Random(7)
     lay = make_layout(layers=2, num_blocks=4096, heads=2, head_dim=16, block_size=4)
-    ps = sidecars.start("soak-p", "--lease-s", "2")
+    # (a lease short enough that those never read expire within the test, long enough that a
+    # read queued behind ~400 others on a loaded 2-core runner is not refused expired: at 2 s,
+    # 1 run in ~16 failed 125 reads so under load)
+    ps = sidecars.start("soak-p", "--lease-s", "5")
     dss = [sidecars.start(f"soak-d{i}", "--handshake-timeout-s", "1", "--transfer-timeout-s", "10")
            for i in range(DECODERS)]
     p = SyntheticEngine(lay, ps.endpoint, seed=1)
