@@ -108,7 +108,8 @@ def welcome_cover(hello: Hello) -> int:
     under the Hello's MAC since protocol 4, so a listener of any 6 accepts it and nobody without
     the secret can strip it to make a listener sign less."""
     head, dot, _ = hello.nonce.partition(".")
-    if not dot or head[:1] != "w" or not head[1:].isdigit():
+    digits = head[1:]
+    if not dot or head[:1] != "w" or not (digits.isascii() and digits.isdigit() and len(digits) <= 4):
         return 0
     return min(int(head[1:]), WELCOME_COVER)
 
@@ -133,15 +134,14 @@ def sign_welcome(secret: bytes, welcome: Welcome, hello: Hello, metadata: bytes)
 
 def check_welcome(secret: bytes, welcome: Welcome, hello: Hello, metadata: bytes) -> bool:
     """The Welcome is signed over everything our Hello asked to be covered, or (a listener of an
-    older 6, which covers less and ignores the ask) over the first release's fields. Only a
+    older 6, which covers less) over less: what it knows. Only a
     holder of the secret chooses which: a listener that read our ask signs the whole, and a MAC
     over the whole does not check as one over the part, so nobody can make us accept a
     Welcome whose later fields (lease words, stream flags) were changed on the way."""
     if not welcome.mac:
         return False
-    covers = {welcome_cover(hello), 0}
     return any(hmac.compare_digest(_mac(secret, "welcome", *_welcome_fields(welcome, hello, metadata, c)),
-                                   welcome.mac) for c in sorted(covers, reverse=True))
+                                   welcome.mac) for c in range(welcome_cover(hello), -1, -1))
 
 
 SignedRequest = TypeVar("SignedRequest", DigestRequest, LeaseRenew, StageRequest, LayerWatch)
