@@ -139,7 +139,8 @@ def test_a_windowed_group_makes_the_prefill_stop_one_token_short() -> None:
     class NoSidecar:
         def ping(self, timeout: float) -> object:
             return SimpleNamespace(engine_id="p", handshake_host="h", handshake_port=1, generation="g",
-                                   grouped_streams=True, chunk_streams=False)
+                                   grouped_streams=True, chunk_streams=False,
+                                   grouped_chunks=False)
 
     side = SchedulerSide(ConnectorSettings(sidecar="ipc:///none"), 1, client=NoSidecar())  # type: ignore[arg-type]
     side.backoff = g.backoff
@@ -234,7 +235,8 @@ def test_a_state_is_loaded_only_under_the_claim_it_was_computed_for() -> None:
     class NoSidecar:
         def ping(self, timeout: float) -> object:
             return SimpleNamespace(engine_id="p", handshake_host="h", handshake_port=1, generation="g",
-                                   grouped_streams=True, chunk_streams=False)
+                                   grouped_streams=True, chunk_streams=False,
+                                   grouped_chunks=False)
 
     side = SchedulerSide(ConnectorSettings(sidecar="ipc:///none"), 1, client=NoSidecar())  # type: ignore[arg-type]
     side.backoff, side.state_groups = 1, (True, False)

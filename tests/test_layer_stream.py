@@ -219,3 +219,43 @@ def test_chunk_pairs_and_what_is_left_after_them() -> None:
     assert (rest.block_ids, rest.remote_block_ids) == ([52, 53, 54], [15, 16, 17])
     with pytest.raises(RequestError):
         after_chunks(msg, LayersAt(seq=0, held="held", block_ids=full, num_tokens=4 * 16), 5, 16)
+
+
+def test_group_chunk_pairs_and_what_is_left_of_each_group_after_them() -> None:
+    """Several KV cache groups held chunk by chunk: only the groups the prefill holds by chunk
+    (its partial lists not empty: full attention) are read as chunks, each at its prompt
+    positions (a decode's prefix hit leaves positions out), a null block skipped; at the end
+    each such group loses the positions read, on both sides, and the rest pairs as before."""
+    from kvxfer.pairing import pair_groups
+    from kvxfer.protocol import LayersAt, Recv
+    from kvxfer.sidecar.layer_stream import after_group_chunks, group_chunk_pairs
+
+    # a prompt of 8 blocks of 16 (120 tokens); groups: full, window, state; the decode had the
+    # first 2 blocks (prefix hit): its full list is positions 2-7
+    local = [[50, 51, 52, 53, 54, 55], [61, 62], [70]]
+    partial = [[10, 11, 12, 13, 14], [], []]  # (the prefill's first chunk: 5 blocks of the full group)
+    state = [False, False, True]
+    assert group_chunk_pairs(local, partial, state, 8, 0, 5) == ([50, 51, 52], [12, 13, 14], [0])
+    assert group_chunk_pairs(local, partial, state, 8, 5, 5) == ([], [], [0])
+    assert group_chunk_pairs(local, [[10, 0, 12], [], []], state, 8, 0, 3) == ([50], [12], [0])  # (a null)
+    assert group_chunk_pairs(local[:2], partial, state, 8, 0, 5) is None  # (another number of groups)
+    assert group_chunk_pairs([[1] * 9, [], []], partial, state, 8, 0, 5) is None  # (more than the prompt)
+    assert group_chunk_pairs(local, [[], [], [9]], state, 8, 0, 5) == ([], [], [])  # (a state: at the end)
+    final = [[10, 11, 12, 13, 14, 15, 16, 17], [0, 26, 27], [30]]
+    msg = Recv(req_id="r", block_ids=[b for g in local[:2] for b in g], remote_engine_id="P", remote_host="h",
+               remote_port=1, remote_block_ids=[], groups=local, state_groups=state, num_tokens=120)
+    ans = LayersAt(seq=0, held="held", groups=final, num_tokens=120)
+    rest, rest_ans = after_group_chunks(msg, ans, 5, {0: partial[0]}, 16)
+    assert rest.groups == [[53, 54, 55], [61, 62], [70]]
+    assert rest_ans.groups == [[15, 16, 17], [0, 26, 27], [30]]
+    # what is left pairs as the whole would, less what was read
+    whole, left = pair_groups(local, final, state), pair_groups(rest.groups, rest_ans.groups, state)
+    assert left.local == [53, 54, 55, 61, 62]
+    assert set(whole.local) - set(left.local) == {50, 51, 52}
+    assert (left.state_local, left.state_remote) == ([70], [30])
+    # the final list must be the prompt's length and start with the blocks read
+    for bad in ([[10, 11, 99, 13, 14, 15, 16, 17], [0, 26, 27], [30]],
+                [[10, 11, 12, 13, 14, 15, 16], [0, 26, 27], [30]]):
+        with pytest.raises(RequestError):
+            after_group_chunks(msg, LayersAt(seq=0, held="held", groups=bad, num_tokens=120), 5,
+                               {0: partial[0]}, 16)

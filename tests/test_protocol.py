@@ -46,7 +46,7 @@ MESSAGES: dict[str, tuple[object, str]] = {
     "failed": (p.Failed(req_id="r1", block_ids=[4, 5], code="deadline", reason="late"), "97a66661696c6564a27231920405a8646561646c696e65a46c617465ffff"),
     "released": (p.Released(req_id="r1", reason="read", reads=1), "94a872656c6561736564a27231a47265616401"),
     "error": (p.Error(code="malformed", message="bad", req_id="r1"), "94a56572726f72a96d616c666f726d6564a3626164a27231"),
-    "pong": (p.Pong(seq=7, engine_id="D", version=1, handshake_host="h", handshake_port=1), "9aa4706f6e6707a14401a16801a0a0c2c2"),
+    "pong": (p.Pong(seq=7, engine_id="D", version=1, handshake_host="h", handshake_port=1), "9ba4706f6e6707a14401a16801a0a0c2c2c2"),
     "hello": (p.Hello(version=1, compat_hash="abcd", engine_id="D", agent_name="a"), "9ba568656c6c6f01a461626364a144a161a0cb0000000000000000a0a0a0a0"),
     "welcome": (
         p.Welcome(version=1, compat_hash="abcd", engine_id="P", agent_name="b",

@@ -167,3 +167,31 @@ def test_real_vllm_prompts_computed_in_chunks_are_pushed_chunk_by_chunk(tmp_path
         print(f"blocks read as chunks while the prefill computed on: {chunk_blocks:.0f} of 14")
         assert chunk_blocks > 0, d
         assert pl.p_sidecar.scrape()["kvxfer_held_leases"] == 0
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not PY or not os.path.exists(PY), reason="no vLLM CPU env (make test builds it)")
+def test_real_vllm_hybrid_prompts_computed_in_chunks_are_pushed_chunk_by_chunk(tmp_path: Any) -> None:
+    """A tiny Gemma 3 (3 sliding-window groups, window 64, and a full-attention one; its output
+    depends on its KV cache: tests/test_hybrid_pd.py) computing prompts 256 tokens a step: the
+    decode reads the full-attention group's blocks of each chunk while the prefill computes the
+    next, and the windows' tails with the last chunk; tokens equal one engine's."""
+    from kvxfer.testing.vllm_pd import Pipeline, prompt, text_of
+
+    pl = Pipeline(str(tmp_path), python=PY, block_size=32, family="gemma3", mode="push",
+                  extra_args=("--max-num-batched-tokens", "256"))
+    with pl:
+        d0 = pl.d_sidecar.scrape()
+        lengths = (300, 700, 1100)
+        for i, n in enumerate(lengths):
+            text = prompt(n, 7200 + i)
+            assert text_of(pl.complete_push(text, 8)) == text_of(pl.baseline(text, 8)), n
+        d = pl.d_sidecar.scrape()
+        ok = 'kvxfer_transfers_total{result="ok"}'
+        assert d[ok] - d0.get(ok, 0) == len(lengths), d
+        key = "kvxfer_push_chunk_blocks_total"
+        chunk_blocks = d.get(key, 0) - d0.get(key, 0)
+        # (of 32-token blocks, 8 + 16 + 32 are whole before each prompt's last chunk)
+        print(f"full-attention blocks read as chunks while the prefill computed on: {chunk_blocks:.0f} of 56")
+        assert chunk_blocks > 0, d
+        assert pl.p_sidecar.scrape()["kvxfer_held_leases"] == 0

@@ -14,6 +14,8 @@ from kvxfer.connector.settings import ConnectorSettings
 from kvxfer.connector.step import StepPlan
 
 BS = 16
+# a sidecar's Pong: it holds prompts (of one KV cache group) chunk by chunk
+CHUNKS = SimpleNamespace(chunk_streams=True, grouped_chunks=False)
 
 
 @dataclass
@@ -120,12 +122,14 @@ def test_a_model_of_several_groups_is_held_with_its_lists_as_vllm_will_finish_th
     kinds = (Group("full", BS), Group("sliding_window", BS, window=20), Group("state", BS))
     groups = Groups(kinds, (0, 1, 2), 3)
     push, client = holds()
+    push.groups = groups
     r = request("r1", "t1", prompt=100)  # 7 blocks of 16
-    lists = groups.at_finish([[1, 2, 3, 4, 5, 6, 7, 8], [11, 12, 13, 14, 15, 16, 17, 18], [21]], 100)
+    raw = [[1, 2, 3, 4, 5, 6, 7, 8], [11, 12, 13, 14, 15, 16, 17, 18], [21]]
+    lists = groups.at_finish(raw, 100)
     # window: tokens 0-80 fall out of the window of token 100 (100 - 20 + 1 = 81): blocks 0-4
     # freed by vLLM; the tail of cdiv(20, 16) + 1 = 3 of the prompt's 7 blocks
     assert lists == [[1, 2, 3, 4, 5, 6, 7], [0, 16, 17], [21]]
-    push.allocated_groups(r, lists)
+    push.allocated_groups(r, raw)
     push.scheduled({"r1": 100}, None, StepPlan())
     assert client.groups == [(lists, 100)]
     assert client.holds == [("t1", [1, 2, 3, 4, 5, 6, 7, 16, 17, 21])]
@@ -167,7 +171,7 @@ def test_a_prompt_computed_in_chunks_is_held_chunk_by_chunk() -> None:
     workers report a chunk's blocks computed whole (``chunks``), the last chunk's layers one by
     one (``streamed``)."""
     client = Client()
-    push = StreamedHolds(ConnectorSettings(mode="push"), client, 1, "P", chunks=True)  # type: ignore[arg-type]
+    push = StreamedHolds(ConnectorSettings(mode="push"), client, 1, "P", CHUNKS)  # type: ignore[arg-type]
     r = request("r1", "t1", prompt=150)  # 10 blocks of 16, computed 64 tokens a step
     push.allocated(r, [1, 2, 3, 4], BS)
     plan = StepPlan()
@@ -193,12 +197,61 @@ def test_a_prompt_computed_in_chunks_is_held_chunk_by_chunk() -> None:
     assert old.holds == []
 
 
+def test_a_hybrid_prompt_computed_in_chunks_holds_its_full_attention_groups_chunk_by_chunk() -> None:
+    """Push of a hybrid prompt vLLM computes in chunks (the sidecar's Pong says it holds them
+    so): each earlier chunk holds only its full-attention groups' blocks so far (vLLM keeps
+    them until the request ends), with a window's and a state's lists empty (vLLM frees window
+    blocks as the prompt moves on; a state is whole only at the end); the last chunk holds the
+    lists ``request_finished`` will get (``at_finish``)."""
+    from kvxfer.connector.groups import Group, Groups
+
+    groups = Groups((Group("full", BS), Group("sliding_window", BS, window=20), Group("state", BS)),
+                    (0, 1, 2), 3)
+    client = Client()
+    push = StreamedHolds(ConnectorSettings(mode="push"), client, 1, "P",  # type: ignore[arg-type]
+                         SimpleNamespace(chunk_streams=True, grouped_chunks=True))
+    push.groups = groups
+    r = request("r1", "t1", prompt=150)  # 10 blocks of 16, computed 64 tokens a step
+    push.allocated_groups(r, [[1, 2, 3, 4], [11, 12, 13, 14], [21]])
+    plan = StepPlan()
+    push.scheduled({"r1": 64}, None, plan)
+    assert client.holds == [("t1", [1, 2, 3, 4])]
+    assert client.groups == [([[1, 2, 3, 4], [], []], 150)]
+    assert client.chunks == [(True, False)]
+    assert (plan.chunks, plan.streamed) == ({"t1": 4}, [])
+    r.num_computed_tokens = 64
+    plan = StepPlan()
+    push.scheduled({"r1": 64}, None, plan, SimpleNamespace(req_ids=["r1"], new_block_ids=[
+        ([5, 6, 7, 8], [15, 16, 17, 18], [])]))
+    assert client.groups[-1] == ([list(range(1, 9)), [], []], 150)
+    assert client.chunks[-1] == (True, True)
+    assert (plan.chunks, plan.streamed) == ({"t1": 8}, [])
+    r.num_computed_tokens = 128
+    plan = StepPlan()
+    push.scheduled({"r1": 22}, None, plan, SimpleNamespace(req_ids=["r1"], new_block_ids=[
+        ([9, 10, 11], [19, 20, 30], [])]))
+    # the prompt's 10 blocks (not the lookahead 11); the window's tail of 3 with the 8 blocks
+    # vLLM frees by then (tokens before 150 - 20 + 1) nulled; the state's block
+    final = [list(range(1, 11)), [0, 19, 20], [21]]
+    assert client.groups[-1] == (final, 150)
+    assert client.holds[-1] == ("t1", [*range(1, 11), 19, 20, 21])
+    assert client.chunks[-1] == (False, True)
+    assert (plan.chunks, plan.streamed) == ({}, ["t1"])
+    # a sidecar that holds no grouped chunks: held only at the step that computes it all
+    old = Client()
+    push = StreamedHolds(ConnectorSettings(mode="push"), old, 1, "P", CHUNKS)  # type: ignore[arg-type]
+    push.groups = groups
+    push.allocated_groups(request("r2", "t2", prompt=150), [[1, 2, 3, 4], [11, 12, 13, 14], [21]])
+    push.scheduled({"r2": 64}, None, StepPlan())
+    assert old.holds == []
+
+
 def test_a_chunked_prompt_whose_lease_ended_is_extended_no_more() -> None:
     """The lease of a prompt held chunk by chunk ends while vLLM still computes it (its decode
     gave up; found by review): the next chunks send no extension and re-arm no deadline (an
     orphan engine-side hold would be freed again later, under its transfer id)."""
     client = Client()
-    push = StreamedHolds(ConnectorSettings(mode="push"), client, 1, "P", chunks=True)  # type: ignore[arg-type]
+    push = StreamedHolds(ConnectorSettings(mode="push"), client, 1, "P", CHUNKS)  # type: ignore[arg-type]
     r = request("r1", "t1", prompt=150)
     push.allocated(r, [1, 2, 3, 4], BS)
     push.scheduled({"r1": 64}, None, StepPlan())

@@ -119,3 +119,86 @@ def test_a_hold_whose_groups_name_blocks_it_does_not_hold_is_refused(
     p.client.hold("stray", [1, 2], token="stray", streamed=True, groups=[[1, 2], [9]], num_tokens=TOKENS)
     got = wait_for(p.client, lambda a: bool(a.errors), timeout=10)
     assert got.errors[0].code == ErrorCode.MALFORMED, got.errors
+
+
+@pytest.mark.parametrize("hit", [0, 2])  # (2: the decode had the prompt's first 2 blocks already)
+def test_a_hybrid_prompt_computed_in_chunks_is_read_chunk_by_chunk(
+        pair: tuple[SyntheticEngine, SyntheticEngine], hit: int) -> None:
+    """A hybrid prompt the prefill computes in chunks (#36: "each chunk's layers are pushed as
+    they complete", for every group): an earlier chunk holds the full-attention group's blocks
+    so far (the window's and the state's lists empty: vLLM frees window blocks as the prompt
+    moves on, a state is whole only at the end); the decode reads them, every layer, while the
+    prefill computes on; the last chunk holds every group's lists, and only what was not read
+    as a chunk is read then, the window's tail and the state last. Every pair read once."""
+    p, d = pair
+    tid = f"hybrid-chunks-{hit}"
+    bs = p.layout.block_size
+    tokens = 8 * bs - 5  # (the last block partly filled)
+    pf, pw, (ps,) = p.allocate(8), p.allocate(3), p.allocate(1)
+    df, dw, (ds,) = d.allocate(8), d.allocate(3), d.allocate(1)
+    df_load = df[hit:]
+    p_final, d_groups = [pf, [0, *pw[1:]], [ps]], [df_load, dw[1:], [ds]]
+    remote, local = pf[hit:] + pw[1:], df_load + dw[1:]  # (pairs as pull makes them)
+    d.wipe(df + dw)
+    d.kv.state_blocks()[:, ds, :] = 0  # type: ignore[union-attr]
+    p.wipe(pf + pw)
+    # the first chunk is scheduled: the full-attention group's blocks of it held, partial
+    p.client.hold(tid, pf[:5], token=tid, streamed=True, partial=True, expires_unix=time.time() + 60,
+                  groups=[pf[:5], [], []], num_tokens=tokens)
+    d.client.recv(tid, local, streamed_remote(p, tid), streamed=True, deadline_s=30,
+                  groups=GroupedLoad(d_groups, STATE_FLAGS, tokens))
+    p.fill(tid, remote[:5 - hit])  # the first chunk computed (its first 5 blocks whole, every layer)
+    p.client.send(LayersDone(req_ids=[tid], layers=0, blocks=5))
+    deadline = time.monotonic() + 10
+    while not d.verify(tid, local[:5 - hit]) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert d.verify(tid, local[:5 - hit]), "the first chunk did not move while the prefill went on"
+    assert not d.client.poll().done
+    assert not d.kv.blocks()[:, :, dw, :].any(), "a window block was read before the last chunk"  # type: ignore[union-attr]
+    # the last chunk: every group's lists as vLLM will finish them, its layers one by one
+    p.client.hold(tid, [b for g in p_final for b in g if b], token=tid, streamed=True, extends=True,
+                  groups=p_final, num_tokens=tokens, expires_unix=time.time() + 60)
+    for layer in range(LAYERS):
+        p.fill_layers(tid, remote, range(layer, layer + 1))
+        p.client.send(LayersDone(req_ids=[tid], layers=layer + 1))
+    p.fill_state(tid, [ps])
+    p.client.send(LayersDone(req_ids=[tid], layers=LAYERS + 1))
+    got = wait_for(d.client, lambda a: bool(a.done or a.failed), timeout=30)
+    assert got.done, got.failed
+    assert d.verify(tid, local), "attention bytes differ"
+    assert d.verify_state(tid, [ds]), "state bytes differ"
+    block = d.layout.num_regions * d.layout.region_block_len
+    assert got.done[0].nbytes == len(local) * block + 2 * STATE  # (a chunk's blocks not read again)
+    assert not d.kv.blocks()[:, :, [dw[0], *df[:hit]], :].any(), "a block outside the pairs was written"  # type: ignore[union-attr]
+    wait_for(p.client, lambda a: bool(a.released))
+
+
+def test_a_grouped_chunk_extension_must_keep_every_group_held(
+        pair: tuple[SyntheticEngine, SyntheticEngine]) -> None:
+    """An extension of a hybrid hold computed in chunks: each group held so far must start with
+    its blocks held, no held block may be let go, the groups as many: else the lease ends
+    (one Released, ``aborted``) and the refusal is ``incompatible``; a good one is taken."""
+    p, _ = pair
+    pf, pw, (ps,) = p.allocate(4), p.allocate(2), p.allocate(1)
+    bad = {
+        "reordered": [[pf[1], pf[0], *pf[2:]], pw, [ps]],
+        "let go": [pf[1:], pw, [ps]],
+        "fewer groups": [pf, pw],
+    }
+    for i, (what, groups) in enumerate(bad.items()):
+        tid = f"grow-{i}"
+        p.client.hold(tid, pf[:2], token=tid, streamed=True, partial=True, groups=[pf[:2], [], []],
+                      num_tokens=4 * p.layout.block_size)
+        p.client.hold(tid, [b for g in groups for b in g], token=tid, streamed=True, extends=True,
+                      groups=groups, num_tokens=4 * p.layout.block_size)
+        got = wait_for(p.client, lambda a: bool(a.errors and a.released), timeout=10)
+        assert got.errors[0].code == ErrorCode.INCOMPATIBLE, (what, got.errors)
+        assert [(r.req_id, r.reason) for r in got.released] == [(tid, "aborted")], what
+    p.client.hold("grow-ok", pf[:2], token="grow-ok", streamed=True, partial=True, groups=[pf[:2], [], []],
+                  num_tokens=4 * p.layout.block_size)
+    p.client.hold("grow-ok", [*pf, *pw, ps], token="grow-ok", streamed=True, extends=True,
+                  groups=[pf, pw, [ps]], num_tokens=4 * p.layout.block_size)
+    time.sleep(0.3)
+    assert not p.client.poll().errors
+    p.client.release("grow-ok")
+    wait_for(p.client, lambda a: bool(a.released), timeout=10)

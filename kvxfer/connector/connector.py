@@ -201,6 +201,7 @@ class KvxferConnector(KVConnectorBase_V1, *_HMA):  # type: ignore[misc]
             self.scheduler.backoff = self.groups.backoff if self.groups is not None else 0
             self.scheduler.grouped = self.groups is not None and self.groups.grouped
             self.scheduler.state_groups = self.groups.state if self.groups is not None else ()
+            self.scheduler.push.groups = self.groups if self.scheduler.grouped else None
         else:
             device = str(vllm_config.device_config.device_type) if vllm_config.device_config else "cuda"
             self.worker = WorkerSide(self.settings, rank, size, "cpu" if device == "cpu" else "cuda",
@@ -227,8 +228,7 @@ class KvxferConnector(KVConnectorBase_V1, *_HMA):  # type: ignore[misc]
         if self.scheduler.push.streams(request):  # (push mode, prefill side: held before it is computed)
             ids = blocks.get_block_ids()
             if self.groups is not None and self.groups.grouped:  # (one list per group, as pull's)
-                lists = self.groups.at_finish([list(g) for g in ids], request.num_prompt_tokens)
-                self.scheduler.push.allocated_groups(request, lists)
+                self.scheduler.push.allocated_groups(request, [list(g) for g in ids])
             elif len(ids) == 1:
                 size = self._vllm_config.cache_config.block_size
                 self.scheduler.push.allocated(request, list(ids[0]), size)

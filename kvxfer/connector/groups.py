@@ -201,6 +201,20 @@ class Groups:
             out.append(lst)
         return self.clip(out)
 
+    def chunk_groups(self, block_ids: Sequence[Sequence[int]], tokens: int) -> list[list[int]]:
+        """Push of a prompt computed in chunks: what an earlier chunk holds of vLLM's lists (all
+        groups) so far, per transferable group: a full-attention (or MLA) group's blocks, cut
+        to the prompt's, which vLLM keeps until the request ends; nothing of the others (a
+        window's blocks vLLM frees as the prompt moves on, a state is whole only at the end:
+        both come with the last chunk, ``at_finish``)."""
+        return [list(block_ids[i])[:_cdiv(tokens, g.block_size)] if g.kind in ("full", "mla") else []
+                for g, i in zip(self.groups, self.ids, strict=True)]
+
+    @property
+    def attention_block_size(self) -> int:
+        """Tokens per block of the attention groups (one size: ``from_config`` checks)."""
+        return next((g.block_size for g in self.groups if not g.is_state), 1)
+
     @property
     def state_group(self) -> Group | None:
         return next((g for g in self.groups if g.is_state), None)

@@ -22,9 +22,11 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 from kvxfer.client import SEND_ERRORS, SidecarClient
+from kvxfer.connector.groups import Groups
 from kvxfer.connector.params import transfer_id_of
 from kvxfer.connector.settings import ConnectorSettings
 from kvxfer.connector.step import FINISHED_OK, StepPlan
@@ -35,14 +37,16 @@ log = logging.getLogger(__name__)
 
 class StreamedHolds:
     def __init__(self, settings: ConnectorSettings, client: SidecarClient, tp_size: int,
-                 engine_id: str, chunks: bool = False) -> None:
+                 engine_id: str, pong: Any = None) -> None:
+        """``pong``: the sidecar's, saying what it holds chunk by chunk (None: nothing)."""
         self.settings = settings
         self.client = client
         self.tp_size = tp_size
         self.local_engine = engine_id
         self._streams: dict[str, str] = {}  # request id -> transfer id (its lease, held)
-        # allocated this step: (request, blocks, blocks per KV cache group or None: one group)
-        self._pending: dict[str, tuple[Any, list[int], list[list[int]] | None]] = {}
+        # allocated this step: (request, blocks, blocks per KV cache group or None: one group,
+        # vLLM's lists of every group as allocated so far, or None)
+        self._pending: dict[str, tuple[Any, list[int], list[list[int]] | None, list[list[int]] | None]] = {}
         self._released: set[str] = set()  # streamed requests whose lease ended before vLLM finished them
         self._spent: set[str] = set()  # request ids never to stream (again): preempted
         # preempted while streamed: vLLM freed their blocks, the Released of the lease given up
@@ -50,9 +54,14 @@ class StreamedHolds:
         self._dropped: set[str] = set()
         # push of prompts computed in chunks (the sidecar's Pong says it holds them chunk by
         # chunk): request id -> (request, its blocks held so far)
-        self.chunks = chunks
+        self.chunks = bool(pong and pong.chunk_streams)
         self.block_size = 1
         self._chunked: dict[str, tuple[Any, list[int]]] = {}
+        # ... with several KV cache groups (its sidecar's Pong says so): the model's groups, and
+        # request id -> (request, vLLM's lists of every group allocated so far)
+        self.groups: Groups | None = None
+        self.grouped_chunks = bool(pong and pong.grouped_chunks)
+        self._chunked_groups: dict[str, tuple[Any, list[list[int]]]] = {}
 
     def streams(self, request: Any) -> bool:
         """A push-mode prefill request (``transfer_id``): held as soon as its prompt is scheduled."""
@@ -65,14 +74,17 @@ class StreamedHolds:
         n = -(-request.num_prompt_tokens // block_size)
         self.block_size = block_size
         if request.request_id not in self._streams and request.request_id not in self._spent:
-            self._pending[request.request_id] = (request, list(block_ids[:n]), None)
+            self._pending[request.request_id] = (request, list(block_ids[:n]), None, None)
 
-    def allocated_groups(self, request: Any, groups: list[list[int]]) -> None:
-        """A model of several KV cache groups: its lists as vLLM will hand them to
-        ``request_finished`` once the prompt is computed (``Groups.at_finish``); held (with
-        them, and the prompt's tokens: ``Hold.groups``) in ``scheduled``."""
+    def allocated_groups(self, request: Any, raw: list[list[int]]) -> None:
+        """A model of several KV cache groups (``groups`` set): vLLM's lists of every group as
+        allocated; held in ``scheduled`` with the lists vLLM will hand to ``request_finished``
+        once the prompt is computed (``Groups.at_finish``) and the prompt's tokens
+        (``Hold.groups``), or, a first chunk, its full-attention groups' so far (``chunk_groups``)."""
+        assert self.groups is not None
+        groups = self.groups.at_finish(raw, request.num_prompt_tokens)
         if request.request_id not in self._streams and request.request_id not in self._spent:
-            self._pending[request.request_id] = (request, held_blocks(groups), groups)
+            self._pending[request.request_id] = (request, held_blocks(groups), groups, raw)
 
     def scheduled(self, num_scheduled: dict[str, int], preempted: set[str] | None, plan: StepPlan,
                   cached: Any = None) -> None:
@@ -81,6 +93,7 @@ class StreamedHolds:
         ``scheduled_cached_reqs``), the hold grown; release what vLLM preempted."""
         for req_id in preempted or ():
             self._chunked.pop(req_id, None)
+            self._chunked_groups.pop(req_id, None)
             tid = self._streams.pop(req_id, None)
             if tid is not None:
                 self._spent.add(req_id)
@@ -89,50 +102,85 @@ class StreamedHolds:
                             "recomputes", req_id)
                 self._release(req_id, tid)
         pending, self._pending = self._pending, {}
-        for req_id, (request, blocks, groups) in pending.items():
+        for req_id, (request, blocks, groups, raw) in pending.items():
             done = request.num_computed_tokens + num_scheduled.get(req_id, 0)
             if done >= request.num_prompt_tokens:
                 self._hold(request, blocks, groups, plan)
-            elif self.chunks and groups is None and req_id in num_scheduled and self._hold(
-                    request, blocks, None, plan, partial=True):  # (a first chunk: read as it is done)
-                self._chunked[req_id] = (request, blocks)
+            elif not self.chunks or req_id not in num_scheduled:
+                continue
+            elif groups is None and self._hold(request, blocks, None, plan, partial=True):
+                self._chunked[req_id] = (request, blocks)  # (a first chunk: read as it is done)
                 plan.chunks[self._streams[req_id]] = done // self.block_size
-        if cached is not None and self._chunked:
+            elif raw is not None and self.grouped_chunks and self._hold_chunk_groups(request, raw, plan):
+                self._chunked_groups[req_id] = (request, raw)
+                plan.chunks[self._streams[req_id]] = done // self.block_size
+        if cached is not None and (self._chunked or self._chunked_groups):
             for req_id in getattr(cached, "resumed_req_ids", ()) or ():  # (vLLM preempted it: its
                 self._chunked.pop(req_id, None)  # blocks are new; never appended to the held ones)
+                self._chunked_groups.pop(req_id, None)
             for i, req_id in enumerate(cached.req_ids):
                 if req_id in self._chunked and req_id in num_scheduled:
                     self._next_chunk(req_id, cached.new_block_ids[i], num_scheduled[req_id], plan)
+                elif req_id in self._chunked_groups and req_id in num_scheduled:
+                    self._next_chunk_groups(req_id, cached.new_block_ids[i], num_scheduled[req_id], plan)
+
+    def _hold_chunk_groups(self, request: Any, raw: list[list[int]], plan: StepPlan) -> bool:
+        """The first chunk of a prompt of several KV cache groups: its full-attention groups'
+        blocks so far held (partial), the others' lists empty (``chunk_groups``)."""
+        assert self.groups is not None
+        groups = self.groups.chunk_groups(raw, request.num_prompt_tokens)
+        self.block_size = self.groups.attention_block_size
+        return self._hold(request, held_blocks(groups), groups, plan, partial=True)
 
     def _next_chunk(self, req_id: str, new: Any, scheduled: int, plan: StepPlan) -> None:
         """This step computes the next chunk of a prompt held chunk by chunk: its blocks held
         too (``Hold.extends``); the last chunk's layers are reported one by one (``streamed``),
         an earlier one's blocks once it is computed (``chunks``)."""
         request, blocks = self._chunked.pop(req_id)
-        size = self.block_size
+        blocks = (blocks + list(new[0] if new else ()))[:-(-request.num_prompt_tokens // self.block_size)]
+        self._extend(request, blocks, None, scheduled, plan,
+                     lambda: self._chunked.__setitem__(req_id, (request, blocks)))
+
+    def _next_chunk_groups(self, req_id: str, new: Any, scheduled: int, plan: StepPlan) -> None:
+        """``_next_chunk`` with several KV cache groups: every group's list grows by its new
+        blocks; an earlier chunk holds the full-attention groups' so far, the last the lists
+        vLLM will hand to ``request_finished`` (``at_finish``: a window's tail, the state)."""
+        assert self.groups is not None
+        request, raw = self._chunked_groups.pop(req_id)
+        raw = [list(g) + list(new[i] if new and i < len(new) else ()) for i, g in enumerate(raw)]
+        final = request.num_computed_tokens + scheduled >= request.num_prompt_tokens
+        groups = (self.groups.at_finish(raw, request.num_prompt_tokens) if final
+                  else self.groups.chunk_groups(raw, request.num_prompt_tokens))
+        self._extend(request, held_blocks(groups), groups, scheduled, plan,
+                     lambda: self._chunked_groups.__setitem__(req_id, (request, raw)))
+
+    def _extend(self, request: Any, blocks: list[int], groups: list[list[int]] | None, scheduled: int,
+                plan: StepPlan, keep: Callable[[], None]) -> None:
+        """The hold of a prompt computed in chunks extended to this step's chunk (``keep``: it
+        stays chunked, for the next one)."""
+        req_id = request.request_id
         tid = self._streams[req_id]
-        blocks = (blocks + list(new[0] if new else ()))[:-(-request.num_prompt_tokens // size)]
         done = request.num_computed_tokens + scheduled
         final = done >= request.num_prompt_tokens
         give_up = self.settings.lease_s + self.settings.grace_s  # (renewed: a long prompt outlives one)
         try:
             self.client.hold(tid, blocks, self.settings.lease_s, reads=self.tp_size, notify_ranks=True,
                              expires_unix=time.time() + give_up, engine_id=self.local_engine, token=tid,
-                             streamed=True, extends=True, partial=not final,
+                             streamed=True, extends=True, partial=not final, groups=groups,
                              num_tokens=request.num_prompt_tokens)
         except SEND_ERRORS as e:
             if final:  # (never to be complete: its decode fails now, not at its deadline)
                 log.warning("request %s: its last chunk's blocks not held (%s); released", req_id, e)
                 self._release(req_id, tid)
             else:  # (the next chunk's extension carries the whole list)
-                self._chunked[req_id] = (request, blocks)
+                keep()
             return
         plan.holds[tid] = time.monotonic() + give_up
         if final:
             plan.streamed.append(tid)
         else:
-            self._chunked[req_id] = (request, blocks)
-            plan.chunks[tid] = done // size
+            keep()
+            plan.chunks[tid] = done // self.block_size
 
     def _hold(self, request: Any, block_ids: list[int], groups: list[list[int]] | None,
               plan: StepPlan, partial: bool = False) -> bool:
@@ -170,6 +218,7 @@ class StreamedHolds:
         req_id = request.request_id
         self._spent.discard(req_id)
         self._chunked.pop(req_id, None)
+        self._chunked_groups.pop(req_id, None)
         tid = self._streams.pop(req_id, None)
         if tid is None:
             return False, None  # (preempted: released already, nothing held now)
@@ -193,6 +242,7 @@ class StreamedHolds:
         self._released |= early
         for r in early:  # (its lease ended: no later chunk extends it, nor re-arms its deadline)
             self._chunked.pop(r, None)
+            self._chunked_groups.pop(r, None)
         return finished_sending - early - dropped
 
     def _release(self, req_id: str, tid: str) -> None:

@@ -115,7 +115,7 @@ class SchedulerSide:
         self._next_prune = 0.0
         self._next_heartbeat = time.monotonic() + settings.heartbeat_s
         self.errors: dict[str, str] = {}  # request id -> why its params were refused
-        self.push = StreamedHolds(settings, self.client, tp_size, engine_id, pong.chunk_streams)  # (prefill)
+        self.push = StreamedHolds(settings, self.client, tp_size, engine_id, pong)  # (prefill)
 
     # ---------------------------------------------------------------- decode side
 

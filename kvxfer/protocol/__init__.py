@@ -130,6 +130,10 @@ from kvxfer.protocol.peer import (
 #    Welcome.chunk_streams appended; ChunkWatch (peer) added, sent only to a prefill whose
 #    Welcome says chunk_streams; an older reader of a partial hold reads nothing wrong: it
 #    sees no layer ready until the last chunk, and a list that grew fails it incompatible)
+#    (and push of prompts of several KV cache groups computed in chunks, decodable by any 6:
+#    Pong.grouped_chunks appended; a partial Hold then names its groups (Hold.groups, a window's
+#    and a state's list empty until the last chunk); a decode that reads no grouped chunks waits
+#    for the last chunk, as before)
 #    (and, with a secret, the Welcome MAC covering lease_words_*, layer/grouped/chunk_streams for
 #    a dialer whose Hello.nonce starts "w1." (kvxfer.auth.welcome_cover): any 6 accepts that
 #    nonce, a listener that does not know it signs the first fields only, and a dialer accepts

@@ -240,6 +240,9 @@ class Pong(_Msg, tag="pong"):
     generation: str = ""  # changes when the sidecar restarts or a registration is replaced or removed
     grouped_streams: bool = False  # it follows push loads of several KV cache groups (Recv.groups)
     chunk_streams: bool = False  # it holds a prompt computed in chunks chunk by chunk (Hold.partial)
+    # ... and so with several KV cache groups (Hold.groups on a partial hold: the full-attention
+    # groups' lists grow chunk by chunk, a window's and a state's come with the last)
+    grouped_chunks: bool = False
 
 
 SidecarEvent = Registered | Done | Failed | Released | Error | Pong

@@ -366,7 +366,7 @@ class Sidecar:
         return Pong(seq=seq, engine_id=self.engine_id, version=PROTOCOL_VERSION, handshake_host=a.host,
                     handshake_port=a.port, instance=self.agent_name,
                     generation=self.registry.generation(self.agent_name), grouped_streams=True,
-                    chunk_streams=True)
+                    chunk_streams=True, grouped_chunks=True)
 
     def _holds_changed(self) -> None:
         for out in self.holds.take_outbox():

@@ -176,7 +176,9 @@ class Holds:
         if lease is None or lease.token != msg.token or not growing:  # (``growing``: a partial hold)
             raise RequestError(ErrorCode.UNKNOWN_REQUEST, "no partial hold of this id to extend", msg.req_id)
         try:
-            if list(msg.block_ids[:len(lease.block_ids)]) != lease.block_ids:
+            if lease.groups is not None or msg.groups is not None:
+                grown_groups(lease.block_ids, lease.groups, msg)
+            elif list(msg.block_ids[:len(lease.block_ids)]) != lease.block_ids:
                 raise RequestError(ErrorCode.MALFORMED, "an extended hold starts with the blocks held")
             if msg.expires_unix and time.time() > msg.expires_unix:
                 raise RequestError(ErrorCode.EXPIRED, "the extension came after its engine's deadline")
@@ -188,6 +190,7 @@ class Holds:
             raise RequestError(ErrorCode.INCOMPATIBLE, f"extension refused ({e.code}: {e.reason}); "
                                "the lease ended", msg.req_id) from None
         lease.block_ids = list(msg.block_ids)
+        lease.groups = msg.groups if msg.groups is not None else lease.groups
         until = time.monotonic() + (msg.lease_s or lease.duration or self.config.lease_s)
         if self.table.extend(lease.key, min(until, lease.created + self.config.max_lease_s)):
             self._wakeup.set()
@@ -315,3 +318,21 @@ class Holds:
             log.warning("lease on request %s expired after %.1fs with %d/%d reads", lease.req_id,
                         time.monotonic() - lease.created, lease.reads_seen, lease.reads_expected)
             self.release(lease, "expired")
+
+
+def grown_groups(held: list[int], groups: list[list[int]] | None, msg: Hold) -> None:
+    """A grouped hold's extension (RequestError ``malformed``, else fine): lists for as many
+    groups, each group held so far extended (its list starts with the one held; a group held
+    by chunk is full attention, whose blocks vLLM keeps), every block held still held, and no
+    group naming a block the hold does not."""
+    if groups is None or msg.groups is None or len(msg.groups) != len(groups):
+        raise RequestError(ErrorCode.MALFORMED, "an extended hold names other KV cache groups than the "
+                           "one held")
+    for i, (old, new) in enumerate(zip(groups, msg.groups, strict=True)):
+        if old and list(new[:len(old)]) != list(old):
+            raise RequestError(ErrorCode.MALFORMED, f"an extended hold's group {i} starts with other "
+                               "blocks than the ones held")
+    now = set(msg.block_ids)
+    if not now.issuperset(held) or any(b and b not in now for g in msg.groups for b in g):
+        raise RequestError(ErrorCode.MALFORMED, "an extended hold lets go of blocks held, or its groups "
+                           "name blocks it does not hold")

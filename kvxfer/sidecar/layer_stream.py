@@ -276,6 +276,56 @@ def chunk_pairs(local: list[int], remote: list[int], total: int, lo: int, hi: in
     return [local[p - offset] for p in pos], [remote[p] for p in pos]
 
 
+def group_chunk_pairs(local: list[list[int]], remote: list[list[int]], state: list[bool], total: int,
+                      lo: int, hi: int) -> tuple[list[int], list[int], list[int]] | None:
+    """A model of several KV cache groups held chunk by chunk: ``chunk_pairs`` of each group the
+    prefill holds by chunk so far (its list not empty: full attention and MLA; a window's and
+    a state's come with the last chunk), pairs with a null block skipped. Returns (local,
+    remote, the groups read); None: the lists cannot be paired (another number of groups, a
+    decode list longer than the prompt)."""
+    if len(local) != len(remote):
+        return None
+    mine: list[int] = []
+    theirs: list[int] = []
+    read = []
+    for i, (lg, rg) in enumerate(zip(local, remote, strict=True)):
+        if not rg or (i < len(state) and state[i]):
+            continue
+        pairs = chunk_pairs(list(lg), list(rg), total, lo, hi)
+        if pairs is None:
+            return None
+        read.append(i)
+        for a, b in zip(*pairs, strict=True):
+            if a and b:
+                mine.append(a)
+                theirs.append(b)
+    return mine, theirs, read
+
+
+def after_group_chunks(msg: Recv, ans: LayersAt, read_blocks: int, read: dict[int, list[int]],
+                       block_size: int) -> tuple[Recv, LayersAt]:
+    """A grouped streamed receive and the prefill's final answer, each group read by chunk
+    (``read``: group -> the prefill's list as it was read) less the prompt's first
+    ``read_blocks`` positions, on both sides (pairing them at the tail, as ``pair_groups``
+    does, then lines up the rest as before). RequestError ``incompatible``: a group's final list
+    is not the prompt's length or does not start with the blocks read (they were another
+    request's)."""
+    total = -(-ans.num_tokens // block_size)
+    local, remote = [list(g) for g in msg.groups or []], [list(g) for g in ans.groups or []]
+    for i, seen in read.items():
+        if i >= len(remote) or i >= len(local):
+            raise RequestError(ErrorCode.INCOMPATIBLE, f"group {i} read by chunk is not in the prefill's "
+                               "final lists", msg.req_id)
+        rg, lg = remote[i], local[i]
+        if len(rg) != total or rg[:read_blocks] != seen[:read_blocks]:
+            raise RequestError(ErrorCode.INCOMPATIBLE, f"the prefill's group {i} holds {len(rg)} blocks for "
+                               f"{ans.num_tokens} tokens, not starting with the blocks read as chunks",
+                               msg.req_id)
+        remote[i] = rg[read_blocks:]
+        local[i] = lg[max(0, read_blocks - (total - len(lg))):]
+    return (msgspec.structs.replace(msg, groups=local), msgspec.structs.replace(ans, groups=remote))
+
+
 def after_chunks(msg: Recv, ans: LayersAt, read_blocks: int, block_size: int) -> Recv:
     """A completed streamed Recv less the pairs of the prefill's first ``read_blocks`` blocks
     (read whole as chunks, ``chunk_pairs``). RequestError ``incompatible``: the prefill's list

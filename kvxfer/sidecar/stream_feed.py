@@ -37,8 +37,10 @@ from kvxfer.protocol import ChunkWatch, KVLayout, LayersAt, LayerWatch, Recv
 from kvxfer.sidecar.admission import check_blocks
 from kvxfer.sidecar.layer_stream import (
     after_chunks,
+    after_group_chunks,
     chunk_pairs,
     cut_to_layers,
+    group_chunk_pairs,
     remote_suffix,
     same_block_size,
 )
@@ -74,6 +76,8 @@ class Following:
     read: int = 0  # layers pre-read
     nbytes: int = 0
     read_blocks: int = 0  # the prefill's first blocks read whole (a prompt computed in chunks)
+    # several KV cache groups computed in chunks: group -> the prefill's list as it was read
+    read_groups: dict[int, list[int]] = dataclasses.field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -186,7 +190,7 @@ class StreamFeed:
                 ranks = peer.engine_ranks(ans.engine_id or engine)
                 remote_layouts = {pp: info.layout for (pp, _), info in ranks.items()}
                 msg, plans, pairing = self._told_if(state, peer, ans.engine_id or engine, functools.partial(
-                    self._planned, state, peer, local, ans, remote_layouts, f.read_blocks))
+                    self._planned, state, peer, local, ans, remote_layouts, f))
             f.have, f.seen = ans.ready, ans.version if f.seen is not None else None
             if f.have >= ans.total:
                 rest = plans if f.read == 0 else cut_to_layers(  # (nothing pre-read: the whole plan)
@@ -212,22 +216,24 @@ class StreamFeed:
         lay = local.info.layout
         ranks = peer.engine_ranks(engine)
         same = same_block_size(lay, (info.layout for info in ranks.values()))
-        pairs = (chunk_pairs(list(msg.block_ids), list(ans.block_ids), -(-ans.num_tokens // lay.block_size),
-                             f.read_blocks, ans.complete)
-                 if msg.groups is None and ans.num_tokens and same and ranks else None)
+        pairs = (chunk_read(msg, ans, lay.block_size, f.read_blocks)
+                 if ans.num_tokens and same and ranks else None)
         if pairs is not None and ans.complete > f.read_blocks:  # (else read at the end)
-            mine, theirs = pairs
+            mine, theirs, groups, upto = pairs
             if mine:
                 sub = msgspec.structs.replace(msg, block_ids=mine, remote_block_ids=theirs,
                                               remote_generation=ans.generation or peer.generation,
                                               remote_tp_size=ans.tp_size or msg.remote_tp_size,
-                                              remote_engine_id=ans.engine_id or msg.remote_engine_id)
+                                              remote_engine_id=ans.engine_id or msg.remote_engine_id,
+                                              groups=None, state_groups=None, state_block_ids=None,
+                                              remote_state_block_ids=None)
                 plans, pairing = self._told_if(state, peer, engine, functools.partial(
                     plan_read, sub, lay, ranks, engine))
                 f.nbytes += await self._pre_read(key, state, local, peer, engine, sub, plans, pairing,
-                                                 f"blocks {f.read_blocks}-{ans.complete - 1}")
+                                                 f"blocks {f.read_blocks}-{upto - 1}")
                 self.observer.stream_layers(0, 0, len(mine))
-            f.read_blocks = min(ans.complete, len(ans.block_ids))  # (what chunk_pairs could read)
+            f.read_blocks = upto
+            f.read_groups.update(groups)
         return await self._answer(sent, state.deadline)
 
     def _told_if(self, state: RecvState, peer: Peer, engine: str, step: Callable[[], T]) -> T:
@@ -241,18 +247,25 @@ class StreamFeed:
             raise
 
     def _planned(self, state: RecvState, peer: Peer, local: Any, ans: LayersAt,
-                 remote_layouts: dict[int, Any], read_blocks: int
+                 remote_layouts: dict[int, Any], f: Following
                  ) -> tuple[Recv, list[RankPlan], BlockPairing]:
         """The receive completed with the prefill's first answer naming all its blocks, less the
-        blocks read whole as chunks (``read_blocks``, the prefill's first), and planned."""
+        blocks read whole as chunks (``f.read_blocks``, the prefill's first), and planned."""
         msg = state.msg
-        same = same_block_size(local.info.layout, remote_layouts.values())
+        lay = local.info.layout
+        same = same_block_size(lay, remote_layouts.values())
         if msg.groups is not None and not same:  # (pairs per group are block for block)
             raise RequestError(ErrorCode.INCOMPATIBLE, "push of several KV cache groups between different "
                                "block sizes is not supported", msg.req_id)
-        state.msg = completed(msg, ans, peer, same, local.info.layout)
-        if read_blocks:
-            state.msg = after_chunks(state.msg, ans, read_blocks, local.info.layout.block_size)
+        if f.read_groups:  # (several KV cache groups: the groups read as chunks, less what was read)
+            rest, rest_ans = after_group_chunks(msg, ans, f.read_blocks, f.read_groups, lay.block_size)
+            state.msg = completed(rest, rest_ans, peer, same, lay)
+            if not state.msg.block_ids and not state.msg.state_block_ids:  # (nothing left: read it
+                state.msg = completed(msg, ans, peer, same, lay)  # all again rather than nothing)
+        else:
+            state.msg = completed(msg, ans, peer, same, lay)
+            if f.read_blocks:
+                state.msg = after_chunks(state.msg, ans, f.read_blocks, lay.block_size)
         plans, pairing = plan_for(self.registry, state, peer)
         return state.msg, plans, pairing
 
@@ -345,6 +358,28 @@ def streamable(peer: Peer, msg: Recv) -> None:
     if msg.groups is not None and not peer.grouped_streams:
         raise RequestError(ErrorCode.INCOMPATIBLE, f"prefill sidecar {peer.endpoint} does not stream models "
                            "of several KV cache groups (an older kvxfer): send it the request first and pull")
+
+
+def chunk_read(msg: Recv, ans: LayersAt, block_size: int, read_blocks: int
+               ) -> tuple[list[int], list[int], dict[int, list[int]], int] | None:
+    """What a partial answer lets a decode read now, its blocks computed whole since
+    ``read_blocks``: (local, remote, the groups read with the prefill's lists, the prompt
+    blocks read up to); None: nothing (lists that cannot be paired: read at the end)."""
+    total = -(-ans.num_tokens // block_size)
+    if msg.groups is None:
+        pairs = chunk_pairs(list(msg.block_ids), list(ans.block_ids), total, read_blocks, ans.complete)
+        return None if pairs is None else (*pairs, {}, min(ans.complete, len(ans.block_ids)))
+    if ans.groups is None:
+        return None
+    got = group_chunk_pairs(msg.groups, ans.groups, list(msg.state_groups or ()), total, read_blocks,
+                            ans.complete)
+    if got is None or not got[2]:
+        return None
+    mine, theirs, groups = got
+    if not set(mine).issubset(msg.block_ids):  # (only blocks admitted with the Recv are written)
+        return None
+    upto = min(ans.complete, *(len(ans.groups[i]) for i in groups))
+    return mine, theirs, {i: list(ans.groups[i]) for i in groups}, upto
 
 
 def completed(msg: Recv, ans: LayersAt, peer: Peer, same_block_size: bool, local: KVLayout) -> Recv:
