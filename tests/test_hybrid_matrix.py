@@ -128,15 +128,18 @@ def test_family_through_kvxfer_and_nixl_connector(family: str, tmp_path: Any) ->
 
 
 @pytest.mark.timeout(1200)  # three vLLM servers, 13 prompts pulled and 13 pushed
+@pytest.mark.parametrize("chunked", [False, True], ids=["whole", "chunks"])
 @pytest.mark.parametrize("family", list(FAMILIES))
-def test_family_in_push_mode(family: str, tmp_path: Any) -> None:
+def test_family_in_push_mode(family: str, chunked: bool, tmp_path: Any) -> None:
     """Push mode (#36) on every hybrid family: the request goes to both engines at once, the
     decode's sidecar pairs its block lists per KV cache group with the prefill's (as pull
     does: windows' tails, the state's one block) and reads them, the state once the prefill's
     forward is over. Every prompt of more than one token is loaded, pushed or pulled (the same
-    engines serve pull requests too), and the tokens are one engine's."""
+    engines serve pull requests too), and the tokens are one engine's. ``chunks``: prompts
+    computed 256 tokens a step, the full-attention groups' blocks read chunk by chunk."""
+    extra = (*FAMILIES[family], *(("--max-num-batched-tokens", "256") if chunked else ()))
     pl = Pipeline(os.path.join(str(tmp_path), f"{family}-push"), python=PY, family=family,
-                  extra_args=FAMILIES[family], mode="push")
+                  extra_args=extra, mode="push")
     try:
         pl.start()
         as_one = {"push": 0, "pull": 0}
@@ -153,11 +156,14 @@ def test_family_in_push_mode(family: str, tmp_path: Any) -> None:
                   f"{'same' if pulled == one else 'OTHER'} as one engine")
         m = pl.d_sidecar.scrape()
         ok = m.get('kvxfer_transfers_total{result="ok"}', 0)
-        print(f"{family} in push mode: as one engine {as_one}; kvxfer {ok:.0f} transfers ok, "
-              f"{m.get('kvxfer_transferred_bytes_total', 0) / 1e6:.2f} MB")
+        print(f"{family} in push mode{' (chunks)' if chunked else ''}: as one engine {as_one}; kvxfer "
+              f"{ok:.0f} transfers ok, {m.get('kvxfer_transferred_bytes_total', 0) / 1e6:.2f} MB, "
+              f"{m.get('kvxfer_push_chunk_blocks_total', 0):.0f} blocks read as chunks")
         loads = 3 if family in NO_PREFIX_CACHE else 2  # (pulled, pushed, and the pushed pulled too)
         assert ok == loads * len([n for n in LENGTHS if n > 1]), m  # (every one loaded)
         assert not m.get('kvxfer_transfers_total{result="failed"}', 0), m
+        if chunked and family != "mamba2":  # (a full-attention group: read chunk by chunk)
+            assert m.get("kvxfer_push_chunk_blocks_total", 0) > 0, m
         if family != "qwen3next":  # (bf16 Gated DeltaNet: two engines' tokens may differ, above)
             assert as_one == {"push": len(LENGTHS), "pull": len(LENGTHS)}, as_one
     finally:
