@@ -272,3 +272,19 @@ def test_state_geometry_must_match_on_both_sides() -> None:
     check_compatible(a, a)
     with pytest.raises(Incompatible, match="state_kind differs"):
         check_compatible(a, b)
+
+
+def test_only_groups_whose_blocks_vllm_keeps_are_held_before_the_last_chunk() -> None:
+    """Push of a prompt computed in chunks holds, at each earlier chunk, the groups vLLM never
+    frees a block of while the request runs (full attention, MLA: FullAttentionSpec); a window
+    is freed as the prompt moves on, and an attention kind kvxfer does not know (a circular
+    buffer here, classed with full attention for the move) may be too: held at the end."""
+    from vllm.v1.kv_cache_interface import CircularBufferSpec
+
+    ring = CircularBufferSpec(block_size=32, num_kv_heads=1, head_size=64, dtype=torch.float32)
+    g = Groups.from_config(config((["l0"], SLIDING), (["l1"], FULL), (["l2"], ring)))
+    assert [x.kind for x in g.groups] == ["sliding_window", "full", "full"]
+    assert [x.kept for x in g.groups] == [False, True, False]
+    raw = [[1, 2, 3], [4, 5, 6], [7, 8, 9]]
+    assert g.chunk_groups(raw, 80) == [[], [4, 5, 6], []]
+    assert g.chunk_groups(raw, 40) == [[], [4, 5], []]  # (the prompt's blocks only)

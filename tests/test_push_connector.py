@@ -246,6 +246,45 @@ def test_a_hybrid_prompt_computed_in_chunks_holds_its_full_attention_groups_chun
     assert old.holds == []
 
 
+def test_a_resumed_prompt_held_anew_at_its_first_chunk_is_extended_at_its_next() -> None:
+    """A hybrid prompt whose first hold was not sent (its sidecar's queue full) is preempted and
+    resumed: vLLM allocates it anew and it is held at that step's chunk; the same step's
+    resumed ids (forgetting its old lists) must not drop the new hold's (found by review: its
+    next chunks never extended it, and the decode waited for its deadline), nor its new block
+    ids (all of them, for a resumed request) extend the hold they started (each twice)."""
+    from kvxfer.client import SidecarUnavailable
+    from kvxfer.connector.groups import Group, Groups
+
+    class Flaky(Client):
+        def hold(self, req_id: str, blocks: list[int], *a: Any, **kw: Any) -> None:
+            if not self.holds and not getattr(self, "failed", False):
+                self.failed = True
+                raise SidecarUnavailable("queue full (test)")
+            super().hold(req_id, blocks, *a, **kw)
+
+    client = Flaky()
+    push = StreamedHolds(ConnectorSettings(mode="push"), client, 1, "P",  # type: ignore[arg-type]
+                         SimpleNamespace(chunk_streams=True, grouped_chunks=True))
+    push.groups = Groups((Group("full", BS), Group("sliding_window", BS, window=20)), (0, 1), 2)
+    r = request("r1", "t1", prompt=150)
+    push.allocated_groups(r, [[1, 2, 3, 4], [11, 12, 13, 14]])
+    push.scheduled({"r1": 64}, None, StepPlan())
+    assert client.holds == []  # (not sent)
+    # preempted, resumed: allocated anew, scheduled with its id among the resumed ones
+    push.allocated_groups(r, [[5, 6, 7, 8], [15, 16, 17, 18]])
+    plan = StepPlan()
+    push.scheduled({"r1": 64}, None, plan, SimpleNamespace(  # (a resumed request's new ids: all of them)
+        req_ids=["r1"], new_block_ids=[([5, 6, 7, 8], [15, 16, 17, 18])], resumed_req_ids={"r1"}))
+    assert client.holds == [("t1", [5, 6, 7, 8])]
+    assert plan.chunks == {"t1": 4}
+    r.num_computed_tokens = 64
+    plan = StepPlan()
+    push.scheduled({"r1": 64}, None, plan, SimpleNamespace(req_ids=["r1"], new_block_ids=[
+        ([9, 10, 21, 22], [19, 20, 23, 24])]))
+    assert client.groups[-1] == ([[5, 6, 7, 8, 9, 10, 21, 22], []], 150)  # (extended)
+    assert plan.chunks == {"t1": 8}
+
+
 def test_a_chunked_prompt_whose_lease_ended_is_extended_no_more() -> None:
     """The lease of a prompt held chunk by chunk ends while vLLM still computes it (its decode
     gave up; found by review): the next chunks send no extension and re-arm no deadline (an

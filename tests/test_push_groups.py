@@ -92,7 +92,8 @@ def test_a_hybrid_request_streams_its_layers_by_group_and_its_state_last(
 def test_a_grouped_load_that_cannot_be_paired_fails_and_releases_the_prefill(
         pair: tuple[SyntheticEngine, SyntheticEngine]) -> None:
     """Another number of prompt tokens at the prefill (its state would be another prompt's),
-    a prefill held without groups, a decode list longer than the prefill's: refused
+    a prefill held without groups, a decode list longer than the prefill's, a decode without
+    groups: refused
     ``incompatible`` before anything is read; the prefill's lease ends, the engine goes on."""
     p, d = pair
     cases = {
@@ -111,6 +112,17 @@ def test_a_grouped_load_that_cannot_be_paired_fails_and_releases_the_prefill(
         assert got.failed[0].code == ErrorCode.INCOMPATIBLE, (name, got)
         released = wait_for(p.client, lambda a: bool(a.released), timeout=10)
         assert released.released[0].req_id == tid, (name, released)
+    # a decode naming one list (its hybrid KV cache manager off?) of a prefill holding groups:
+    # paired as one list it would read the groups' blocks in the wrong places (found by review)
+    p.client.hold("bad-flat", [1, 2, 3, 4], token="bad-flat", streamed=True, expires_unix=time.time() + 60,
+                  groups=[[1, 2], [3], [4]], num_tokens=TOKENS)
+    d.client.recv("bad-flat", [11, 12, 13], streamed_remote(p, "bad-flat"), streamed=True, deadline_s=30)
+    got = wait_for(d.client, lambda a: bool(a.done or a.failed), timeout=10)
+    assert got.failed, got
+    assert got.failed[0].code == ErrorCode.INCOMPATIBLE, got
+    assert "per KV cache group" in got.failed[0].reason, got
+    released = wait_for(p.client, lambda a: bool(a.released), timeout=10)
+    assert released.released[0].req_id == "bad-flat", released
 
 
 def test_a_hold_whose_groups_name_blocks_it_does_not_hold_is_refused(

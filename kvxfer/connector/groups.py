@@ -74,6 +74,7 @@ class Group:
     spec_blocks: int = 0  # state groups: speculative scratch blocks after the state block
     state_kind: str = ""  # state groups: what the state is (e.g. "mamba2: conv (3, 544) ...")
     chunk: int = 0  # chunked local attention: tokens per chunk
+    kept: bool = True  # vLLM keeps every block of a running request (a FullAttentionSpec; MLA is one)
 
     def skipped(self, tokens: int) -> int:
         """Tokens vLLM no longer keeps once ``tokens`` are computed (its managers'
@@ -110,7 +111,8 @@ def _state_group(specs: list[Any], layers: Sequence[str]) -> Group:
                        for sh, dt in zip(getattr(s, "shapes", ()), getattr(s, "dtypes", ()), strict=False))
     return Group("state", int(s.block_size), 0, tuple(layers), state_bytes=sizes.pop(),
                  spec_blocks=int(getattr(s, "num_speculative_blocks", 0) or 0),
-                 state_kind=f"{mtype.lower()}: {parts}" if parts else mtype.lower())
+                 state_kind=f"{mtype.lower()}: {parts}" if parts else mtype.lower(),
+                 kept=False)  # (kept, but its state rewritten at every step)
 
 
 def _group_of(spec: Any, layers: Sequence[str]) -> Group:
@@ -123,13 +125,15 @@ def _group_of(spec: Any, layers: Sequence[str]) -> Group:
         return _state_group(state, layers)
     s = specs[0]
     if _is(s, "SlidingWindowSpec"):
-        return Group("sliding_window", int(s.block_size), int(s.sliding_window), tuple(layers))
+        return Group("sliding_window", int(s.block_size), int(s.sliding_window), tuple(layers), kept=False)
     if _is(s, "ChunkedLocalAttentionSpec"):
         return Group("chunked_local", int(s.block_size), 0, tuple(layers),  # moved in full
-                     chunk=int(getattr(s, "attention_chunk_size", 0) or 0))
+                     chunk=int(getattr(s, "attention_chunk_size", 0) or 0), kept=False)
+    kept = _is(s, "FullAttentionSpec")  # (else an attention kind this module does not know: moved
+    # whole, as full attention is, but never held before the prompt ends: vLLM may free its blocks)
     if _is(s, "MLAAttentionSpec"):
-        return Group("mla", int(s.block_size), 0, tuple(layers))
-    return Group("full", int(s.block_size), 0, tuple(layers))
+        return Group("mla", int(s.block_size), 0, tuple(layers), kept=kept)
+    return Group("full", int(s.block_size), 0, tuple(layers), kept=kept)
 
 
 @dataclass(frozen=True)
@@ -207,8 +211,8 @@ class Groups:
         to the prompt's, which vLLM keeps until the request ends; nothing of the others (a
         window's blocks vLLM frees as the prompt moves on, a state is whole only at the end:
         both come with the last chunk, ``at_finish``)."""
-        return [list(block_ids[i])[:_cdiv(tokens, g.block_size)] if g.kind in ("full", "mla") else []
-                for g, i in zip(self.groups, self.ids, strict=True)]
+        return [list(block_ids[i])[:_cdiv(tokens, g.block_size)] if g.kind in ("full", "mla") and g.kept
+                else [] for g, i in zip(self.groups, self.ids, strict=True)]
 
     @property
     def attention_block_size(self) -> int:

@@ -101,7 +101,11 @@ class StreamedHolds:
                 log.warning("request %s preempted while streamed: its lease is released, the decode "
                             "recomputes", req_id)
                 self._release(req_id, tid)
+        for req_id in getattr(cached, "resumed_req_ids", ()) or ():  # (vLLM preempted it: its blocks
+            self._chunked.pop(req_id, None)  # are new; never appended to the held ones; before what
+            self._chunked_groups.pop(req_id, None)  # is held below: a resumed request may be held anew)
         pending, self._pending = self._pending, {}
+        fresh = set(pending)  # (held below at this chunk: not extended by it too)
         for req_id, (request, blocks, groups, raw) in pending.items():
             done = request.num_computed_tokens + num_scheduled.get(req_id, 0)
             if done >= request.num_prompt_tokens:
@@ -115,13 +119,12 @@ class StreamedHolds:
                 self._chunked_groups[req_id] = (request, raw)
                 plan.chunks[self._streams[req_id]] = done // self.block_size
         if cached is not None and (self._chunked or self._chunked_groups):
-            for req_id in getattr(cached, "resumed_req_ids", ()) or ():  # (vLLM preempted it: its
-                self._chunked.pop(req_id, None)  # blocks are new; never appended to the held ones)
-                self._chunked_groups.pop(req_id, None)
             for i, req_id in enumerate(cached.req_ids):
-                if req_id in self._chunked and req_id in num_scheduled:
+                if req_id in fresh or req_id not in num_scheduled:
+                    continue
+                if req_id in self._chunked:
                     self._next_chunk(req_id, cached.new_block_ids[i], num_scheduled[req_id], plan)
-                elif req_id in self._chunked_groups and req_id in num_scheduled:
+                elif req_id in self._chunked_groups:
                     self._next_chunk_groups(req_id, cached.new_block_ids[i], num_scheduled[req_id], plan)
 
     def _hold_chunk_groups(self, request: Any, raw: list[list[int]], plan: StepPlan) -> bool:

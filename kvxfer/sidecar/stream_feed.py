@@ -366,11 +366,13 @@ def chunk_read(msg: Recv, ans: LayersAt, block_size: int, read_blocks: int
     ``read_blocks``: (local, remote, the groups read with the prefill's lists, the prompt
     blocks read up to); None: nothing (lists that cannot be paired: read at the end)."""
     total = -(-ans.num_tokens // block_size)
+    grouped = msg.groups is not None
+    if grouped != (ans.groups is not None) or (grouped and msg.num_tokens != ans.num_tokens):
+        return None  # (lists that cannot be paired: refused at the end, nothing written before)
     if msg.groups is None:
         pairs = chunk_pairs(list(msg.block_ids), list(ans.block_ids), total, read_blocks, ans.complete)
         return None if pairs is None else (*pairs, {}, min(ans.complete, len(ans.block_ids)))
-    if ans.groups is None:
-        return None
+    assert ans.groups is not None
     got = group_chunk_pairs(msg.groups, ans.groups, list(msg.state_groups or ()), total, read_blocks,
                             ans.complete)
     if got is None or not got[2]:
@@ -391,6 +393,10 @@ def completed(msg: Recv, ans: LayersAt, peer: Peer, same_block_size: bool, local
               "remote_engine_id": ans.engine_id or msg.remote_engine_id}
     if msg.groups is not None:
         return msgspec.structs.replace(msg, **paired(msg, ans, local), **common)
+    if ans.groups is not None:  # (a decode without its lists per group: its hybrid KV cache manager off?)
+        raise RequestError(ErrorCode.INCOMPATIBLE, "the prefill holds this request per KV cache group (a "
+                           "model of several groups), this engine names one list: not the same KV cache "
+                           "layout, not read", msg.req_id)
     remote = remote_suffix(list(ans.block_ids), len(msg.block_ids), same_block_size)
     return msgspec.structs.replace(msg, remote_block_ids=remote, **common)
 
