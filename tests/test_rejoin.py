@@ -7,12 +7,15 @@ from __future__ import annotations
 import os
 import signal
 import time
+from typing import Any
 
 import pytest
 
 from kvxfer.connector.rejoin import Rejoin
+from kvxfer.connector.settings import ConnectorSettings
+from kvxfer.connector.worker import CacheShape, WorkerSide
 from kvxfer.errors import KvxferError
-from kvxfer.testing.procs import SidecarFactory
+from kvxfer.testing.procs import SidecarFactory, SidecarProc
 
 
 def test_backoff_doubles_up_to_its_cap_and_a_restart_starts_over() -> None:
@@ -47,6 +50,22 @@ def test_backoff_doubles_up_to_its_cap_and_a_restart_starts_over() -> None:
     assert r.attempts == 1
 
 
+SHAPE = CacheShape(8, 16, 8, 8, 64, False)
+
+
+def _worker(sidecars: SidecarFactory, name: str) -> tuple[SidecarProc, WorkerSide, dict[str, Any]]:
+    """A real sidecar and a worker whose KV cache (one layer, ``SHAPE``) lives in its pools."""
+    import torch
+
+    sc = sidecars.start(name)
+    ws = WorkerSide(ConnectorSettings(sidecar=sc.endpoint, heartbeat_s=0.1), 0, 1, "cpu")
+    ctx = ws.mem_pool_context()
+    assert ctx is not None
+    with ctx:
+        kv = {"l0": torch.zeros(2, 8, 16, 8, 64, dtype=torch.float16)}
+    return sc, ws, kv
+
+
 @pytest.mark.parametrize("how", ["refused", "not_sent", "took_while_reporting_layers"])
 def test_a_refused_or_unsent_re_registration_is_sent_again(sidecars: SidecarFactory, how: str,
                                                            monkeypatch: pytest.MonkeyPatch) -> None:
@@ -57,18 +76,8 @@ def test_a_refused_or_unsent_re_registration_is_sent_again(sidecars: SidecarFact
     while the worker reports computed layers (push mode) that the sidecar answers
     ``not_registered`` until it has; those are not the registration's refusal, and no second
     registration goes (it would end the engine's leases and fail the rank's reads)."""
-    import torch
-
-    from kvxfer.connector.settings import ConnectorSettings
-    from kvxfer.connector.worker import CacheShape, WorkerSide
-
-    sc = sidecars.start(f"rejoin-{how}")
-    ws = WorkerSide(ConnectorSettings(sidecar=sc.endpoint, heartbeat_s=0.1), 0, 1, "cpu")
-    ctx = ws.mem_pool_context()
-    assert ctx is not None
+    sc, ws, kv = _worker(sidecars, f"rejoin-{how}")
     assert ws.pools is not None
-    with ctx:
-        kv = {"l0": torch.zeros(2, 8, 16, 8, 64, dtype=torch.float16)}
     calls: list[float] = []
     real = ws.pools.readopt
 
@@ -81,7 +90,7 @@ def test_a_refused_or_unsent_re_registration_is_sent_again(sidecars: SidecarFact
         return 0  # (pools not handed back: the registration names pools the sidecar does not know)
 
     try:
-        first = ws.register_kv_caches(kv, CacheShape(8, 16, 8, 8, 64, False))
+        first = ws.register_kv_caches(kv, SHAPE)
         monkeypatch.setattr(ws.pools, "readopt", first_fails)
         os.kill(sc.proc.pid, signal.SIGKILL)
         sc.proc.wait()
@@ -120,8 +129,6 @@ def test_errors_for_layer_reports_are_not_the_registrations_refusal(tmp_path: os
     import torch
     import zmq
 
-    from kvxfer.connector.settings import ConnectorSettings
-    from kvxfer.connector.worker import CacheShape, WorkerSide
     from kvxfer.errors import ErrorCode
     from kvxfer.memchannel import mem_socket_path
     from kvxfer.protocol import Error, Pong, Registered, encode, engine_request_decoder
@@ -175,7 +182,7 @@ def test_errors_for_layer_reports_are_not_the_registrations_refusal(tmp_path: os
         assert ctx_pool is not None
         with ctx_pool:
             kv = {"l0": torch.zeros(2, 8, 16, 8, 64, dtype=torch.float16)}
-        ws.register_kv_caches(kv, CacheShape(8, 16, 8, 8, 64, False))
+        ws.register_kv_caches(kv, SHAPE)
         end = time.monotonic() + 2.5
         while time.monotonic() < end:
             ws.get_transfer_results()
@@ -199,18 +206,8 @@ def test_no_attempt_goes_to_a_sidecar_that_died_again(sidecars: SidecarFactory,
     due. No attempt goes while nothing answers the heartbeat (its memory channel's connect
     would wait inside the engine step for a sidecar that is not there), and the engine step
     never waits; the next sidecar is registered with at once, backoff started over."""
-    import torch
-
-    from kvxfer.connector.settings import ConnectorSettings
-    from kvxfer.connector.worker import CacheShape, WorkerSide
-
-    sc = sidecars.start("rejoin-dead")
-    ws = WorkerSide(ConnectorSettings(sidecar=sc.endpoint, heartbeat_s=0.1), 0, 1, "cpu")
-    ctx = ws.mem_pool_context()
-    assert ctx is not None
+    sc, ws, kv = _worker(sidecars, "rejoin-dead")
     assert ws.pools is not None
-    with ctx:
-        kv = {"l0": torch.zeros(2, 8, 16, 8, 64, dtype=torch.float16)}
     calls: list[float] = []
     real = ws.pools.readopt
 
@@ -224,7 +221,7 @@ def test_no_attempt_goes_to_a_sidecar_that_died_again(sidecars: SidecarFactory,
         return time.monotonic() - t0
 
     try:
-        first = ws.register_kv_caches(kv, CacheShape(8, 16, 8, 8, 64, False))
+        first = ws.register_kv_caches(kv, SHAPE)
         monkeypatch.setattr(ws.pools, "readopt", first_refused)
         os.kill(sc.proc.pid, signal.SIGKILL)
         sc.proc.wait()
