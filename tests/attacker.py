@@ -10,6 +10,7 @@ the fork, so the child starts both afresh.
 from __future__ import annotations
 
 import encodings.idna  # noqa: F401  (socket's lazy import would fail once we cannot read the stdlib)
+import faulthandler
 import json
 import os
 import secrets
@@ -29,6 +30,7 @@ from kvxfer.control.v1 import control_pb2_grpc as pb_grpc
 from kvxfer.protocol import PROTOCOL_VERSION, Hello, encode, handshake_reply_decoder
 
 NOBODY = 65534
+HANG_S = 40.0  # an attack that takes longer has hung: its threads' stacks are dumped, it ends
 
 
 def handshake(port: int, compat_hash: str, model: str, key_path: str) -> dict[str, Any]:
@@ -43,6 +45,7 @@ def handshake(port: int, compat_hash: str, model: str, key_path: str) -> dict[st
     ctx = zmq.Context()
     s = ctx.socket(zmq.DEALER)
     s.setsockopt(zmq.LINGER, 0)
+    s.setsockopt(zmq.SNDTIMEO, 5000)  # (a send that cannot queue: no answer either, never a hang)
     s.connect(f"tcp://127.0.0.1:{port}")
     s.send(encode(Hello(version=PROTOCOL_VERSION, compat_hash=compat_hash, engine_id="mallory",
                         agent_name="mallory-agent", model=model)))
@@ -138,6 +141,9 @@ def as_nobody(fn: Callable[..., dict[str, Any]], *args: Any) -> dict[str, Any]:
     pid = os.fork()
     if pid == 0:  # the attacker
         os.close(r)
+        # (a child that hangs says where, on stderr, and ends: the parent answers "no answer";
+        # one did hang once in a full run under load, 120 s, nothing said)
+        faulthandler.dump_traceback_later(HANG_S, exit=True)
         try:
             os.setgroups([])
             os.setgid(NOBODY)
