@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
 import zmq
 import zmq.asyncio
 
@@ -57,3 +58,43 @@ def test_concurrent_claims_share_one_link_and_close_leaves_nothing_open() -> Non
     dialed, open_after = asyncio.run(run())
     assert dialed == 1  # four claims at once, one link
     assert open_after == 0
+
+
+def test_a_send_with_no_connection_to_queue_on_ends_at_the_deadline(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A dialed socket that cannot queue a message (here: ZMQ_IMMEDIATE toward a port nobody
+    listens on; a test's plain DEALER to a CURVE listener hung so twice under load) fails the
+    digest request at its deadline, ``handshake_failed``, instead of waiting for ever: only
+    the reply's poll was bounded before."""
+    import time
+
+    from kvxfer.errors import ErrorCode, RequestError
+    from kvxfer.sidecar import peer_client
+    from kvxfer.testing.procs import free_port
+
+    def no_queue(ctx: zmq.asyncio.Context, addr: str, ch: PeerChannel) -> zmq.asyncio.Socket:
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.IMMEDIATE, 1)  # (no pipe until connected: a send waits)
+        sock.connect(addr)
+        return sock
+
+    monkeypatch.setattr(peer_client, "dial", no_queue)
+
+    async def run() -> tuple[RequestError, float]:
+        dial_ctx = zmq.asyncio.Context()
+        client = PeerClient(config=Config(), channel=PeerChannel("d", "agent-d"), dial_ctx=dial_ctx,
+                            book=PeerBook(), registry=None, nixl=None, observer=Observer())  # type: ignore[arg-type]
+        req = DigestRequest(req_id="r", ranks=[], agent_name="agent-d")
+        t0 = time.monotonic()
+        try:
+            with pytest.raises(RequestError) as e:
+                await asyncio.wait_for(client.request_digest("127.0.0.1", free_port(), req, 0.3), 5.0)
+            return e.value, time.monotonic() - t0
+        finally:
+            client.close()
+            dial_ctx.term()
+
+    err, took = asyncio.run(run())
+    assert err.code == ErrorCode.HANDSHAKE_FAILED, err
+    assert "not sent" in err.reason, err
+    assert took < 2.0, took

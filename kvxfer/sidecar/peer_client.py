@@ -107,6 +107,18 @@ def dial(ctx: zmq.asyncio.Context, addr: str, ch: PeerChannel) -> zmq.asyncio.So
     return sock
 
 
+async def send_within(sock: zmq.asyncio.Socket, data: bytes, timeout_s: float, what: str) -> None:
+    """``sock.send`` bounded by the time the exchange has (RequestError ``handshake_failed``
+    after it): a DEALER with no connection to queue on waits for one, and nothing else bounds
+    that wait (the reply's ``poll`` comes after it). A plain send has never been seen to block
+    here, but a test's plain DEALER to a CURVE listener did, twice, under load."""
+    try:
+        await asyncio.wait_for(sock.send(data), max(0.001, timeout_s))
+    except TimeoutError:
+        raise RequestError(ErrorCode.HANDSHAKE_FAILED, f"{what}: not sent within {max(0.0, timeout_s):.1f}s "
+                           "(no connection to queue it on)") from None
+
+
 class PeerClient:
     def __init__(self, *, config: Config, channel: PeerChannel, dial_ctx: zmq.asyncio.Context,
                  book: PeerBook, registry: RankRegistry, nixl: NixlPort, observer: Observer) -> None:
@@ -311,7 +323,7 @@ class PeerClient:
         timeout_s = self.config.handshake_timeout_s
         if key in self._stalled and self.config.peer_stall_s:  # (it stalled: fail its requests fast)
             timeout_s = min(timeout_s, self.config.peer_stall_s)
-        await sock.send(encode(msg))
+        await send_within(sock, encode(msg), start + timeout_s - time.monotonic(), f"hello to {key}")
         if not await sock.poll(int(max(0.0, start + timeout_s - time.monotonic()) * 1000)):
             # CurveZMQ gives no answer at all to a mismatched peer: say what it may be
             what = ("this host's key (what a sidecar with no shared secret uses on loopback)"
@@ -367,8 +379,9 @@ class PeerClient:
             req = sign_request(ch.secret, req)
         sock = self._dial(addr, ch)
         try:
-            await sock.send(encode(req))
-            if not await sock.poll(int(timeout_s * 1000)):
+            start = time.monotonic()
+            await send_within(sock, encode(req), timeout_s, f"digest request to {host}:{port}")
+            if not await sock.poll(int(max(0.0, start + timeout_s - time.monotonic()) * 1000)):
                 raise RequestError(ErrorCode.HANDSHAKE_FAILED,
                                    f"no digest from {host}:{port} in {timeout_s}s")
             frames = await sock.recv_multipart()
