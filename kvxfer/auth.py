@@ -111,7 +111,7 @@ def welcome_cover(hello: Hello) -> int:
     digits = head[1:]
     if not dot or head[:1] != "w" or not (digits.isascii() and digits.isdigit() and len(digits) <= 4):
         return 0
-    return min(int(head[1:]), WELCOME_COVER)
+    return min(int(digits), WELCOME_COVER)
 
 
 def _welcome_fields(welcome: Welcome, hello: Hello, metadata: bytes, cover: int) -> tuple[Any, ...]:

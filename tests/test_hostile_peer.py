@@ -178,6 +178,20 @@ class LyingProxy:
         self._thread.join(5)
 
 
+def _reads_the_truth(d: SyntheticEngine, proxy: LyingProxy, engine_id: str, pbk: list[int],
+                     token: str) -> None:
+    """Through the same man in the middle, now passing the real Welcome on: request "x"'s
+    blocks are read, and its bytes verify."""
+    proxy.lie = lambda w: w
+    honest = d.allocate(len(pbk))
+    d.wipe(honest)
+    d.client.recv("truth", honest, RemoteBlocks(engine_id, "127.0.0.1", proxy.port, pbk, req_id="x",
+                                                token=token))
+    got = d.client.wait_until(lambda a: bool(a.done or a.failed), 20)
+    assert [x.req_id for x in got.done] == ["truth"], got
+    assert d.verify("x", honest)
+
+
 def test_a_lying_prefill_is_refused_before_any_descriptor(factory: SidecarFactory, secret_file: str) -> None:
     ps, p = _engine(factory, "lp", secret_file, 1)
     ds, d = _engine(factory, "ld", secret_file, 2, "--handshake-timeout-s", "2")
@@ -208,14 +222,7 @@ def test_a_lying_prefill_is_refused_before_any_descriptor(factory: SidecarFactor
             assert m["kvxfer_peers"] == 0, f"{what}: the liar became a peer"
         assert not p.client.poll().released  # the lies released nothing at the prefill
         # Told the truth again (same man in the middle, re-signing the real Welcome): it reads.
-        proxy.lie = lambda w: w
-        honest = d.allocate(3)
-        d.wipe(honest)
-        d.client.recv("truth", honest, RemoteBlocks(reg.engine_id, "127.0.0.1", proxy.port, pbk,
-                                                    req_id="x", token=token))
-        got = d.client.wait_until(lambda a: bool(a.done or a.failed), 20)
-        assert [x.req_id for x in got.done] == ["truth"], got
-        assert d.verify("x", honest)
+        _reads_the_truth(d, proxy, reg.engine_id, pbk, token)
         assert ds.scrape()["kvxfer_descriptor_lists_prepared"] >= 1  # the gauge does count
         rel = p.client.wait_until(lambda a: bool(a.released), 10).released
         assert [(r.req_id, r.reason) for r in rel] == [("x", "read")]
@@ -261,14 +268,7 @@ def test_a_welcome_changed_on_the_way_is_refused(factory: SidecarFactory, secret
             assert "prove" in f.reason, f"{what}: {f}"
             d.free(blocks)
             assert ds.scrape()["kvxfer_peers"] == 0, what
-        proxy.lie = lambda w: w  # passed on as it came
-        honest = d.allocate(2)
-        d.wipe(honest)
-        d.client.recv("truth", honest, RemoteBlocks(reg.engine_id, "127.0.0.1", proxy.port, pbk,
-                                                    req_id="x", token=token))
-        got = d.client.wait_until(lambda a: bool(a.done or a.failed), 20)
-        assert [x.req_id for x in got.done] == ["truth"], got
-        assert d.verify("x", honest)
+        _reads_the_truth(d, proxy, reg.engine_id, pbk, token)  # (the Welcome passed on as it came)
     finally:
         if proxy is not None:
             proxy.close()

@@ -82,8 +82,8 @@ class StreamedHolds:
         once the prompt is computed (``Groups.at_finish``) and the prompt's tokens
         (``Hold.groups``), or, a first chunk, its full-attention groups' so far (``chunk_groups``)."""
         assert self.groups is not None
-        groups = self.groups.at_finish(raw, request.num_prompt_tokens)
         if request.request_id not in self._streams and request.request_id not in self._spent:
+            groups = self.groups.at_finish(raw, request.num_prompt_tokens)
             self._pending[request.request_id] = (request, held_blocks(groups), groups, raw)
 
     def scheduled(self, num_scheduled: dict[str, int], preempted: set[str] | None, plan: StepPlan,
@@ -110,14 +110,16 @@ class StreamedHolds:
             done = request.num_computed_tokens + num_scheduled.get(req_id, 0)
             if done >= request.num_prompt_tokens:
                 self._hold(request, blocks, groups, plan)
-            elif not self.chunks or req_id not in num_scheduled:
                 continue
-            elif groups is None and self._hold(request, blocks, None, plan, partial=True):
+            if not self.chunks or req_id not in num_scheduled:
+                continue
+            if groups is None and self._hold(request, blocks, None, plan, partial=True):
                 self._chunked[req_id] = (request, blocks)  # (a first chunk: read as it is done)
-                plan.chunks[self._streams[req_id]] = done // self.block_size
             elif raw is not None and self.grouped_chunks and self._hold_chunk_groups(request, raw, plan):
                 self._chunked_groups[req_id] = (request, raw)
-                plan.chunks[self._streams[req_id]] = done // self.block_size
+            else:
+                continue
+            plan.chunks[self._streams[req_id]] = done // self.block_size
         if cached is not None and (self._chunked or self._chunked_groups):
             for i, req_id in enumerate(cached.req_ids):
                 if req_id in fresh or req_id not in num_scheduled:
