@@ -371,14 +371,16 @@ class Observer:
 
 
 def staging_gauges(registry: CollectorRegistry, decode: Callable[[], dict[str, int]],
-                   slots: Callable[[], int], arenas: Callable[[], tuple[int, int]]) -> None:
+                   slots: Callable[[], int], arenas: Callable[[], tuple[int, int]],
+                   answered: Callable[[], tuple[int, float, float]] = lambda: (0, 0.0, 0.0)) -> None:
     """Staged reads (#35, #39), for the metrics thread: ``kvxfer_staged_receives{how}``, the
     receives this sidecar staged in one slot, in windows (too large for one), or prepared
     and then read directly (the prefill had no room: on a GPU ~100x slower);
     ``kvxfer_staging_slots``, the slots this sidecar holds for readers of its arenas;
     ``arenas()``: (``kvxfer_staging_arena_bytes``, the arenas' bytes, host and VRAM,
     ``kvxfer_staging_arenas_missing``, CUDA devices with VRAM registered and no arena: every
-    read of theirs goes directly, on a GPU over tcp)."""
+    read of theirs goes directly, on a GPU over tcp); ``answered()``: the slots this sidecar
+    answered, their seconds from request to answer and the gathers' part, summed."""
     g = Gauge("kvxfer_staged_receives", "Receives staged, by how: slot (one slot), windows (a read too "
               "large for one slot, or gathered on several GPUs of the prefill, in windows through one), "
               "direct (prepared, then read directly: the prefill had no room).", ["how"], registry=registry)
@@ -391,6 +393,12 @@ def staging_gauges(registry: CollectorRegistry, decode: Callable[[], dict[str, i
     Gauge("kvxfer_staging_arenas_missing", "CUDA devices with VRAM registered here and no staging arena "
           "(it could not be made: their reads go directly, slowly; tried again 30 s on).",
           registry=registry).set_function(lambda: arenas()[1])
+    for i, (name, what) in enumerate((("answers", "Staging slots answered here (prefill), ever."),
+                                      ("answer_seconds", "Seconds from a staging request's arrival to its "
+                                       "slot's answer here, summed over every slot answered."),
+                                      ("gather_seconds", "Of those, the gathers' (the copy into the slot, "
+                                       "on the NIXL thread, and the hand-offs), summed."))):
+        Gauge(f"kvxfer_staged_{name}", what, registry=registry).set_function(lambda i=i: answered()[i])
 
 
 def due(warned_at: dict[str, float], key: str) -> bool:

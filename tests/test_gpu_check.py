@@ -89,6 +89,7 @@ def test_the_dry_run_measures_what_it_can_and_says_what_it_could_not(first: dict
     for k in st["bench-ipc"]["result"]["kvxfer"]:
         assert "staged_receives{how=\"direct\"}" in k["staging"]["decode"], k["staging"]
         assert k["staging"]["prefill"]["staging_arenas_missing"] == 0, k["staging"]
+        assert "staged_gather_seconds" in k["staging"]["prefill"], k["staging"]
     assert "staging (metrics, decode / prefill)" in "\n".join(st["bench-ipc"]["result"]["summary_lines"])
     assert st["bench-vmm_fd"]["status"] == "dry"
     assert st["bench-vmm_fabric"]["status"] == "unavailable"
@@ -274,3 +275,21 @@ def test_what_a_gpu_sidecar_sets_for_ucx_never_overrides_the_operator() -> None:
     cuda_ucx_defaults(env)
     assert env == {**CUDA_UCX_DEFAULTS, "UCX_CUDA_IPC_ENABLE_GET_ZCOPY": "n"}
     assert CUDA_UCX_DEFAULTS["UCX_CUDA_IPC_ENABLE_GET_ZCOPY"] == "y"
+
+
+def test_the_staging_line_gives_the_prefills_answer_cost_over_the_sizes_reads_only() -> None:
+    """The summary's staging line divides the prefill's answer and gather seconds by its
+    answers over the sized reads only: the metrics at the end less those after the cold and
+    warm first reads (a cold answer, ~120 ms on a GPU, would swamp the mean of 22)."""
+    from kvxfer.testing.gpu_tables import staging_line
+
+    def prefill(n: float, answer: float, gather: float) -> dict[str, Any]:
+        return {"prefill": {"staged_answers": n, "staged_answer_seconds": answer,
+                            "staged_gather_seconds": gather}}
+
+    k = {"layout": "LBNHC", "rows": [{"kvxfer_descriptors": 1}], "staging": prefill(22, 0.2, 0.1),
+         "staging_warm": prefill(4, 0.146, 0.082)}
+    got = staging_line(k)
+    assert got.endswith("the prefill's answer 3.000 ms a slot, its gather 1.000 (sizes' 18 reads)"), got
+    k["staging_warm"] = k["staging"]  # (no sized read staged: nothing to say)
+    assert staging_line(k).endswith("descriptors a read [1]")

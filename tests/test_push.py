@@ -474,7 +474,7 @@ def test_pre_reads_are_staged_as_pull_reads_are(sidecars: SidecarFactory, torch_
         monkeypatch.setenv("KVXFER_TEST_TORCH_COPIES", "1")
     name = "tc" if torch_copies else "hc"
     ds = sidecars.start(f"pushs-d{name}", "--verify-sample", "0", *STAGED, metrics_port=free_port())
-    ps = sidecars.start(f"pushs-p{name}", *STAGED)
+    ps = sidecars.start(f"pushs-p{name}", *STAGED, metrics_port=free_port())
     lay = {"layers": 8, "num_blocks": 32, "heads": 4, "head_dim": 32, "head_layout": "NHD"}
     ds_eng = [SyntheticEngine(make_layout(tp_size=4, tp_rank=r, **lay), ds.endpoint, seed=7)  # type: ignore[arg-type]
               for r in range(4)]
@@ -500,6 +500,10 @@ def test_pre_reads_are_staged_as_pull_reads_are(sidecars: SidecarFactory, torch_
         staged, direct = m['kvxfer_staged_receives{how="slot"}'], m['kvxfer_staged_receives{how="direct"}']
         assert direct == 0, m
         assert staged > len(ds_eng), m  # (every rank's final read, and pre-reads before it)
+        # the prefill's cost of its answers (a request may serve several ranks' reads)
+        pm = ps.scrape()
+        assert 0 < pm["kvxfer_staged_answers"] <= staged, pm
+        assert pm["kvxfer_staged_answer_seconds"] >= pm["kvxfer_staged_gather_seconds"] > 0, pm
     finally:
         for e in (*ds_eng, *ps_eng):
             e.close()

@@ -180,3 +180,26 @@ def test_a_vram_run_outside_the_ranks_memory_is_refused_before_anything_moves() 
         with pytest.raises(RequestError, match="outside"):
             copy_runs(slot, np.array([bad], dtype=np.int64), mem, into_slot=False)
     assert not mem[0][1].any()
+
+
+def test_empty_runs_among_granule_sized_ones_move_nothing_and_touch_nothing() -> None:
+    """Runs of exactly one granule mixed with empty ones (found by the property test above):
+    the one-granule-each shortcut kept the empty runs' starts, so the gather's rows outnumbered
+    its bytes (it raised) and the scatter's ``np.put`` repeated the slot's rows cyclically into
+    the empty pieces' addresses, memory no piece names."""
+    g = 64
+    src = np.arange(32 * g, dtype=np.uint32).view(np.uint8)[:32 * g].copy()
+    base = src.ctypes.data
+    offsets = [(i * 2 + 1) * g for i in range(15)]  # 15 empty runs, every other row
+    runs = np.array([(base + o, 0) for o in offsets] + [(base + 30 * g, g)], dtype=np.int64)
+    slot = np.zeros(g, np.uint8)
+    assert gather(slot.ctypes.data, runs) == g
+    assert np.array_equal(slot, src[30 * g:31 * g])
+
+    dst = np.zeros(32 * g, np.uint8)
+    pieces = np.array([(dst.ctypes.data + o, 0, 0) for o in offsets] + [(dst.ctypes.data + 30 * g, 0, g)],
+                      dtype=np.int64)
+    scatter(slot.ctypes.data, pieces)
+    expect = np.zeros(32 * g, np.uint8)
+    expect[30 * g:31 * g] = src[30 * g:31 * g]
+    assert np.array_equal(dst, expect), np.flatnonzero(dst != expect)[:8]

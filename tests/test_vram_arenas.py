@@ -261,3 +261,27 @@ def test_a_read_of_prefill_ranks_on_two_gpus_is_prepared_in_windows_of_one_gpu_e
     assert sum(w.nbytes for w, _ in prepared.windows) + prepared.plan.nbytes == total
     asked = [{r.rank for r in ranks} for _, ranks in prepared.windows] + [{r.rank for r in prepared.ranks}]
     assert asked == ([{0}, {1}] if windows else [{0, 1}])
+
+
+@pytest.mark.parametrize(("mem_type", "pieces"), [("DRAM", 40), ("VRAM", 2)])
+def test_a_vram_slot_is_read_in_large_descriptors(mem_type: str, pieces: int) -> None:
+    """A staged read's one leg covers the slot back to back: host slots in 2 MiB pieces (UCX's
+    threads copy several at once), VRAM slots in 64 MiB ones (cuda_ipc: one device copy each;
+    the H200 run's 512 descriptors of 2 MiB took 3.6 ms a GiB where one took 0.74)."""
+    import numpy as np
+
+    from kvxfer.sidecar.plan import StagedRead
+
+    nbytes = (80 << 20) - 4096
+    st = StagedRead(local_addr=1 << 30, remote_addr=3 << 30, nbytes=nbytes,
+                    scatter=np.zeros((0, 3), np.int64), trust_until=0.0, mem_type=mem_type,
+                    local_device=1, remote_device=2)
+    leg = ns.staged_leg(st)
+    local, remote = leg.plan.runs
+    assert len(local) == pieces == leg.plan.chunk
+    assert leg.plan.nbytes == int(local[:, 1].sum()) == int(remote[:, 1].sum()) == nbytes
+    assert (local[:, 0] - st.local_addr == np.concatenate(([0], np.cumsum(local[:-1, 1])))).all()
+    assert (remote[:, 0] - st.remote_addr == local[:, 0] - st.local_addr).all()
+    assert set(local[:, 2]) == {1}
+    assert set(remote[:, 2]) == {2}
+    assert leg.pair.local_mem == leg.pair.remote_mem == mem_type

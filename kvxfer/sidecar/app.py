@@ -224,7 +224,8 @@ class Sidecar:
         o.g_leases.set_function(lambda: len(self.holds))
         o.g_inflight.set_function(lambda: len(self.receiver))
         staging_gauges(o.registry, self.receiver.staging.counts, lambda: self.peer_server.stager.slots,
-                       lambda: (sum(n for _, n in self.nixl.spans.copy().values()), self.nixl.counts[2]))
+                       lambda: (sum(n for _, n in self.nixl.spans.copy().values()), self.nixl.counts[2]),
+                       self.peer_server.stager.times.row)
 
     # ------------------------------------------------------------------ life
 

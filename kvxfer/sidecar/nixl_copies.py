@@ -65,8 +65,8 @@ def _granules(starts: np.ndarray, lengths: np.ndarray, g: int = 0) -> tuple[np.n
     if g <= 0:
         return starts, g
     counts = lengths // g
-    if int(counts.max()) == 1:  # (runs of the granule's size: each is one granule)
-        return starts, g
+    if int(counts.min()) == int(counts.max()) == 1:  # (runs of the granule's size: each is one granule;
+        return starts, g  # an empty run among them has none, which np.repeat below gives it)
     first = np.cumsum(counts) - counts
     k = np.arange(int(counts.sum()), dtype=np.int64) - np.repeat(first, counts)
     return np.repeat(starts, counts) + k * g, g

@@ -35,9 +35,12 @@ from kvxfer.sidecar.staging import arena_device, held_intervals, runs_inside
 
 log = logging.getLogger("kvxfer.staging")
 
-# The staged transfer's descriptors: a slot is read in pieces of this size (UCX's worker
-# threads copy several at once; one 16 MiB descriptor is copied by one).
+# The staged transfer's descriptors: a host slot is read in pieces of this size (UCX's worker
+# threads copy several at once; one 16 MiB descriptor is copied by one), a VRAM slot in
+# pieces of STAGED_VRAM_DESC_BYTES: cuda_ipc moves each as one device copy, and on the H200
+# 512 descriptors of 2 MiB took 3.6 ms a GiB where one descriptor of 1 GiB took 0.74.
 STAGED_DESC_BYTES = 2 << 20
+STAGED_VRAM_DESC_BYTES = 64 << 20
 
 
 ARENA_RETRY_S = 30.0  # a device whose arena could not be made (out of memory) is tried again after
@@ -378,9 +381,11 @@ class Gathers:
 
 
 def staged_leg(st: StagedRead) -> Leg:
-    """The one leg of a staged read: slot to slot in descriptors of STAGED_DESC_BYTES."""
-    starts = np.arange(0, st.nbytes, STAGED_DESC_BYTES, dtype=np.int64)
-    lens = np.minimum(STAGED_DESC_BYTES, st.nbytes - starts)
+    """The one leg of a staged read: slot to slot in descriptors of STAGED_DESC_BYTES (VRAM:
+    STAGED_VRAM_DESC_BYTES)."""
+    size = STAGED_VRAM_DESC_BYTES if st.mem_type == "VRAM" else STAGED_DESC_BYTES
+    starts = np.arange(0, st.nbytes, size, dtype=np.int64)
+    lens = np.minimum(size, st.nbytes - starts)
     dev = np.ones_like(starts)
     local = np.stack([st.local_addr + starts, lens, dev * st.local_device], axis=1)
     remote = np.stack([st.remote_addr + starts, lens, dev * st.remote_device], axis=1)

@@ -224,8 +224,10 @@ def kvxfer_sweep(kind: str, layout: str, sizes: list[int], repeats: int, *, devi
         try:
             p = _engine(layout, nb, ps.endpoint, 1, kind, device)
             d = _engine(layout, nb, ds.endpoint, 2, kind, device)
-            _kvxfer_reads(p, d, ds, nb, layout, sizes, repeats, out, emit)
-            out["staging"] = _staging_seen(ps, ds)
+            warm: dict[str, Any] = {}  # (the metrics once the first reads were done: the sizes' own)
+            _kvxfer_reads(p, d, ds, nb, layout, sizes, repeats, out, emit,
+                          lambda: warm.update(_staging_seen(ps, ds)))
+            out["staging"], out["staging_warm"] = _staging_seen(ps, ds), warm
             log = ds.log() + ps.log()
             out["pool_handles"] = ("posix_fd only (fabric refused)" if "no fabric handles here" in log
                                    else "as the driver allowed" if kind.startswith("vmm") else "")
@@ -247,12 +249,13 @@ def _staging_seen(ps: Any, ds: Any) -> dict[str, Any]:
             seen[side] = {"error": str(e)}
             continue
         seen[side] = {k.removeprefix("kvxfer_"): v for k, v in got.items()
-                      if k.startswith(("kvxfer_staged_receives", "kvxfer_staging_arena"))}
+                      if k.startswith(("kvxfer_staged_", "kvxfer_staging_arena"))}
     return seen
 
 
 def _kvxfer_reads(p: Any, d: Any, ds: Any, nb: int, layout: str, sizes: list[int], repeats: int,
-                  out: dict[str, Any], emit: Callable[[dict[str, Any]], None] | None) -> None:
+                  out: dict[str, Any], emit: Callable[[dict[str, Any]], None] | None,
+                  warm_done: Callable[[], None] = lambda: None) -> None:
     """``kvxfer_sweep``'s measurements: the prefill engine ``p`` and the decode engine ``d``
     (its sidecar ``ds``) started, then the cold and warm first transfers and each size, into
     ``out``."""
@@ -289,6 +292,7 @@ def _kvxfer_reads(p: Any, d: Any, ds: Any, nb: int, layout: str, sizes: list[int
     cold = read("cold", pb[:1], db[:1])
     warm = [read(f"warm{i}", pb[:1], db[:1]) for i in range(3)]
     out["first_transfer_ms"] = {"cold": round(cold * 1e3, 3), "warm": _ms(warm)}
+    warm_done()
     last: tuple[int, float] | None = None
     for n in sizes:
         row: dict[str, Any] = {"layout": layout, "blocks": n, "bytes": n * BLOCK}

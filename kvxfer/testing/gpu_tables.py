@@ -59,4 +59,20 @@ def staging_line(k: dict[str, Any]) -> str:
         return f"  kvxfer {k['layout']} staging: not seen (the sweep failed first)"
     sides = " / ".join(json.dumps(k["staging"].get(s, {}), sort_keys=True) for s in ("decode", "prefill"))
     descs = [r.get("kvxfer_descriptors") for r in k.get("rows", [])]
-    return f"  kvxfer {k['layout']} staging (metrics, decode / prefill): {sides}; descriptors a read {descs}"
+    return (f"  kvxfer {k['layout']} staging (metrics, decode / prefill): {sides}; descriptors a read {descs}"
+            f"{answer_cost(k)}")
+
+
+def answer_cost(k: dict[str, Any]) -> str:
+    """The prefill's mean staged answer and gather over the sizes' reads (its metrics at the
+    end less those once the first, cold and warm, reads were done), or "" where not seen."""
+    end, warm = k["staging"].get("prefill", {}), k.get("staging_warm", {}).get("prefill", {})
+
+    def delta(name: str) -> float:
+        return float(end.get(name, 0)) - float(warm.get(name, 0))
+
+    n = delta("staged_answers")
+    if n <= 0:
+        return ""
+    answer, gather = (1e3 * delta(f"staged_{x}_seconds") / n for x in ("answer", "gather"))
+    return f"; the prefill's answer {answer:.3f} ms a slot, its gather {gather:.3f} (sizes' {n:.0f} reads)"
