@@ -54,7 +54,7 @@ def descriptor_cost_dominates(rows: list[dict[str, Any]]) -> bool | None:
 
 def staging_line(k: dict[str, Any]) -> str:
     """The summary's line of one kvxfer sweep's staging: its sidecars' metrics, and each
-    size's descriptors per read (2 MiB ones when staged)."""
+    size's descriptors per read (staged: 2 MiB each on host memory, up to 64 MiB on VRAM)."""
     if not k.get("staging"):
         return f"  kvxfer {k['layout']} staging: not seen (the sweep failed first)"
     sides = " / ".join(json.dumps(k["staging"].get(s, {}), sort_keys=True) for s in ("decode", "prefill"))
@@ -67,6 +67,8 @@ def answer_cost(k: dict[str, Any]) -> str:
     """The prefill's mean staged answer and gather over the sizes' reads (its metrics at the
     end less those once the first, cold and warm, reads were done), or "" where not seen."""
     end, warm = k["staging"].get("prefill", {}), k.get("staging_warm", {}).get("prefill", {})
+    if "error" in end or "error" in warm or not warm:  # (a scrape failed: the cold answer would count)
+        return ""
 
     def delta(name: str) -> float:
         return float(end.get(name, 0)) - float(warm.get(name, 0))
