@@ -293,3 +293,27 @@ def test_the_staging_line_gives_the_prefills_answer_cost_over_the_sizes_reads_on
     assert got.endswith("the prefill's answer 3.000 ms a slot, its gather 1.000 (sizes' 18 reads)"), got
     k["staging_warm"] = k["staging"]  # (no sized read staged: nothing to say)
     assert staging_line(k).endswith("descriptors a read [1]")
+
+
+@pytest.mark.parametrize(("driver", "survives"), [("keeps", True), ("loses", False)])
+def test_the_owner_exit_probe_tells_whether_ipc_memory_outlives_its_allocator(driver: str,
+                                                                              survives: bool) -> None:
+    """``env-cuda``'s question for the next GPU (``kvxfer.testing.gpu_owner``), its control flow
+    run on a CPU: a spawned process allocates, fills and exports, this one opens and checks,
+    the allocator exits with ``os._exit``, and this one reads and writes again. With a
+    stand-in driver that keeps the memory the answer is yes; with one that loses it, no, with
+    the driver's error."""
+    import glob
+
+    from kvxfer.testing.gpu_owner import owner_exit, summary
+
+    got = owner_exit(0, f"tests.fake_ipc:{driver}")
+    assert got["status"] == "ok", got
+    assert got["read_before_exit"] is True, got
+    assert got["owner_exit_code"] == 0, got
+    assert got["survives_owner_exit"] is survives, got
+    assert ("still readable and writable" in summary(got)) is survives
+    if not survives:
+        assert "CUDA_ERROR_INVALID_VALUE" in got["error_after_exit"], got
+    assert got["close"] == "CUDA_SUCCESS", got
+    assert not glob.glob("/dev/shm/kvxfer-fakeipc-*")

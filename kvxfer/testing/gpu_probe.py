@@ -29,6 +29,9 @@ import subprocess
 import sys
 from typing import Any
 
+from kvxfer.testing.gpu_owner import owner_exit
+from kvxfer.testing.gpu_owner import summary as owner_summary
+
 PACKAGES = ("torch", "numpy", "nixl-cu13", "nixl-cu12", "nixl", "cuda-bindings", "cuda-python", "pyzmq",
             "msgspec", "uvloop", "grpcio", "grpcio-health-checking", "grpcio-reflection", "protobuf",
             "prometheus-client", "pytest", "pytest-timeout", "hypothesis", "pip", "setuptools", "wheel",
@@ -365,6 +368,7 @@ def env_cuda(dry: bool) -> dict[str, Any]:
         out["pools"] = pool_kinds(driver, dry)
     else:
         out["pools"] = {"status": "unavailable", "reason": "torch sees no CUDA device"}
+    out["owner_exit"] = _owner_exit(dry, driver is not None and out["torch"].get("cuda_available", False))
     try:
         from kvxfer.testing.gpu_xfer import make_agent, nixl_module
 
@@ -385,5 +389,16 @@ def env_cuda(dry: bool) -> dict[str, Any]:
         *(f"  pool {k:<16} {v.get('status')}: handle types {v.get('allowed_handle_types', '-')}, "
           f"legacy IPC {v.get('legacy_ipc_capable', '-')}" + (f" ({v['reason']})" if v.get("reason") else "")
           for k, v in (pools.items() if "status" not in pools else [("all", pools)])),
+        owner_summary(out["owner_exit"]),
     ]
     return out
+
+
+def _owner_exit(dry: bool, cuda: bool) -> dict[str, Any]:
+    """``kvxfer.testing.gpu_owner``: whether legacy IPC memory outlives its allocating process."""
+    if dry or not cuda:
+        return {"status": "dry" if dry else "unavailable", "reason": "no CUDA device here"}
+    try:
+        return owner_exit()
+    except Exception as e:
+        return {"status": "failed", "reason": f"{type(e).__name__}: {e}"}
