@@ -300,3 +300,46 @@ def test_a_chunked_prompt_whose_lease_ended_is_extended_no_more() -> None:
     push.scheduled({"r1": 64}, None, plan, SimpleNamespace(req_ids=["r1"], new_block_ids=[([5, 6, 7, 8],)]))
     assert len(client.holds) == 1
     assert (plan.holds, plan.chunks) == ({}, {})
+
+
+def test_a_sidecar_rolled_back_under_the_engine_is_followed_by_its_last_pong() -> None:
+    """The connector read the sidecar's push flags from its first Pong only: a sidecar
+    restarted at an older version (no chunk-by-chunk or grouped holds) then got partial holds
+    it cannot take. ``SchedulerSide`` now takes them from every Pong it drains (a restarted
+    sidecar's, a heartbeat's answer): a new prompt in chunks is held only at its last chunk,
+    and push loads are no longer grouped; a newer one turns them on again."""
+    from kvxfer.client import Drained
+    from kvxfer.connector.scheduler import SchedulerSide
+    from kvxfer.protocol import Pong
+
+    def pong(new: bool) -> Pong:
+        return Pong(seq=0, engine_id="P", version=6, handshake_host="127.0.0.1", handshake_port=1,
+                    grouped_streams=new, chunk_streams=new, grouped_chunks=new)
+
+    class Sidecar(Client):
+        def __init__(self) -> None:
+            super().__init__()
+            self.pending = Drained()
+
+        def ping(self, _timeout: float) -> Pong:
+            return pong(True)
+
+        def heartbeat(self) -> None:
+            pass
+
+        def poll(self) -> Drained:
+            out, self.pending = self.pending, Drained()
+            return out
+
+    client = Sidecar()
+    side = SchedulerSide(ConnectorSettings(sidecar="ipc:///nowhere", mode="push"), 1, client)  # type: ignore[arg-type]
+    assert (side.grouped_push, side.push.chunks, side.push.grouped_chunks) == (True, True, True)
+    client.pending.pongs.append(pong(False))  # restarted, an older version
+    side.take_plan()
+    assert (side.grouped_push, side.push.chunks, side.push.grouped_chunks) == (False, False, False)
+    side.push.allocated(request("r1", "t1", prompt=150), [1, 2, 3, 4], BS)
+    side.push.scheduled({"r1": 64}, None, StepPlan())
+    assert client.holds == []  # (no partial hold for a sidecar that cannot take one)
+    client.pending.pongs.append(pong(True))
+    side.take_plan()
+    assert (side.grouped_push, side.push.chunks, side.push.grouped_chunks) == (True, True, True)

@@ -54,14 +54,21 @@ class StreamedHolds:
         self._dropped: set[str] = set()
         # push of prompts computed in chunks (the sidecar's Pong says it holds them chunk by
         # chunk): request id -> (request, its blocks held so far)
-        self.chunks = bool(pong and pong.chunk_streams)
+        self.chunks = False
         self.block_size = 1
         self._chunked: dict[str, tuple[Any, list[int]]] = {}
         # ... with several KV cache groups (its sidecar's Pong says so): the model's groups, and
         # request id -> (request, vLLM's lists of every group allocated so far)
         self.groups: Groups | None = None
-        self.grouped_chunks = bool(pong and pong.grouped_chunks)
+        self.grouped_chunks = False
         self._chunked_groups: dict[str, tuple[Any, list[list[int]]]] = {}
+        self.follow(pong)
+
+    def follow(self, pong: Any) -> None:
+        """What the sidecar's last Pong says it holds chunk by chunk (None: nothing); a request
+        already held chunk by chunk goes on as it started."""
+        self.chunks = bool(pong and pong.chunk_streams)
+        self.grouped_chunks = bool(pong and pong.grouped_chunks)
 
     def streams(self, request: Any) -> bool:
         """A push-mode prefill request (``transfer_id``): held as soon as its prompt is scheduled."""

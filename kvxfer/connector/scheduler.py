@@ -201,7 +201,7 @@ class SchedulerSide:
             return fail_unposted(self._plan, request.request_id, unhashed_block_ids, num_external_tokens)
         if num_external_tokens == 0:
             # Full local prefix hit: nothing to read, but the prefill side still holds.
-            self._release_remote(request.request_id, remote)
+            release_remote(self.client, self._ranks(), self.local_engine, request.request_id, remote)
             return
         # one list per KV cache group on both sides (a single-group model: one each), paired
         # group by group at the tail, then flat; a decode list longer than the prefill's would
@@ -215,7 +215,7 @@ class SchedulerSide:
         except ValueError as e:
             self.errors[request.request_id] = str(e)
             log.warning("request %s: %s; computing the prompt locally", request.request_id, e)
-            self._release_remote(request.request_id, remote)
+            release_remote(self.client, self._ranks(), self.local_engine, request.request_id, remote)
             fail_unposted(self._plan, request.request_id, mine, 1)
             return
         local = pairs.local + pairs.state_local  # every block the load writes
@@ -239,7 +239,8 @@ class SchedulerSide:
         if params.get("do_remote_prefill"):
             params["do_remote_prefill"] = False
             with contextlib.suppress(InvalidTransferParams):  # (a push request's: parse_push, kept)
-                self._release_remote(req_id, remote or parse_remote(params))
+                release_remote(self.client, self._ranks(), self.local_engine, req_id,
+                               remote or parse_remote(params))
         elif req_id in self._loads and status not in FINISHED_OK:
             try:  # (a load that ended already: the sidecar has nothing to cancel)
                 self.client.send(Cancel(req_id=req_id, engine_id=self.local_engine))
@@ -255,14 +256,6 @@ class SchedulerSide:
     def _ranks(self) -> list[tuple[int, int]]:
         """(pp, tp) of every worker: each receives into its own memory."""
         return [(pp, tp) for pp in range(self.pp_size) for tp in range(self.tp_size)]
-
-    def _release_remote(self, req_id: str, remote: RemoteBlocks) -> None:
-        try:
-            for pp, rank in self._ranks():
-                self.client.recv(req_id, [], remote, tp_rank=rank, engine_id=self.local_engine, pp_rank=pp,
-                                 streamed=remote.streamed)
-        except SEND_ERRORS as e:  # the prefill's lease frees it
-            log.warning("request %s: release of the prefill blocks not sent: %s", req_id, e)
 
     # ---------------------------------------------------------------- prefill side
 
@@ -342,13 +335,8 @@ class SchedulerSide:
         except SEND_ERRORS as e:
             log.warning("sidecar %s: %s", self.settings.sidecar, e)
             drained = Drained()
-        for pong in drained.pongs:  # a restarted sidecar may listen on another port
-            endpoint = (pong.handshake_host, pong.handshake_port)
-            if endpoint != (self.handshake_host, self.handshake_port):
-                log.warning("sidecar handshake endpoint is now %s:%d", *endpoint)
-            self.engine_id, self.handshake_host, self.handshake_port = (
-                self.local_engine or pong.engine_id, pong.handshake_host, pong.handshake_port)
-            self.generation = pong.generation
+        for pong in drained.pongs:
+            self._follow(pong)
         for ev in self._holds_sent.refused(drained.errors, self._plan, now):
             if ev.code == ErrorCode.EXPIRED and ev.req_id in self._waiting:
                 # The prefill gave the blocks up while this request waited: compute it here.
@@ -364,6 +352,18 @@ class SchedulerSide:
         self._refused(drained.failed, now)
         plan, self._plan = self._plan, StepPlan()
         return plan
+
+    def _follow(self, pong: Any) -> None:
+        """A Pong (a heartbeat's answer; a restarted sidecar's): where it listens, its
+        registrations, and what it can do (one rolled back may not push by chunk or by group:
+        a request is held and loaded as the last Pong says)."""
+        endpoint = (pong.handshake_host, pong.handshake_port)
+        if endpoint != (self.handshake_host, self.handshake_port):
+            log.warning("sidecar handshake endpoint is now %s:%d", *endpoint)
+        self.engine_id, self.handshake_host, self.handshake_port = (
+            self.local_engine or pong.engine_id, pong.handshake_host, pong.handshake_port)
+        self.generation, self.grouped_push = pong.generation, pong.grouped_streams
+        self.push.follow(pong)
 
     def _refused(self, failed: list[Any], now: float) -> None:
         """Failed receives that came here: a load refused to a rank not registered with the
@@ -382,6 +382,18 @@ class SchedulerSide:
 
     def shutdown(self) -> None:
         self.client.close()
+
+
+def release_remote(client: SidecarClient, ranks: list[tuple[int, int]], engine: str, req_id: str,
+                   remote: RemoteBlocks) -> None:
+    """An empty Recv to every (pp, tp) rank: the prefill's blocks are not needed (its lease
+    frees them if this cannot be sent)."""
+    try:
+        for pp, rank in ranks:
+            client.recv(req_id, [], remote, tp_rank=rank, engine_id=engine, pp_rank=pp,
+                        streamed=remote.streamed)
+    except SEND_ERRORS as e:
+        log.warning("request %s: release of the prefill blocks not sent: %s", req_id, e)
 
 
 def post_loads(client: SidecarClient, settings: ConnectorSettings, ranks: list[tuple[int, int]], req_id: str,
