@@ -306,15 +306,18 @@ def test_a_sidecar_rolled_back_under_the_engine_is_followed_by_its_last_pong() -
     """The connector read the sidecar's push flags from its first Pong only: a sidecar
     restarted at an older version (no chunk-by-chunk or grouped holds) then got partial holds
     it cannot take. ``SchedulerSide`` now takes them from every Pong it drains (a restarted
-    sidecar's, a heartbeat's answer): a new prompt in chunks is held only at its last chunk,
-    and push loads are no longer grouped; a newer one turns them on again."""
+    sidecar's, a heartbeat's answer): a new prompt in chunks is not held by chunk (it is held
+    when vLLM finishes it, request-level push), and push loads are no longer grouped; a newer
+    one turns them on again. A prompt held chunk by chunk when the sidecar restarted is not
+    extended at its next chunk: its lease died with the old sidecar (an older one would take
+    the extension for a new hold of part of the prompt)."""
     from kvxfer.client import Drained
     from kvxfer.connector.scheduler import SchedulerSide
     from kvxfer.protocol import Pong
 
-    def pong(new: bool) -> Pong:
+    def pong(new: bool, instance: str = "a") -> Pong:
         return Pong(seq=0, engine_id="P", version=6, handshake_host="127.0.0.1", handshake_port=1,
-                    grouped_streams=new, chunk_streams=new, grouped_chunks=new)
+                    instance=instance, grouped_streams=new, chunk_streams=new, grouped_chunks=new)
 
     class Sidecar(Client):
         def __init__(self) -> None:
@@ -343,3 +346,14 @@ def test_a_sidecar_rolled_back_under_the_engine_is_followed_by_its_last_pong() -
     client.pending.pongs.append(pong(True))
     side.take_plan()
     assert (side.grouped_push, side.push.chunks, side.push.grouped_chunks) == (True, True, True)
+    r2 = request("r2", "t2", prompt=150)  # held chunk by chunk, then the sidecar restarts
+    side.push.allocated(r2, [1, 2, 3, 4], BS)
+    side.push.scheduled({"r2": 64}, None, StepPlan())
+    assert client.chunks[-1] == (True, False)
+    client.pending.pongs.append(pong(True, instance="b"))
+    side.take_plan()
+    r2.num_computed_tokens = 64
+    sent = len(client.holds)
+    cached = SimpleNamespace(req_ids=["r2"], new_block_ids=[([5, 6, 7, 8],)])
+    side.push.scheduled({"r2": 64}, None, StepPlan(), cached)
+    assert len(client.holds) == sent, "a lease of the old sidecar extended at the new one"

@@ -62,13 +62,22 @@ class StreamedHolds:
         self.groups: Groups | None = None
         self.grouped_chunks = False
         self._chunked_groups: dict[str, tuple[Any, list[list[int]]]] = {}
+        self._instance = ""  # the sidecar's (Pong.instance): another one restarted it
         self.follow(pong)
 
     def follow(self, pong: Any) -> None:
         """What the sidecar's last Pong says it holds chunk by chunk (None: nothing); a request
-        already held chunk by chunk goes on as it started."""
+        already held chunk by chunk goes on as it started, unless the Pong is a restarted
+        sidecar's (another ``instance``): its lease died with the old one, and its next chunks
+        are not sent as extensions (an older sidecar would take one for a new hold of part of
+        the prompt); its end is the worker's, as for any lease lost in a restart."""
         self.chunks = bool(pong and pong.chunk_streams)
         self.grouped_chunks = bool(pong and pong.grouped_chunks)
+        instance = getattr(pong, "instance", "") if pong else ""
+        if instance != self._instance and self._instance:
+            self._chunked.clear()
+            self._chunked_groups.clear()
+        self._instance = instance or self._instance
 
     def streams(self, request: Any) -> bool:
         """A push-mode prefill request (``transfer_id``): held as soon as its prompt is scheduled."""
