@@ -14,12 +14,16 @@ from kvxfer.config import Config, add_arguments, load_config
 from kvxfer.errors import ConfigError
 
 
-def _demo_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def _demo_parser(sub: argparse._SubParsersAction, full: bool = True) -> None:  # type: ignore[type-arg]
+    """The ``demo`` command; ``full``: with its options, whose defaults load the test harness
+    (~0.1 s of numpy and the synthetic engines: not for ``kvxfer status`` and the rest)."""
+    p = sub.add_parser("demo", help="prefill + decode sidecars with synthetic engines, bytes verified")
+    if not full:
+        return
     from kvxfer.testing.demo import DemoOptions
     from kvxfer.testing.vllm_layouts import KINDS
 
     d = DemoOptions()
-    p = sub.add_parser("demo", help="prefill + decode sidecars with synthetic engines, bytes verified")
     p.add_argument("--requests", type=int, default=d.requests)
     p.add_argument("--in-flight", type=int, default=d.in_flight,
                    help="requests moved at once; the KV pools are sized to hold these (0: all)")
@@ -146,7 +150,8 @@ def _bench_parser(sub: Any) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    if (sys.argv[1:] if argv is None else argv)[:1] == ["serve"]:
+    command = (sys.argv[1:] if argv is None else argv)[:1]
+    if command == ["serve"]:
         # One OpenMP thread for torch's staging copies (kvxfer.sidecar.nixl_staging), on every
         # thread from its first op: torch.set_num_threads(1) reaches only threads that had not
         # yet run one, and an arena's warm-up on the NIXL thread ran one before it (with
@@ -159,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     serve = sub.add_parser("serve", help="run the sidecar daemon")
     add_arguments(serve)
-    _demo_parser(sub)
+    _demo_parser(sub, full=command == ["demo"])
     from kvxfer.control.client_cli import add_commands
 
     add_commands(sub)

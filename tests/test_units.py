@@ -348,3 +348,21 @@ def test_serve_runs_torchs_copies_on_one_openmp_thread_unless_told(
             main(cmd)
         assert os.environ.get("OMP_NUM_THREADS") == (want if cmd[0] == "serve" else preset), cmd
     capsys.readouterr()
+
+
+def test_the_control_verbs_do_not_load_the_test_harness() -> None:
+    """``kvxfer status`` and the other verbs built every parser, the demo's too, whose defaults
+    loaded the synthetic engines and numpy (~0.1 s of a 0.27 s start); the demo's options are
+    built only for ``kvxfer demo``, which still has them all."""
+    import subprocess
+    import sys
+
+    code = ("import sys\nfrom kvxfer import cli\ntry:\n    cli.main(sys.argv[1:])\n"
+            "except SystemExit:\n    pass\n"
+            "print('LOADED', 'kvxfer.testing.demo' in sys.modules, 'numpy' in sys.modules)")
+    for cmd, loaded in ((["status", "--help"], "False False"), (["demo", "--help"], "True True")):
+        out = subprocess.run([sys.executable, "-c", code, *cmd], capture_output=True, text=True, timeout=60,
+                             check=True).stdout
+        assert f"LOADED {loaded}" in out, (cmd, out[-500:])
+        if cmd[0] == "demo":
+            assert "--blocks-per-request" in out
