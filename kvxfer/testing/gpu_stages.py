@@ -40,12 +40,12 @@ STAGES = (
     Stage("tests-ipc", 300, 40, "pytest tests/test_gpu.py -k ipc"),
     Stage("tests-vmm", 300, 40, "pytest tests/test_gpu.py -k vmm"),
     Stage("bench-ipc", 420, 120, "engine cudaMalloc + legacy IPC: kvxfer/raw NIXL/copy/staged, 2 MiB-1 GiB"),
+    Stage("kvxfer-bench", 420, 150, "kvxfer bench --device cuda:0 (the CLI's own comparison)"),
     Stage("lanes", 400, 60, "UCX lane of a READ and a WRITE per memory kind (UCX_PROTO_INFO=y)"),
-    Stage("knobs", 420, 150, "GET_ZCOPY, MEMTYPE_CACHE, NIXL threads, chunk size, one at a time"),
     Stage("bench-vmm_fd", 420, 120, "VMM pools, POSIX fd: kvxfer/raw NIXL/copy/staged, 2 MiB-1 GiB"),
     Stage("bench-vmm_fabric", 420, 120, "VMM pools, fabric handle: the same, where the machine allows"),
-    Stage("kvxfer-bench", 420, 150, "kvxfer bench --device cuda:0 (the CLI's own comparison)"),
     Stage("pd-throughput", 240, 40, "benchmarks/pd_throughput.py --device cuda:0"),
+    Stage("knobs", 420, 150, "GET_ZCOPY, MEMTYPE_CACHE, NIXL threads, chunk size, one at a time"),
 )
 BY_NAME = {s.name: s for s in STAGES}
 
