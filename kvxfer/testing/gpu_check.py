@@ -11,12 +11,12 @@ install         ``.gpu-site``: what the image lacks, from ``.gpu-wheels`` (``gpu
 env-cuda        torch/CUDA/NIXL/UCX versions, pointer attributes of each pool kind (``gpu_probe``)
 tests-ipc       ``pytest tests/test_gpu.py -k ipc``
 tests-vmm       ``pytest tests/test_gpu.py -k vmm``
-lanes           the UCX lane of a READ and a WRITE per memory kind (``UCX_PROTO_INFO=y``)
-bench-<kind>    kvxfer vs raw NIXL vs same-GPU copy vs staged, 2 MiB .. 1 GiB, both layouts,
-                for ``ipc``, ``vmm_fd`` and ``vmm_fabric`` (``gpu_xfer``)
-knobs           one knob at a time: GET_ZCOPY, MEMTYPE_CACHE, NIXL threads, chunk size
+bench-ipc       kvxfer vs raw NIXL vs same-GPU copy vs staged, 2 MiB .. 1 GiB, both layouts
+                (``gpu_xfer``); later ``bench-vmm_fd`` and ``bench-vmm_fabric`` the same
 kvxfer-bench    ``kvxfer bench --device cuda:0 --json``
+lanes           the UCX lane of a READ and a WRITE per memory kind (``UCX_PROTO_INFO=y``)
 pd-throughput   ``benchmarks/pd_throughput.py --device cuda:0 --json``
+knobs           one knob at a time: GET_ZCOPY, MEMTYPE_CACHE, NIXL threads, chunk size
 ==============  ==============================================================================
 
 A stage that fails or outlives its deadline is recorded (status, exit code, the tail of its
