@@ -149,16 +149,20 @@ def _bench_parser(sub: Any) -> None:
                    help="with --tp-matrix: timed rounds per cell (default 3, --quick 2)")
 
 
+def _one_openmp_thread() -> None:
+    """One OpenMP thread for torch's staging copies (kvxfer.sidecar.nixl_staging), on every
+    thread from its first op: torch.set_num_threads(1) reaches only threads that had not yet
+    run one, and an arena's warm-up on the NIXL thread ran one before it (with
+    KVXFER_TEST_TORCH_COPIES on 2 cores, a staged read of one block: 17-24 ms, 2.7-2.9 with
+    this). Set before the parsers load numpy (its OpenBLAS reads it at load); the operator's
+    own value wins."""
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+
 def main(argv: list[str] | None = None) -> int:
     command = (sys.argv[1:] if argv is None else argv)[:1]
     if command == ["serve"]:
-        # One OpenMP thread for torch's staging copies (kvxfer.sidecar.nixl_staging), on every
-        # thread from its first op: torch.set_num_threads(1) reaches only threads that had not
-        # yet run one, and an arena's warm-up on the NIXL thread ran one before it (with
-        # KVXFER_TEST_TORCH_COPIES on 2 cores, a staged read of one block: 17-24 ms, 2.7-2.9
-        # with this). Set before the parsers load numpy (its OpenBLAS reads it at load); the
-        # operator's own value wins.
-        os.environ.setdefault("OMP_NUM_THREADS", "1")
+        _one_openmp_thread()
     parser = argparse.ArgumentParser(prog="kvxfer", description=__doc__)
     parser.add_argument("--version", action="version", version=f"kvxfer {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
