@@ -25,12 +25,11 @@ from kvxfer.errors import ErrorCode, RequestError
 from kvxfer.protocol import DECODE_ERRORS, LeaseRenew, Staged, StageRequest, read_notice_decoder
 from kvxfer.sidecar.holds import Holds
 from kvxfer.sidecar.nixl_port import NixlPort
+from kvxfer.sidecar.nixl_staging import Runs
 from kvxfer.sidecar.registry import RankRegistry
 from kvxfer.sidecar.staging import Books, arena_device
 
 log = logging.getLogger("kvxfer.staging")
-
-Runs = list[tuple[object, np.ndarray]]  # (a rank's key, its [address, length] runs)
 
 MAX_SLOT_S = 600.0  # no reader keeps a slot longer, whatever it asks
 
@@ -63,8 +62,7 @@ class StageServer:
         self.nixl = nixl
         self._generation = generation
         self.books = Books(nixl.spans)
-        self.staged = 0  # requests answered with a slot, ever
-        self.times = StageTimes()
+        self.times = StageTimes()  # (the slots answered, ever, and what they cost)
         self._waiting: dict[tuple[object, ...], set[str]] = {}  # slot -> readers whose final notice is due
         self._gathering: set[tuple[object, ...]] = set()  # slots being filled now
 
@@ -114,7 +112,6 @@ class StageServer:
             self._free(key)
             return Staged(seq=req.seq, held="busy", reason="its readers gave it up while it was copied")
         self.nixl.expect_reads()  # (its read follows: see NixlPort.expect_reads)
-        self.staged += 1
         self.times.add(time.monotonic() - arrived, gather_s)
         return Staged(seq=req.seq, held="held", addr=self.books.base(device) + offset, nbytes=req.nbytes,
                       ttl_s=ttl, generation=self._generation())
@@ -137,7 +134,7 @@ class StageServer:
             self._gathering.discard(key)
         return None, time.monotonic() - t0
 
-    def _ranks(self, req: StageRequest, engine: str) -> tuple[list[tuple[object, np.ndarray]], int | None]:
+    def _ranks(self, req: StageRequest, engine: str) -> tuple[Runs, int | None]:
         """The ranks' keys and runs, and the arena they share (None: their memory is on
         several devices, which no one slot can gather)."""
         out, devices = [], set()
