@@ -20,16 +20,11 @@ import multiprocessing as mp
 import os
 from typing import Any
 
+from kvxfer.errors import RequestError
+
 SIZE = 2 << 20
 BEFORE, AFTER = 0x5A, 0x33
 HANDLE_BYTES = 64  # (CU_IPC_HANDLE_SIZE)
-
-
-def _ok(ret: Any, what: str) -> Any:
-    err = ret[0] if isinstance(ret, tuple) else ret
-    if int(err) != 0:
-        raise RuntimeError(f"{what}: {getattr(err, 'name', err)}")
-    return ret[1] if isinstance(ret, tuple) and len(ret) == 2 else None
 
 
 def _driver(spec: str) -> Any:
@@ -54,9 +49,9 @@ def _owner(out: Any, go: Any, device: int, spec: str) -> None:
         v = Vmm(d)
         buf = v.alloc_device(SIZE, device)
         with v.context(device):
-            _ok(d.cuMemsetD8(buf.ptr, BEFORE, SIZE), "cuMemsetD8")
-            _ok(d.cuCtxSynchronize(), "cuCtxSynchronize")
-            handle = _ok(d.cuIpcGetMemHandle(buf.ptr), "cuIpcGetMemHandle")
+            v._ok(d.cuMemsetD8(buf.ptr, BEFORE, SIZE), "cuMemsetD8")
+            v._ok(d.cuCtxSynchronize(), "cuCtxSynchronize")
+            handle = v._ok(d.cuIpcGetMemHandle(buf.ptr), "cuIpcGetMemHandle")
         out.put({"handle": ctypes.string_at(handle.getPtr(), HANDLE_BYTES), "legacy_ipc": buf.legacy_ipc})
     except Exception as e:
         out.put({"error": f"{type(e).__name__}: {e}"})
@@ -65,9 +60,9 @@ def _owner(out: Any, go: Any, device: int, spec: str) -> None:
     os._exit(0)
 
 
-def _first_bytes(d: Any, ptr: int, n: int = 4096) -> bytes:
+def _first_bytes(v: Any, ptr: int, n: int = 4096) -> bytes:
     host = (ctypes.c_uint8 * n)()
-    _ok(d.cuMemcpyDtoH(ctypes.addressof(host), ptr, n), "cuMemcpyDtoH")
+    v._ok(v.d.cuMemcpyDtoH(ctypes.addressof(host), ptr, n), "cuMemcpyDtoH")
     return bytes(host)
 
 
@@ -92,17 +87,17 @@ def owner_exit(device: int = 0, spec: str = "") -> dict[str, Any]:
             handle = d.CUipcMemHandle()  # (opaque in cuda-bindings 13: its 64 bytes through getPtr)
             ctypes.memmove(handle.getPtr(), got["handle"], HANDLE_BYTES)
             flags = d.CUipcMem_flags.CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS
-            ptr = int(_ok(d.cuIpcOpenMemHandle(handle, flags), "cuIpcOpenMemHandle"))
-            res["read_before_exit"] = _first_bytes(d, ptr) == bytes([BEFORE]) * 4096
+            ptr = int(v._ok(d.cuIpcOpenMemHandle(handle, flags), "cuIpcOpenMemHandle"))
+            res["read_before_exit"] = _first_bytes(v, ptr) == bytes([BEFORE]) * 4096
             go.put("exit")
             child.join(30)
             res["owner_exit_code"] = child.exitcode
             try:
-                res["read_after_exit"] = _first_bytes(d, ptr) == bytes([BEFORE]) * 4096
-                _ok(d.cuMemsetD8(ptr, AFTER, SIZE), "cuMemsetD8")
-                _ok(d.cuCtxSynchronize(), "cuCtxSynchronize")
-                res["write_after_exit"] = _first_bytes(d, ptr) == bytes([AFTER]) * 4096
-            except RuntimeError as e:
+                res["read_after_exit"] = _first_bytes(v, ptr) == bytes([BEFORE]) * 4096
+                v._ok(d.cuMemsetD8(ptr, AFTER, SIZE), "cuMemsetD8")
+                v._ok(d.cuCtxSynchronize(), "cuCtxSynchronize")
+                res["write_after_exit"] = _first_bytes(v, ptr) == bytes([AFTER]) * 4096
+            except RequestError as e:  # (Vmm._ok: the driver's error, named)
                 res["error_after_exit"] = str(e)
             close = d.cuIpcCloseMemHandle(ptr)
             res["close"] = getattr(close[0] if isinstance(close, tuple) else close, "name", str(close))
