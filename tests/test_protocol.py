@@ -20,8 +20,8 @@ MESSAGES: dict[str, tuple[object, str]] = {
             regions=[p.KVRegion(memory=0, offset=0, block_len=64, block_stride=64)],
         ),
         (
-            "9aa87265676973746572dc0016a66c61796f7574020a100808cc80a862666c6f6174313602c2a34e"
-            "48440001a0a0000100000000a09193a373686daa2f6465762f73686d2f78cd10009195a672656769"
+            "9aa87265676973746572dc0017a66c61796f7574020a100808cc80a862666c6f6174313602c2a34e"
+            "48440001a0a0000100000000a0909193a373686daa2f6465762f73686d2f78cd10009195a672656769"
             "6f6e0000404000a000c0c0cb0000000000000000"
         ),
     ),
@@ -47,14 +47,14 @@ MESSAGES: dict[str, tuple[object, str]] = {
     "released": (p.Released(req_id="r1", reason="read", reads=1), "94a872656c6561736564a27231a47265616401"),
     "error": (p.Error(code="malformed", message="bad", req_id="r1"), "94a56572726f72a96d616c666f726d6564a3626164a27231"),
     "pong": (p.Pong(seq=7, engine_id="D", version=1, handshake_host="h", handshake_port=1), "9ba4706f6e6707a14401a16801a0a0c2c2c2"),
-    "hello": (p.Hello(version=1, compat_hash="abcd", engine_id="D", agent_name="a"), "9ba568656c6c6f01a461626364a144a161a0cb0000000000000000a0a0a0a0"),
+    "hello": (p.Hello(version=1, compat_hash="abcd", engine_id="D", agent_name="a"), "9ca568656c6c6f01a461626364a144a161a0cb0000000000000000a0a0a0a0a0"),
     "welcome": (
         p.Welcome(version=1, compat_hash="abcd", engine_id="P", agent_name="b",
                   ranks=[p.RankInfo(layout=LAYOUT, regions=[p.RemoteRegion(addr=4096, block_len=64, block_stride=64)])]),
         (
-            "9ea777656c636f6d6501a461626364a150a1629196a472616e6bdc0016a66c61796f7574020a1008"
-            "08cc80a862666c6f6174313602c2a34e48440001a0a0000100000000a09195a772726567696f6ecd"
-            "1000404000a44452414da000a0a0000000c2c2c2"
+            "9fa777656c636f6d6501a461626364a150a1629196a472616e6bdc0017a66c61796f7574020a1008"
+            "08cc80a862666c6f6174313602c2a34e48440001a0a0000100000000a0909195a772726567696f6ecd"
+            "1000404000a44452414da000a0a0000000c2c2c2a0"
         ),
     ),
     "refused": (p.Refused(version=1, code="incompatible", reason="no"), "94a77265667573656401ac696e636f6d70617469626c65a26e6f"),
@@ -194,3 +194,26 @@ def test_lease_words_fields_are_appended_within_version_6() -> None:
 
     new = p.encode(p.LeaseState(seq=3, held=["held"], published=[True]))
     assert msgspec.msgpack.decode(new, type=OldLeaseState) == OldLeaseState(3, ["held"])
+
+
+def test_state_parts_and_tp_hashes_are_appended_within_version_6() -> None:
+    """KVLayout.state_parts and Hello/Welcome.compat_tp (state between different TP sizes) were
+    appended: a decoder from before them reads a
+    layout with them, and a Hello from before them decodes (no TP-independent hash)."""
+    with_parts = msgspec.structs.replace(LAYOUT, state_regions=1, state_bytes=64, state_kind="mamba2",
+                                         state_parts=(p.StatePart(0, 1, 0, 4, 16),))
+    without = p.encode(msgspec.structs.replace(with_parts, state_parts=()))
+    assert p.encode(with_parts).startswith(without[:-1])  # (the same fields, then the parts)
+
+    class OldLayout(msgspec.Struct, array_like=True, tag="layout"):
+        num_layers: int
+        num_blocks: int
+
+    assert msgspec.msgpack.decode(p.encode(with_parts), type=OldLayout) == OldLayout(LAYOUT.num_layers,
+                                                                                    LAYOUT.num_blocks)
+    old_hello = p.encode(p.Hello(version=6, compat_hash="ab", engine_id="D", agent_name="a"))[:-1]
+    old_hello = bytes([old_hello[0] - 1]) + old_hello[1:]  # (one element fewer: no compat_tp)
+    got = p.handshake_request_decoder.decode(old_hello)
+    assert isinstance(got, p.Hello)
+    assert got.compat_tp == ""
+    assert got.compat_hash == "ab"

@@ -12,13 +12,14 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 
 from kvxfer.auth import new_token
 from kvxfer.client import Drained, RemoteBlocks
-from kvxfer.protocol import KVGroup
+from kvxfer.connector.state_parts import state_parts
+from kvxfer.protocol import KVGroup, KVLayout
 from kvxfer.testing.engine import SyntheticEngine, make_layout
 from kvxfer.testing.procs import SidecarFactory
 
@@ -132,15 +133,77 @@ def test_bad_state_requests_get_typed_errors(factory: SidecarFactory) -> None:
         d.close()
 
 
-def test_state_between_different_tp_sizes_is_refused_with_the_reason(factory: SidecarFactory) -> None:
+def test_state_between_different_tp_sizes_without_parts_is_refused_with_the_reason(
+        factory: SidecarFactory) -> None:
+    """A state that does not say how it splits over ranks (an older connector, a state kvxfer
+    cannot split) moves only between equal TP sizes; the load fails with the reason."""
     p, d = engines(factory, layers=1, state_layers=2, p_tp=1, d_tp=2)
     try:
         _, _, _, _, got = pull(p, d, "hetero", 1)
         assert [f.code for f in got.failed] == ["incompatible"], got
-        assert "equal TP sizes" in got.failed[0].reason
+        assert "needs both sides to say how it splits" in got.failed[0].reason
     finally:
         p.close()
         d.close()
+
+
+def mamba2_layout(tp: int, rank: int, dim_first: bool, groups: int) -> KVLayout:
+    """A hybrid of 2 attention layers (8 KV heads) and 2 Mamba2 layers (8 heads of 16, d_state
+    16, conv kernel 4), one rank's share as vLLM shapes it, its parts as the connector says."""
+    heads, head_dim, d_state, rows = 8, 16, 16, 3
+    local_groups = groups // tp if groups % tp == 0 else 1
+    dim = heads // tp * head_dim + 2 * local_groups * d_state
+    conv, ssm = ((dim, rows) if dim_first else (rows, dim)), (heads // tp, head_dim, d_state)
+    conv_bytes, ssm_bytes = dim * rows * 2, heads // tp * head_dim * d_state * 4
+    parts = state_parts("MAMBA2", (conv, ssm), (2, 4), (0, conv_bytes), tp, dim_first, groups)
+    assert parts
+    return make_layout(layers=2, num_blocks=32, heads=8, head_dim=16, tp_rank=rank, tp_size=tp,
+                       state_layers=2, state_bytes=conv_bytes + ssm_bytes, state_parts=parts,
+                       state_kind=f"mamba2: {conv} bfloat16 + {ssm} float32")
+
+
+def pull_ranks(f: SidecarFactory, p_tp: int, d_tp: int, dim_first: bool, groups: int,
+               lay: Callable[[int, int, bool, int], KVLayout] = mamba2_layout) -> list[SyntheticEngine]:
+    """P prefill ranks hold a request's attention blocks and state block; each of D decode
+    ranks reads its share of both; the decode ranks, once every one is done."""
+    ps = f.start("prefill", "--lease-s", "30", "--handshake-timeout-s", "1")
+    ds = f.start("decode", "--handshake-timeout-s", "1")
+    pre = [SyntheticEngine(lay(p_tp, r, dim_first, groups), ps.endpoint, seed=1) for r in range(p_tp)]
+    dec = [SyntheticEngine(lay(d_tp, r, dim_first, groups), ds.endpoint, seed=2) for r in range(d_tp)]
+    for e in pre + dec:
+        e.start()
+    req, pb, db, (psb, dsb) = f"s{p_tp}{d_tp}", [3, 9, 5], [4, 8, 6], (11, 12)
+    for e in pre:
+        e.fill(req, pb)
+        e.fill_state(req, [psb])
+    for e in dec:
+        e.wipe(db)
+        e.kv.state_blocks()[:, dsb, :] = 0  # type: ignore[union-attr]
+    token, reg = new_token(), pre[0].registered
+    assert reg is not None
+    pre[0].client.hold(req, [*pb, psb], token=token)
+    where = RemoteBlocks(reg.engine_id, reg.handshake_host, reg.handshake_port, pb, p_tp, token=token)
+    for r, e in enumerate(dec):
+        e.client.recv(req, db, where, tp_rank=r, state=([dsb], [psb]))
+    for e in dec:
+        got = e.client.wait_until(lambda a: bool(a.done or a.failed), 20)
+        assert [x.req_id for x in got.done] == [req], got.failed
+        assert e.verify(req, db)  # attention: every byte
+        assert e.verify_state(req, [dsb]), f"rank {e.layout.tp_rank}: {p_tp} -> {d_tp}"
+    return pre + dec
+
+
+@pytest.mark.parametrize(("p_tp", "d_tp", "dim_first", "groups"), [
+    (1, 2, False, 8), (2, 1, False, 8), (2, 4, True, 8), (4, 2, True, 1), (1, 4, False, 1), (4, 1, True, 4),
+])
+def test_state_moves_between_different_tp_sizes(factory: SidecarFactory, p_tp: int, d_tp: int,
+                                                dim_first: bool, groups: int) -> None:
+    """Mamba2 state between different TP sizes (vLLM's default conv layout (state, dim) and
+    (dim, state); groups split over ranks or one group on every rank): each decode rank's
+    state block is what its own engine would hold at its TP size, every byte, beside its
+    attention heads."""
+    for e in pull_ranks(factory, p_tp, d_tp, dim_first, groups):
+        e.close()
 
 
 def test_integrity_sampling_covers_the_state(factory: SidecarFactory) -> None:

@@ -24,10 +24,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
-from kvxfer.connector.groups import Groups, UnsupportedModel
+from kvxfer.connector.groups import Group, Groups, UnsupportedModel
 from kvxfer.connector.layout import Placement
 from kvxfer.connector.scheduler import SchedulerSide
 from kvxfer.connector.settings import ConnectorSettings
+from kvxfer.connector.state_parts import StateSplit
 from kvxfer.connector.worker import CacheShape, WorkerSide
 
 try:  # vLLM >= 0.33
@@ -175,6 +176,25 @@ def _tp(vllm_config: VllmConfig) -> tuple[int, int]:
         return 0, size
 
 
+def _state_split(vllm_config: VllmConfig, group: Group | None, tp_size: int) -> StateSplit | None:
+    """How this engine's state layers split over TP ranks, from vLLM's spec and settings (None:
+    no state layers)."""
+    if group is None or not group.state_shapes:
+        return None
+    try:  # (vLLM's conv state layout: (dim, state) or its default (state, dim))
+        from vllm.model_executor.layers.mamba.mamba_utils import is_conv_state_dim_first
+
+        dim_first = bool(is_conv_state_dim_first())
+    except ImportError:
+        dim_first = False
+    model = vllm_config.model_config
+    cfg = getattr(model, "hf_text_config", None) if model is not None else None
+    n_groups = next((v for n in ("mamba_n_groups", "n_groups", "mamba_ngroups")
+                     if isinstance(v := getattr(cfg, n, None), int)), None)
+    return StateSplit(group.mamba_type, group.state_shapes, group.state_itemsizes, tp_size, dim_first,
+                      n_groups)
+
+
 class KvxferConnector(KVConnectorBase_V1, *_HMA):  # type: ignore[misc]
     def __init__(
         self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig | None = None
@@ -201,6 +221,8 @@ class KvxferConnector(KVConnectorBase_V1, *_HMA):  # type: ignore[misc]
             self.scheduler.backoff = self.groups.backoff if self.groups is not None else 0
             self.scheduler.grouped = self.groups is not None and self.groups.grouped
             self.scheduler.state_groups = self.groups.state if self.groups is not None else ()
+            split = _state_split(vllm_config, self.groups.state_group if self.groups else None, size)
+            self.scheduler.state_split = split is not None and bool(split.parts())
             self.scheduler.push.groups = self.groups if self.scheduler.grouped else None
         else:
             device = str(vllm_config.device_config.device_type) if vllm_config.device_config else "cuda"
@@ -320,7 +342,8 @@ class KvxferConnector(KVConnectorBase_V1, *_HMA):  # type: ignore[misc]
                                num_kv_heads=1, local_kv_heads=1, head_dim=1, mla=False, fused=fused,
                                model=identity)
         self.worker.register_kv_caches(kv_caches, shape, state=state, state_kind=sg.state_kind if sg else "",
-                                       groups=groups.registered() if groups is not None else None)
+                                       groups=groups.registered() if groups is not None else None,
+                                       state_split=_state_split(self._vllm_config, sg, self.worker.tp_size))
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         if self.worker is None or not self.has_connector_metadata():

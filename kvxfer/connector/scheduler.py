@@ -92,6 +92,7 @@ class SchedulerSide:
         self.backoff = 0  # prompt tokens the prefill leaves to the decode (windowed or state groups)
         self.grouped = False  # block ids travel per KV cache group (Groups.grouped)
         self.state_groups: tuple[bool, ...] = ()  # per transferable group: a state (Mamba/GDN) group
+        self.state_split = False  # the state says how it splits over TP ranks (moves between TP sizes)
         self._hetero_warned: set[str] = set()  # prefill engines of another TP size (state models)
         self.pp_size = pp_size  # each (pp, tp) worker receives its own layers and reports its own Done
         self.client = client or SidecarClient(settings.sidecar, send_queue=settings.send_queue,
@@ -159,14 +160,13 @@ class SchedulerSide:
         remote = self._remote_for(request)
         if remote is None:
             return 0, False
-        if any(self.state_groups) and getattr(remote, "tp_size", self.tp_size) != self.tp_size:
-            # each rank's state is its own shard: not movable between TP sizes (not built), so
-            # the prompt is computed here rather than claimed and failed request by request
+        hetero = getattr(remote, "tp_size", self.tp_size) != self.tp_size
+        if any(self.state_groups) and hetero and not self.state_split:
+            # (a state that cannot split over ranks: computed here, not claimed and failed each time)
             if remote.engine_id not in self._hetero_warned:
                 self._hetero_warned.add(remote.engine_id)
-                log.warning("prefill engine %s runs TP %d, this engine TP %d: Mamba/linear-attention "
-                            "state moves only between equal TP sizes; computing prompts here",
-                            remote.engine_id, remote.tp_size, self.tp_size)
+                log.warning("prefill engine %s runs TP %d, this one TP %d: state moves only between equal TP "
+                            "sizes; computing prompts here", remote.engine_id, remote.tp_size, self.tp_size)
             return 0, False
         computed = params.get("remote_num_tokens")
         prompt = len(request.prompt_token_ids or ())

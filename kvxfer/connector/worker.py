@@ -37,6 +37,7 @@ from kvxfer.connector.rejoin import Rejoin, naming_abandoned
 from kvxfer.connector.settings import ConnectorSettings
 from kvxfer.connector.shm_pool import SharedAllocator
 from kvxfer.connector.sidecar_death import SidecarDeath
+from kvxfer.connector.state_parts import StateSplit
 from kvxfer.errors import ErrorCode, KvxferError
 from kvxfer.memory import cuda_ipc_memory, cuda_ordinal
 from kvxfer.pool import PoolClient
@@ -137,7 +138,8 @@ class WorkerSide:
 
     def register_kv_caches(self, kv_caches: dict[str, Any], shape: CacheShape,
                            state: dict[str, Any] | None = None, state_kind: str = "",
-                           groups: list[KVGroup] | None = None) -> Registered:
+                           groups: list[KVGroup] | None = None,
+                           state_split: StateSplit | None = None) -> Registered:
         """``state``: the views of state layers (Mamba/GDN), registered after the KV layers;
         ``groups``: vLLM's KV cache groups, as ``kvxfer status`` shows them."""
         msg = registration_from_tensors(
@@ -156,6 +158,7 @@ class WorkerSide:
             place=self.place,
             state=state,
             state_kind=state_kind,
+            state_split=state_split,
         )
         if groups:
             msg = msgspec.structs.replace(msg, groups=groups)

@@ -78,6 +78,7 @@ from kvxfer.protocol.layout import (
     MemoryRef,
     PoolMemory,
     ShmMemory,
+    StatePart,
 )
 from kvxfer.protocol.peer import (
     Challenge,
@@ -138,6 +139,10 @@ from kvxfer.protocol.peer import (
 #    a dialer whose Hello.nonce starts "w1." (kvxfer.auth.welcome_cover): any 6 accepts that
 #    nonce, a listener that does not know it signs the first fields only, and a dialer accepts
 #    either; the nonce is under the Hello's MAC, so the ask cannot be stripped on the way)
+#    (and state between different TP sizes, decodable by any 6: KVLayout.state_parts, and
+#    Hello.compat_tp / Welcome.compat_tp appended: two engines whose state layouts say how they
+#    split shake hands when their TP-independent hashes match, whatever their compat_hash; a 6
+#    that does not know them compares compat_hash alone, as before)
 PROTOCOL_VERSION = 6
 
 
@@ -145,6 +150,22 @@ def compat_hash(layout: KVLayout | None) -> str:
     """Compatibility hash checked at handshake before any payload is decoded."""
     sig = (PROTOCOL_VERSION, layout.model_signature() if layout is not None else None)
     return hashlib.sha256(repr(sig).encode()).hexdigest()[:16]
+
+
+def compat_tp_hash(layout: KVLayout | None) -> str:
+    """The hash of what two engines must share whatever their TP sizes (``KVLayout.
+    tp_signature``), for layouts whose ``compat_hash`` depends on the TP size (state layers
+    that say how they split); "" for every other layout (their compat_hash already does not)."""
+    if layout is None or not layout.state_parts:
+        return ""
+    sig = (PROTOCOL_VERSION, "tp", layout.tp_signature())
+    return hashlib.sha256(repr(sig).encode()).hexdigest()[:16]
+
+
+def hashes_match(ours: str, ours_tp: str, theirs: str, theirs_tp: str) -> bool:
+    """Whether a handshake's two sides may exchange KV: the same compat_hash, or (state layouts
+    of different TP sizes) the same TP-independent hash."""
+    return ours == theirs or bool(ours_tp) and ours_tp == theirs_tp
 
 
 __all__ = [
@@ -200,10 +221,13 @@ __all__ = [
     "ReqId",
     "ShmMemory",
     "SidecarEvent",
+    "StatePart",
     "Token",
     "Unregister",
     "Welcome",
     "compat_hash",
+    "compat_tp_hash",
+    "hashes_match",
     "encode",
     "engine_request_decoder",
     "handshake_reply_decoder",

@@ -16,6 +16,21 @@ from kvxfer.protocol.base import DTYPE_SIZES, NonNeg, Positive, _Msg
 # --------------------------------------------------------------------------- layout
 
 
+class StatePart(_Msg, tag="spart"):
+    """One TP-sharded piece of a state block (of every state layer): ``count`` runs, ``stride``
+    bytes apart, the first at ``offset`` in the block. Run i holds this rank's units of row i
+    of a model-wide tensor whose rows are ``units`` units of ``unit_bytes`` each, split over TP
+    ranks as KV heads are (``kvxfer.topology.units_of``: an even split, or one unit replicated
+    when there are fewer units than ranks). E.g. a Mamba2 conv state laid out (dim, state):
+    x (units: heads), B and C (units: groups), then its SSM state (units: heads)."""
+
+    offset: NonNeg
+    count: Positive
+    stride: NonNeg
+    units: Positive
+    unit_bytes: Positive
+
+
 class KVLayout(_Msg, tag="layout"):
     """The shape of one tp rank's paged KV cache, as the TP mapping needs it."""
 
@@ -49,6 +64,10 @@ class KVLayout(_Msg, tag="layout"):
     state_regions: NonNeg = 0
     state_bytes: NonNeg = 0
     state_kind: Annotated[str, Meta(max_length=256)] = ""  # what the state is (status, errors)
+    # How each state block splits over TP ranks (``StatePart``), covering ``state_bytes``
+    # exactly: what lets state move between different TP sizes; () (a connector that cannot
+    # say): state moves only between equal TP sizes
+    state_parts: Annotated[tuple[StatePart, ...], Meta(max_length=64)] = ()
 
     @property
     def model_layers(self) -> int:
@@ -112,6 +131,18 @@ class KVLayout(_Msg, tag="layout"):
         )
         if self.state_regions:  # (attention-only layouts keep the hash they always had)
             sig += (self.state_regions, self.state_bytes, self.state_kind)
+        return sig
+
+    def tp_signature(self) -> tuple[object, ...] | None:
+        """``model_signature`` without what depends on this rank's TP size (a state block's
+        bytes and shapes), for engines that may differ in TP; None: a state layout that does
+        not say how it splits (``state_parts``), which matches only at its own TP size."""
+        if self.state_regions and not self.state_parts:
+            return None
+        sig = self.model_signature()[:8]
+        if self.state_regions:
+            sig += (self.state_regions, self.state_kind.split(":")[0],
+                    tuple((p.count, p.units, p.unit_bytes) for p in self.state_parts))
         return sig
 
 

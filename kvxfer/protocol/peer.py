@@ -28,6 +28,7 @@ class Hello(_Msg, tag="hello"):
     model: str = ""  # the dialer's KVLayout.model, so a refusal can name both models
     challenge: str = ""  # with a shared secret: the listener's Challenge.nonce this answers
     target: str = ""  # with a shared secret: the listener's agent name (from its Challenge)
+    compat_tp: str = ""  # kvxfer.protocol.compat_tp_hash of the dialer's layout ("": none)
 
 
 class DigestItem(_Msg, tag="ditem"):
@@ -178,6 +179,7 @@ class Welcome(_Msg, tag="welcome"):
     layer_streams: bool = False  # it answers LayerWatch (push mode)
     grouped_streams: bool = False  # ... and its LayersAt names the blocks per KV cache group
     chunk_streams: bool = False  # ... and answers ChunkWatch (prompts computed in chunks)
+    compat_tp: str = ""  # kvxfer.protocol.compat_tp_hash of its layout ("": none)
 
 
 class Challenge(_Msg, tag="challenge"):

@@ -43,8 +43,10 @@ from kvxfer.protocol import (
     Refused,
     Welcome,
     compat_hash,
+    compat_tp_hash,
     encode,
     handshake_reply_decoder,
+    hashes_match,
 )
 from kvxfer.sidecar.nixl_port import NixlPort
 from kvxfer.sidecar.peer_book import Peer, PeerBook
@@ -288,8 +290,8 @@ class PeerClient:
         """Hello (answering a challenge with a secret) until a checked Welcome: the welcome,
         the NIXL metadata it carried, and the ranks it advertised."""
         local = self.registry.first_layout()
-        hello = Hello(version=PROTOCOL_VERSION, compat_hash=compat_hash(local), engine_id=ch.engine_id,
-                      agent_name=ch.agent_name, model=local.model if local else "")
+        hello = Hello(PROTOCOL_VERSION, compat_hash(local), ch.engine_id, ch.agent_name,
+                      model=local.model if local else "", compat_tp=compat_tp_hash(local))
         reply, frames = await self._ask(sock, hello, key, start, ch)
         if ch.secret and isinstance(reply, Challenge):
             hello = sign_hello(ch.secret, hello, reply.nonce, reply.agent_name)
@@ -298,7 +300,8 @@ class PeerClient:
             raise RequestError(reply.code, f"{key} refused the handshake: {reply.reason}")
         if not isinstance(reply, Welcome):
             raise RequestError(ErrorCode.HANDSHAKE_FAILED, f"{key} answered a hello with {reply!r}")
-        if reply.version != PROTOCOL_VERSION or reply.compat_hash != hello.compat_hash:
+        if reply.version != PROTOCOL_VERSION or not hashes_match(hello.compat_hash, hello.compat_tp,
+                                                                 reply.compat_hash, reply.compat_tp):
             raise RequestError(ErrorCode.INCOMPATIBLE, f"{key} runs protocol {reply.version} hash "
                                f"{reply.compat_hash}; we run {PROTOCOL_VERSION} hash {hello.compat_hash}")
         if len(frames) != 2 or not reply.ranks:

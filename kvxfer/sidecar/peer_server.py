@@ -40,8 +40,10 @@ from kvxfer.protocol import (
     StageRequest,
     Welcome,
     compat_hash,
+    compat_tp_hash,
     encode,
     handshake_request_decoder,
+    hashes_match,
 )
 from kvxfer.sidecar.admission import admit_digest
 from kvxfer.sidecar.holds import Holds
@@ -244,8 +246,8 @@ class PeerServer:
         layout = self.registry.first_layout()
         if layout is None:
             return self._refuse(addr, sender, ErrorCode.NOT_REGISTERED, "no KV cache registered yet")
-        ours = compat_hash(layout)
-        if hello.compat_hash != ours:
+        ours, ours_tp = compat_hash(layout), compat_tp_hash(layout)
+        if not hashes_match(ours, ours_tp, hello.compat_hash, hello.compat_tp):
             why = (f"different models: the peer serves {hello.model or '(unnamed)'!r}, this engine "
                    f"{layout.model or '(unnamed)'!r}" if hello.model != layout.model else
                    f"compatibility hash {hello.compat_hash} != {ours} (model layout differs: "
@@ -255,7 +257,8 @@ class PeerServer:
         # registered during that await is then in the metadata, never offered without it
         ranks, generation, staging = self.registry.infos(), self._generation(), offered_staging(self.nixl)
         metadata = await self.nixl.metadata()
-        welcome = Welcome(version=PROTOCOL_VERSION, compat_hash=ours, engine_id=self.channel.engine_id,
+        welcome = Welcome(version=PROTOCOL_VERSION, compat_hash=ours, compat_tp=ours_tp,
+                          engine_id=self.channel.engine_id,
                           agent_name=self.channel.agent_name, ranks=ranks,
                           generation=generation,
                           staging_bytes=staging, lease_words_addr=self.lease_words[0],

@@ -3,7 +3,6 @@ through ``SidecarClient`` exactly as a worker would drive it."""
 
 from __future__ import annotations
 
-import hashlib
 import os
 import random
 from collections.abc import Sequence
@@ -15,8 +14,8 @@ import numpy as np
 from kvxfer.client import SidecarClient
 from kvxfer.memory import CudaKV, SharedKV
 from kvxfer.pool import PoolClient
-from kvxfer.protocol import KVGroup, KVLayout, Registered
-from kvxfer.testing.pattern import request_pattern
+from kvxfer.protocol import KVGroup, KVLayout, Registered, StatePart
+from kvxfer.testing.pattern import request_pattern, state_pattern
 from kvxfer.testing.vllm_layouts import Geometry
 
 if TYPE_CHECKING:
@@ -38,6 +37,8 @@ def make_layout(
     model: str = "",
     state_layers: int = 0,
     state_bytes: int = 0,
+    state_parts: tuple[StatePart, ...] = (),
+    state_kind: str = "synthetic",
 ) -> KVLayout:
     """A vLLM-like layout; with ``mla`` one latent of ``head_dim`` replicated on every rank
     (``stage_layout`` cuts one pipeline stage out of it)."""
@@ -59,7 +60,8 @@ def make_layout(
         model=model,
         state_regions=state_layers,
         state_bytes=state_bytes if state_layers else 0,
-        state_kind="synthetic" if state_layers else "",
+        state_kind=state_kind if state_layers else "",
+        state_parts=state_parts if state_layers else (),
     )
 
 
@@ -197,10 +199,7 @@ class SyntheticEngine:
         return bool((got == want).all().item())
 
     def _state_pattern(self, req_id: str, n: int) -> np.ndarray:
-        lay = self.layout
-        seed = int.from_bytes(hashlib.blake2b(f"state:{req_id}".encode(), digest_size=8).digest(), "little")
-        return np.random.default_rng(seed).integers(
-            0, 256, (lay.state_regions, n, lay.state_bytes), dtype=np.uint8)
+        return state_pattern(self.layout, req_id, n)
 
     def fill_state(self, req_id: str, blocks: Sequence[int]) -> None:
         """Write request ``req_id``'s state (every state layer) into ``blocks`` (CPU only)."""

@@ -13,7 +13,7 @@ import zlib
 import numpy as np
 
 from kvxfer.protocol import KVLayout
-from kvxfer.topology import rank_heads
+from kvxfer.topology import heads_of, rank_heads
 
 
 def _mix(x: np.ndarray) -> np.ndarray:
@@ -43,3 +43,26 @@ def request_pattern(layout: KVLayout, req_id: str, n_blocks: int) -> np.ndarray:
     if layout.head_layout == "HND":
         vals = vals.transpose(0, 1, 2, 4, 3, 5)
     return np.ascontiguousarray(vals).reshape(layout.num_layers, layout.kv_parts, n_blocks, -1)
+
+
+def state_pattern(layout: KVLayout, req_id: str, n_blocks: int) -> np.ndarray:
+    """uint8 ``[state_regions, n_blocks, state_bytes]``: a request's state in ``n_blocks``
+    blocks. With ``state_parts`` each part's bytes are this rank's units of one model-wide
+    pattern (drawn per part whatever the TP size), so a decode rank of any TP size can check
+    the state it read from prefill ranks of another; without, one pattern per request."""
+    import hashlib
+
+    seed = int.from_bytes(hashlib.blake2b(f"state:{req_id}".encode(), digest_size=8).digest(), "little")
+    rng = np.random.default_rng(seed)
+    shape = (layout.state_regions, n_blocks)
+    if not layout.state_parts:
+        return rng.integers(0, 256, (*shape, layout.state_bytes), dtype=np.uint8)
+    out = np.zeros((*shape, layout.state_bytes), dtype=np.uint8)
+    for p in layout.state_parts:
+        whole = rng.integers(0, 256, (*shape, p.count, p.units * p.unit_bytes), dtype=np.uint8)
+        mine = heads_of(p.units, layout.tp_size, layout.tp_rank)
+        n = len(mine) * p.unit_bytes
+        for i in range(p.count):
+            at = p.offset + i * p.stride
+            out[:, :, at:at + n] = whole[:, :, i, mine.start * p.unit_bytes:mine.start * p.unit_bytes + n]
+    return out
