@@ -254,10 +254,13 @@ def test_a_state_is_loaded_only_under_the_claim_it_was_computed_for() -> None:
     assert claim(1, 0) == (0, False)  # one token: computed here
     side.state_groups = (False, False)  # a sliding-window model: a shorter prefill is fine
     assert claim(120, 99) == (99, True)
-    # a prefill of another TP size: its state shards cannot move here, computed at once
+    # a prefill of another TP size: a state that cannot say how it splits is computed here at once
     side.state_groups = (True, False)
     side._remote_for = lambda r: SimpleNamespace(engine_id="p", tp_size=2)  # type: ignore[method-assign]
     assert claim(100, 99) == (0, False)
+    side.state_split = True  # one that can moves between TP sizes (kvxfer.connector.state_parts)
+    side._remote_for = lambda r: RemoteBlocks("p", "h", 1, [1], tp_size=2)  # type: ignore[method-assign]
+    assert claim(100, 99) == (99, True)
 
 
 def test_state_geometry_must_match_on_both_sides() -> None:

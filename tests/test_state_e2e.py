@@ -104,7 +104,7 @@ def test_a_model_of_state_layers_only(factory: SidecarFactory) -> None:
         ctl = next(sc for sc in factory.procs if sc.name == "decode").control
         text = subprocess.run([sys.executable, "-m", "kvxfer", "status", "--target", ctl],
                               capture_output=True, text=True, timeout=60, check=False).stdout
-        assert f"4 state regions x {STATE} B" in text, text
+        assert f"4 state regions x {STATE} B (equal TP only)" in text, text  # (no parts: synthetic)
         assert f"group    state: 4 layers, {STATE} B per request per layer (mamba2: (3, 544)" in text, text
         js = subprocess.run([sys.executable, "-m", "kvxfer", "status", "--target", ctl, "--json"],
                             capture_output=True, text=True, timeout=60, check=False).stdout
@@ -201,9 +201,13 @@ def test_state_moves_between_different_tp_sizes(factory: SidecarFactory, p_tp: i
     """Mamba2 state between different TP sizes (vLLM's default conv layout (state, dim) and
     (dim, state); groups split over ranks or one group on every rank): each decode rank's
     state block is what its own engine would hold at its TP size, every byte, beside its
-    attention heads."""
+    attention heads; ``kvxfer status`` says the state splits over TP ranks."""
     for e in pull_ranks(factory, p_tp, d_tp, dim_first, groups):
         e.close()
+    ctl = next(sc for sc in factory.procs if sc.name == "decode").control
+    js = subprocess.run([sys.executable, "-m", "kvxfer", "status", "--target", ctl, "--json"],
+                        capture_output=True, text=True, timeout=60, check=False).stdout
+    assert [r["state_splits"] for r in json.loads(js)["ranks"]] == [True] * d_tp
 
 
 def test_integrity_sampling_covers_the_state(factory: SidecarFactory) -> None:

@@ -84,6 +84,9 @@ def test_status_shows_each_registered_group(pipeline: Pipeline) -> None:
                          capture_output=True, text=True, timeout=60, check=False).stdout
     print(out)
     assert "2 state regions x 39296 B" in out, out  # conv (3, 544) + ssm (8, 64, 16), fp32
+    # the connector said how the state splits over TP ranks (its Mamba2 parts, from vLLM's spec,
+    # conv layout and the model's mamba_n_groups): it moves between engines of other TP sizes
+    assert "39296 B (split over TP ranks)" in out, out
     assert "group    state: 2 layers, 39296 B per request per layer (mamba2: (3, 544) float32" in out, out
     assert f"group    full: 2 layers, {BS} tok blocks" in out, out
 

@@ -143,7 +143,8 @@ def render(st: pb.Status, serving: bool, rate: float | None = None) -> str:
             f"  rank       {where}tp {r.tp_rank}/{r.tp_size}: {r.num_layers} layers x {r.num_blocks} "
             f"blocks x {r.block_size} tok, {kv} x {r.head_dim} {r.dtype} {r.head_layout}, "
             f"{_human_bytes(r.bytes_registered)} {r.mem_type}"
-            + (f", {r.state_regions} state regions x {r.state_bytes} B" if r.state_regions else "")
+            + (f", {r.state_regions} state regions x {r.state_bytes} B ("
+               + ("split over TP ranks)" if r.state_splits else "equal TP only)") if r.state_regions else "")
         )
         for g in r.groups:
             what = (f"{g.state_bytes} B per request per layer ({g.state_kind})" if g.kind == "state"

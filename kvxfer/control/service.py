@@ -86,6 +86,7 @@ def status_proto(snap: Snapshot) -> pb.Status:
             kv_parts=lay.kv_parts, mla=lay.mla, head_layout=lay.head_layout,
             bytes_registered=sum(x.block_len for x in info.regions) * lay.num_blocks,
             mem_type=info.mem_type, state_regions=lay.state_regions, state_bytes=lay.state_bytes,
+            state_splits=bool(lay.state_parts),
             groups=[pb.KVCacheGroup(kind=g.kind, block_size=g.block_size, num_layers=g.layers,
                                     window=g.window, state_bytes=g.state_bytes, state_kind=g.state_kind)
                     for g in entry.groups],

@@ -43,7 +43,7 @@ class KVCacheGroup(_message.Message):
     def __init__(self, kind: _Optional[str] = ..., block_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., window: _Optional[int] = ..., state_bytes: _Optional[int] = ..., state_kind: _Optional[str] = ...) -> None: ...
 
 class RankRegistration(_message.Message):
-    __slots__ = ("tp_rank", "tp_size", "num_layers", "num_blocks", "block_size", "num_kv_heads", "local_kv_heads", "head_dim", "dtype", "kv_parts", "mla", "head_layout", "bytes_registered", "mem_type", "engine_id", "dp_rank", "pp_rank", "pp_size", "first_layer", "pid", "groups", "state_regions", "state_bytes")
+    __slots__ = ("tp_rank", "tp_size", "num_layers", "num_blocks", "block_size", "num_kv_heads", "local_kv_heads", "head_dim", "dtype", "kv_parts", "mla", "head_layout", "bytes_registered", "mem_type", "engine_id", "dp_rank", "pp_rank", "pp_size", "first_layer", "pid", "groups", "state_regions", "state_bytes", "state_splits")
     TP_RANK_FIELD_NUMBER: _ClassVar[int]
     TP_SIZE_FIELD_NUMBER: _ClassVar[int]
     NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
@@ -67,6 +67,7 @@ class RankRegistration(_message.Message):
     GROUPS_FIELD_NUMBER: _ClassVar[int]
     STATE_REGIONS_FIELD_NUMBER: _ClassVar[int]
     STATE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    STATE_SPLITS_FIELD_NUMBER: _ClassVar[int]
     tp_rank: int
     tp_size: int
     num_layers: int
@@ -90,7 +91,8 @@ class RankRegistration(_message.Message):
     groups: _containers.RepeatedCompositeFieldContainer[KVCacheGroup]
     state_regions: int
     state_bytes: int
-    def __init__(self, tp_rank: _Optional[int] = ..., tp_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., local_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[str] = ..., kv_parts: _Optional[int] = ..., mla: _Optional[bool] = ..., head_layout: _Optional[str] = ..., bytes_registered: _Optional[int] = ..., mem_type: _Optional[str] = ..., engine_id: _Optional[str] = ..., dp_rank: _Optional[int] = ..., pp_rank: _Optional[int] = ..., pp_size: _Optional[int] = ..., first_layer: _Optional[int] = ..., pid: _Optional[int] = ..., groups: _Optional[_Iterable[_Union[KVCacheGroup, _Mapping]]] = ..., state_regions: _Optional[int] = ..., state_bytes: _Optional[int] = ...) -> None: ...
+    state_splits: bool
+    def __init__(self, tp_rank: _Optional[int] = ..., tp_size: _Optional[int] = ..., num_layers: _Optional[int] = ..., num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., local_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[str] = ..., kv_parts: _Optional[int] = ..., mla: _Optional[bool] = ..., head_layout: _Optional[str] = ..., bytes_registered: _Optional[int] = ..., mem_type: _Optional[str] = ..., engine_id: _Optional[str] = ..., dp_rank: _Optional[int] = ..., pp_rank: _Optional[int] = ..., pp_size: _Optional[int] = ..., first_layer: _Optional[int] = ..., pid: _Optional[int] = ..., groups: _Optional[_Iterable[_Union[KVCacheGroup, _Mapping]]] = ..., state_regions: _Optional[int] = ..., state_bytes: _Optional[int] = ..., state_splits: _Optional[bool] = ...) -> None: ...
 
 class Peer(_message.Message):
     __slots__ = ("endpoint", "engine_id", "agent_name", "state", "last_handshake_unix", "handshake_ms", "tp_size", "reads", "bytes", "failures")
