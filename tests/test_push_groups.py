@@ -214,3 +214,45 @@ def test_a_grouped_chunk_extension_must_keep_every_group_held(
     assert not p.client.poll().errors
     p.client.release("grow-ok")
     wait_for(p.client, lambda a: bool(a.released), timeout=10)
+
+
+@pytest.mark.parametrize(("ptp", "dtp"), [(1, 2), (4, 2)])
+def test_a_hybrid_request_streams_between_different_tp_sizes(sidecars: SidecarFactory, ptp: int,
+                                                             dtp: int) -> None:
+    """Push of a hybrid (full attention + Mamba2 state, one replicated group) between TP sizes:
+    each decode rank follows the prefill ranks layer by layer, then reads its share of the state
+    (the state parts: kvxfer.connector.state_parts) from the prefill ranks that hold it, once
+    every prefill rank's forward is over. Every attention and state byte of every decode rank."""
+    from tests.test_state_e2e import mamba2_layout
+
+    ds = sidecars.start(f"pushs-d{ptp}{dtp}", "--verify-sample", "0")
+    ps = sidecars.start(f"pushs-p{ptp}{dtp}", "--lease-s", "30")
+    pre = [SyntheticEngine(mamba2_layout(ptp, r, False, 1), ps.endpoint, seed=3) for r in range(ptp)]
+    dec = [SyntheticEngine(mamba2_layout(dtp, r, False, 1), ds.endpoint, seed=7) for r in range(dtp)]
+    try:
+        for e in (*pre, *dec):
+            e.start()
+        tid, pf, psb, df, dsb, tokens = f"hybrid-tp{ptp}{dtp}", [3, 9, 5], 11, [4, 8, 6], 12, 40
+        for e in dec:
+            e.wipe(df)
+            e.kv.state_blocks()[:, dsb, :] = 0  # type: ignore[union-attr]
+        pre[0].client.hold(tid, [*pf, psb], token=tid, streamed=True, notify_ranks=True,
+                           expires_unix=time.time() + 60, groups=[pf, [psb]], num_tokens=tokens)
+        for r, e in enumerate(dec):
+            e.client.recv(tid, df, streamed_remote(pre[0], tid), tp_rank=r, streamed=True, deadline_s=30,
+                          groups=GroupedLoad([df, [dsb]], [False, True], tokens))
+        for r, e in enumerate(pre):  # (rank after rank)
+            for layer in range(e.layout.num_layers):
+                e.fill_layers(tid, pf, range(layer, layer + 1))
+                e.client.send(LayersDone(req_ids=[tid], layers=layer + 1, tp_rank=r))
+            e.fill_state(tid, [psb])  # its forward is over: its state is whole
+            e.client.send(LayersDone(req_ids=[tid], layers=e.layout.num_layers + 1, tp_rank=r))
+        for e in dec:
+            got = wait_for(e.client, lambda a: bool(a.done or a.failed), timeout=30)
+            assert got.done, got.failed
+            assert e.verify(tid, df), f"decode rank {e.layout.tp_rank}: attention bytes differ"
+            assert e.verify_state(tid, [dsb]), f"decode rank {e.layout.tp_rank}: state bytes differ"
+        wait_for(pre[0].client, lambda a: bool(a.released))
+    finally:
+        for e in (*pre, *dec):
+            e.close()
