@@ -110,8 +110,13 @@ def rank_heads(layout: KVLayout, rank: int | None = None) -> range:
     return heads_of(layout.num_kv_heads, layout.tp_size, layout.tp_rank if rank is None else rank)
 
 
+MAX_TP_SIZE = 4096  # (a peer's layout is planned against: its ranks bound the planning's work)
+
+
 def check_layout(layout: KVLayout) -> None:
     h, t = layout.num_kv_heads, layout.tp_size
+    if t > MAX_TP_SIZE or layout.pp_size > MAX_TP_SIZE:
+        raise Incompatible(f"tp_size {t} / pp_size {layout.pp_size}: more than {MAX_TP_SIZE} ranks")
     if layout.pp_rank >= layout.pp_size:
         raise Incompatible(f"pp_rank {layout.pp_rank} of pp_size {layout.pp_size}")
     if layout.layers.stop > layout.model_layers:
@@ -152,7 +157,7 @@ def check_compatible(local: KVLayout, remote: KVLayout) -> None:
     """Refuse pairs that cannot exchange KV, with a readable reason."""
     check_layout(local)
     check_layout(remote)
-    for name in ("model_layers", "num_kv_heads", "head_dim", "dtype", "kv_parts", "mla", "fused"):
+    for name in ("model_layers", "num_kv_heads", "head_dim", "dtype", "kv_parts", "mla", "fused", "model"):
         lv, rv = getattr(local, name), getattr(remote, name)
         if lv != rv:
             raise Incompatible(f"{name} differs: remote {rv!r}, local {lv!r}")
@@ -321,10 +326,9 @@ def _state_plans(local: KVLayout, remote: KVLayout) -> list[RankPlan]:
             per = rp.units // remote.tp_size
             spans = [(p, max(mine.start, p * per), min(mine.stop, (p + 1) * per))
                      for p in range(mine.start // per, (mine.stop - 1) // per + 1)]
-        else:
-            for u in mine:
-                holders = [p for p in range(remote.tp_size) if u in heads_of(rp.units, remote.tp_size, p)]
-                spans.append((holders[local.tp_rank % len(holders)], u, u + 1))
+        else:  # (each unit on tp / units consecutive remote ranks)
+            per = remote.tp_size // rp.units
+            spans = [(u * per + local.tp_rank % per, u, u + 1) for u in mine]
         for p, lo, hi in spans:
             r0 = heads_of(rp.units, remote.tp_size, p).start
             segs.setdefault(p, []).extend(

@@ -53,6 +53,7 @@ def test_remote_prefill_moves_kv_and_frees_blocks(engines: tuple[Engine, Engine]
     assert isinstance(params["remote_port"], int)
     assert params["tp_size"] == 1
     assert params["remote_generation"].startswith("kvxfer-vllm-prefill-")  # the sidecar's generation
+    assert "remote_state_split" not in params  # (no state layers: nothing to say how it splits)
     # Held on P: several steps later the blocks are still allocated.
     for _ in range(3):
         p.step()

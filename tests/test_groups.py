@@ -253,8 +253,9 @@ def test_a_state_is_loaded_only_under_the_claim_it_was_computed_for() -> None:
     side.backoff, side.state_groups = 1, (True, False)
     side._remote_for = lambda r: RemoteBlocks("p", "h", 1, [1])  # type: ignore[method-assign]
 
-    def claim(prompt: int, computed: object) -> tuple[int, bool]:
+    def claim(prompt: int, computed: object, split: str = "") -> tuple[int, bool]:
         params = {"do_remote_prefill": True} | ({} if computed is None else {"remote_num_tokens": computed})
+        params |= {"remote_state_split": split} if split else {}
         req = SimpleNamespace(prompt_token_ids=list(range(prompt)), kv_transfer_params=params, request_id="r")
         return side.get_num_new_matched_tokens(req, 0)
 
@@ -269,9 +270,16 @@ def test_a_state_is_loaded_only_under_the_claim_it_was_computed_for() -> None:
     side.state_groups = (True, False)
     side._remote_for = lambda r: SimpleNamespace(engine_id="p", tp_size=2)  # type: ignore[method-assign]
     assert claim(100, 99) == (0, False)
-    side.state_split = True  # one that can moves between TP sizes (kvxfer.connector.state_parts)
+    # one that splits is loaded from a prefill that says it splits alike (kv_transfer_params'
+    # remote_state_split: kvxfer.connector.state_parts.StateSplit.signature) ...
+    side.state_split = "s1"
     side._remote_for = lambda r: RemoteBlocks("p", "h", 1, [1], tp_size=2)  # type: ignore[method-assign]
-    assert claim(100, 99) == (99, True)
+    assert claim(100, 99, "s1") == (99, True)
+    # ... not from one that does not say (older, or cannot) or splits otherwise (SD and DS ...)
+    assert claim(100, 99) == (0, False)
+    assert claim(100, 99, "s2") == (0, False)
+    side.state_split = ""
+    assert claim(100, 99, "s1") == (0, False)
 
 
 def test_state_geometry_must_match_on_both_sides() -> None:
@@ -333,3 +341,41 @@ def test_a_state_group_says_how_its_blocks_split_over_tp_ranks() -> None:
     short_conv = StateSplit("short_conv", st.state_shapes, st.state_itemsizes, 2, False, 8)
     msg = registration_from_tensors({}, state={"m0": manager}, state_kind="x", state_split=short_conv, **kw)
     assert msg.layout.state_parts == ()
+
+
+def test_multi_module_mtp_leaves_its_lookahead_window_to_the_decode() -> None:
+    """vLLM's NixlConnector's rule (its ``_prefill_backoff``): with multi-module MTP drafting
+    the prefill stops ``num_prefill_lookahead_tokens - 1`` tokens short (else the MTP layers'
+    KV would hold unverified drafts the decode never rebuilds), the decode loads the rest and
+    computes those itself; one more than a windowed or state group's one token, never less."""
+    from types import SimpleNamespace
+
+    from kvxfer.connector.connector import prefill_backoff
+    from kvxfer.connector.scheduler import SchedulerSide
+    from kvxfer.connector.settings import ConnectorSettings
+
+    def cfg(n: int) -> SimpleNamespace:
+        return SimpleNamespace(num_prefill_lookahead_tokens=n)
+
+    hybrid = Groups.from_config(config((["m0"], MAMBA), (["a"], FULL)))
+    assert [prefill_backoff(None, cfg(n)) for n in (0, 1, 2, 4)] == [0, 0, 1, 3]  # (EAGLE, 1 module: 0)
+    assert [prefill_backoff(hybrid, cfg(n)) for n in (0, 1, 2, 4)] == [1, 1, 1, 3]
+    assert prefill_backoff(None, SimpleNamespace()) == 0  # (a vLLM without the setting)
+
+    class NoSidecar:
+        def ping(self, timeout: float) -> object:
+            return SimpleNamespace(engine_id="p", handshake_host="h", handshake_port=1, generation="g",
+                                   grouped_streams=True, chunk_streams=False, grouped_chunks=False)
+
+    side = SchedulerSide(ConnectorSettings(sidecar="ipc:///none"), 1, client=NoSidecar())  # type: ignore[arg-type]
+    side.backoff = prefill_backoff(None, cfg(3))
+    tokens = list(range(3, 103))
+    req = SimpleNamespace(prompt_token_ids=list(tokens), _all_token_ids=list(tokens), num_prompt_tokens=100,
+                          max_tokens=16, kv_transfer_params={"do_remote_decode": True},
+                          get_skip_reading_prefix_cache=lambda: False)
+    side.on_new_request(req)
+    assert (len(req.prompt_token_ids), req.num_prompt_tokens, req.max_tokens) == (98, 98, 1)
+    side._remote_for = lambda r: RemoteBlocks("p", "h", 1, [1])  # type: ignore[method-assign]
+    decode = SimpleNamespace(prompt_token_ids=list(tokens), kv_transfer_params={"do_remote_prefill": True},
+                             request_id="d")
+    assert side.get_num_new_matched_tokens(decode, 0) == (98, True)  # the decode computes the last 2

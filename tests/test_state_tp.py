@@ -72,8 +72,8 @@ class Model:
                             n_groups)
         return KVLayout(num_layers=0, num_blocks=4, block_size=16, num_kv_heads=1, local_kv_heads=1,
                         head_dim=1, dtype="bfloat16", tp_rank=r, tp_size=tp, state_regions=2,
-                        state_bytes=conv_bytes + ssm_bytes, state_kind=f"{self.kind}: {conv} + {ssm}",
-                        state_parts=parts)
+                        state_bytes=conv_bytes + ssm_bytes, state_parts=parts,
+                        state_kind=f"{self.kind}: {conv} bfloat16 + {ssm} float32")
 
 
 def mamba2(heads: int, head_dim: int, groups: int, d_state: int, rows: int = 3) -> Model:
@@ -256,3 +256,63 @@ def test_an_off_by_one_unit_plan_is_caught() -> None:
             move(m, 2, 4, True)
     finally:
         topo.heads_of = orig
+
+
+def test_state_dtypes_are_part_of_what_must_match_across_tp() -> None:
+    """fp16 and bf16 states have the same bytes a unit; the TP-independent match tells them
+    apart by the dtypes the state kind names (found by review)."""
+    import msgspec
+
+    m = mamba2(heads=8, head_dim=4, groups=8, d_state=4)
+    a, b = m.layout(2, 0, False, 8), m.layout(4, 0, False, 8)
+    fp16 = msgspec.structs.replace(b, state_kind=b.state_kind.replace("bfloat16", "float16"))
+    assert compat_tp_hash(a) == compat_tp_hash(b) != compat_tp_hash(fp16)
+    with pytest.raises(Incompatible, match="state layers differ"):
+        check_compatible(a, fp16)
+
+
+def test_a_peer_of_too_many_ranks_is_refused() -> None:
+    """Planning against a peer's layout costs work in its TP size: a bound (found by review)."""
+    import msgspec
+
+    lay = mamba2(heads=8, head_dim=4, groups=1, d_state=4).layout(2, 0, False, 1)
+    with pytest.raises(Incompatible, match="more than 4096 ranks"):
+        check_layout(msgspec.structs.replace(lay, tp_size=1 << 20))
+
+
+def test_a_peers_rank_must_match_ours_as_the_handshake_did() -> None:
+    """A rank the peer advertises hashes to its own compat_hash and matches the dialer's hashes
+    as the handshake did: a TP-independent hash that its ranks do not bear is refused (found by
+    review: a peer's Welcome.compat_tp is not under the MAC)."""
+    import msgspec
+
+    from kvxfer.errors import RequestError
+    from kvxfer.protocol import RankInfo, RemoteRegion
+    from kvxfer.sidecar.validate import validate_rank_info
+
+    m = mamba2(heads=8, head_dim=4, groups=8, d_state=4)
+    ours, theirs = m.layout(2, 0, False, 8), m.layout(4, 1, False, 8)
+    regions = [RemoteRegion(addr=(1 << 20) * (i + 1), block_len=theirs.state_bytes,
+                            block_stride=theirs.state_bytes) for i in range(theirs.state_regions)]
+    info = RankInfo(layout=theirs, regions=regions)
+    mine = (compat_hash(ours), compat_tp_hash(ours))
+    validate_rank_info(info, compat_hash(theirs), mine)  # (the same model at another TP size)
+    other = msgspec.structs.replace(theirs, state_kind=theirs.state_kind.replace("bfloat16", "float16"))
+    with pytest.raises(RequestError, match="compatibility hashes"):
+        validate_rank_info(RankInfo(layout=other, regions=regions), compat_hash(other), mine)
+
+
+def test_the_signature_in_kv_transfer_params_is_the_same_at_any_tp_size() -> None:
+    """What a prefill tells a decode of another TP size (remote_state_split): equal for the same
+    model at every TP size, different for another conv layout, dtype or group count."""
+    from kvxfer.connector.state_parts import StateSplit
+
+    def sig(tp: int, dim_first: bool = False, groups: int = 8, dtypes: tuple[str, ...] = ("bf16",)) -> str:
+        shapes = mamba2(heads=8, head_dim=4, groups=groups, d_state=4).shapes(tp, dim_first)
+        return StateSplit("mamba2", shapes, (2, 4), tp, dim_first, groups, dtypes).signature()
+
+    assert sig(1) == sig(2) == sig(4) == sig(8) != ""
+    assert sig(2, dim_first=True) != sig(2)
+    assert sig(2, dtypes=("fp16",)) != sig(2)
+    assert sig(2, groups=1) != sig(2)
+    assert StateSplit("short_conv", ((3, 8),), (2,), 2, False).signature() == ""

@@ -24,7 +24,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
-from kvxfer.connector.groups import Group, Groups, UnsupportedModel
+from kvxfer.connector.groups import Group, Groups
 from kvxfer.connector.layout import Placement
 from kvxfer.connector.scheduler import SchedulerSide
 from kvxfer.connector.settings import ConnectorSettings
@@ -176,6 +176,15 @@ def _tp(vllm_config: VllmConfig) -> tuple[int, int]:
         return 0, size
 
 
+def prefill_backoff(groups: Groups | None, vllm_config: Any) -> int:
+    """Prompt tokens the prefill leaves to the decode: one for a windowed or state group
+    (``Groups.backoff``), and multi-module MTP's lookahead window less one, as vLLM's
+    NixlConnector does: the prefill would otherwise leave unverified drafts in the MTP layers'
+    KV, which the decode never rebuilds (its first update is sized by zero rejections)."""
+    lookahead = int(getattr(vllm_config, "num_prefill_lookahead_tokens", 0) or 0)
+    return max(groups.backoff if groups is not None else 0, lookahead - 1)
+
+
 def _state_split(vllm_config: VllmConfig, group: Group | None, tp_size: int) -> StateSplit | None:
     """How this engine's state layers split over TP ranks, from vLLM's spec and settings (None:
     no state layers)."""
@@ -192,7 +201,7 @@ def _state_split(vllm_config: VllmConfig, group: Group | None, tp_size: int) -> 
     n_groups = next((v for n in ("mamba_n_groups", "n_groups", "mamba_ngroups")
                      if isinstance(v := getattr(cfg, n, None), int)), None)
     return StateSplit(group.mamba_type, group.state_shapes, group.state_itemsizes, tp_size, dim_first,
-                      n_groups)
+                      n_groups, group.state_dtypes)
 
 
 class KvxferConnector(KVConnectorBase_V1, *_HMA):  # type: ignore[misc]
@@ -204,9 +213,6 @@ class KvxferConnector(KVConnectorBase_V1, *_HMA):  # type: ignore[misc]
         # Hybrid models: which groups move and how; state layers are refused here, at start-up
         # (UnsupportedModel says which layers and why).
         self.groups = Groups.from_config(kv_cache_config) if kv_cache_config is not None else None
-        if int(getattr(vllm_config, "num_prefill_lookahead_tokens", 0) or 0) > 1:
-            raise UnsupportedModel("kvxfer cannot move KV for multi-token-prediction drafting yet (the "
-                                   "prefill would move draft layers' unverified KV)")
         if self.groups is not None and self.groups.grouped:
             log.info("kvxfer: hybrid KV cache, %d groups: %s", len(self.groups.groups),
                      self.groups.describe())
@@ -218,11 +224,11 @@ class KvxferConnector(KVConnectorBase_V1, *_HMA):  # type: ignore[misc]
             pc = vllm_config.parallel_config
             self.scheduler = SchedulerSide(self.settings, size, engine_id=engine_id_of(vllm_config),
                                            pp_size=pc.pipeline_parallel_size)
-            self.scheduler.backoff = self.groups.backoff if self.groups is not None else 0
+            self.scheduler.backoff = prefill_backoff(self.groups, vllm_config)
             self.scheduler.grouped = self.groups is not None and self.groups.grouped
             self.scheduler.state_groups = self.groups.state if self.groups is not None else ()
             split = _state_split(vllm_config, self.groups.state_group if self.groups else None, size)
-            self.scheduler.state_split = split is not None and bool(split.parts())
+            self.scheduler.state_split = split.signature() if split is not None else ""
             self.scheduler.push.groups = self.groups if self.scheduler.grouped else None
         else:
             device = str(vllm_config.device_config.device_type) if vllm_config.device_config else "cuda"

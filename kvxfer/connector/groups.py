@@ -79,6 +79,7 @@ class Group:
     mamba_type: str = ""
     state_shapes: tuple[tuple[int, ...], ...] = ()
     state_itemsizes: tuple[int, ...] = ()
+    state_dtypes: tuple[str, ...] = ()
 
     def skipped(self, tokens: int) -> int:
         """Tokens vLLM no longer keeps once ``tokens`` are computed (its managers'
@@ -117,9 +118,22 @@ def _state_group(specs: list[Any], layers: Sequence[str]) -> Group:
                  spec_blocks=int(getattr(s, "num_speculative_blocks", 0) or 0),
                  state_kind=f"{mtype.lower()}: {parts}" if parts else mtype.lower(),
                  kept=False,  # (kept, but its state rewritten at every step)
-                 mamba_type=mtype.lower(),
-                 state_shapes=tuple(tuple(int(d) for d in sh) for sh in getattr(s, "shapes", ())),
-                 state_itemsizes=tuple(int(getattr(d, "itemsize", 0) or 0) for d in getattr(s, "dtypes", ())))
+                 mamba_type=mtype.lower(), **_split_of(specs))
+
+
+def _split_of(specs: list[Any]) -> dict[str, Any]:
+    """The state shapes and item sizes the parts are derived from (kvxfer.connector.state_parts),
+    when every layer's state is alike and split over TP ranks; else none (equal TP only)."""
+    kinds = {(str(getattr(k, "mamba_type", "")),
+              tuple(tuple(int(d) for d in sh) for sh in getattr(k, "shapes", ())),
+              tuple(int(getattr(d, "itemsize", 0) or 0) for d in getattr(k, "dtypes", ())),
+              tuple(str(d).removeprefix("torch.") for d in getattr(k, "dtypes", ())),
+              bool(getattr(k, "tp_replicated", False))) for k in specs}
+    if len(kinds) != 1:
+        return {}
+    _, shapes, itemsizes, dtypes, replicated = kinds.pop()
+    return {} if replicated else {"state_shapes": shapes, "state_itemsizes": itemsizes,
+                                  "state_dtypes": dtypes}
 
 
 def _group_of(spec: Any, layers: Sequence[str]) -> Group:

@@ -92,7 +92,7 @@ class SchedulerSide:
         self.backoff = 0  # prompt tokens the prefill leaves to the decode (windowed or state groups)
         self.grouped = False  # block ids travel per KV cache group (Groups.grouped)
         self.state_groups: tuple[bool, ...] = ()  # per transferable group: a state (Mamba/GDN) group
-        self.state_split = False  # the state says how it splits over TP ranks (moves between TP sizes)
+        self.state_split = ""  # how the state splits over TP ranks (StateSplit.signature; "": it does not)
         self._hetero_warned: set[str] = set()  # prefill engines of another TP size (state models)
         self.pp_size = pp_size  # each (pp, tp) worker receives its own layers and reports its own Done
         self.client = client or SidecarClient(settings.sidecar, send_queue=settings.send_queue,
@@ -160,13 +160,12 @@ class SchedulerSide:
         remote = self._remote_for(request)
         if remote is None:
             return 0, False
-        hetero = getattr(remote, "tp_size", self.tp_size) != self.tp_size
-        if any(self.state_groups) and hetero and not self.state_split:
-            # (a state that cannot split over ranks: computed here, not claimed and failed each time)
+        if any(self.state_groups) and not splits_alike(self.state_split, params, remote, self.tp_size):
+            # (a state that cannot move between these TP sizes: computed here, not claimed and failed)
             if remote.engine_id not in self._hetero_warned:
                 self._hetero_warned.add(remote.engine_id)
-                log.warning("prefill engine %s runs TP %d, this one TP %d: state moves only between equal TP "
-                            "sizes; computing prompts here", remote.engine_id, remote.tp_size, self.tp_size)
+                log.warning("prefill engine %s runs TP %d, this one TP %d; their states do not split alike: "
+                            "computing prompts here", remote.engine_id, remote.tp_size, self.tp_size)
             return 0, False
         computed = params.get("remote_num_tokens")
         prompt = len(request.prompt_token_ids or ())
@@ -315,6 +314,7 @@ class SchedulerSide:
             "remote_num_tokens": getattr(request, "num_computed_tokens", 0),
             "remote_generation": self.generation,
             "remote_lease_token": token,
+            **({"remote_state_split": self.state_split} if self.state_split else {}),
         }
 
     # ---------------------------------------------------------------- per step
@@ -414,6 +414,17 @@ def post_loads(client: SidecarClient, settings: ConnectorSettings, ranks: list[t
                         rank, e)
             return n > 0
     return True
+
+
+def splits_alike(ours: str, params: Any, remote: Any, tp_size: int) -> bool:
+    """Whether a prefill's state can move to this engine of ``tp_size``: the same TP size, or
+    one that splits its state as this engine does (``ours``: StateSplit.signature), as its
+    kv_transfer_params say. A push load's come from the router, so there only this side can
+    say (a prefill that cannot fails the load, which is then computed here)."""
+    if getattr(remote, "tp_size", tp_size) == tp_size:
+        return True
+    theirs = ours if getattr(remote, "streamed", False) else params.get("remote_state_split")
+    return bool(ours) and theirs == ours
 
 
 def tokens_to_load(prompt: int, backoff: int, computed: Any, state: bool) -> int:

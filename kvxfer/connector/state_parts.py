@@ -20,6 +20,7 @@ layout and assumes groups split; this covers SD and a replicated group too.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -39,6 +40,17 @@ class StateSplit:
     tp_size: int
     conv_dim_first: bool  # vLLM's conv state layout: (dim, state) "DS", else (state, dim) "SD"
     n_groups: int | None = None  # Mamba2's groups in the model's config
+    dtypes: tuple[str, ...] = ()  # the states' dtype names (the signature tells fp16 from bf16)
+
+    def signature(self) -> str:
+        """What a prefill of another TP size must say in its kv_transfer_params for the decode
+        to load its state (``remote_state_split``): the parts' model-wide shape (runs, units,
+        bytes a unit) and dtypes, the same at any TP size; "" when the state does not split."""
+        parts = self.parts()
+        if not parts:
+            return ""
+        what = (self.mamba_type, tuple((p.count, p.units, p.unit_bytes) for p in parts), self.dtypes)
+        return hashlib.sha256(repr(what).encode()).hexdigest()[:16]
 
     def parts(self, offsets: Sequence[int] | None = None) -> tuple[StatePart, ...]:
         """The parts of a block whose views start at ``offsets`` (default: back to back, as

@@ -7,6 +7,7 @@ No I/O; never imports NIXL, ZMQ, torch or vLLM (see ``kvxfer.protocol``).
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Literal
 
 from msgspec import Meta
@@ -140,9 +141,10 @@ class KVLayout(_Msg, tag="layout"):
         if self.state_regions and not self.state_parts:
             return None
         sig = self.model_signature()[:8]
-        if self.state_regions:
+        if self.state_regions:  # (kind, parts, dtypes: "mamba2: (3, 544) bfloat16 + (8, 64, 16) float32")
             sig += (self.state_regions, self.state_kind.split(":")[0],
-                    tuple((p.count, p.units, p.unit_bytes) for p in self.state_parts))
+                    tuple((p.count, p.units, p.unit_bytes) for p in self.state_parts),
+                    tuple(re.findall(r"\)\s*([A-Za-z0-9_]+)", self.state_kind)))
         return sig
 
 

@@ -314,7 +314,7 @@ class PeerClient:
             raise RequestError(ErrorCode.UNAUTHORIZED, f"{key} cannot prove it holds the shared secret "
                                "(or, both on loopback without one, this host's key)")
         for info in reply.ranks:
-            validate_rank_info(info, reply.compat_hash)
+            validate_rank_info(info, reply.compat_hash, (hello.compat_hash, hello.compat_tp))
         # an older sidecar names no engine per rank: they are all its own engine's
         infos = [msgspec.structs.replace(r, engine_id=r.engine_id or reply.engine_id) for r in reply.ranks]
         if len({r.key for r in infos}) != len(infos):

@@ -10,7 +10,7 @@ Pure: protocol messages in, ``RequestError`` out. No I/O (files are checked by
 from __future__ import annotations
 
 from kvxfer.errors import ErrorCode, RequestError
-from kvxfer.protocol import DTYPE_SIZES, RankInfo, RegisterKV, compat_hash
+from kvxfer.protocol import DTYPE_SIZES, RankInfo, RegisterKV, compat_hash, compat_tp_hash, hashes_match
 from kvxfer.topology import Incompatible, check_layout
 
 
@@ -58,10 +58,12 @@ def validate_registration(msg: RegisterKV) -> None:
             )
 
 
-def validate_rank_info(info: RankInfo, compat: str) -> None:
+def validate_rank_info(info: RankInfo, compat: str, ours: tuple[str, str] = ("", "")) -> None:
     """Check a peer's advertised rank before its metadata is loaded or any descriptor is
     built from it, the way a local registration is checked: a layout that hashes to the
-    compatibility hash agreed at the handshake and is self-consistent (ranks within sizes,
+    compatibility hash agreed at the handshake (``ours``: the dialer's hashes, which it must
+    match as the handshake did: state layouts of another TP size by their TP-independent
+    hash) and is self-consistent (ranks within sizes,
     heads as the TP split gives them, layers within the model), and regions that are blocks
     of exactly that geometry, not overlapping, within the address space. A peer holding the
     secret can still lie about *where* its blocks are; it then hands us its own bytes."""
@@ -74,9 +76,10 @@ def validate_rank_info(info: RankInfo, compat: str) -> None:
     if lay.local_kv_heads > lay.num_kv_heads:
         raise RequestError(ErrorCode.INCOMPATIBLE, f"{who}: {lay.local_kv_heads} local KV heads of "
                            f"{lay.num_kv_heads}")
-    if compat_hash(lay) != compat:
+    mine = compat_hash(lay)
+    if mine != compat or (ours[0] and not hashes_match(*ours, mine, compat_tp_hash(lay))):
         raise RequestError(ErrorCode.INCOMPATIBLE, f"{who}: its layout ({lay.model_signature()}) does "
-                           f"not hash to the handshake's compatibility hash {compat}")
+                           f"not hash to the handshake's compatibility hashes {compat}, {ours}")
     try:
         check_layout(lay)
     except Incompatible as e:
