@@ -179,3 +179,19 @@ def test_the_connector_asks_vllm_for_a_block_outermost_layout(tmp_path: object) 
     assert resolve_kv_cache_layout(cpu, [["LBHNC"]]).name == "LBHNC"
     with pytest.raises(ValueError, match="kv_cache_layout must be one of"):
         ConnectorSettings.from_extra({"kv_cache_layout": "LHBNC"})  # heads outside the block
+
+
+def test_vllm_refuses_sleep_mode_with_kvxfer_at_start_up(tmp_path: object) -> None:
+    """vLLM's sleep mode frees and remaps the KV cache the sidecar mapped; not built, so the
+    connector says no and vLLM's own check refuses the setting (its base connector says yes)."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
+
+    from kvxfer.connector.connector import KvxferConnector
+    from tests.vllm_harness import make_config, write_tiny_model
+
+    cfg = make_config(write_tiny_model(str(tmp_path)), "ipc:///tmp/none")
+    assert KVConnectorBase_V1.supports_sleep_mode(cfg.kv_transfer_config)  # (what it inherited)
+    cfg.model_config.enable_sleep_mode = True
+    with pytest.raises(ValueError, match="does not support sleep mode"):
+        cfg._verify_kv_transfer_compat()
+    assert not KvxferConnector.supports_sleep_mode(cfg.kv_transfer_config)

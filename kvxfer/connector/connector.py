@@ -452,6 +452,13 @@ class KvxferConnector(KVConnectorBase_V1, *_HMA):  # type: ignore[misc]
             log.info("kvxfer: asking vLLM for the %s KV cache layout", layout)
         return layout or None
 
+    @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config: Any) -> bool:
+        """No: vLLM's sleep mode frees and remaps the KV cache the sidecar has mapped and
+        registered (its base connector says yes and does nothing); not built, so vLLM refuses
+        the setting at start-up rather than run with what it would do to the sidecar's view."""
+        return False
+
     def shutdown(self) -> None:
         if self.scheduler is not None:
             self.scheduler.shutdown()
