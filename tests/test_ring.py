@@ -282,7 +282,7 @@ def test_no_ring_from_a_tcp_engine_socket_or_a_missing_sidecar(tmp_path: os.Path
 
 
 def test_rings_take_turns_one_message_each(sidecars: SidecarFactory) -> None:
-    """Two engines' rings, 200 messages queued on each while the sidecar is stopped: it
+    """Two engines' rings, 1,000 messages queued on each while the sidecar is stopped: it
     answers them turn about (one message from each ring in turn), not one ring whole and
     then the other. The TP ranks of one engine each post a request's Recv on their own
     ring; a request (a staged read's one StageRequest for all its ranks) can go only once
@@ -297,9 +297,11 @@ def test_rings_take_turns_one_message_each(sidecars: SidecarFactory) -> None:
         c.ping(20)
         assert c.ring is not None, c.ring_error
     a, b = (c.ring for c in clients)
-    n, seen = 200, []
+    # (1,000 a ring: the answering then lasts long enough for this process to look many times;
+    # with 200, all five attempts once went by in a few bursts in a clean-clone CI run)
+    n, seen = 1000, []
     try:
-        for _attempt in range(5):
+        for _attempt in range(8):
             os.kill(sc.proc.pid, signal.SIGSTOP)
             try:
                 for i in range(n):
