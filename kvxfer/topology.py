@@ -125,7 +125,7 @@ def check_layout(layout: KVLayout) -> None:
     if layout.state_regions and layout.pp_size > 1:
         raise Incompatible("state layers (Mamba/linear attention) with pipeline parallelism are not "
                            "supported")
-    _check_state_parts(layout)
+    check_state_parts(layout)
     if layout.pp_size == 1 and (layout.first_layer or layout.num_layers != layout.model_layers):
         raise Incompatible("without pipeline parallelism a rank holds every layer")
     if layout.holds_kv_together and not layout.fused:
@@ -252,19 +252,9 @@ def plan_state(local: KVLayout, remote: KVLayout) -> list[RankPlan]:
 MAX_STATE_RUNS = 4096  # runs a state block may be cut into (a peer's layout is checked before use)
 
 
-def _state_runs(layout: KVLayout, rank: int | None = None) -> list[tuple[int, int, int, range]]:
-    """(part index, offset in the block, length, the part's units) of each run of ``rank``'s
-    state block, as its ``state_parts`` say."""
-    rank = layout.tp_rank if rank is None else rank
-    out = []
-    for k, p in enumerate(layout.state_parts):
-        mine = heads_of(p.units, layout.tp_size, rank)
-        out += [(k, p.offset + i * p.stride, len(mine) * p.unit_bytes, mine) for i in range(p.count)]
-    return out
-
-
-def _check_state_parts(layout: KVLayout) -> None:
-    """State parts that split over this TP size and tile the state block exactly."""
+def check_state_parts(layout: KVLayout) -> None:
+    """State parts that split over this TP size and tile the state block exactly (part of
+    ``check_layout``; the connector asks it alone before it offers its parts)."""
     parts, t = layout.state_parts, layout.tp_size
     if not parts:
         return
@@ -275,8 +265,10 @@ def _check_state_parts(layout: KVLayout) -> None:
     for p in parts:
         if (p.units >= t and p.units % t) or (p.units < t and t % p.units):
             raise Incompatible(f"a state part of {p.units} units cannot be split over TP {t}")
+    runs = [(p.offset + i * p.stride, len(heads_of(p.units, t, layout.tp_rank)) * p.unit_bytes)
+            for p in parts for i in range(p.count)]  # (this rank's: offset in the block, length)
     covered = 0
-    for _k, off, n, _u in sorted(_state_runs(layout), key=lambda r: r[1]):
+    for off, n in sorted(runs):
         if off != covered:
             raise Incompatible(f"state parts leave a {'gap' if off > covered else 'overlap'} at byte "
                                f"{min(off, covered)} of a {layout.state_bytes}-byte state block")

@@ -34,7 +34,7 @@ import msgspec
 from kvxfer.connector.state_parts import StateSplit
 from kvxfer.errors import ErrorCode, RequestError
 from kvxfer.protocol import KVLayout, KVRegion, MemoryRef, RegisterKV
-from kvxfer.topology import Incompatible, check_layout
+from kvxfer.topology import Incompatible, check_state_parts
 
 log = logging.getLogger(__name__)
 
@@ -295,7 +295,7 @@ def _with_state_parts(layout: KVLayout, found: _Found, split: StateSplit | None)
         return layout
     with_parts = msgspec.structs.replace(layout, state_parts=parts)
     try:
-        check_layout(with_parts)
+        check_state_parts(with_parts)
     except Incompatible as e:
         log.warning("kvxfer: this engine's state parts do not fit its blocks (%s): it moves only "
                     "between engines of TP %d", e, layout.tp_size)

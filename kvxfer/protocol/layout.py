@@ -21,7 +21,7 @@ class StatePart(_Msg, tag="spart"):
     """One TP-sharded piece of a state block (of every state layer): ``count`` runs, ``stride``
     bytes apart, the first at ``offset`` in the block. Run i holds this rank's units of row i
     of a model-wide tensor whose rows are ``units`` units of ``unit_bytes`` each, split over TP
-    ranks as KV heads are (``kvxfer.topology.units_of``: an even split, or one unit replicated
+    ranks as KV heads are (``kvxfer.topology.heads_of``: an even split, or one unit replicated
     when there are fewer units than ranks). E.g. a Mamba2 conv state laid out (dim, state):
     x (units: heads), B and C (units: groups), then its SSM state (units: heads)."""
 
@@ -118,18 +118,14 @@ class KVLayout(_Msg, tag="layout"):
         """Bytes of one block of region ``i`` (attention or state)."""
         return self.region_block_len if i < self.num_regions else self.state_bytes
 
+    def _model(self) -> tuple[object, ...]:
+        """The model and its attention KV, as every rank of every TP size has them."""
+        return (self.model_layers, self.num_kv_heads, self.head_dim, self.dtype, self.kv_parts, self.mla,
+                self.fused, self.model)
+
     def model_signature(self) -> tuple[object, ...]:
         """What two engines must share for their KV blocks to be interchangeable."""
-        sig: tuple[object, ...] = (
-            self.model_layers,
-            self.num_kv_heads,
-            self.head_dim,
-            self.dtype,
-            self.kv_parts,
-            self.mla,
-            self.fused,
-            self.model,
-        )
+        sig = self._model()
         if self.state_regions:  # (attention-only layouts keep the hash they always had)
             sig += (self.state_regions, self.state_bytes, self.state_kind)
         return sig
@@ -140,7 +136,7 @@ class KVLayout(_Msg, tag="layout"):
         not say how it splits (``state_parts``), which matches only at its own TP size."""
         if self.state_regions and not self.state_parts:
             return None
-        sig = self.model_signature()[:8]
+        sig = self._model()
         if self.state_regions:  # (kind, parts, dtypes: "mamba2: (3, 544) bfloat16 + (8, 64, 16) float32")
             sig += (self.state_regions, self.state_kind.split(":")[0],
                     tuple((p.count, p.units, p.unit_bytes) for p in self.state_parts),

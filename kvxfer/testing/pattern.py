@@ -8,6 +8,7 @@ that lands in the wrong place, or a request's blocks swapped with another's, sho
 
 from __future__ import annotations
 
+import hashlib
 import zlib
 
 import numpy as np
@@ -50,8 +51,6 @@ def state_pattern(layout: KVLayout, req_id: str, n_blocks: int) -> np.ndarray:
     blocks. With ``state_parts`` each part's bytes are this rank's units of one model-wide
     pattern (drawn per part whatever the TP size), so a decode rank of any TP size can check
     the state it read from prefill ranks of another; without, one pattern per request."""
-    import hashlib
-
     seed = int.from_bytes(hashlib.blake2b(f"state:{req_id}".encode(), digest_size=8).digest(), "little")
     rng = np.random.default_rng(seed)
     shape = (layout.state_regions, n_blocks)
