@@ -229,6 +229,12 @@ def warm_copies(arenas: Arenas | None) -> None:
         _warming[0].start()
 
 
+def warm_thread() -> threading.Thread | None:
+    """The background import ``warm_copies`` started, if it did (``kvxfer.serve`` freezes the
+    heap once it ends: ``kvxfer.gc_heap``)."""
+    return _warming[0] if _warming else None
+
+
 def _import_torch() -> None:
     import torch
 

@@ -370,6 +370,9 @@ def _join(engines: list[Any]) -> None:
 
 
 _SERIES = (
+    "kvxfer_gc_pause_worst_seconds",
+    "kvxfer_gc_frozen_objects",
+    "kvxfer_gc_old_objects",
     'kvxfer_transfers_total{result="ok"}',
     'kvxfer_transfers_total{result="failed"}',
     "kvxfer_transferred_bytes_total",
