@@ -21,6 +21,7 @@ import pytest
 from kvxfer.client import GroupedLoad
 from kvxfer.errors import ErrorCode
 from kvxfer.protocol import LayersDone
+from kvxfer.sidecar.stream_feed import WATCH_WAIT_S
 from kvxfer.testing.engine import SyntheticEngine, make_layout
 from kvxfer.testing.procs import SidecarFactory
 from tests.test_push import pair as started_pair
@@ -94,7 +95,10 @@ def test_a_grouped_load_that_cannot_be_paired_fails_and_releases_the_prefill(
     """Another number of prompt tokens at the prefill (its state would be another prompt's),
     a prefill held without groups, a decode list longer than the prefill's, a decode without
     groups: refused
-    ``incompatible`` before anything is read; the prefill's lease ends, the engine goes on."""
+    ``incompatible`` before anything is read; the prefill's lease ends, the engine goes on. The
+    prefill computes no layer here: the decode's first watch is answered at once
+    (``ChunkWatch.now``), so each fails well before a watch's wait (``WATCH_WAIT_S``, 5 s: until
+    2026-11-29 each case waited that long for the first answer)."""
     p, d = pair
     cases = {
         "tokens": ([[1, 2], [3], [4]], TOKENS + 1, [[11, 12], [13], [14]]),
@@ -107,7 +111,7 @@ def test_a_grouped_load_that_cannot_be_paired_fails_and_releases_the_prefill(
                       groups=p_groups, num_tokens=tokens)
         d.client.recv(tid, [b for g in d_groups[:2] for b in g], streamed_remote(p, tid), streamed=True,
                       deadline_s=30, groups=GroupedLoad(d_groups, STATE_FLAGS, TOKENS))
-        got = wait_for(d.client, lambda a: bool(a.done or a.failed), timeout=10)
+        got = wait_for(d.client, lambda a: bool(a.done or a.failed), timeout=WATCH_WAIT_S * 0.8)
         assert got.failed, (name, got)
         assert got.failed[0].code == ErrorCode.INCOMPATIBLE, (name, got)
         released = wait_for(p.client, lambda a: bool(a.released), timeout=10)
@@ -117,7 +121,7 @@ def test_a_grouped_load_that_cannot_be_paired_fails_and_releases_the_prefill(
     p.client.hold("bad-flat", [1, 2, 3, 4], token="bad-flat", streamed=True, expires_unix=time.time() + 60,
                   groups=[[1, 2], [3], [4]], num_tokens=TOKENS)
     d.client.recv("bad-flat", [11, 12, 13], streamed_remote(p, "bad-flat"), streamed=True, deadline_s=30)
-    got = wait_for(d.client, lambda a: bool(a.done or a.failed), timeout=10)
+    got = wait_for(d.client, lambda a: bool(a.done or a.failed), timeout=WATCH_WAIT_S * 0.8)
     assert got.failed, got
     assert got.failed[0].code == ErrorCode.INCOMPATIBLE, got
     assert "per KV cache group" in got.failed[0].reason, got

@@ -76,6 +76,7 @@ class Following:
     read: int = 0  # layers pre-read
     nbytes: int = 0
     read_blocks: int = 0  # the prefill's first blocks read whole (a prompt computed in chunks)
+    held: bool = False  # a watch was answered "held" (until then watches ask to be answered now)
     # several KV cache groups computed in chunks: group -> the prefill's list as it was read
     read_groups: dict[int, list[int]] = dataclasses.field(default_factory=dict)
 
@@ -179,6 +180,7 @@ class StreamFeed:
                 continue
             if ans.held != "held":
                 raise _refusal(ans, msg.req_id)
+            f.held = True
             if ans.partial and pairing is None:  # (a prompt computed in chunks: read those done)
                 ans = await self._chunk(key, state, local, peer, ans.engine_id or engine, f, ans)
                 continue
@@ -272,7 +274,8 @@ class StreamFeed:
     def _send_watch(self, f: Following, engine: str) -> Any:
         common = {"seq": 0, "engine_id": engine, "req_id": f.req_id, "have": f.have, "token": f.token,
                   "wait_s": WATCH_WAIT_S, "agent_name": self.peers.channel.agent_name}
-        watch = LayerWatch(**common) if f.seen is None else ChunkWatch(**common, seen=f.seen)
+        watch = (LayerWatch(**common) if f.seen is None  # (the first ChunkWatch asks for what is there now)
+                 else ChunkWatch(**common, seen=f.seen, now=not f.held))
         return asyncio.ensure_future(self.peers.call_peer(f.host, f.port, watch, WATCH_WAIT_S + 5.0))
 
     async def _answer(self, sent: asyncio.Future[Any], deadline: float) -> LayersAt:
