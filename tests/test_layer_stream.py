@@ -19,6 +19,7 @@ from kvxfer.sidecar.layer_stream import (
     remote_suffix,
     restrict,
 )
+from kvxfer.sidecar.stream_feed import FIRST_SEEN
 from kvxfer.topology import plan_stages
 
 
@@ -94,6 +95,17 @@ def test_a_finished_request_answers_at_once() -> None:
     book.start(("p", "t"), {0: (0, 2)}, 1)
     book.report(("p", "t"), 0, 0, 2)
     assert book.watch(("p", "t"), 2, object()) is True
+
+
+def test_a_readers_first_chunk_watch_is_answered_at_once_with_nothing_computed() -> None:
+    """A reader's first ChunkWatch says it saw version -1 (``stream_feed.FIRST_SEEN``): answered
+    at once, no layer computed (it pairs and plans the prefill's blocks meanwhile); its next,
+    with the version it saw, waits for a change; the same watch as a LayerWatch waits too."""
+    book = LayerBook()
+    book.start(("p", "t"), {0: (0, 8)}, 1)
+    assert book.watch(("p", "t"), 0, object(), FIRST_SEEN) is True
+    assert book.watch(("p", "t"), 0, object(), 0) is False
+    assert book.watch(("p", "t"), 0, object()) is False
 
 
 def _layout(tp: int, rank: int, layers: int, pp: int = 0, first: int = 0, total: int = 0,

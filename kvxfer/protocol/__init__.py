@@ -143,8 +143,6 @@ from kvxfer.protocol.peer import (
 #    Hello.compat_tp / Welcome.compat_tp appended: two engines whose state layouts say how they
 #    split shake hands when their TP-independent hashes match, whatever their compat_hash; a 6
 #    that does not know them compares compat_hash alone, as before)
-#    (and ChunkWatch.now appended, decodable by any 6: a reader's first watch answered at once;
-#    a 6 that does not know it answers once a layer is computed, as before)
 PROTOCOL_VERSION = 6
 
 

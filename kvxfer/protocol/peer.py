@@ -128,13 +128,10 @@ class LayerWatch(_Msg, tag="watch"):
 class ChunkWatch(LayerWatch, tag="cwatch"):
     """A ``LayerWatch`` of a reader that reads a prompt computed in chunks as its chunks are
     computed (sent only to a prefill whose ``Welcome`` says ``chunk_streams``): answered as
-    soon as the request's progress is past version ``seen`` (``LayersAt.version``).
-    ``now``: answered at once with what is there, computed or not (a reader's first watch:
-    it pairs and plans the prefill's blocks while the first layer is computed, and one that
-    cannot be paired fails then, not after ``wait_s``)."""
+    soon as the request's progress is past version ``seen`` (``LayersAt.version``): a reader's
+    first says -1, answered at once with what is held (versions start at 0)."""
 
     seen: int = 0
-    now: bool = False
 
 
 HandshakeRequest = Hello | DigestRequest | LeaseRenew | StageRequest | LayerWatch | ChunkWatch

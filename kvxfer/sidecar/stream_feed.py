@@ -58,6 +58,12 @@ from kvxfer.topology import BlockPairing, RankPlan
 log = logging.getLogger("kvxfer.streams")
 
 WATCH_WAIT_S = 5.0  # a watch waits this long at the prefill for more layers (then it is sent again)
+# A reader's first ChunkWatch says it saw version -1: any prefill that knows ChunkWatch answers it
+# at once with what it holds (versions start at 0), computed or not, so the decode pairs and plans
+# the prefill's blocks while the first layer is computed, and a load that cannot be paired fails
+# then, not after a watch's wait for the first layer (no new field: the bytes, and the MAC over
+# them, are any protocol 6's)
+FIRST_SEEN = -1
 UNKNOWN_PAUSE_S = 0.002  # the prefill's Hold is not there yet: ask again after this, doubling
 UNKNOWN_PAUSE_MAX_S = 0.1  # ... up to this
 T = TypeVar("T")
@@ -76,7 +82,6 @@ class Following:
     read: int = 0  # layers pre-read
     nbytes: int = 0
     read_blocks: int = 0  # the prefill's first blocks read whole (a prompt computed in chunks)
-    held: bool = False  # a watch was answered "held" (until then watches ask to be answered now)
     # several KV cache groups computed in chunks: group -> the prefill's list as it was read
     read_groups: dict[int, list[int]] = dataclasses.field(default_factory=dict)
 
@@ -163,7 +168,7 @@ class StreamFeed:
         msg = state.msg
         self._told_if(state, peer, engine, lambda: streamable(peer, msg))
         f = Following(msg.remote_host, msg.remote_port, msg.remote_req_id or msg.req_id, msg.remote_token,
-                      0 if peer.chunk_streams else None)
+                      FIRST_SEEN if peer.chunk_streams else None)
         pause = UNKNOWN_PAUSE_S / 2
         plans: list[RankPlan] = []
         pairing: BlockPairing | None = None
@@ -180,7 +185,6 @@ class StreamFeed:
                 continue
             if ans.held != "held":
                 raise _refusal(ans, msg.req_id)
-            f.held = True
             if ans.partial and pairing is None:  # (a prompt computed in chunks: read those done)
                 ans = await self._chunk(key, state, local, peer, ans.engine_id or engine, f, ans)
                 continue
@@ -274,8 +278,7 @@ class StreamFeed:
     def _send_watch(self, f: Following, engine: str) -> Any:
         common = {"seq": 0, "engine_id": engine, "req_id": f.req_id, "have": f.have, "token": f.token,
                   "wait_s": WATCH_WAIT_S, "agent_name": self.peers.channel.agent_name}
-        watch = (LayerWatch(**common) if f.seen is None  # (the first ChunkWatch asks for what is there now)
-                 else ChunkWatch(**common, seen=f.seen, now=not f.held))
+        watch = LayerWatch(**common) if f.seen is None else ChunkWatch(**common, seen=f.seen)
         return asyncio.ensure_future(self.peers.call_peer(f.host, f.port, watch, WATCH_WAIT_S + 5.0))
 
     async def _answer(self, sent: asyncio.Future[Any], deadline: float) -> LayersAt:

@@ -129,9 +129,8 @@ class StreamServer:
             return
         self._extend(lease, msg)
         watch = Watch(msg, reply)
-        chunks = isinstance(msg, ChunkWatch)
-        if (chunks and msg.now) or self.book.watch(key, msg.have, watch, msg.seen if chunks else None):
-            self._answer(key, watch)  # (``now``: a reader's first, answered with what is there)
+        if self.book.watch(key, msg.have, watch, msg.seen if isinstance(msg, ChunkWatch) else None):
+            self._answer(key, watch)
             return
         watch.timer = asyncio.get_running_loop().call_later(msg.wait_s, self._timed_out, key, watch)
 
