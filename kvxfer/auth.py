@@ -156,7 +156,11 @@ _local = threading.local()  # (each thread's reused buffer: a StageRequest's run
 def _request_mac(secret: bytes, req: DigestRequest | LeaseRenew | StageRequest | LayerWatch) -> str:
     """``_mac(secret, "request", msgpack(req without its mac))``, tagged by kind, computed as
     a stream: the unsigned request is encoded once, into a reused buffer, and hashed behind
-    the bytes msgpack would put before it (a MiB of runs: 1.4-1.6 ms, 0.6 with this)."""
+    the bytes msgpack would put before it (a MiB of runs: 1.4-1.6 ms, 0.6 with this).
+    Over the request as this side decoded it, not the bytes sent: a field appended to one of
+    these kinds would change every MAC between a sidecar that knows it and one that does not
+    (one drops it, the other adds its default), so they are never appended to within a
+    protocol version (``tests/test_protocol.py`` pins their fields)."""
     buf = getattr(_local, "buf", None)
     if buf is None:
         buf = _local.buf = bytearray()

@@ -217,3 +217,24 @@ def test_state_parts_and_tp_hashes_are_appended_within_version_6() -> None:
     assert isinstance(got, p.Hello)
     assert got.compat_tp == ""
     assert got.compat_hash == "ab"
+
+
+def test_the_fields_of_signed_peer_requests_are_pinned_within_version_6() -> None:
+    """A signed peer request's MAC is over its re-encoding as the receiver decoded it
+    (``kvxfer.auth._request_mac``): a field appended to one of these kinds within version 6
+    would make a sidecar that knows it and one that does not refuse each other's requests
+    whenever they share a secret (``ChunkWatch.now`` did, for a day: found by review). Say
+    what a new field needs another way (a value its readers already take, as ChunkWatch's
+    first ``seen`` of -1), or bump the version."""
+    assert p.PROTOCOL_VERSION == 6
+    pinned = {
+        p.DigestRequest: ("req_id", "ranks", "agent_name", "mac", "engine_id", "token"),
+        p.LeaseRenew: ("seq", "engine_id", "req_ids", "extend_s", "agent_name", "mac", "tokens"),
+        p.StageRequest: ("seq", "engine_id", "req_id", "ranks", "nbytes", "readers", "extend_s", "agent_name",
+                         "mac", "token"),
+        p.LayerWatch: ("seq", "engine_id", "req_id", "have", "token", "wait_s", "extend_s", "agent_name", "mac"),
+        p.ChunkWatch: ("seq", "engine_id", "req_id", "have", "token", "wait_s", "extend_s", "agent_name", "mac",
+                       "seen"),
+    }
+    for kind, fields in pinned.items():
+        assert kind.__struct_fields__ == fields, kind.__name__
