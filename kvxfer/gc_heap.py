@@ -12,7 +12,8 @@ demo`` 8 -> 8 run (the sidecar's own ``gc.callbacks``), where a warm one-block r
 collections walk only what was made since: none of that run's collections after the first
 second took more than 4 ms. Objects frozen are still freed when their last reference goes;
 only a reference cycle among them would never be collected, which is why ``settle`` runs
-only where nothing transient is alive: at start, and when a start-up import finishes.
+only where nothing transient is alive: at start, before anything is served, and once a
+start-up import has finished, on the event loop when nothing is in flight or held.
 
 ``GcPauses`` times every collection through ``gc.callbacks``, in plain numbers and no
 locks: a callback runs inside whatever allocation triggered the collection, on whatever
@@ -56,6 +57,11 @@ class GcPauses:
         self.seconds[gen] += took
         self.worst_s = max(self.worst_s, took)
 
+    def forget_worst(self) -> None:
+        """The worst is counted from here: from the heap's last settle (the collections of
+        start-up and of the settles themselves are in the totals and the settle's log line)."""
+        self.worst_s = 0.0
+
 
 PAUSES = GcPauses()
 _installed = threading.Lock()
@@ -69,19 +75,15 @@ def install() -> GcPauses:
     return PAUSES
 
 
-def settle(why: str, pauses: GcPauses | None = None) -> int:
+def settle(why: str) -> int:
     """Collect everything unreachable now, then freeze every object alive (see the module's
-    docstring for where this may run). Returns how many objects are frozen. ``pauses``: its
-    worst is counted from here (start-up's collections, this one's included, are not what an
-    operator asks about)."""
+    docstring for where this may run). Returns how many objects are frozen."""
     t0 = time.perf_counter()
     gc.collect()
     gc.freeze()
-    if pauses is not None:
-        pauses.worst_s = 0.0
     frozen = gc.get_freeze_count()
     took_ms = (time.perf_counter() - t0) * 1e3
-    log.debug("heap settled (%s): %d objects frozen in %.0f ms", why, frozen, took_ms)
+    log.info("heap settled (%s): %d objects frozen, in %.0f ms", why, frozen, took_ms)
     return frozen
 
 
@@ -105,7 +107,8 @@ class GcCollector:
         yield n
         yield s
         yield GaugeMetricFamily("kvxfer_gc_pause_worst_seconds", "The longest garbage collection of this "
-                                "process since its heap settled after start.", value=self.pauses.worst_s)
+                                "process since its heap last settled (at start, and once idle after "
+                                "the staging copies' import).", value=self.pauses.worst_s)
         yield GaugeMetricFamily("kvxfer_gc_frozen_objects", "Objects frozen out of the collector's walks "
                                 "once the heap settled at start.", value=gc.get_freeze_count())
         yield GaugeMetricFamily("kvxfer_gc_old_objects", "Objects in the oldest generation, which a full "

@@ -12,7 +12,6 @@ import asyncio
 import logging
 import os
 import signal
-import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -25,6 +24,9 @@ from kvxfer.sidecar.app import Sidecar
 from kvxfer.sidecar.nixl_staging import warm_thread
 
 log = logging.getLogger("kvxfer.sidecar")
+
+SETTLE_POLL_S = 0.05  # how often the heap's second settle looks for an idle moment
+SETTLE_WAIT_S = 60.0  # and settles anyway after this long busy
 
 
 async def serve(sidecar: Sidecar, policy: AccessPolicy, on_hup: Callable[[], None] | None = None) -> None:
@@ -44,23 +46,33 @@ async def serve(sidecar: Sidecar, policy: AccessPolicy, on_hup: Callable[[], Non
                               f"{config.health_target or ''}: {e}".replace("  ", " ")) from None
     pauses = gc_heap.install()
     sidecar.observer.registry.register(gc_heap.GcCollector(pauses))  # kvxfer_gc_*
-    gc_heap.settle("started", pauses)  # (what start-up built, frozen out of every later collection's walk)
-    threading.Thread(target=_settle_after_imports, args=(pauses,), name="kvxfer-gc-settle",
-                     daemon=True).start()
+    gc_heap.settle("started")  # (nothing served yet: what start-up built, frozen out of later walks)
+    pauses.forget_worst()
+    settled = asyncio.ensure_future(_settle_after_imports(sidecar, pauses))
     try:
         await sidecar.run(on_hup)
     finally:
+        settled.cancel()
         await asyncio.gather(*(c.stop(0.5) for c in control))
         await sidecar.close()
 
 
-def _settle_after_imports(pauses: gc_heap.GcPauses) -> None:
-    """The staging copies import torch in the background from ``open``: when that ends, its
-    modules are frozen too (~140,000 objects a full collection would walk, ~100 ms each)."""
+async def _settle_after_imports(sidecar: Sidecar, pauses: gc_heap.GcPauses) -> None:
+    """The staging copies import torch in the background from ``open``: once that ended, its
+    modules (~140,000 objects a full collection would walk, ~100 ms each) are frozen too, on
+    the loop at a moment nothing is in flight or held (a request's objects frozen mid-flight
+    would never be collected if they became garbage in a cycle); a sidecar busy for
+    ``SETTLE_WAIT_S`` on end settles anyway (what it then keeps for good is bounded, the
+    pauses it saves are not)."""
     warming = warm_thread()
-    if warming is not None:
-        warming.join()
-        gc_heap.settle("torch imported", pauses)
+    if warming is None:
+        return
+    waited = 0.0
+    while warming.is_alive() or (sidecar.lifecycle.view.busy and waited < SETTLE_WAIT_S):
+        await asyncio.sleep(SETTLE_POLL_S)
+        waited += SETTLE_POLL_S if not warming.is_alive() else 0.0
+    gc_heap.settle("torch imported")
+    pauses.forget_worst()
 
 
 def _tie_to_parent() -> bool:

@@ -40,6 +40,10 @@ class KeptSidecars:
         self._pairs[key] = (factory, pair)
         return pair
 
+    def pairs(self) -> list[list[SidecarProc]]:
+        """The pairs kept now (a test that looks at them after its runs)."""
+        return [pair for _, pair in self._pairs.values()]
+
     def after_run(self, pair: list[SidecarProc]) -> list[str]:
         """A run's problems once its engines exited: what the sidecars still hold, or a death."""
         dead = [f"kept {sc.name} sidecar exited with {sc.proc.returncode}"
