@@ -1,5 +1,5 @@
-"""``kvxfer`` command line: ``serve`` (the sidecar daemon), ``demo``, and the control
-verbs ``status``, ``peers``, ``drain``, ``cancel``."""
+"""``kvxfer`` command line: ``serve`` (the sidecar daemon), ``demo``, ``bench``, and the
+control verbs ``status``, ``peers``, ``drain``, ``resume``, ``cancel``."""
 
 from __future__ import annotations
 
