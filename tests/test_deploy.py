@@ -6,12 +6,14 @@ from __future__ import annotations
 import contextlib
 import copy
 import os
+import re
 import shutil
 import signal
 import socket
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +24,7 @@ import yaml
 from kvxfer.client import RemoteBlocks
 from kvxfer.config import load_config
 from kvxfer.testing.engine import SyntheticEngine, make_layout
-from kvxfer.testing.procs import SidecarFactory
+from kvxfer.testing.procs import SidecarFactory, free_port
 from tests.test_sidecar import wait_for
 
 K8S = Path("deploy/k8s")
@@ -286,3 +288,68 @@ def test_systemd_notify_ready_watchdog_and_drain_on_sigterm(sidecars: SidecarFac
         d.close()
         sock.close()
         os.unlink(addr)
+
+
+RULES = Path("deploy/prometheus/kvxfer-rules.yaml")
+_SELECTOR = re.compile(r"\b(kvxfer_[a-z0-9_]+)(\{[^}]*\})?")
+_DURATION = re.compile(r"^\d+[smhd]$")
+
+
+def _families(text: str) -> dict[str, set[str]]:
+    """A /metrics page's names (``# TYPE`` and samples, suffixes included) and the label names
+    seen on each."""
+    out: dict[str, set[str]] = {}
+    for line in text.splitlines():
+        if line.startswith("# TYPE "):
+            name, kind = line.split()[2:4]
+            out.setdefault(name, set())
+            if kind == "counter":  # (a family with no samples yet says its name without _total)
+                out.setdefault(name + "_total", set())
+        elif line.startswith("kvxfer"):
+            name, _, rest = line.partition("{")
+            name = name.split()[0]
+            labels = {kv.split("=")[0] for kv in rest.rpartition("}")[0].split(",") if "=" in kv}
+            out.setdefault(name, set()).update(labels)
+    return out
+
+
+def test_the_alerting_rules_name_only_metrics_and_labels_a_sidecar_exports(sidecars: SidecarFactory) -> None:
+    """deploy/prometheus/kvxfer-rules.yaml: every rule is complete (alert, expr, severity,
+    summary; ``for`` a duration), and every ``kvxfer_*`` metric its expressions select exists
+    on a real sidecar's /metrics, with the labels they match on (a renamed metric would leave
+    an alert that never fires)."""
+    from kvxfer.observe import Observer
+
+    port = free_port()
+    sc = sidecars.start("rules", metrics_port=port)
+    end = time.monotonic() + 20
+    while True:
+        try:
+            text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+            break
+        except OSError:
+            assert time.monotonic() < end, sc.log()
+            time.sleep(0.2)
+    exported = _families(text)
+    declared = {name: set(getattr(c, "_labelnames", ())) for name, c in
+                Observer().registry._names_to_collectors.items()}  # (labels of counters not counted yet)
+    groups = yaml.safe_load(RULES.read_text())["groups"]
+    rules = [r for g in groups for r in g["rules"]]
+    assert len(rules) >= 10
+    assert len({r["alert"] for r in rules}) == len(rules), "alert names repeat"
+    for rule in rules:
+        assert set(rule) <= {"alert", "expr", "for", "labels", "annotations"}, rule
+        assert rule["labels"]["severity"] in ("warning", "critical"), rule
+        assert rule["annotations"]["summary"], rule
+        assert _DURATION.match(rule.get("for", "0s")), rule
+        expr = rule["expr"]
+        assert expr.count("(") == expr.count(")"), rule
+        assert expr.count("[") == expr.count("]"), rule
+        selected = _SELECTOR.findall(expr)
+        assert selected, rule
+        for name, selector in selected:
+            assert name in exported, f"{rule['alert']}: {name} is not on a sidecar's /metrics"
+            labels = {kv.split("=")[0].strip() for kv in selector.strip("{}").split(",") if "=" in kv}
+            known = (exported[name] | declared.get(name, set())
+                     | declared.get(name.removesuffix("_total"), set()))
+            assert labels <= known, f"{rule['alert']}: {name} has no label {labels - known}"
