@@ -12,8 +12,9 @@ demo`` 8 -> 8 run (the sidecar's own ``gc.callbacks``), where a warm one-block r
 collections walk only what was made since: none of that run's collections after the first
 second took more than 4 ms. Objects frozen are still freed when their last reference goes;
 only a reference cycle among them would never be collected, which is why ``settle`` runs
-only where nothing transient is alive: at start, before anything is served, and once a
-start-up import has finished, on the event loop when nothing is in flight or held.
+only where little transient is alive: at start, before the engine and peer listeners serve,
+and once a start-up import has finished, on the event loop when no receive is in flight and
+no lease held.
 
 ``GcPauses`` times every collection through ``gc.callbacks``, in plain numbers and no
 locks: a callback runs inside whatever allocation triggered the collection, on whatever
@@ -110,7 +111,8 @@ class GcCollector:
                                 "process since its heap last settled (at start, and once idle after "
                                 "the staging copies' import).", value=self.pauses.worst_s)
         yield GaugeMetricFamily("kvxfer_gc_frozen_objects", "Objects frozen out of the collector's walks "
-                                "once the heap settled at start.", value=gc.get_freeze_count())
+                                "when the heap settled (at start, and after the staging copies' "
+                                "import).", value=gc.get_freeze_count())
         yield GaugeMetricFamily("kvxfer_gc_old_objects", "Objects in the oldest generation, which a full "
                                 "collection walks (grows with what the sidecar keeps: a leak shows here).",
                                 value=len(gc.get_objects(generation=2)))

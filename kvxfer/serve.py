@@ -12,6 +12,7 @@ import asyncio
 import logging
 import os
 import signal
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -60,18 +61,21 @@ async def serve(sidecar: Sidecar, policy: AccessPolicy, on_hup: Callable[[], Non
 async def _settle_after_imports(sidecar: Sidecar, pauses: gc_heap.GcPauses) -> None:
     """The staging copies import torch in the background from ``open``: once that ended, its
     modules (~140,000 objects a full collection would walk, ~100 ms each) are frozen too, on
-    the loop at a moment nothing is in flight or held (a request's objects frozen mid-flight
-    would never be collected if they became garbage in a cycle); a sidecar busy for
-    ``SETTLE_WAIT_S`` on end settles anyway (what it then keeps for good is bounded, the
-    pauses it saves are not)."""
+    the loop at a moment no receive is in flight and no lease held (``lifecycle``'s busy: a
+    request's objects frozen mid-flight would never be collected if they became garbage in a
+    cycle); a sidecar busy for ``SETTLE_WAIT_S`` on end settles anyway (what it then keeps
+    for good is bounded, the pauses it saves are not)."""
     warming = warm_thread()
     if warming is None:
         return
-    waited = 0.0
-    while warming.is_alive() or (sidecar.lifecycle.view.busy and waited < SETTLE_WAIT_S):
+    give_up = 0.0
+    while True:  # (polled: the import is a thread, and busy a view the loop recomputes)
+        if not warming.is_alive():
+            give_up = give_up or time.monotonic() + SETTLE_WAIT_S
+            if not sidecar.lifecycle.view.busy or time.monotonic() >= give_up:
+                break
         await asyncio.sleep(SETTLE_POLL_S)
-        waited += SETTLE_POLL_S if not warming.is_alive() else 0.0
-    gc_heap.settle("torch imported")
+    gc_heap.settle("after the staging copies' import")
     pauses.forget_worst()
 
 

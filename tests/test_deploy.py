@@ -292,32 +292,36 @@ def test_systemd_notify_ready_watchdog_and_drain_on_sigterm(sidecars: SidecarFac
 
 RULES = Path("deploy/prometheus/kvxfer-rules.yaml")
 _SELECTOR = re.compile(r"\b(kvxfer_[a-z0-9_]+)(\{[^}]*\})?")
+_MATCHER = re.compile(r"([a-zA-Z_][a-zA-Z0-9_]*)\s*(?:=~|!~|!=|=)\s*\"")
+_COUNTED = re.compile(r"\b(?:rate|increase|irate)\(\s*(kvxfer_[a-z0-9_]+)")
+_GROUPING = re.compile(r"\b(?:by|without)\s*\(([^)]*)\)")
 _DURATION = re.compile(r"^\d+[smhd]$")
+_TARGET_LABELS = {"instance", "job"}  # (added by the scrape, not by the sidecar)
 
 
-def _families(text: str) -> dict[str, set[str]]:
-    """A /metrics page's names (``# TYPE`` and samples, suffixes included) and the label names
-    seen on each."""
-    out: dict[str, set[str]] = {}
+def _families(text: str) -> tuple[dict[str, str], dict[str, set[str]]]:
+    """A /metrics page's ``# TYPE`` of each family, and every series name with the label names
+    seen on it."""
+    types: dict[str, str] = {}
+    series: dict[str, set[str]] = {}
     for line in text.splitlines():
         if line.startswith("# TYPE "):
             name, kind = line.split()[2:4]
-            out.setdefault(name, set())
-            if kind == "counter":  # (a family with no samples yet says its name without _total)
-                out.setdefault(name + "_total", set())
+            types[name] = kind
         elif line.startswith("kvxfer"):
             name, _, rest = line.partition("{")
-            name = name.split()[0]
             labels = {kv.split("=")[0] for kv in rest.rpartition("}")[0].split(",") if "=" in kv}
-            out.setdefault(name, set()).update(labels)
-    return out
+            series.setdefault(name.split()[0], set()).update(labels)
+    return types, series
 
 
 def test_the_alerting_rules_name_only_metrics_and_labels_a_sidecar_exports(sidecars: SidecarFactory) -> None:
     """deploy/prometheus/kvxfer-rules.yaml: every rule is complete (alert, expr, severity,
-    summary; ``for`` a duration), and every ``kvxfer_*`` metric its expressions select exists
-    on a real sidecar's /metrics, with the labels they match on (a renamed metric would leave
-    an alert that never fires)."""
+    summary; ``for`` a duration); every ``kvxfer_*`` metric its expressions select is a series
+    or a counter a real sidecar's /metrics has (never a histogram's bare name), counted with
+    ``rate``/``increase`` only if it is a counter, matched and grouped on labels it has; and the
+    labels its annotations print survive its grouping (a renamed metric or label leaves an
+    alert that never fires, or says nothing)."""
     from kvxfer.observe import Observer
 
     port = free_port()
@@ -330,7 +334,7 @@ def test_the_alerting_rules_name_only_metrics_and_labels_a_sidecar_exports(sidec
         except OSError:
             assert time.monotonic() < end, sc.log()
             time.sleep(0.2)
-    exported = _families(text)
+    types, series = _families(text)
     declared = {name: set(getattr(c, "_labelnames", ())) for name, c in
                 Observer().registry._names_to_collectors.items()}  # (labels of counters not counted yet)
     groups = yaml.safe_load(RULES.read_text())["groups"]
@@ -338,6 +342,7 @@ def test_the_alerting_rules_name_only_metrics_and_labels_a_sidecar_exports(sidec
     assert len(rules) >= 10
     assert len({r["alert"] for r in rules}) == len(rules), "alert names repeat"
     for rule in rules:
+        name_of = rule["alert"]
         assert set(rule) <= {"alert", "expr", "for", "labels", "annotations"}, rule
         assert rule["labels"]["severity"] in ("warning", "critical"), rule
         assert rule["annotations"]["summary"], rule
@@ -346,10 +351,21 @@ def test_the_alerting_rules_name_only_metrics_and_labels_a_sidecar_exports(sidec
         assert expr.count("(") == expr.count(")"), rule
         assert expr.count("[") == expr.count("]"), rule
         selected = _SELECTOR.findall(expr)
-        assert selected, rule
+        assert selected or expr.startswith("up{"), rule
+        labels_of: set[str] = set(_TARGET_LABELS)
         for name, selector in selected:
-            assert name in exported, f"{rule['alert']}: {name} is not on a sidecar's /metrics"
-            labels = {kv.split("=")[0].strip() for kv in selector.strip("{}").split(",") if "=" in kv}
-            known = (exported[name] | declared.get(name, set())
-                     | declared.get(name.removesuffix("_total"), set()))
-            assert labels <= known, f"{rule['alert']}: {name} has no label {labels - known}"
+            kind = types.get(name)
+            assert name in series or kind == "counter", f"{name_of}: {name} is not a series on /metrics"
+            known = (series.get(name, set()) | declared.get(name, set())
+                     | declared.get(name.removesuffix("_total"), set()) | _TARGET_LABELS)
+            matched = set(_MATCHER.findall(selector))
+            assert matched <= known, f"{name_of}: {name} has no label {matched - known}"
+            labels_of |= known
+        for name in _COUNTED.findall(expr):
+            assert types.get(name) == "counter", f"{name_of}: rate/increase of {name}, a {types.get(name)}"
+        grouped = [{x.strip() for x in g.split(",") if x.strip()} for g in _GROUPING.findall(expr)]
+        for g in grouped:
+            assert g <= labels_of, f"{name_of}: grouped by {g - labels_of}"
+        kept = set.intersection(*grouped) if grouped and " by " in f" {expr} " else labels_of
+        printed = set(re.findall(r"\$labels\.([a-zA-Z_]+)", " ".join(rule["annotations"].values())))
+        assert printed <= kept, f"{name_of}: prints {printed - kept}, gone after its grouping"

@@ -57,5 +57,6 @@ def test_a_staging_sidecar_freezes_its_imports_and_keeps_its_oldest_generation_s
                 time.sleep(0.1)
             assert m["kvxfer_gc_frozen_objects"] > 100_000, (sc.name, m)
             assert m["kvxfer_gc_old_objects"] < 20_000, (sc.name, m)
+            assert "heap settled (after the staging copies' import)" in sc.log(), sc.log()[-3000:]
     finally:
         kept.close()

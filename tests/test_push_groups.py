@@ -129,6 +129,26 @@ def test_a_grouped_load_that_cannot_be_paired_fails_and_releases_the_prefill(
     assert released.released[0].req_id == "bad-flat", released
 
 
+def test_a_watch_parked_before_its_hold_is_answered_when_the_hold_comes(
+        pair: tuple[SyntheticEngine, SyntheticEngine]) -> None:
+    """The decode dispatched first: its first watch waits at the prefill for the Hold, and is
+    answered as soon as that comes, no layer computed (``FIRST_SEEN``): a load whose groups
+    cannot be paired fails then, not after a watch's wait for the first layer."""
+    p, d = pair
+    tid = "early-unpaired"
+    d.client.recv(tid, [11, 12, 13], streamed_remote(p, tid), streamed=True, deadline_s=30,
+                  groups=GroupedLoad([[11, 12], [13], [14]], STATE_FLAGS, TOKENS))
+    time.sleep(0.3)  # (its watch is parked there now)
+    assert not d.client.poll().failed
+    p.client.hold(tid, [1, 2, 3, 4], token=tid, streamed=True, expires_unix=time.time() + 60,
+                  groups=[[1, 2], [3], [4]], num_tokens=TOKENS + 1)  # (another prompt length)
+    got = wait_for(d.client, lambda a: bool(a.done or a.failed), timeout=WATCH_WAIT_S * 0.8)
+    assert got.failed, got
+    assert got.failed[0].code == ErrorCode.INCOMPATIBLE, got
+    released = wait_for(p.client, lambda a: bool(a.released), timeout=10)
+    assert released.released[0].req_id == tid, released
+
+
 def test_a_hold_whose_groups_name_blocks_it_does_not_hold_is_refused(
         pair: tuple[SyntheticEngine, SyntheticEngine]) -> None:
     p, _ = pair
