@@ -16,6 +16,7 @@ Each registration records the registering process as the kernel reported it
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 
 from kvxfer.abandoned import Abandoned
@@ -152,7 +153,7 @@ class Engines:
         for entry in self.registry.dead():
             await self.gone(entry, f"engine process {entry.pid} exited")
         for entry in self.registry.orphans():
-            if not self.holds.engine_holds(entry.key.engine):
+            if not self.holds.engine_holds(entry.key.engine, made_by=entry.orphaned_at):
                 log.warning("%s: the last lease of its dead engine ended; freeing its memory", entry.key)
                 await self.registry.remove(entry.key, unlink=True, only=entry)
                 self.changed.emit()
@@ -186,7 +187,7 @@ class Engines:
             # and NIXL registration (the memory lives while we map it) until its leases end.
             log.warning("%s: %s; %d held requests stay readable until read or expired, then its "
                         "memory is freed", entry.key, reason, held)
-            entry.orphaned = True
+            entry.orphaned, entry.orphaned_at = True, time.monotonic()
         else:
             log.warning("%s: %s; dropping its registration and receives", entry.key, reason)
             await self.registry.remove(entry.key, unlink=True, only=entry)  # (it cannot remove its files)

@@ -284,9 +284,10 @@ class Holds:
         out, self.outbox = self.outbox, []
         return out
 
-    def engine_holds(self, engine: str) -> int:
-        """Leases held for ``engine``."""
-        return sum(1 for lease in self.table.items() if lease.engine == engine)
+    def engine_holds(self, engine: str, made_by: float | None = None) -> int:
+        """Leases held for ``engine`` (``made_by``: made by then, monotonic)."""
+        return sum(1 for lease in self.table.items() if lease.engine == engine
+                   and (made_by is None or lease.created <= made_by))
 
     def end_engine(self, engine: str) -> int:
         """Its rank's memory is being replaced: end the engine's leases now (``aborted``)."""

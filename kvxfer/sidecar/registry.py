@@ -57,8 +57,11 @@ class RankEntry:
     pools: list[str] = field(default_factory=list)  # memory-channel pools of its KV cache
     registered_unix: float = 0.0
     # Its engine died while leases still held blocks in it: kept (mapped, registered with
-    # NIXL) so those decodes still read them, removed when the last lease ends.
+    # NIXL) so those decodes still read them, removed when the last of those leases ends
+    # (``orphaned_at``, monotonic: leases the engine id holds that were made later are a
+    # replacement's, in its own memory, and keep nothing here alive).
     orphaned: bool = False
+    orphaned_at: float = 0.0
     groups: list[KVGroup] = field(default_factory=list)  # vLLM's KV cache groups (hybrid models)
     # the registering connection's process as the kernel reported it, with its ancestry (who
     # speaks for this rank's engine: kvxfer.sidecar.ownership)
