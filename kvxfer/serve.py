@@ -33,6 +33,8 @@ SETTLE_WAIT_S = 60.0  # and settles anyway after this long busy
 async def serve(sidecar: Sidecar, policy: AccessPolicy, on_hup: Callable[[], None] | None = None) -> None:
     """Open the sidecar, start its control plane, serve until stopped, close."""
     config = sidecar.config
+    pauses = gc_heap.install()
+    sidecar.observer.registry.register(gc_heap.GcCollector(pauses))  # kvxfer_gc_* (before /metrics serves)
     await sidecar.open()
     control: list[Any] = []
     if config.control_target or config.health_target:
@@ -45,8 +47,6 @@ async def serve(sidecar: Sidecar, policy: AccessPolicy, on_hup: Callable[[], Non
             await sidecar.close()
             raise ListenError(f"control listener {config.control_target or ''} "
                               f"{config.health_target or ''}: {e}".replace("  ", " ")) from None
-    pauses = gc_heap.install()
-    sidecar.observer.registry.register(gc_heap.GcCollector(pauses))  # kvxfer_gc_*
     gc_heap.settle("started")  # (nothing served yet: what start-up built, frozen out of later walks)
     pauses.forget_worst()
     settled = asyncio.ensure_future(_settle_after_imports(sidecar, pauses))

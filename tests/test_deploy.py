@@ -327,13 +327,13 @@ def test_the_alerting_rules_name_only_metrics_and_labels_a_sidecar_exports(sidec
     port = free_port()
     sc = sidecars.start("rules", metrics_port=port)
     end = time.monotonic() + 20
-    while True:
-        try:
+    while True:  # (until it serves: ready, its heap settled)
+        with contextlib.suppress(OSError):
             text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
-            break
-        except OSError:
-            assert time.monotonic() < end, sc.log()
-            time.sleep(0.2)
+            if "\nkvxfer_ready 1.0" in text and "heap settled" in sc.log():
+                break
+        assert time.monotonic() < end, sc.log()
+        time.sleep(0.2)
     types, series = _families(text)
     declared = {name: set(getattr(c, "_labelnames", ())) for name, c in
                 Observer().registry._names_to_collectors.items()}  # (labels of counters not counted yet)
