@@ -76,16 +76,15 @@ def install() -> GcPauses:
     return PAUSES
 
 
-def settle(why: str) -> int:
+def settle(why: str, pauses: GcPauses) -> None:
     """Collect everything unreachable now, then freeze every object alive (see the module's
-    docstring for where this may run). Returns how many objects are frozen."""
+    docstring for where this may run); ``pauses``' worst counts from here."""
     t0 = time.perf_counter()
     gc.collect()
     gc.freeze()
-    frozen = gc.get_freeze_count()
     took_ms = (time.perf_counter() - t0) * 1e3
-    log.info("heap settled (%s): %d objects frozen, in %.0f ms", why, frozen, took_ms)
-    return frozen
+    log.info("heap settled (%s): %d objects frozen, in %.0f ms", why, gc.get_freeze_count(), took_ms)
+    pauses.forget_worst()
 
 
 class GcCollector:

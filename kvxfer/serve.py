@@ -47,8 +47,7 @@ async def serve(sidecar: Sidecar, policy: AccessPolicy, on_hup: Callable[[], Non
             await sidecar.close()
             raise ListenError(f"control listener {config.control_target or ''} "
                               f"{config.health_target or ''}: {e}".replace("  ", " ")) from None
-    gc_heap.settle("started")  # (nothing served yet: what start-up built, frozen out of later walks)
-    pauses.forget_worst()
+    gc_heap.settle("started", pauses)  # (nothing served yet: what start-up built, frozen out of later walks)
     settled = asyncio.ensure_future(_settle_after_imports(sidecar, pauses))
     try:
         await sidecar.run(on_hup)
@@ -75,8 +74,7 @@ async def _settle_after_imports(sidecar: Sidecar, pauses: gc_heap.GcPauses) -> N
             if not sidecar.lifecycle.view.busy or time.monotonic() >= give_up:
                 break
         await asyncio.sleep(SETTLE_POLL_S)
-    gc_heap.settle("after the staging copies' import")
-    pauses.forget_worst()
+    gc_heap.settle("after the staging copies' import", pauses)
 
 
 def _tie_to_parent() -> bool:

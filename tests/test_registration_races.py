@@ -182,17 +182,6 @@ def test_freeing_a_dead_engines_orphans_spares_its_replacement(factory: SidecarF
             e.close()
 
 
-def _dying_engine(endpoint: str, conn) -> None:  # type: ignore[no-untyped-def]
-    es = [SyntheticEngine(_big(i, 16), endpoint, seed=1, engine_id="e2") for i in (0, 1)]
-    for e in es:
-        e.start()
-    es[0].client.hold("old", [1, 2], lease_s=60, token="t", engine_id="e2")
-    es[0].client.ping(10)
-    conn.send("held")
-    conn.recv()
-    os.kill(os.getpid(), signal.SIGKILL)
-
-
 def test_a_replacements_leases_do_not_keep_a_dead_engines_ranks(factory: SidecarFactory) -> None:
     """An engine died holding a lease (both its TP ranks kept, orphaned, for that lease's
     reader). Its rank 0 comes back (its registration ends the old leases: their memory is
@@ -203,7 +192,7 @@ def test_a_replacements_leases_do_not_keep_a_dead_engines_ranks(factory: Sidecar
     ps = factory.start("orph2-p", "--engine-check-s", "1", metrics_port=free_port())
     ctx = mp.get_context("spawn")
     here, there = ctx.Pipe()
-    first = ctx.Process(target=_dying_engine, args=(ps.endpoint, there))
+    first = ctx.Process(target=_first_engine, args=(ps.endpoint, there))
     first.start()
     new: SyntheticEngine | None = None
     try:
@@ -215,9 +204,9 @@ def test_a_replacements_leases_do_not_keep_a_dead_engines_ranks(factory: Sidecar
         while ps.log().count("stay readable") < 2:  # (both ranks orphaned: a lease held them)
             assert time.monotonic() < deadline, ps.log()[-3000:]
             time.sleep(0.05)
-        new = SyntheticEngine(_big(0, 16), ps.endpoint, seed=2, engine_id="e2")
+        new = SyntheticEngine(_big(0, 16), ps.endpoint, seed=2, engine_id="e")
         new.start()
-        new.client.hold("new", [3, 4], lease_s=60, token="t2", engine_id="e2")
+        new.client.hold("new", [3, 4], lease_s=60, token="t2", engine_id="e")
         new.client.ping(10)
         assert "leases on its old memory ended" in ps.log()
         deadline = time.monotonic() + 10  # (checks every second)
