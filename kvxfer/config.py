@@ -153,6 +153,10 @@ class Config:
                                 "loop: ~0.3 ms per 2 MiB here); larger ones, and every one while "
                                 "the NIXL thread is in NIXL, go through the NIXL thread. 0: all "
                                 "do. Not used with --cuda on.", default=4096)
+    notice_fences: bool = _doc("After each NIXL notification to a peer, read 16 bytes from it (a fence), "
+                               "so that the next read from that peer completes inside its post: in UCX "
+                               "peer mode a transfer posted after a notification otherwise waits for "
+                               "the peer's next progress poll (host memory only).", default=True)
     staging_mib: int = _doc("Staging arena, MiB of host memory registered with NIXL (0: none). A "
                             "read of many small descriptors (a head slice between different TP "
                             "sizes, equal TP > 1 in NHD) is copied by the prefill sidecar into "

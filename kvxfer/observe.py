@@ -13,7 +13,7 @@ import asyncio
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -197,9 +197,6 @@ class Observer:
         self.g_dlists = Gauge("kvxfer_descriptor_lists_prepared", "NIXL descriptor-list pairs this "
                               "sidecar prepared (prep_xfer_dlist), ever: one per (peer, rank pair, "
                               "region span), reused by every later read.", registry=r)
-        self.g_inline = Gauge("kvxfer_reads_posted_by_loop", "Reads this sidecar's event loop planned "
-                              "and posted itself, with no hand-off to the NIXL thread "
-                              "(--inline-read-kib), ever.", registry=r)
         self.g_ranks = Gauge("kvxfer_registered_ranks", "Engine ranks (engine, DP, PP, TP) registered "
                              "with live engines.", registry=r)
         self.g_orphans = Gauge("kvxfer_orphaned_ranks", "Ranks whose engine died, kept only while "
@@ -368,37 +365,6 @@ class Observer:
     def bad_message(self, socket: str) -> None:
         self.totals.bad_messages += 1
         self.m_bad.labels(socket).inc()
-
-
-def staging_gauges(registry: CollectorRegistry, decode: Callable[[], dict[str, int]],
-                   slots: Callable[[], int], arenas: Callable[[], tuple[int, int]],
-                   answered: Callable[[], tuple[int, float, float]] = lambda: (0, 0.0, 0.0)) -> None:
-    """Staged reads (#35, #39), for the metrics thread: ``kvxfer_staged_receives{how}``, the
-    receives this sidecar staged in one slot, in windows (too large for one), or prepared
-    and then read directly (the prefill had no room: on a GPU ~100x slower);
-    ``kvxfer_staging_slots``, the slots this sidecar holds for readers of its arenas;
-    ``arenas()``: (``kvxfer_staging_arena_bytes``, the arenas' bytes, host and VRAM,
-    ``kvxfer_staging_arenas_missing``, CUDA devices with VRAM registered and no arena: every
-    read of theirs goes directly, on a GPU over tcp); ``answered()``: the slots this sidecar
-    answered, their seconds from request to answer and the gathers' part, summed."""
-    g = Gauge("kvxfer_staged_receives", "Receives staged, by how: slot (one slot), windows (a read too "
-              "large for one slot, or gathered on several GPUs of the prefill, in windows through one), "
-              "direct (prepared, then read directly: the prefill had no room).", ["how"], registry=registry)
-    for how in ("slot", "windows", "direct"):
-        g.labels(how).set_function(lambda how=how: decode().get(how, 0))
-    Gauge("kvxfer_staging_slots", "Staging slots this sidecar holds for its readers.",
-          registry=registry).set_function(slots)
-    Gauge("kvxfer_staging_arena_bytes", "Bytes of this sidecar's staging arenas (host and VRAM).",
-          registry=registry).set_function(lambda: arenas()[0])
-    Gauge("kvxfer_staging_arenas_missing", "CUDA devices with VRAM registered here and no staging arena "
-          "(it could not be made: their reads go directly, slowly; tried again 30 s on).",
-          registry=registry).set_function(lambda: arenas()[1])
-    for i, (name, what) in enumerate((("answers", "Staging slots answered here (prefill), ever."),
-                                      ("answer_seconds", "Seconds from a staging request's arrival to its "
-                                       "slot's answer here, summed over every slot answered."),
-                                      ("gather_seconds", "Of those, the gathers' (the copy into the slot, "
-                                       "on the NIXL thread, and the hand-offs), summed."))):
-        Gauge(f"kvxfer_staged_{name}", what, registry=registry).set_function(lambda i=i: answered()[i])
 
 
 def due(warned_at: dict[str, float], key: str) -> bool:

@@ -632,9 +632,12 @@ def test_a_read_that_cannot_settle_exits_3_at_once() -> None:
     on the frozen peer's endpoints or on open handshake sockets."""
     with SidecarFactory() as f:
         ps = f.start("stuck-p", "--handshake-timeout-s", "2")
-        # (--peer-stall-s 0: the last resort, for a read that settles no other way)
+        # (--peer-stall-s 0: the last resort, for a read that settles no other way;
+        # --no-notice-fences: the warm read's ReadNotice leaves the endpoint's next flush
+        # waiting for the frozen target, which is what keeps this read from settling: with a
+        # fence taking that wait, CMA reads the stopped process's memory and the read lands)
         ds = f.start("stuck-d", "--handshake-timeout-s", "2", "--settle-timeout-s", "1",
-                     "--peer-stall-s", "0")
+                     "--peer-stall-s", "0", "--no-notice-fences")
         lay = make_layout(layers=2, num_blocks=32, heads=2, head_dim=64)
         p, d = SyntheticEngine(lay, ps.endpoint, seed=1), SyntheticEngine(lay, ds.endpoint, seed=2)
         try:

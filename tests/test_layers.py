@@ -39,7 +39,7 @@ LAYERS: list[tuple[str, list[str]]] = [
         "kvxfer.memchannel", "kvxfer.ringchannel",
         "kvxfer.memory", "kvxfer.sidecar.mapping", "kvxfer.sidecar.pool_server",
         "kvxfer.observe", "kvxfer.systemd", "kvxfer.sidecar.procfs", "kvxfer.sidecar.sockdir",
-        "kvxfer.sidecar.loop_lag", "kvxfer.gc_heap",
+        "kvxfer.sidecar.loop_lag", "kvxfer.gc_heap", "kvxfer.transfer_gauges",
     ]),
     ("I/O shells: peers, holds, receiver, views", [
         "kvxfer.status", "kvxfer.sidecar.peer*",

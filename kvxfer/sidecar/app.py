@@ -39,7 +39,7 @@ from kvxfer.config import Config
 from kvxfer.errors import ListenError
 from kvxfer.logs import JsonFormatter
 from kvxfer.memchannel import mem_socket_path
-from kvxfer.observe import Event, Observer, staging_gauges, start_metrics_server
+from kvxfer.observe import Event, Observer, start_metrics_server
 from kvxfer.protocol import (
     PROTOCOL_VERSION,
     Cancel,
@@ -74,6 +74,7 @@ from kvxfer.sidecar.registry import RankRegistry
 from kvxfer.sidecar.stall_guard import StallGuard
 from kvxfer.sidecar.stream_server import StreamServer
 from kvxfer.systemd import Notifier
+from kvxfer.transfer_gauges import read_path_gauges, staging_gauges
 
 log = logging.getLogger("kvxfer.sidecar")  # (the name operators filter on)
 EXIT_STUCK = 3  # a failed read's chunks could not be stopped: restart to fence them off
@@ -90,7 +91,7 @@ def transfer_options(config: Config, words: LeaseWords | None = None) -> Transfe
         chunk_bytes=config.chunk_mib << 20, max_inflight_chunks=config.max_inflight_chunks,
         merge_runs=config.merge_runs, idle_poll_s=config.idle_poll_ms / 1000.0,
         active_poll_s=config.active_poll_ms / 1000.0, settle_timeout_s=config.settle_timeout_s,
-        cuda=config.cuda_enabled,
+        cuda=config.cuda_enabled, notice_fences=config.notice_fences,
         # (posting from the loop's thread is verified on host memory only: with CUDA the
         # NIXL thread stays the only one that drives NIXL)
         inline_bytes=0 if config.cuda_enabled else config.inline_read_kib << 10,
@@ -217,7 +218,6 @@ class Sidecar:
         # (read from the metrics thread: lengths and ints only, never an iteration)
         o.g_dlists.set_function(lambda: self.nixl.counts[0])
         o.g_agents.set_function(lambda: self.nixl.counts[1])
-        o.g_inline.set_function(lambda: self.nixl.reads_inline)
         o.g_pools.set_function(lambda: self.pools.stats()[0] if self.pools else 0)
         o.g_pool_bytes.set_function(lambda: self.pools.stats()[1] if self.pools else 0)
         o.g_peers.set_function(lambda: len(self.book))
@@ -226,6 +226,7 @@ class Sidecar:
         staging_gauges(o.registry, self.receiver.staging.counts, lambda: self.peer_server.stager.slots,
                        lambda: (sum(n for _, n in self.nixl.spans.copy().values()), self.nixl.counts[2]),
                        self.peer_server.stager.times.row)
+        read_path_gauges(o.registry, self.nixl.read_path)
 
     # ------------------------------------------------------------------ life
 

@@ -7,10 +7,13 @@ port's thread alone (``kvxfer.sidecar.nixl_port``), or by the loop under the por
 from __future__ import annotations
 
 import importlib
+import logging
 import os
 from typing import Any
 
 from kvxfer.errors import ConfigError, ErrorCode
+
+log = logging.getLogger("kvxfer.transfer")
 
 os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
 os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
@@ -84,3 +87,31 @@ def error_code(exc: BaseException) -> str:
     if "RemoteDisconnect" in name:
         return ErrorCode.PEER_DISCONNECTED
     return ErrorCode.TRANSFER_ERROR
+
+
+def xfer_state(agent: Any, handle: Any) -> str:
+    """A transfer's state on ``agent`` ("ERR" when NIXL raises: a handle it no longer knows)."""
+    try:
+        return str(agent.check_xfer_state(handle))
+    except Exception:
+        return "ERR"
+
+
+def release_or_park(agent: Any, handle: Any, parked: list[Any]) -> bool:
+    """Release a transfer handle; one the backend refuses (still active) is parked in
+    ``parked``, to be released again later and never touched otherwise (False)."""
+    try:
+        agent.release_xfer_handle(handle)
+        return True
+    except Exception as e:
+        log.debug("xfer handle release deferred: %s", e)
+        parked.append(handle)
+        return False
+
+
+def release_parked(agent: Any, parked: list[Any]) -> list[Any]:
+    """Release again the handles parked by ``release_or_park``; what is still refused."""
+    still: list[Any] = []
+    for handle in parked:
+        release_or_park(agent, handle, still)
+    return still

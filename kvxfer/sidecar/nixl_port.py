@@ -38,9 +38,10 @@ from typing import Any, TypeVar
 from kvxfer.errors import ErrorCode
 from kvxfer.protocol import DigestItem, RankInfo, RegisterKV
 from kvxfer.sidecar.nixl_agent import create_agent
+from kvxfer.sidecar.nixl_extras import PeerExtras, host_extras
 from kvxfer.sidecar.nixl_memory import Cleanup, Registrations
-from kvxfer.sidecar.nixl_reads import ProofScratch, Reads
-from kvxfer.sidecar.nixl_staging import Arenas, Gathers, new_read, plan_gather, warm_copies
+from kvxfer.sidecar.nixl_reads import Reads
+from kvxfer.sidecar.nixl_staging import Arenas, Gathers, new_read, plan_gather
 from kvxfer.sidecar.nixl_types import Event, NoticeReceived, PollPolicy, ReadRefused, TransferOptions
 from kvxfer.sidecar.ownership import Creds, Holder
 from kvxfer.sidecar.plan import ReadSpec
@@ -52,15 +53,6 @@ T = TypeVar("T")
 _Command = tuple[Callable[[], Any], concurrent.futures.Future[Any]]
 
 
-def send_notif_logged(nixl_agent: Any, agent: str, payload: bytes) -> None:
-    """(a dead peer reports itself through its reads)"""
-    try:
-        nixl_agent.send_notif(agent, payload)
-    except Exception as e:
-        log.warning("notification to %s not sent: %s", agent, e)
-
-
-
 Spans = dict[int, tuple[int, int]]  # device (-1: host) -> (address, size) of its staging arena
 
 
@@ -69,33 +61,6 @@ def offered_staging(port: NixlPort) -> int:
     CUDA, once a VRAM rank's registration made its device's)."""
     vram = [size for dev, (_, size) in port.spans.items() if dev >= 0]
     return max(vram) if vram else port.spans.get(-1, (0, 0))[1]
-
-
-def host_extras(agent: Any, options: TransferOptions, name: str = "") -> tuple[ProofScratch | None, Arenas]:
-    """Host memory registered before any handshake (so every Welcome's metadata covers it):
-    the lease words this sidecar publishes, where the words it reads land (with an agent of
-    their own, ``name``-words, that copies inline: ``ProofScratch``), and the staging arenas
-    (host memory now; with CUDA, one per device as its first rank registers)."""
-    addr, nbytes = options.lease_words
-    if nbytes:
-        agent.register_memory([(addr, nbytes, 0, "")], "DRAM")
-    host = not options.cuda
-    scratch = None
-    if options.proof_slots > 0 and host:
-        inline = None
-        if name and options.num_threads > 0:  # (without worker threads the main agent copies inline)
-            try:
-                inline = create_agent(f"{name}-words", options.ucx_error_mode, 0)
-            except Exception as e:
-                log.warning("no agent of their own for lease word reads (%s): the main agent reads them", e)
-        try:
-            scratch = ProofScratch(agent, options.proof_slots, inline)
-        except Exception as e:  # (its memory not registered with it: the main agent reads the words)
-            log.warning("lease word reads by the main agent: %s", e)
-            scratch = ProofScratch(agent, options.proof_slots)
-    arenas = Arenas(agent, options.staging_bytes * host, options.vram_staging_bytes * (not host))
-    warm_copies(arenas)  # (at start: a staged read in the import's second would wait for it)
-    return scratch, arenas
 
 
 def read_bound(spec: ReadSpec, info: RankInfo) -> int:
@@ -148,6 +113,26 @@ class LoopEvents:
             except Exception:  # (as the loop would: logged, the next event still delivered)
                 log.exception("handling %s", type(event).__name__)
 
+def run_queued(item: _Command | tuple[()], cmds: queue.SimpleQueue[_Command | None]) -> bool:
+    """Run ``item`` (``()``: none) and every command queued behind it, each settling its
+    future; False once told to stop (``None`` queued)."""
+    while item:
+        fn, fut = item
+        if fut.set_running_or_notify_cancel():
+            try:
+                fut.set_result(fn())
+            except BaseException as e:
+                fut.set_exception(e)
+        try:
+            nxt = cmds.get_nowait()
+        except queue.Empty:
+            nxt = ()
+        if nxt is None:
+            return False
+        item = nxt
+    return True
+
+
 class NixlPort:
     def __init__(self, agent_name: str, options: TransferOptions, pools: PoolServer | None = None) -> None:
         self.agent_name = agent_name
@@ -162,7 +147,8 @@ class NixlPort:
         self._agent: Any = None
         self._regs: Registrations | None = None
         self._reads: Reads | None = None
-        self._arenas: Arenas | None = None  # (and _scratch: ProofScratch | None, host_extras)
+        self._extras: PeerExtras | None = None
+        self._arenas: Arenas | None = None
         self.spans: Spans = {}  # the arenas', on the loop: set at start and after each registration
         self.events = LoopEvents()  # what the port reports, delivered on the loop
         self._emit = self.events.emit
@@ -196,6 +182,11 @@ class NixlPort:
         regs, arenas = self._regs, self._arenas  # (ints, for the metrics thread)
         return (regs.dlists_prepared, len(regs.peers), len(arenas.missing)) if regs and arenas else (0, 0, 0)
 
+    def read_path(self) -> tuple[int, int, int]:  # (posted by the loop, landed in their post, fences), ever
+        reads, extras = self._reads, self._extras  # (ints, for the metrics thread; Reads has a len)
+        landed = reads.landed_in_post if reads is not None else 0
+        return self.reads_inline, landed, extras.fences.posted if extras else 0
+
     # ------------------------------------------------------------------ commands
 
     async def register(self, key: Hashable, msg: RegisterKV, holder: Holder) -> RankInfo:
@@ -209,10 +200,11 @@ class NixlPort:
         """Its reads fail; its memory is released once they settled."""
         return await self._run(lambda: self._unregister(key))
 
-    async def add_peer(self, name: str, metadata: bytes, ranks: list[RankInfo], reload: bool = False) -> str:
-        """Load a peer's agent metadata. A restarted peer arrives under a new name (a per-process
-        nonce); the same name again is the same process: replaced (``reload``: new registrations)."""
-        return await self._run(lambda: self._add_peer(name, metadata, ranks, reload))
+    async def add_peer(self, name: str, metadata: bytes, ranks: list[RankInfo], reload: bool = False,
+                       words_addr: int = 0) -> str:
+        """Load a peer's agent metadata; a restarted peer has a new name (a per-process nonce), the
+        same name is the same process (``reload``: new registrations; ``words_addr``: fences read it)."""
+        return await self._run(lambda: self._add_peer(name, metadata, ranks, reload, words_addr))
 
     async def remove_peer(self, name: str, reason: str, stalled: bool = False) -> bool:
         """Its reads fail; its entry goes once they settled (``stalled``: at once, which ends
@@ -232,14 +224,18 @@ class NixlPort:
         return await self._run(lambda: self._reads_().cancel(req_id, code, reason))
 
     def notify_soon(self, agent: str, payload: bytes) -> None:
-        """Send with no task or future: here if the NIXL thread idles with nothing queued, else queued."""
+        """Send with no task or future: here if the NIXL thread idles with nothing queued, else
+        queued; a fence follows it (``nixl_fences``: the next read from that peer lands in its post)."""
+        extras: PeerExtras = self._extras  # type: ignore[assignment]  # (made with the agent)
         if self._here():
             try:
-                send_notif_logged(self._agent, agent, payload)
+                extras.notify(agent, payload)
             finally:
                 self._lock.release()
+            if len(extras.fences):
+                self._wake()  # (the NIXL thread polls the fence)
         else:
-            self._submit(lambda: send_notif_logged(self._agent, agent, payload))
+            self._submit(lambda: extras.notify(agent, payload))
 
     async def digest(self, key: Hashable, items: list[DigestItem], region0: int = 0,
                      num_regions: int = 0) -> str:
@@ -268,8 +264,6 @@ class NixlPort:
                 self._emit(ReadRefused(spec.req_id, err))
 
         fut.add_done_callback(refused)
-
-    # ------------------------------------------------------------------ poll policy
 
     def expect_reads(self) -> None:
         """A peer claimed held blocks: its READ is about to start (``PollPolicy.expect``)."""
@@ -343,19 +337,17 @@ class NixlPort:
         regs.unregister(key, settling | self._gathers.pinned(key))  # (its memory outlives its gathers)
         return True
 
-    def _add_peer(self, name: str, metadata: bytes, ranks: list[RankInfo], reload: bool) -> str:
+    def _add_peer(self, name: str, metadata: bytes, ranks: list[RankInfo], reload: bool, words: int) -> str:
         if name in self._regs_().peers:
             # Not "disconnected": the loop would drop the peer it is handshaking right now.
             self._remove_peer(name, "peer metadata replaced", ErrorCode.TRANSFER_ERROR)
         added = self._regs_().add_peer(name, metadata, ranks, reload)
-        if self._scratch is not None:
-            self._scratch.add_peer(name, metadata)
+        self._extras.loaded(name, metadata, words)  # type: ignore[union-attr]  # (made with the agent)
         return added
 
     def _remove_peer(self, name: str, reason: str, code: str, at_once: bool = False) -> bool:
         settling = self._reads_().fail_where(lambda r: r.peer == name, code, reason)
-        if self._scratch is not None:
-            self._scratch.remove_peer(name)
+        self._extras.unloaded(name)  # type: ignore[union-attr]
         return self._regs_().remove_peer(name, settling, at_once)
 
     def _start_read(self, spec: ReadSpec) -> None:
@@ -374,8 +366,9 @@ class NixlPort:
         self._agent = create_agent(self.agent_name, self.options.ucx_error_mode, self.options.num_threads)
         cleanup = Cleanup()
         self._regs = Registrations(self._agent, self._pools, cleanup)
-        self._scratch, self._arenas = host_extras(self._agent, self.options, self.agent_name)
-        self._reads = Reads(self._agent, self.options, self._emit, cleanup, self._scratch)
+        self._extras, self._arenas = host_extras(self._agent, self.options, self.agent_name)
+        self._reads = Reads(self._agent, self.options, self._emit, cleanup, self._extras.scratch)
+        self._reads.fences = self._extras.fences
         self._gathers = Gathers(cleanup, self._submit)
         self.spans.update(self._arenas.spans())
         self.backends = ["UCX"]
@@ -397,31 +390,22 @@ class NixlPort:
                 break
             with self._lock:
                 ran = bool(item)
-                while item:
-                    fn, fut = item
-                    if fut.set_running_or_notify_cancel():
-                        try:
-                            fut.set_result(fn())
-                        except BaseException as e:
-                            fut.set_exception(e)
-                    try:
-                        item = self._cmds.get_nowait()
-                    except queue.Empty:
-                        item = ()
-                    if item is None:
-                        self._shutdown()
-                        return
+                if not run_queued(item, self._cmds):
+                    self._shutdown()
+                    return
                 try:
                     progressed = self._pump() or ran  # (a read posted inline: poll it soon)
                 except Exception:
                     log.exception("NIXL progress failed")
                     progressed = False
-            delay = self.poll.next_delay(time.monotonic(), delay, progressed, len(self._reads_()))
+            busy = len(self._reads_()) + len(self._extras.fences)  # type: ignore[union-attr]
+            delay = self.poll.next_delay(time.monotonic(), delay, progressed, busy)
         with self._lock:
             self._shutdown()
 
     def _pump(self) -> bool:
         progressed = self._reads_().pump()
+        self._extras.fences.poll()  # type: ignore[union-attr]
         return self._notices() or progressed
 
     def _notices(self) -> bool:
@@ -441,8 +425,8 @@ class NixlPort:
             self._unregister(key)
         if self._arenas is not None:
             self._arenas.close()
-        if self._scratch is not None:
-            self._scratch.close()
+        if self._extras is not None:
+            self._extras.close()
         # Keep progressing briefly so notifications already sent leave the process.
         end = time.monotonic() + 0.05
         while time.monotonic() < end:

@@ -29,46 +29,20 @@ import logging
 import time
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from kvxfer.errors import ErrorCode
-from kvxfer.sidecar.nixl_agent import error_code
+from kvxfer.sidecar.nixl_agent import error_code, release_or_park, release_parked, xfer_state
 from kvxfer.sidecar.nixl_memory import Cleanup, Leg
 from kvxfer.sidecar.nixl_types import Event, ReadFinished, ReadStuck, TransferOptions
 
+if TYPE_CHECKING:
+    from kvxfer.sidecar.nixl_fences import Fences
 log = logging.getLogger("kvxfer.transfer")
 PROOF_WAIT_S = 0.05  # a lease word read still running after this proves nothing (the claim decides)
 PROOF_SPIN_S = 30e-6  # how long a word read is polled for at once before the next poll period
-
-
-def xfer_state(agent: Any, handle: Any) -> str:
-    """A transfer's state on ``agent`` ("ERR" when NIXL raises: a handle it no longer knows)."""
-    try:
-        return str(agent.check_xfer_state(handle))
-    except Exception:
-        return "ERR"
-
-
-def release_or_park(agent: Any, handle: Any, parked: list[Any]) -> bool:
-    """Release a transfer handle; one the backend refuses (still active) is parked in
-    ``parked``, to be released again later and never touched otherwise (False)."""
-    try:
-        agent.release_xfer_handle(handle)
-        return True
-    except Exception as e:
-        log.debug("xfer handle release deferred: %s", e)
-        parked.append(handle)
-        return False
-
-
-def release_parked(agent: Any, parked: list[Any]) -> list[Any]:
-    """Release again the handles parked by ``release_or_park``; what is still refused."""
-    still: list[Any] = []
-    for handle in parked:
-        release_or_park(agent, handle, still)
-    return still
 
 
 class ProofScratch:
@@ -226,6 +200,8 @@ class Reads:
         self._post_queue: collections.deque[str] = collections.deque()
         self.inflight_chunks = 0
         self._zombies: list[Any] = []
+        self.fences: Fences | None = None  # (set by the port: a fence after each notification)
+        self.landed_in_post = 0  # reads of one chunk DONE when transfer() returned, ever
 
     def __len__(self) -> int:
         return len(self._reads)
@@ -303,6 +279,7 @@ class Reads:
         plan = leg.plan
         lo = leg.next_desc
         hi = min(lo + plan.chunk, plan.count)
+        only = lo == 0 and hi >= plan.count and len(rd.legs) == 1  # (the read's only chunk)
         try:
             if plan.runs is None:
                 handle = agent.make_prepped_xfer("READ", leg.pair.local, plan.local_idx[lo:hi],
@@ -329,12 +306,16 @@ class Reads:
             return
         if rd.trace is not None and len(rd.trace) == 2:  # the first chunk
             rd.trace.append(("posted", time.monotonic_ns()))
-        if rd.started_notice:
-            notice, rd.started_notice = rd.started_notice, b""
+        notice, rd.started_notice = rd.started_notice, b""
+        if state == "DONE" and only:
+            self.landed_in_post += 1
+        elif notice:  # (one that landed needs no notice: its lease cannot run out under it)
             try:
                 agent.send_notif(rd.peer, notice)
             except Exception as e:  # the read itself reports a dead peer
                 log.warning("read-started notice for %s to %s not sent: %s", rd.req_id, rd.peer, e)
+            if self.fences is not None:
+                self.fences.after_notice(rd.peer)
 
     # ------------------------------------------------------------------ completion
 

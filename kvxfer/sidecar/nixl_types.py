@@ -23,6 +23,7 @@ class TransferOptions:
     vram_staging_bytes: int = 0  # with cuda: an arena of this size per CUDA device; 0: none
     lease_words: tuple[int, int] = (0, 0)  # (address, bytes) of this sidecar's lease words, registered
     proof_slots: int = 4096  # 16-byte landing slots for the lease words this sidecar reads
+    notice_fences: bool = True  # a 16-byte READ after each notification (kvxfer.sidecar.nixl_fences)
 
 
 class PollPolicy:

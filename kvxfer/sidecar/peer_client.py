@@ -259,7 +259,7 @@ class PeerClient:
                     and cached.generation == reply.generation and len(cached.ranks) == len(reply.ranks)):
                 # (the same registrations: NIXL's state stays, reads in flight go on)
                 reload = cached is not None and cached.agent_name == reply.agent_name
-                await self.nixl.add_peer(reply.agent_name, metadata, infos, reload)
+                await self.nixl.add_peer(reply.agent_name, metadata, infos, reload, reply.lease_words_addr)
             if self._drops.get(key, 0) != drops:  # dropped as stalled meanwhile: its entry is gone again
                 raise RequestError(ErrorCode.PEER_STALLED, f"{key} was found stalled during the handshake")
         except RequestError as e:

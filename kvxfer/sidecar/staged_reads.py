@@ -219,7 +219,7 @@ class Staging:
                         window_devices=tuple(gpu(w) for w in windows))
 
     def counts(self) -> dict[str, int]:
-        """Receives staged, by how (``observe.staging_gauges``)."""
+        """Receives staged, by how (``transfer_gauges.staging_gauges``)."""
         return {"slot": self.staged - self.windowed, "windows": self.windowed, "direct": self.fell_back}
 
     def release(self, key: Hashable) -> None:

@@ -70,8 +70,9 @@ def _size_row(p: SyntheticEngine, d: SyntheticEngine, raw: RawNixl, reg: Any, pb
     turn, ``repeats`` times (the first read of each method checked byte for byte)."""
     t: dict[str, list[float]] = {"kvxfer": [], "raw_nixl": [], "memcpy": []}
     descs = 0
+    generation = p.client.ping().generation  # (named, as the connector does: the lease word proves the read)
     for r in range(repeats):
-        took, done = _timed_read(p, d, reg, f"s{n}-{r}", pb, db)
+        took, done = _timed_read(p, d, reg, f"s{n}-{r}", pb, db, generation)
         descs = done.descriptors
         t["kvxfer"].append(took)
         if r == 0:
