@@ -351,8 +351,8 @@ class NixlPort:
         return self._regs_().remove_peer(name, settling, at_once)
 
     def _start_read(self, spec: ReadSpec) -> None:
-        """Plan a read and queue it for posting (``started_notice`` goes to the peer right
-        after the first chunk is posted, from the posting thread: a round trip through the
+        """Plan a read and queue it for posting (``started_notice`` goes to the peer once the
+        chunks the cap allows are posted, from the posting thread: a round trip through the
         loop would compete with the copy for the GIL and the CPU)."""
         marks = [("nixl_thread", time.monotonic_ns())] if spec.trace else None
         corrupt = self._corrupt_reads > 0

@@ -163,7 +163,7 @@ class Read:
     failure: tuple[str, str] | None = None  # (code, reason) once failed; then it settles
     failed_at: float = 0.0
     stuck_reported: bool = False
-    started_notice: bytes = b""  # sent to the peer once the first chunk is posted
+    started_notice: bytes = b""  # sent to the peer once the chunks the cap allows are posted
     corrupt_at: int = 0  # test-only: a host address this read flips once it lands
     trace: list[tuple[str, int]] | None = None  # (hop, monotonic ns) when the receive is traced
     # a staged read: the scatter out of its slot, run once it landed (before it is reported),
@@ -309,6 +309,8 @@ class Reads:
         notice, rd.started_notice = rd.started_notice, b""
         if state == "DONE" and only:
             self.landed_in_post += 1
+        elif notice and not rd.all_posted and not self.full:  # (a notification would hold up the
+            rd.started_notice = notice  # next chunk's flush: sent after the last one posted now)
         elif notice:  # (one that landed needs no notice: its lease cannot run out under it)
             try:
                 agent.send_notif(rd.peer, notice)

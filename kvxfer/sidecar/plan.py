@@ -57,7 +57,7 @@ class ReadSpec:
     plans: list[RankPlan]
     pairing: BlockPairing
     deadline_s: float
-    started_notice: bytes = b""  # sent to the peer right after the first chunk is posted
+    started_notice: bytes = b""  # sent to the peer once the chunks the cap allows are posted
     remote_engine: str = ""
     state_blocks: tuple[list[int], list[int]] = field(default_factory=lambda: ([], []))
     trace: bool = False  # record the NIXL side's hops (Done.trace)
