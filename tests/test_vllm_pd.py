@@ -401,20 +401,30 @@ def test_a_prefill_sidecar_frozen_under_load_costs_seconds(pipeline: Pipeline) -
     assert ps is not None
     assert ds is not None
     freeze: list[float] = []
+    proved = 'kvxfer_lease_word_proofs_total{proved="true"}'
+    proofs: list[float] = []
 
     def frozen() -> None:
         freeze.append(time.monotonic())
+        proofs.append(ds.scrape().get(proved, 0.0))
         os.kill(ps.proc.pid, signal.SIGSTOP)
         try:
             time.sleep(15.0)
         finally:
+            proofs.append(ds.scrape().get(proved, 0.0))
             os.kill(ps.proc.pid, signal.SIGCONT)
             freeze.append(time.monotonic())
 
     released = ps.scrape().get('kvxfer_leases_released_total{reason="read"}', 0.0)
     done = under_load(pipeline, 4, frozen)
     judge_freeze(pipeline, done, freeze[0], freeze[1], "prefill sidecar frozen 15 s")
-    assert ds.scrape().get("kvxfer_peer_stalls_total", 0) >= 1
+    # How the decode went on: it found the peer stalled (a receive owed an answer: its claim),
+    # or, since fences, read the frozen sidecar's engine memory over CMA and delivered on the
+    # lease word (the engine's own deadline still far): either way within the bound above.
+    stalls = ds.scrape().get("kvxfer_peer_stalls_total", 0)
+    print(f"peer stalls {stalls:.0f}, reads proved by their lease word during the freeze "
+          f"{proofs[1] - proofs[0]:.0f}")
+    assert stalls >= 1 or proofs[1] > proofs[0]
     pd_again(pipeline, lambda: ps.scrape().get('kvxfer_leases_released_total{reason="read"}', 0.0) > released)
 
 
