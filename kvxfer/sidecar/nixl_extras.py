@@ -16,20 +16,13 @@ from kvxfer.sidecar.nixl_types import TransferOptions
 log = logging.getLogger("kvxfer.transfer")
 
 
-def send_notif_logged(nixl_agent: Any, agent: str, payload: bytes) -> None:
-    """(a dead peer reports itself through its reads)"""
-    try:
-        nixl_agent.send_notif(agent, payload)
-    except Exception as e:
-        log.warning("notification to %s not sent: %s", agent, e)
-
-
 class PeerExtras:
     """Loaded and unloaded with each peer of the main agent: the agent that reads lease words
-    (``ProofScratch``, when there is one) and the fences after notifications (``Fences``)."""
+    (``ProofScratch``, when there is one) and the fences after notifications (``Fences``, which
+    send them)."""
 
-    def __init__(self, agent: Any, scratch: ProofScratch | None, fences: Fences) -> None:
-        self.agent, self.scratch, self.fences = agent, scratch, fences
+    def __init__(self, scratch: ProofScratch | None, fences: Fences) -> None:
+        self.scratch, self.fences = scratch, fences
 
     def loaded(self, name: str, metadata: bytes, words_addr: int) -> None:
         self.fences.target(name, words_addr)
@@ -40,11 +33,6 @@ class PeerExtras:
         if self.scratch is not None:
             self.scratch.remove_peer(name)
         self.fences.forget(name)
-
-    def notify(self, peer: str, payload: bytes) -> None:
-        """A notification from the main agent, and the fence after it."""
-        send_notif_logged(self.agent, peer, payload)
-        self.fences.after_notice(peer)
 
     def close(self) -> None:
         if self.scratch is not None:
@@ -78,4 +66,4 @@ def host_extras(agent: Any, options: TransferOptions, name: str = "") -> tuple[P
     arenas = Arenas(agent, options.staging_bytes * host, options.vram_staging_bytes * (not host))
     warm_copies(arenas)  # (at start: a staged read in the import's second would wait for it)
     fences = Fences(agent, options.notice_fences and host and options.ucx_error_mode == "peer")
-    return PeerExtras(agent, scratch, fences), arenas
+    return PeerExtras(scratch, fences), arenas

@@ -78,6 +78,15 @@ class Fences:
         if fence is not None:
             release_or_park(self._agent, fence[0], self._parked)
 
+    def notify(self, peer: str, payload: bytes, what: str = "notification") -> None:
+        """A notification to ``peer`` on this agent, and the fence after it (a send that fails is
+        only logged: a dead peer reports itself through its reads)."""
+        try:
+            self._agent.send_notif(peer, payload)
+        except Exception as e:
+            log.warning("%s to %s not sent: %s", what, peer, e)
+        self.after_notice(peer)
+
     def after_notice(self, peer: str) -> None:
         """A notification was just sent to ``peer`` on this agent."""
         if peer not in self._targets:

@@ -229,13 +229,13 @@ class NixlPort:
         extras: PeerExtras = self._extras  # type: ignore[assignment]  # (made with the agent)
         if self._here():
             try:
-                extras.notify(agent, payload)
+                extras.fences.notify(agent, payload)
             finally:
                 self._lock.release()
             if len(extras.fences):
                 self._wake()  # (the NIXL thread polls the fence)
         else:
-            self._submit(lambda: extras.notify(agent, payload))
+            self._submit(lambda: extras.fences.notify(agent, payload))
 
     async def digest(self, key: Hashable, items: list[DigestItem], region0: int = 0,
                      num_regions: int = 0) -> str:
@@ -367,8 +367,8 @@ class NixlPort:
         cleanup = Cleanup()
         self._regs = Registrations(self._agent, self._pools, cleanup)
         self._extras, self._arenas = host_extras(self._agent, self.options, self.agent_name)
-        self._reads = Reads(self._agent, self.options, self._emit, cleanup, self._extras.scratch)
-        self._reads.fences = self._extras.fences
+        self._reads = Reads(self._agent, self.options, self._emit, cleanup, self._extras.scratch,
+                            self._extras.fences)
         self._gathers = Gathers(cleanup, self._submit)
         self.spans.update(self._arenas.spans())
         self.backends = ["UCX"]

@@ -29,17 +29,16 @@ import logging
 import time
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
 from kvxfer.errors import ErrorCode
 from kvxfer.sidecar.nixl_agent import error_code, release_or_park, release_parked, xfer_state
+from kvxfer.sidecar.nixl_fences import Fences
 from kvxfer.sidecar.nixl_memory import Cleanup, Leg
 from kvxfer.sidecar.nixl_types import Event, ReadFinished, ReadStuck, TransferOptions
 
-if TYPE_CHECKING:
-    from kvxfer.sidecar.nixl_fences import Fences
 log = logging.getLogger("kvxfer.transfer")
 PROOF_WAIT_S = 0.05  # a lease word read still running after this proves nothing (the claim decides)
 PROOF_SPIN_S = 30e-6  # how long a word read is polled for at once before the next poll period
@@ -190,7 +189,7 @@ class Read:
 
 class Reads:
     def __init__(self, agent: Any, options: TransferOptions, emit: Callable[[Event], None],
-                 cleanup: Cleanup, scratch: ProofScratch | None = None) -> None:
+                 cleanup: Cleanup, scratch: ProofScratch | None, fences: Fences) -> None:
         self._agent = agent
         self._scratch = scratch
         self._options = options
@@ -200,7 +199,7 @@ class Reads:
         self._post_queue: collections.deque[str] = collections.deque()
         self.inflight_chunks = 0
         self._zombies: list[Any] = []
-        self.fences: Fences | None = None  # (set by the port: a fence after each notification)
+        self._fences = fences  # (a notification is sent through them: a fence follows it)
         self.landed_in_post = 0  # reads of one chunk DONE when transfer() returned, ever
 
     def __len__(self) -> int:
@@ -312,12 +311,7 @@ class Reads:
         elif notice and not rd.all_posted and not self.full:  # (a notification would hold up the
             rd.started_notice = notice  # next chunk's flush: sent after the last one posted now)
         elif notice:  # (one that landed needs no notice: its lease cannot run out under it)
-            try:
-                agent.send_notif(rd.peer, notice)
-            except Exception as e:  # the read itself reports a dead peer
-                log.warning("read-started notice for %s to %s not sent: %s", rd.req_id, rd.peer, e)
-            if self.fences is not None:
-                self.fences.after_notice(rd.peer)
+            self._fences.notify(rd.peer, notice, f"read-started notice for {rd.req_id}")
 
     # ------------------------------------------------------------------ completion
 
