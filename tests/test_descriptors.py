@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvxfer.protocol import RemoteRegion
-from kvxfer.sidecar.plan import merge_rows, merge_runs
+from kvxfer.sidecar.plan import merge_bound, merge_rows, merge_runs
 
 
 def _byte_map(pairs: list[tuple[int, int, int]]) -> dict[int, int]:
@@ -80,6 +80,9 @@ def test_merged_runs_move_exactly_the_same_bytes_and_never_span_a_gap(geo, data)
             k += 1
         assert covered == length
     assert k == len(plain)
+    # merge_bound (plan_leg skips the merge below MERGE_MIN_SAVED) never says less than it saved
+    bound = merge_bound([np.arange(rows)], lg, rg, [(0, np.array(lblocks), np.array(rblocks))])
+    assert len(li) - len(ld) <= bound
     # and maximal: consecutive descriptors of one row that continue each other were merged
     if rows == 1:
         for (a1, b1, n1), (a2, b2, _) in zip(merged, merged[1:], strict=False):
@@ -195,3 +198,16 @@ def test_vllm_refuses_sleep_mode_with_kvxfer_at_start_up(tmp_path: object) -> No
     with pytest.raises(ValueError, match="does not support sleep mode"):
         cfg._verify_kv_transfer_compat()
     assert not KvxferConnector.supports_sleep_mode(cfg.kv_transfer_config)
+
+
+def test_merge_bound_is_zero_without_neighbouring_ids_and_open_for_a_geometry_it_does_not_know() -> None:
+    nb, length = 64, 32 << 10
+    geo = np.array([(r * nb * length, length, length, 0) for r in range(64)], dtype=np.int64)
+    rows = [np.arange(64)]
+    scattered = [(0, np.array([14, 3, 9, 40, 22]), np.array([7, 8, 30, 31, 2]))]  # 7, 8 follow: 3, 9 do not
+    assert merge_bound(rows, geo, geo, scattered) == 0
+    following = [(0, np.array([14, 3, 4, 40]), np.array([7, 8, 9, 2]))]  # 3 -> 4 and 8 -> 9: one pair
+    assert merge_bound(rows, geo, geo, following) == 64
+    odd = geo.copy()
+    odd[:, 2] = length // 2  # a row longer than its stride: no bound
+    assert merge_bound(rows, odd, geo, scattered) > 10**9
