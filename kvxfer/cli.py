@@ -102,7 +102,7 @@ def _run_demo(args: argparse.Namespace) -> int:
     print(
         f"  moved   {res['requests']} requests, {res['bytes'] / (1 << 30):.3f} GiB in "
         f"{res['seconds']:.3f} s = {res['gbps']:.2f} GB/s (decode Recv -> Done, warm peer, "
-        f"{res['rounds']} rounds of {res['in_flight']})"
+        f"{res['rounds']} round{'' if res['rounds'] == 1 else 's'} of {res['in_flight']})"
     )
     print(f"  first   transfer with handshake (cold): {res['first_transfer_ms_cold']:.1f} ms")
     print(f"  descs   {res['descriptors_per_request']} NIXL descriptors per request (all decode ranks)")

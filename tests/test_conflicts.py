@@ -66,6 +66,21 @@ def test_taken_ports_are_refused_naming_the_listener(factory: SidecarFactory) ->
                 f"127.0.0.1:{port}")
 
 
+def test_a_control_or_health_port_another_sidecar_serves_is_refused(factory: SidecarFactory) -> None:
+    """gRPC binds with SO_REUSEPORT unless told not to: a second sidecar given the control or
+    health port of a running one bound it as well, and the kernel handed each connection to
+    either (a ``kvxfer status`` or ``drain`` reached a random one of the two)."""
+    ctl, health = free_port(), free_port()
+    first = factory.start("ctl-owner", "--control-target", f"127.0.0.1:{ctl}",
+                          "--health-target", f"127.0.0.1:{health}")
+    ping(first)
+    refused(factory.start("ctl-twin", "--control-target", f"127.0.0.1:{ctl}"), "control listener",
+            f"127.0.0.1:{ctl}")
+    refused(factory.start("health-twin", "--health-target", f"127.0.0.1:{health}"), "control listener",
+            f"127.0.0.1:{health}")
+    assert first.proc.poll() is None
+
+
 def test_readiness_goes_off_when_the_engine_socket_is_removed(factory: SidecarFactory) -> None:
     sc = factory.start("lost", "--engine-check-s", "0.2", metrics_port=free_port())
     ping(sc)

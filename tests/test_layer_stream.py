@@ -4,6 +4,7 @@ read ranges and plans cut to layers. Property-tested."""
 from __future__ import annotations
 
 import itertools
+import time
 
 import pytest
 from hypothesis import given, settings
@@ -182,7 +183,7 @@ def test_a_read_cut_to_some_layers_counts_only_their_regions_toward_the_inline_c
     info = RankInfo(layout=lay, regions=regions)
     whole = RankPlan(remote_rank=0, segments=())
     spec = ReadSpec(req_id="r", peer="p", local_rank=(0, 0), local_blocks=[1, 2, 3], remote_blocks=[4, 5, 6],
-                    plans=[whole], pairing=BlockPairing(1, False), deadline_s=1.0)
+                    plans=[whole], pairing=BlockPairing(1, False), deadline=time.monotonic() + 1.0)
     assert read_bound(spec, info) == 3 * sum(r.block_len for r in regions)
     cut = dataclasses.replace(whole, local_region0=2, remote_region0=2, num_regions=2)
     assert read_bound(dataclasses.replace(spec, plans=[cut]), info) == 3 * (102 + 103)

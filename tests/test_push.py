@@ -16,6 +16,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+import msgspec
 import numpy as np
 import pytest
 
@@ -540,3 +541,31 @@ def test_a_stream_that_fails_after_a_staged_pre_read_frees_the_prefills_slot(
     finally:
         d.close()
         p.close()
+
+
+def test_a_rank_that_registers_again_fails_its_receives_that_wait(sidecars: SidecarFactory) -> None:
+    """A receive asked for into a rank's memory that waits (here: following a prefill that has
+    not computed it) when that rank registers again is failed ``not_registered`` then: it was
+    asked for into the old memory, and is never read into the new registration's (the same
+    block ids there may be another request's). Found by a review: only leases and reads
+    already posted ended then, so this load read on into the new memory once computed."""
+    with pair(sidecars, "pushg") as (ds, ps, d, p):
+        tid = "push-reregistered"
+        pb, db = p.allocate(4), d.allocate(4)
+        d.client.recv(tid, db, streamed_remote(p, tid), streamed=True, deadline_s=30)
+        time.sleep(0.5)  # (handshaked: it watches a request the prefill does not hold yet)
+        again = d.kv.register_message()  # the rank registers again (the same process and memory
+        # channel: its pools are not handed back as after a sidecar restart, which ends its receives anyway)
+        assert again is not None
+        d.client.register(msgspec.structs.replace(again, engine_id=d.engine_id, dp_rank=d.dp_rank), 10.0)
+        got = wait_for(d.client, lambda a: bool(a.done or a.failed), timeout=5)
+        assert not got.done, "a receive asked for into the old registration was read into the new one"
+        assert got.failed, "the receive waited on after its rank registered again"
+        assert got.failed[0].code == ErrorCode.NOT_REGISTERED
+        d.wipe(db)
+        p.client.hold(tid, pb, token=tid, streamed=True, expires_unix=time.time() + 60)
+        compute(p, tid, pb, range(0, LAYOUT.num_layers))
+        late = d.client.wait_until(lambda a: bool(a.done or a.failed), 3.0)  # (nothing more comes)
+        assert not late.done
+        assert not d.verify(tid, db), "the prefill's bytes landed in the re-registered memory"
+        assert ds.proc.poll() is None

@@ -279,7 +279,10 @@ def cmd_status(args: argparse.Namespace) -> int:
                 print(f"kvxfer status: sidecar at {args.target} is not serving ({why})", file=sys.stderr)
                 return 1
             return 0
-        time.sleep(args.watch)
+        try:
+            time.sleep(args.watch)
+        except KeyboardInterrupt:  # (how a watch ends: Ctrl-C, no traceback)
+            return 0
 
 
 def _call(args: argparse.Namespace, verb: str, fn: Any, render: Any = None) -> int:

@@ -239,6 +239,10 @@ SERVER_OPTIONS = [
     ("grpc.keepalive_time_ms", 60_000),
     ("grpc.keepalive_timeout_ms", 20_000),
     ("grpc.max_concurrent_streams", 64),
+    # gRPC sets SO_REUSEPORT by default: a second sidecar given the same control or health port
+    # then bound it too, and the kernel shared the connections between the two (status, drain
+    # and cancel reached either one: found by a new user's trial); now that second one refuses
+    ("grpc.so_reuseport", 0),
 ]
 
 

@@ -222,7 +222,7 @@ class Sidecar:
         o.g_pool_bytes.set_function(lambda: self.pools.stats()[1] if self.pools else 0)
         o.g_peers.set_function(lambda: len(self.book))
         o.g_leases.set_function(lambda: len(self.holds))
-        o.g_inflight.set_function(lambda: len(self.receiver))
+        o.g_inflight.set_function(lambda: len(self.receiver.recvs))
         staging_gauges(o.registry, self.receiver.staging.counts, lambda: self.peer_server.stager.slots,
                        lambda: (sum(n for _, n in self.nixl.spans.copy().values()), self.nixl.counts[2]),
                        self.peer_server.stager.times.row)
@@ -405,7 +405,8 @@ class Sidecar:
         t = self.observer.totals
         state = "draining" if self.lifecycle.draining else "serving"
         return (f"{state}: {len(self.registry)} ranks, {len(self.book)} peers, {len(self.holds)} held, "
-                f"{len(self.receiver)} in flight, {t.transfers_ok} transfers, {t.transfers_failed} failed")
+                f"{len(self.receiver.recvs)} in flight, {t.transfers_ok} transfers, "
+                f"{t.transfers_failed} failed")
 
     # ------------------------------------------------------------------ timers
 

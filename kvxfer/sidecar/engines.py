@@ -77,6 +77,14 @@ class Engines:
                 ended = self.holds.end_engine(key.engine)
                 if ended:
                     log.warning("%s registers new memory: %d leases on its old memory ended", key, ended)
+                # Its receives were asked for into the old memory: none may be read into the new
+                # one (a receive still handshaking, waiting for a staged copy or following a push
+                # would plan against the new registration: found by a review).
+                why = "the rank registered new memory during the receive"
+                failed = await self.receiver.cancel("", ErrorCode.NOT_REGISTERED, why, rank=key)
+                if failed:
+                    log.warning("%s registers new memory: %d receives into its old memory failed",
+                                key, failed)
             entry, _replaced = await self.registry.register(msg, ident, holder(sender))
             self._abandon(msg)  # (only a registration that took: a refused one speaks for no engine)
         except Exception as e:

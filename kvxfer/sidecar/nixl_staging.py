@@ -417,7 +417,7 @@ def new_read(regs: Registrations, arenas: Arenas | None, spec: ReadSpec, options
         legs, nbytes = [staged_leg(st)], st.nbytes + st.before[0]
         after = _after_landing(arena, st, regs.local.get(spec.local_rank))
     return Read(req_id=spec.req_id, peer=spec.peer, local_rank=spec.local_rank, legs=legs, nbytes=nbytes,
-                deadline=time.monotonic() + spec.deadline_s, started_notice=spec.started_notice,
+                deadline=spec.deadline, started_notice=spec.started_notice,
                 corrupt_at=regs.first_byte(spec) if corrupt else 0, trace=marks,
                 trust_until=st.trust_until if st else 0.0, proof_addr=0 if st else spec.proof_addr,
                 after_landing=after, descriptors_before=st.before[1] if st else 0,

@@ -125,7 +125,7 @@ class Operations:
             await asyncio.wait_for(p.idle.wait(), timeout_s)
         if p.lifecycle.resumes != resumes:  # (resumed while it waited: what runs now is not its to end)
             return False, 0, 0, time.monotonic() - start
-        failed = len(p.receiver)
+        failed = len(p.receiver.recvs)
         if failed:
             await p.receiver.cancel("", ErrorCode.DRAINING, "sidecar drained before the transfer finished")
         released = p.holds.release_all()

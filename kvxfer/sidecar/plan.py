@@ -57,7 +57,9 @@ class ReadSpec:
     remote_blocks: list[int]
     plans: list[RankPlan]
     pairing: BlockPairing
-    deadline_s: float
+    deadline: float  # time.monotonic() by which it lands or fails: absolute, so that a read
+    # queued behind the NIXL thread (a long copy, a registration, a frozen process) keeps its
+    # receive's deadline instead of starting one anew when it is taken up (found by a review)
     started_notice: bytes = b""  # sent to the peer once the chunks the cap allows are posted
     remote_engine: str = ""
     state_blocks: tuple[list[int], list[int]] = field(default_factory=lambda: ([], []))

@@ -54,6 +54,7 @@ from kvxfer.sidecar.recv_state import (
     read_spec,
     recv_key,
     window_spec,
+    word_again,
 )
 from kvxfer.sidecar.registry import RankKey, RankRegistry
 from kvxfer.sidecar.staged_reads import Prepared, Staging
@@ -88,9 +89,6 @@ class Receiver:
         self.feed = StreamFeed(config=config, registry=registry, peers=peers, observer=observer, nixl=nixl,
                                staging=self.staging)
         self.abandoned = abandoned if abandoned is not None else Abandoned()  # (kvxfer.abandoned)
-
-    def __len__(self) -> int:
-        return len(self.recvs)
 
     def reading_from(self) -> set[str]:
         """The peers (host:port) that reads in flight run against, or streamed receives follow."""
@@ -301,14 +299,15 @@ class Receiver:
             self.observer.lease_word(proof)
         self._step(event.req_id, state, state.machine.landed(event, proof))
 
-    async def _reprove(self, key: str, state: RecvState) -> None:
-        """The lease word again: the claim says it is published, and the landing's read did not
-        show it or was not made (None: it cannot be read now either: the claim decides)."""
-        word = await self.nixl.read_word(state.peer_agent, state.proof[1]) if state.proof[1] else None
-        if (shows := None if word is None else proves(word, state.proof[0], time.time())) is not None:
-            self.observer.lease_word(shows)
+    async def _then(self, key: str, state: RecvState, awaited: Any, step: Callable[[Any], Step]) -> None:
+        """An await in a landed receive's end (its lease word again, its integrity check), then
+        ``step`` with its result; a bug there fails the receive (``_failed_by_bug``)."""
+        try:
+            got = await awaited
+        except Exception as e:
+            return self._failed_by_bug(key, state, e)
         if self.recvs.get(key) is state:
-            self._step(key, state, state.machine.reproved(shows))
+            self._step(key, state, step(got))
 
     # ------------------------------------------------------------------ steps and ends
 
@@ -316,30 +315,32 @@ class Receiver:
         """Do what the machine's last transition asks."""
         try:
             if step is Step.REPROVE:
-                self._spawn(self._reprove(key, state))
+                self._spawn(self._then(key, state, word_again(self.nixl, self.observer, state),
+                                       state.machine.reproved))
                 return
             if step is Step.CHECK:
                 peer = self.book.by_agent(state.peer_agent)
                 if peer is not None and self.verifier.sample(peer):
                     state.machine.verifying()
-                    self._spawn(self._verify(key, state, peer))
+                    checked = self.verifier.verify(state.msg, state.local, state.remote_engine,
+                                                   lambda: plan_for(self.registry, state, peer), peer)
+                    self._spawn(self._then(key, state, checked, state.machine.verified))
                     return
                 step = state.machine.succeed()
             if step is Step.END:
                 assert state.machine.outcome is not None
                 self._end(key, state, state.machine.outcome)
-        except Exception as e:  # a bug must fail this receive, never leave it waiting forever
-            log.exception("finishing receive %s", state.msg.req_id)
-            if self.recvs.get(key) is state:
-                self.recvs.pop(key)
-                self._send(state.owner, failed_message(state.msg, RequestError(ErrorCode.INTERNAL, repr(e))))
-                self.changed.emit()
+        except Exception as e:
+            self._failed_by_bug(key, state, e)
 
-    async def _verify(self, key: str, state: RecvState, peer: Peer) -> None:
-        mismatch = await self.verifier.verify(state.msg, state.local, state.remote_engine,
-                                              lambda: plan_for(self.registry, state, peer), peer)
+    def _failed_by_bug(self, key: str, state: RecvState, e: Exception) -> None:
+        """A bug must fail this receive, never leave it waiting forever (nobody sees a task's exception)."""
+        log.error("finishing receive %s", state.msg.req_id, exc_info=e)
         if self.recvs.get(key) is state:
-            self._step(key, state, state.machine.verified(mismatch))
+            self.recvs.pop(key)
+            self.staging.release(key)
+            self._send(state.owner, failed_message(state.msg, RequestError(ErrorCode.INTERNAL, repr(e))))
+            self.changed.emit()
 
     def _not_started(self, key: str, err: BaseException, which: RecvState | None = None) -> None:
         """A receive that could not start: its RequestError, or a bug as TRANSFER_ERROR. ``which``:

@@ -19,7 +19,7 @@ from kvxfer.observe import Observer
 from kvxfer.protocol import Done, Failed, ReadNotice, Recv, encode
 from kvxfer.sidecar.admission import admit_recv, recv_bytes, recv_deadline_s
 from kvxfer.sidecar.claim import PUBLISHED, ClaimAnswer, Claims
-from kvxfer.sidecar.lease_words import WORD_BYTES, lease_tag
+from kvxfer.sidecar.lease_words import WORD_BYTES, lease_tag, proves
 from kvxfer.sidecar.nixl_port import NixlPort
 from kvxfer.sidecar.nixl_types import ReadFinished
 from kvxfer.sidecar.peer_book import Peer, PeerBook
@@ -166,7 +166,8 @@ async def plan_with_peer(registry: RankRegistry, peers: PeerClient, book: PeerBo
         if e.code == ErrorCode.INCOMPATIBLE and not await claims.generation_moved(msg, peer):
             raise e from None  # nothing is stale: the request does not fit this peer
     book.mark_stale(peer)  # ranks missing, or a stale description: ask again once
-    peer = await asyncio.wait_for(peers.get_peer(msg.remote_host, msg.remote_port), timeout=msg.deadline_s)
+    left = max(0.0, state.deadline - time.monotonic())  # (the time left to it, not all of it again)
+    peer = await asyncio.wait_for(peers.get_peer(msg.remote_host, msg.remote_port), timeout=left)
     if not alive():
         return None  # cancelled (and reported) while it handshaked again: never read
     check_generation(msg, peer)
@@ -197,7 +198,7 @@ def read_spec(key: str, state: RecvState, peer: Peer, plans: list[RankPlan], pai
                          token=msg.remote_token)
     return ReadSpec(req_id=key, peer=peer.agent_name, local_rank=state.local,
                     local_blocks=list(msg.block_ids), remote_blocks=list(msg.remote_block_ids), plans=plans,
-                    pairing=pairing, deadline_s=remaining,
+                    pairing=pairing, deadline=state.deadline,
                     started_notice=encode(started), remote_engine=state.remote_engine,
                     state_blocks=msg.state_pairs, trace=state.trace is not None, staged=staged,
                     proof_addr=0 if staged is not None else state.proof[1])
@@ -260,3 +261,12 @@ def count_end(observer: Observer, book: PeerBook, state: RecvState, out: Outcome
     observer.transfer_failed(msg.req_id, state.peer, msg.tp_rank, out.error.code, out.error.reason)
     if out.peer_failed and peer is not None:
         book.read_failed(peer)  # counted; handshake again before the next read
+
+
+async def word_again(nixl: NixlPort, observer: Observer, state: RecvState) -> Any:
+    """The receive's lease word read again: the claim says it is published, and the landing's
+    read did not show it or was not made (None: it cannot be read now either: the claim decides)."""
+    word = await nixl.read_word(state.peer_agent, state.proof[1]) if state.proof[1] else None
+    if (shows := None if word is None else proves(word, state.proof[0], time.time())) is not None:
+        observer.lease_word(shows)
+    return shows

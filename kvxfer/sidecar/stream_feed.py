@@ -316,7 +316,7 @@ class StreamFeed:
             spec = ReadSpec(req_id=rk, peer=peer.agent_name, local_rank=local.key,
                             local_blocks=list(msg.block_ids), remote_blocks=list(msg.remote_block_ids),
                             plans=cut, pairing=pairing,
-                            deadline_s=max(0.001, deadline - time.monotonic()), remote_engine=engine,
+                            deadline=deadline, remote_engine=engine,
                             staged=staged)
             try:
                 self.nixl.read(spec)

@@ -79,7 +79,7 @@ class Verifier:
             self.observer.integrity_checked("ok", took)
             return None
         entry = self.registry.get(local)
-        remote_layout = next(iter(peer.engine_ranks(remote_engine).values())).layout
+        remote_layout = next((r.layout for r in peer.engine_ranks(remote_engine).values()), None)
         log.error("integrity: receive %s (rank %d) from %s: decode digests %s != prefill digests %s; "
                   "decode layout %s; prefill layout %s; the load fails and is recomputed", msg.req_id,
                   msg.tp_rank, where, list(here), list(remote), entry.layout if entry else None,
