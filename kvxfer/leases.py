@@ -18,6 +18,7 @@ from kvxfer.errors import ErrorCode, RequestError
 
 LeaseKey = tuple[str, str]  # (engine, request id)
 ENDED_MAX = 65536  # ended leases remembered (to tell "gone" from "not held yet")
+READERS_MAX = 4096  # ranks one reader agent may name per lease (tp x pp of one decode engine)
 
 
 @dataclass
@@ -41,6 +42,8 @@ class Lease:
     # computes (Hold.groups / num_tokens), for a decode to pair its own lists with
     groups: list[list[int]] | None = None
     num_tokens: int = 0
+    queued: float = 0.0  # the time of its one entry in the expiry heap (at most ``expires``)
+    expected_by: dict[str, int] = field(default_factory=dict)  # ranks each reader agent said it has
 
     @property
     def key(self) -> LeaseKey:
@@ -84,6 +87,7 @@ class LeaseTable:
         if lease.key in self._leases:
             raise RequestError(ErrorCode.DUPLICATE_REQUEST, "request already held", lease.req_id)
         self._leases[lease.key] = lease
+        lease.queued = lease.expires
         heapq.heappush(self._heap, (lease.expires, lease.key))
 
     def note_started(self, key: LeaseKey, reader: tuple[str, int, int]) -> None:
@@ -91,7 +95,9 @@ class LeaseTable:
         lease = self._leases.get(key)
         agent, pp, tp = reader
         if lease is not None and (pp, tp) not in lease.readers.get(agent, set()):
-            lease.reading.setdefault(agent, set()).add((pp, tp))
+            reading = lease.reading.setdefault(agent, set())
+            if len(reading) < READERS_MAX:  # (a peer naming made-up ranks grows nothing: a review)
+                reading.add((pp, tp))
 
     def note_read(self, key: LeaseKey, reader: tuple[str, int, int], expected: int = 0) -> Lease | None:
         """Count one reader's notice; return the lease once it may be released.
@@ -100,19 +106,21 @@ class LeaseTable:
         release blocks another rank is still reading. The lease ends once every expected rank
         *of one agent* read (ranks of two decode engines never add up), and no other agent
         has a read in progress. ``expected`` (the decode side's rank count, sent with each
-        notice) overrides the count the hold guessed.
+        notice) overrides the count the hold guessed, for that agent only (one agent's count
+        once ended a lease that neither had finished: found by a review).
         """
         lease = self._leases.get(key)
         agent, pp, tp = reader
         done = lease.readers.setdefault(agent, set()) if lease is not None else set()
-        if lease is None or (pp, tp) in done:
+        if lease is None or (pp, tp) in done or len(done) >= READERS_MAX:
             return None
-        if expected > 0:
-            lease.reads_expected = expected
+        if expected > 0:  # (its own: decodes of two TP sizes reading one request never mix counts)
+            lease.expected_by[agent] = min(expected, READERS_MAX)
         done.add((pp, tp))
         lease.reading.get(agent, set()).discard((pp, tp))
         lease.reads_seen += 1
-        finished = any(len(ranks) >= lease.reads_expected for ranks in lease.readers.values())
+        finished = any(len(ranks) >= lease.expected_by.get(a, lease.reads_expected)
+                       for a, ranks in lease.readers.items())
         if finished and not any(lease.reading.values()):
             return self.pop(key)
         return None
@@ -122,8 +130,8 @@ class LeaseTable:
         lease = self._leases.get(key)
         if lease is None or until <= lease.expires:
             return lease is not None
-        lease.expires = until
-        heapq.heappush(self._heap, (until, key))
+        lease.expires = until  # (its heap entry stays: ``expire`` queues it again when it comes up,
+        # so a peer renewing a lease over and over does not grow the heap: found by a review)
         return True
 
     def pop(self, key: LeaseKey) -> Lease | None:
@@ -139,21 +147,26 @@ class LeaseTable:
         """Remove and return every lease whose time ran out."""
         out: list[Lease] = []
         while self._heap and self._heap[0][0] <= now:
-            expires, key = heapq.heappop(self._heap)
+            queued, key = heapq.heappop(self._heap)
             lease = self._leases.get(key)
-            if lease is not None and lease.expires == expires:
+            if lease is None or lease.queued != queued:
+                continue  # (an ended lease's, or an older lease's of the same key)
+            if lease.expires <= now:
                 out.append(lease)
                 self.pop(key)
                 self.expired_total += 1
+            else:  # extended since it was queued: queued again, for when it now ends
+                lease.queued = lease.expires
+                heapq.heappush(self._heap, (lease.expires, key))
         return out
 
     def next_expiry(self) -> float | None:
         while self._heap and (
             self._heap[0][1] not in self._leases
-            or self._leases[self._heap[0][1]].expires != self._heap[0][0]
+            or self._leases[self._heap[0][1]].queued != self._heap[0][0]
         ):
             heapq.heappop(self._heap)
-        return self._heap[0][0] if self._heap else None
+        return self._heap[0][0] if self._heap else None  # (extended since: ``expire`` queues it again)
 
     def drain_all(self) -> list[Lease]:
         """Remove and return every lease (shutdown)."""

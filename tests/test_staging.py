@@ -257,6 +257,16 @@ def test_runs_inside_is_containment_in_held_blocks(regs: list[tuple[int, int, in
     assert got == want
 
 
+def test_a_run_whose_end_would_wrap_around_is_not_inside() -> None:
+    """A peer's ``StageRequest`` names its runs: one at 2**63 - 8 of 16 bytes summed to a negative
+    end, passed as inside the held blocks, and the prefill's copy read from there (the sidecar
+    died of SIGSEGV; found by a review)."""
+    starts, ends = np.array([4096], dtype=np.int64), np.array([8192], dtype=np.int64)
+    assert runs_inside(np.array([[4096, 4096]], dtype=np.int64), starts, ends) == -1
+    for run in ([2**63 - 8, 16], [4096, 2**63 - 1], [-2**63, 16], [8000, 2**62]):
+        assert runs_inside(np.array([run], dtype=np.int64), starts, ends) == 0, run
+
+
 @settings(max_examples=200, deadline=None)
 @given(st.lists(st.tuples(st.booleans(), st.integers(1, 5 * SLOT_ALIGN), st.integers(0, 30)), max_size=60))
 def test_slots_never_overlap(ops: list[tuple[bool, int, int]]) -> None:

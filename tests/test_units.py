@@ -7,10 +7,12 @@ import os
 import msgspec
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvxfer.config import Config, load_config
 from kvxfer.errors import ConfigError, ErrorCode, RequestError
-from kvxfer.leases import Lease, LeaseTable
+from kvxfer.leases import READERS_MAX, Lease, LeaseTable
 from kvxfer.memory import SharedKV, region_block_len
 from kvxfer.sidecar.plan import desc_indices
 from kvxfer.sidecar.validate import validate_registration
@@ -34,6 +36,28 @@ def test_lease_released_once_after_all_reads() -> None:
     assert ("e", "a") not in t
     assert t.note_read(("e", "a"), reader=("d", 0, 2)) is None
     assert t.expire(100.0) == []
+
+
+def test_each_reader_agent_is_counted_against_its_own_rank_count() -> None:
+    """Two decode engines of different TP sizes read one request (a router retry): one of 4
+    ranks with 2 done, one of 2 ranks with 1 done. The second's count (2) once became the
+    lease's, and the first's 2 of 4 then ended it (found by a review)."""
+    t = LeaseTable()
+    t.add(lease("a", 10.0))
+    assert t.note_read(("e", "a"), reader=("tp4", 0, 0), expected=4) is None
+    assert t.note_read(("e", "a"), reader=("tp4", 0, 1), expected=4) is None
+    assert t.note_read(("e", "a"), reader=("tp2", 0, 0), expected=2) is None, "ended with neither finished"
+    got = t.note_read(("e", "a"), reader=("tp2", 0, 1), expected=2)
+    assert got is not None
+
+
+def test_made_up_ranks_grow_a_lease_no_further_than_its_cap() -> None:
+    t = LeaseTable()
+    t.add(lease("a", 10.0, reads=2))
+    for tp in range(READERS_MAX + 100):
+        t.note_started(("e", "a"), ("liar", 0, tp))
+    got = t._leases[("e", "a")]
+    assert len(got.reading["liar"]) == READERS_MAX
 
 
 def test_leases_of_two_engines_with_one_request_id_stay_apart() -> None:
@@ -64,6 +88,53 @@ def test_lease_expiry_order_and_duplicates() -> None:
     assert t.pop(("e", "late")) is not None
     assert t.next_expiry() is None
     assert t.expired_total == 1
+
+
+def test_renewing_a_lease_over_and_over_does_not_grow_the_expiry_heap() -> None:
+    """A peer may renew a lease as often as it likes (one LeaseRenew may even name it 4,096
+    times): each extension used to push a heap entry that stayed until its time came (up to
+    300 s; gigabytes under a flood: found by a review). The lease's one entry is queued again
+    when it comes up instead."""
+    t = LeaseTable()
+    t.add(lease("a", 10.0))
+    for k in range(10_000):
+        assert t.extend(("e", "a"), 10.0 + k * 0.01)
+    assert len(t._heap) == 1
+    assert t.expire(50.0) == []  # (its entry came up, and was queued again for ~109.99)
+    assert len(t._heap) == 1
+    assert [x.req_id for x in t.expire(110.0)] == ["a"]
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["add", "extend", "expire", "pop"]), st.integers(0, 3),
+                          st.integers(0, 40)), max_size=80))
+def test_expiry_is_what_a_plain_model_says(ops: list[tuple[str, int, int]]) -> None:
+    """Adds, extensions, pops and expiries in any order: the table ends exactly the leases a
+    dict of deadlines would, when it would; ``next_expiry`` is never after the next deadline."""
+    t, model, now = LeaseTable(), {}, 0.0
+    for op, i, x in ops:
+        key = ("e", str(i))
+        if op == "add" and key not in model:
+            t.add(lease(str(i), now + x))
+            model[key] = now + x
+        elif op == "extend":
+            assert t.extend(key, now + x) == (key in model)
+            if key in model:
+                model[key] = max(model[key], now + x)
+        elif op == "pop":
+            assert (t.pop(key) is not None) == (key in model)
+            model.pop(key, None)
+        elif op == "expire":
+            now += x / 4
+            got = sorted(le.key for le in t.expire(now))
+            assert got == sorted(k for k, d in model.items() if d <= now)
+            model = {k: d for k, d in model.items() if d > now}
+        nxt = t.next_expiry()
+        assert (nxt is None) == (not model)
+        if model:
+            assert nxt is not None
+            assert nxt <= min(model.values())
+    assert len(t._heap) <= len(model) + len(ops)
 
 
 def test_drop_owner() -> None:
@@ -366,3 +437,20 @@ def test_the_control_verbs_do_not_load_the_test_harness() -> None:
         assert f"LOADED {loaded}" in out, (cmd, out[-500:])
         if cmd[0] == "demo":
             assert "--blocks-per-request" in out
+
+
+def test_an_agent_in_use_stays_authenticated_however_many_others_handshake() -> None:
+    """The authenticated agents are bounded (4,096); the oldest *handshake* used to go first,
+    so that many newer agents (restarted decodes, each a new name) pushed out a decode that
+    was reading all along: its renewals and notices were then refused (found by a review)."""
+    from kvxfer.sidecar.peer_book import Authenticated
+
+    auth = Authenticated(b"secret")
+    auth.add("long-lived")
+    for i in range(Authenticated.LIMIT * 2):
+        auth.add(f"restarted-{i}")
+        if i % 1000 == 0:
+            assert auth("long-lived")  # (it renews, notifies, stages: each a use)
+    assert auth("long-lived")
+    assert not auth("restarted-0")
+    assert Authenticated(b"")("anyone")  # (no secret: nobody is authenticated, anyone may)

@@ -253,8 +253,13 @@ class Holds:
         or each lease's own duration); say which are held, gone, or unknown here."""
         held: list[Any] = []
         published: list[bool] = []
+        answered: dict[tuple[str, str], int] = {}  # a request named twice: one answer, extended once
         for i, rid in enumerate(req.req_ids):
             token = req.tokens[i] if i < len(req.tokens) else ""
+            if (at := answered.setdefault((rid, token), i)) != i:
+                held.append(held[at])
+                published.append(published[at])
+                continue
             lease = self.lease_for(req.agent_name, req.engine_id, rid, token, "lease_renew")
             if lease is None:
                 held.append(absent := self.absent(req.engine_id, rid))

@@ -158,7 +158,7 @@ def copy_runs(slot: Any, runs: np.ndarray, mem: list[tuple[int, Any]], into_slot
     sizes = np.array([t.numel() for _, t in mem], dtype=np.int64)
     addrs, lens = runs[:, 0], runs[:, 1]
     which = np.searchsorted(bases, addrs, side="right") - 1
-    inside = (which >= 0) & (addrs + lens <= bases[which] + sizes[which])
+    inside = (which >= 0) & (lens <= bases[which] + sizes[which] - addrs)  # (no sum that wraps)
     if not inside.all():
         raise RequestError(ErrorCode.INTERNAL, f"run {int(np.argmin(inside))} lies outside the rank's memory")
     cuts = [0, *(np.flatnonzero(np.diff(which)) + 1).tolist(), len(runs)]

@@ -132,7 +132,7 @@ class PeerBook:
 
 
 class Authenticated:
-    """Agents that completed an authenticated handshake here (newest last; bounded).
+    """Agents that completed an authenticated handshake here (the last used last; bounded).
     Without a secret nobody is authenticated, so anyone may."""
 
     LIMIT = 4096
@@ -148,4 +148,9 @@ class Authenticated:
             self._agents.popitem(last=False)
 
     def __call__(self, agent: str) -> bool:
-        return not self._required or agent in self._agents
+        if not self._required:
+            return True
+        if agent not in self._agents:
+            return False
+        self._agents.move_to_end(agent)  # (by use, not by handshake: 4,096 newer agents, restarted
+        return True  # decodes or a script, pushed out a decode in use; found by a review)

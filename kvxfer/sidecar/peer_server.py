@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import Callable
 
 import msgspec
@@ -59,6 +60,7 @@ log = logging.getLogger("kvxfer.peers")
 
 # Peer requests the listener answers at once (beyond this, it reads no more until one ends).
 LISTENER_CONCURRENCY = 64
+LISTENER_TURN_S = 1e-3  # the listener lets the loop turn at least this often while messages keep coming
 
 Answer = tuple[Welcome | Refused | DigestReply | LeaseState | Challenge | Staged, list[bytes]]
 
@@ -119,8 +121,12 @@ class PeerServer:
             finally:
                 slots.release()
 
+        turn = time.monotonic()
         try:
             while True:
+                if time.monotonic() - turn > LISTENER_TURN_S:  # (a message already queued is taken
+                    await asyncio.sleep(0)  # without a turn of the loop: a peer's flood of renewals
+                    turn = time.monotonic()  # held every engine and peer: found by a review)
                 frames = await sock.recv_multipart(copy=False)
                 request: HandshakeRequest | Exception
                 try:

@@ -273,7 +273,8 @@ def runs_inside(runs: np.ndarray, starts: np.ndarray, ends: np.ndarray) -> int:
     j = np.searchsorted(starts, runs[:, 0], side="right") - 1
     ok = (j >= 0) & (runs[:, 1] > 0)
     jj = np.clip(j, 0, None)
-    ok &= runs[:, 0] + runs[:, 1] <= ends[jj]
+    ok &= runs[:, 1] <= ends[jj] - runs[:, 0]  # (not start + len <= end: a peer's run of [2**63 - 8,
+    # 16] wrapped that sum negative, and the copy read from there: found by a review)
     bad = np.flatnonzero(~ok)
     return int(bad[0]) if len(bad) else -1
 
