@@ -66,6 +66,63 @@ def test_a_hold_the_sidecar_refuses_is_freed(factory: SidecarFactory) -> None:
         sched.shutdown()
 
 
+def test_a_retry_under_a_transfer_id_still_held_is_freed_and_the_first_still_is_later(
+        factory: SidecarFactory) -> None:
+    """Push mode: a router's retry r2 reuses the transfer id T under which r1 is held streamed.
+    r2 is not streamed (T is live), so it was held under T on the pull path: the sidecar
+    refused the second lease (``duplicate_request``), vLLM kept r2's blocks, the worker's name
+    for T became r2, and T's one Released freed r2: r1's blocks leaked (found by a review).
+    Now r2 is freed at once and r1 when its lease ends."""
+    import torch
+
+    from kvxfer.connector.scheduler import SchedulerSide
+    from kvxfer.connector.worker import CacheShape, WorkerSide
+
+    sc = factory.start("dup")
+    settings = ConnectorSettings(sidecar=sc.endpoint, heartbeat_s=0.1, lease_s=1.0, grace_s=0.5,
+                                 settle_s=0.5, mode="push")
+    ws = WorkerSide(settings, 0, 1, "cpu")
+    ctx = ws.mem_pool_context()
+    assert ctx is not None
+    with ctx:
+        kv = {"l0": torch.zeros(2, 8, 16, 8, 64, dtype=torch.float16)}
+    ws.register_kv_caches(kv, CacheShape(8, 16, 8, 8, 64, False))
+    sched = SchedulerSide(settings, tp_size=1)
+    freed: set[str] = set()
+
+    def step() -> None:
+        p = sched.take_plan()
+        ws.bind(p.recvs, p.holds, p.failed, p.refused, p.names, p.unheld, p.extended)
+        freed.update(sched.push.hold_back(ws.get_transfer_results().finished_sending) or ())
+
+    def request(rid: str) -> SimpleNamespace:
+        return SimpleNamespace(request_id=rid, num_prompt_tokens=32, num_computed_tokens=0,
+                               kv_transfer_params={"do_remote_decode": True, "transfer_id": "T"},
+                               status=SimpleNamespace(name="RUNNING"), prompt_token_ids=list(range(32)))
+
+    try:
+        r1, r2 = request("r1"), request("r2")
+        sched.push.allocated(r1, [1, 2], 16)
+        sched.push.scheduled({"r1": 32}, None, sched.plan)
+        step()
+        sched.push.allocated(r2, [3, 4], 16)
+        sched.push.scheduled({"r2": 32}, None, sched.plan)
+        step()
+        r2.status, r2.num_computed_tokens = SimpleNamespace(name="FINISHED_LENGTH_CAPPED"), 32
+        assert sched.request_finished(r2, [3, 4]) == (False, None), "a second lease under a live name"
+        r1.status, r1.num_computed_tokens = SimpleNamespace(name="FINISHED_LENGTH_CAPPED"), 32
+        delayed, _ = sched.request_finished(r1, [1, 2])
+        end = time.monotonic() + 6.0  # (its lease expires: 1 s, checked every 0.05)
+        while time.monotonic() < end and "r1" not in freed:
+            step()
+            time.sleep(0.05)
+        assert not delayed or "r1" in freed, "r1 was kept by vLLM and never reported: its blocks leak"
+        assert "r2" not in freed  # (freed by vLLM at once: never reported as a send)
+    finally:
+        ws.shutdown()
+        sched.shutdown()
+
+
 def test_a_preempted_streamed_requests_release_is_not_handed_to_vllm() -> None:
     pytest.importorskip("vllm")
     from vllm.v1.core.sched.scheduler import Scheduler
@@ -166,3 +223,52 @@ def test_a_deferred_load_whose_lease_expired_meanwhile_is_posted_or_failed() -> 
     sched.update_state_after_alloc(req, [3, 4], 32)  # the deferred load starts now
     plan = sched.take_plan()
     assert client.recvs or "d1" in plan.failed, "no load posted and none failed: vLLM waits forever"
+
+
+def test_a_hold_refused_as_unauthorized_is_freed_as_well() -> None:
+    """A sidecar that does not take the sender for its engine (Ray workers, whose processes the
+    sidecar cannot tie to the engine, without ``engine_ownership`` uid) refuses every Hold
+    ``unauthorized``: no lease, no Released; the code was not taken for a refused hold, and
+    every prefill's blocks stayed pinned (found by a review)."""
+    from kvxfer.connector.scheduler import SentHolds
+    from kvxfer.errors import ErrorCode
+
+    sent, plan = SentHolds(), StepPlan(holds={"r1": time.monotonic() + 60, "r2": time.monotonic() + 60})
+    refused = SimpleNamespace(req_id="r1", code=ErrorCode.UNAUTHORIZED, message="not this engine's")
+    other = SimpleNamespace(req_id="r2", code=ErrorCode.UNKNOWN_REQUEST, message="an ended lease")
+    assert sent.refused([refused, other], plan, time.monotonic()) == [other]
+    assert plan.unheld == ["r1"]
+
+
+def test_a_load_posted_to_some_ranks_only_fails_at_once_on_the_others() -> None:
+    """A Recv that could not be sent to one rank (the sidecar's queue full) left that rank's
+    worker waiting for the load's deadline and ``settle_s`` (~60 s) while the others read;
+    it fails now (found by a review). None sent: the load fails as a whole."""
+    from kvxfer.client import RemoteBlocks
+    from kvxfer.connector.scheduler import post_loads
+    from kvxfer.errors import SidecarUnavailable
+    from kvxfer.pairing import Pairs
+
+    class Client:
+        def __init__(self, refuse: set[int]) -> None:
+            self.refuse, self.sent = refuse, []
+
+        def recv(self, req_id: str, *a: object, tp_rank: int = 0, **kw: object) -> None:
+            if tp_rank in self.refuse:
+                raise SidecarUnavailable("queue full")
+            self.sent.append(tp_rank)
+
+    remote = RemoteBlocks("p", "127.0.0.1", 5000, [1, 2])
+    pairs = Pairs([3, 4], [1, 2], [], [])
+    ranks = [(0, 0), (0, 1), (0, 2), (0, 3)]
+    def post(client: Client, plan: StepPlan) -> bool:
+        return post_loads(client, ConnectorSettings(), ranks, "r", pairs, remote, None, "d", 0.0,  # type: ignore[arg-type]
+                          plan)
+
+    plan, client = StepPlan(), Client({1, 3})
+    assert post(client, plan)
+    assert client.sent == [0, 2]
+    assert plan.refused == {"r": [(0, 1), (0, 3)]}  # (those workers fail it now)
+    plan = StepPlan()
+    assert not post(Client({0, 1, 2, 3}), plan)
+    assert plan.refused == {}  # (the whole load fails: plan.failed, by the caller)

@@ -302,6 +302,53 @@ def test_a_chunked_prompt_whose_lease_ended_is_extended_no_more() -> None:
     assert (plan.holds, plan.chunks) == ({}, {})
 
 
+def test_a_worker_does_not_hold_again_a_lease_that_ended_before_its_extension_was_bound() -> None:
+    """With asynchronous scheduling the next chunk's extension is sent before the worker has
+    reported the step in which the lease ended. The worker used to hold it again on binding
+    that extension: no Released ever ended it, and at the next sidecar restart it was reported
+    as a finished send for a request vLLM had already freed, which vLLM's scheduler asserts on
+    (the engine core dies; found by a review)."""
+    from kvxfer.client import Drained
+    from kvxfer.connector.worker import TransferResults, WorkerSide
+    from kvxfer.protocol import Released
+
+    class Sidecar(Client):
+        pending = Drained()
+
+        def heartbeat(self) -> None:
+            pass
+
+        def poll(self) -> Drained:
+            out, self.pending = self.pending, Drained()
+            return out
+
+    client = Sidecar()
+    client.pending = Drained()
+    push = StreamedHolds(ConnectorSettings(mode="push"), client, 1, "P", CHUNKS)  # type: ignore[arg-type]
+    worker = WorkerSide(ConnectorSettings(mode="push"), 0, 1, "cpu")
+    worker.client = client  # type: ignore[assignment]
+    worker._last_pong = float("inf")  # (a live sidecar)
+    r = request("r1", "t1", prompt=64)
+    push.allocated(r, [1, 2], BS)
+    first = StepPlan()
+    push.scheduled({"r1": 32}, None, first)  # step N: the first chunk, held partial
+    worker.bind(first.recvs, first.holds, names=first.names, extended=first.extended)
+    r.num_computed_tokens = 32
+    second = StepPlan()  # step N + 1 scheduled before step N is reported: the last chunk extends it
+    push.scheduled({"r1": 32}, None, second, SimpleNamespace(req_ids=["r1"], new_block_ids=[([3, 4],)]))
+    assert second.extended == ["t1"]
+    client.pending.released.append(Released(req_id="t1", reason="aborted"))  # the decode gave up
+    assert worker.get_transfer_results().finished_sending == {"r1"}
+    assert push.hold_back({"r1"}) == set()  # (held back: vLLM frees it when it finishes)
+    worker.bind(second.recvs, second.holds, names=second.names, extended=second.extended)
+    assert "t1" not in worker._holds, "a lease that ended is held again: no Released will end it"
+    r.status = SimpleNamespace(name="FINISHED_LENGTH_CAPPED")
+    assert push.finish(r) == (False, None)  # vLLM frees r1 now
+    restart = TransferResults()
+    worker._give_up(restart, 0.0)  # the sidecar restarts: what the worker still holds is freed
+    assert not push.hold_back(set(restart.finished_sending)), "a finished send for a request vLLM freed"
+
+
 def test_a_sidecar_rolled_back_under_the_engine_is_followed_by_its_last_pong() -> None:
     """The connector read the sidecar's push flags from its first Pong only: a sidecar
     restarted at an older version (no chunk-by-chunk or grouped holds) then got partial holds

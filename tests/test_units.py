@@ -454,3 +454,16 @@ def test_an_agent_in_use_stays_authenticated_however_many_others_handshake() -> 
     assert auth("long-lived")
     assert not auth("restarted-0")
     assert Authenticated(b"")("anyone")  # (no secret: nobody is authenticated, anyone may)
+
+
+def test_one_undecodable_message_from_the_sidecar_costs_only_itself() -> None:
+    """The client decoded a poll's messages in one go: one it could not decode (a newer
+    sidecar's event, a corrupt frame) raised, and every event drained beside it was lost (a
+    lost Released pinned its hold for good; found by a review)."""
+    from kvxfer.client import decode_each
+    from kvxfer.protocol import Done, Released, encode
+
+    got, skipped = decode_each([encode(Released(req_id="a", reason="read")), b"\x93garbage",
+                                encode(Done(req_id="b", nbytes=1, seconds=0.1))])
+    assert skipped == 1
+    assert [type(e).__name__ for e in got] == ["Released", "Done"]

@@ -63,7 +63,8 @@ class KvxferConnectorMetadata(KVConnectorMetadata):
                  failed: dict[str, list[int]] | None = None,
                  refused: dict[str, list[tuple[int, int]]] | None = None,
                  names: dict[str, str] | None = None, streamed: list[str] | None = None,
-                 unheld: list[str] | None = None, chunks: dict[str, int] | None = None) -> None:
+                 unheld: list[str] | None = None, chunks: dict[str, int] | None = None,
+                 extended: list[str] | None = None) -> None:
         self.recvs = recvs
         self.holds = holds
         self.failed = failed or {}  # loads the scheduler could not post: fail at once
@@ -72,6 +73,7 @@ class KvxferConnectorMetadata(KVConnectorMetadata):
         self.streamed = streamed or []  # push mode: leases whose layers this step computes
         self.unheld = unheld or []  # leases whose Hold the sidecar refused: free their blocks now
         self.chunks = chunks or {}  # push mode: leases of which this step computes a chunk -> blocks whole
+        self.extended = extended or []  # push mode: leases whose Hold this step extends
 
 
 class KvxferStats(KVConnectorStats):
@@ -276,7 +278,7 @@ class KvxferConnector(KVConnectorBase_V1, *_HMA):  # type: ignore[misc]
                                       getattr(scheduler_output, "scheduled_cached_reqs", None))
         plan = self.scheduler.take_plan()
         return KvxferConnectorMetadata(plan.recvs, plan.holds, plan.failed, plan.refused, plan.names,
-                                       plan.streamed, plan.unheld, plan.chunks)
+                                       plan.streamed, plan.unheld, plan.chunks, plan.extended)
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         """Loads that ended are forgotten (an abort after them sends no ``Cancel``); push mode: a
@@ -356,7 +358,8 @@ class KvxferConnector(KVConnectorBase_V1, *_HMA):  # type: ignore[misc]
             return
         meta = self._get_connector_metadata()
         assert isinstance(meta, KvxferConnectorMetadata)
-        self.worker.bind(meta.recvs, meta.holds, meta.failed, meta.refused, meta.names, meta.unheld)
+        self.worker.bind(meta.recvs, meta.holds, meta.failed, meta.refused, meta.names, meta.unheld,
+                             getattr(meta, "extended", None))
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # whole requests are loaded before they are scheduled (async load)
@@ -405,7 +408,8 @@ class KvxferConnector(KVConnectorBase_V1, *_HMA):  # type: ignore[misc]
         if self.has_connector_metadata():
             meta = self._get_connector_metadata()
             if isinstance(meta, KvxferConnectorMetadata):
-                self.worker.bind(meta.recvs, meta.holds, meta.failed, meta.refused, meta.names, meta.unheld)
+                self.worker.bind(meta.recvs, meta.holds, meta.failed, meta.refused, meta.names, meta.unheld,
+                             getattr(meta, "extended", None))
         return self.worker.get_transfer_results()
 
     def get_block_ids_with_load_errors(self) -> set[int]:

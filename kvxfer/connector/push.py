@@ -197,6 +197,7 @@ class StreamedHolds:
                 keep()
             return
         plan.holds[tid] = time.monotonic() + give_up
+        plan.extended.append(tid)
         if final:
             plan.streamed.append(tid)
         else:
@@ -231,6 +232,16 @@ class StreamedHolds:
 
     def held(self, req_id: str) -> bool:
         return req_id in self._streams or req_id in self._spent
+
+    def taken(self, tid: str, req_id: str) -> bool:
+        """Whether another request is held streamed under this transfer id now (a router's
+        retry while the first is held): ``req_id`` is then not held under it (two leases under
+        one name, one Released: one of the two leaked; found by a review)."""
+        if tid not in self._streams.values():
+            return False
+        log.warning("request %s: its transfer id %s is held for another request; its blocks are "
+                    "freed, its decode reads that one's or computes", req_id, tid)
+        return True
 
     def finish(self, request: Any) -> tuple[bool, None]:
         """A streamed request ended: its blocks stay until the sidecar says Released (a decode

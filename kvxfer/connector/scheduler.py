@@ -42,7 +42,10 @@ log = logging.getLogger(__name__)
 # A Hold refused with one of these made no lease (nothing else the scheduler sends under a
 # lease's name is refused so: a Release of an ended lease is UNKNOWN_REQUEST)
 HOLD_REFUSED = frozenset({ErrorCode.DRAINING, ErrorCode.NOT_REGISTERED, ErrorCode.BLOCK_OUT_OF_RANGE,
-                          ErrorCode.EXPIRED, ErrorCode.MALFORMED})
+                          ErrorCode.EXPIRED, ErrorCode.MALFORMED,
+                          # (the sender does not speak for the engine: e.g. Ray workers without
+                          # engine_ownership uid; every hold pinned its blocks: found by a review)
+                          ErrorCode.UNAUTHORIZED})
 
 
 class SentHolds:
@@ -225,7 +228,7 @@ class SchedulerSide:
             grouped = GroupedLoad(mine, list(self.state_groups), claimed)
         give_up = self.settings.transfer_timeout_s + self.settings.grace_s
         if not post_loads(self.client, self.settings, self._ranks(), request.request_id, pairs, remote,
-                          grouped, self.local_engine, time.time() + give_up):
+                          grouped, self.local_engine, time.time() + give_up, self._plan):
             self._plan.failed[request.request_id] = local  # (nothing was sent: vLLM recomputes)
             return
         self._plan.recvs[request.request_id] = (local, time.monotonic() + give_up)
@@ -281,13 +284,13 @@ class SchedulerSide:
             return self.push.finish(request)
         grouped = bool(block_ids) and isinstance(block_ids[0], list | tuple)
         held = held_blocks(block_ids) if grouped else list(block_ids)  # type: ignore[arg-type]
-        if status not in FINISHED_OK or not held:
-            return False, None  # aborted / errored prefill: free at once, nothing held
+        tid = transfer_id_of(params) if self.settings.mode == "push" else ""
+        if status not in FINISHED_OK or not held or (tid and self.push.taken(tid, req_id)):
+            return False, None  # aborted / errored prefill, or its transfer id held: free at once
         give_up = self.settings.lease_s + self.settings.grace_s
         token = new_token()  # only the decode this request's params reach can read or release it
-        lease = req_id
-        groups, tokens = None, 0
-        if self.settings.mode == "push" and (tid := transfer_id_of(params)):
+        lease, groups, tokens = req_id, None, 0
+        if tid:
             lease = token = tid  # (a push request not streamed: a chunked prompt; read as it is now)
             self._plan.names[tid] = req_id
             if grouped:  # (its decode pairs its lists with these: Hold.groups)
@@ -398,10 +401,13 @@ def release_remote(client: SidecarClient, ranks: list[tuple[int, int]], engine: 
 
 def post_loads(client: SidecarClient, settings: ConnectorSettings, ranks: list[tuple[int, int]], req_id: str,
                pairs: Pairs, remote: RemoteBlocks, grouped: GroupedLoad | None, engine: str,
-               expires: float) -> bool:
+               expires: float, plan: StepPlan) -> bool:
     """A load's Recv to every (pp, tp) rank: False when none could be sent (the load fails now;
-    when some were, their deadlines settle it: ``expires`` bounds them)."""
-    for n, (pp, rank) in enumerate(ranks):
+    when some were, their deadlines settle it: ``expires`` bounds them). A rank whose Recv could
+    not be sent fails now (``plan.refused``; it waited for its deadline and ``settle_s``, ~60 s:
+    found by a review)."""
+    unposted = []
+    for pp, rank in ranks:
         try:
             client.recv(req_id, pairs.local,
                         RemoteBlocks(remote.engine_id, remote.host, remote.port, pairs.remote, remote.tp_size,
@@ -412,8 +418,10 @@ def post_loads(client: SidecarClient, settings: ConnectorSettings, ranks: list[t
         except SEND_ERRORS as e:
             log.warning("request %s: KV load not posted to the sidecar (rank pp%d/tp%d): %s", req_id, pp,
                         rank, e)
-            return n > 0
-    return True
+            unposted.append((pp, rank))
+    if unposted and len(unposted) < len(ranks):
+        plan.refused.setdefault(req_id, []).extend(unposted)
+    return len(unposted) < len(ranks)
 
 
 def splits_alike(ours: str, params: Any, remote: Any, tp_size: int) -> bool:

@@ -29,3 +29,6 @@ class StepPlan:
     # push mode (prefill), a prompt computed in chunks: the lease -> its blocks computed whole
     # once this step's chunk is (reported by the workers when the forward is over)
     chunks: dict[str, int] = field(default_factory=dict)
+    # push mode (prefill): leases whose Hold this step extends (a chunk's): a worker that saw
+    # the lease end already does not hold it again (no Released would come: found by a review)
+    extended: list[str] = field(default_factory=list)

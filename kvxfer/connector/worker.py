@@ -176,12 +176,16 @@ class WorkerSide:
     def bind(self, recvs: dict[str, tuple[list[int], float]], holds: dict[str, float],
              failed: dict[str, list[int]] | None = None,
              refused: dict[str, list[tuple[int, int]]] | None = None,
-             names: dict[str, str] | None = None, unheld: list[str] | None = None) -> None:
+             names: dict[str, str] | None = None, unheld: list[str] | None = None,
+             extended: list[str] | None = None) -> None:
         """Record what the scheduler posted this step (from the connector metadata); ``failed``
         are loads it could not post at all (its sidecar did not take messages), ``refused``
-        loads the sidecar refused to these (pp, tp) ranks (not registered with it yet)."""
+        loads the sidecar refused to these (pp, tp) ranks (not registered with it yet);
+        ``extended``: leases this step extends, held only while they are (one ended already gets
+        no Released: it became a finished send vLLM asserts on at a restart; found by a review)."""
         self._recvs.update(recvs)
-        self._holds.update(holds)
+        ended = {x for x in extended or () if x not in self._holds}
+        self._holds.update({lease: t for lease, t in holds.items() if lease not in ended})
         self._names.update(names or {})
         for lease in [x for x in unheld or () if x in self._holds]:  # (its Hold refused: no Released
             self._early.keep(Released(req_id=lease, reason="refused"), time.monotonic())  # will come)
