@@ -55,3 +55,15 @@ def held_blocks(groups: Sequence[Sequence[int]]) -> list[int]:
             if b:
                 seen.setdefault(b, None)
     return list(seen)
+
+
+def cut_to_load(theirs: list[list[int]], grouped: bool, tokens: int, block_size: int) -> list[list[int]]:
+    """The prefill's block list cut to the blocks of the ``tokens`` this engine loads (one KV
+    cache group, position-indexed from the first token): a prefill that computed more (run for
+    more than one token, or without the back-off) holds blocks past them, and lists lined up at
+    the tail then paired every decode block with the prefill's next one: wrong KV, silently
+    (found by a review). Several groups (``grouped``; windows, state) are left as they are."""
+    if grouped or block_size <= 0 or tokens <= 0:
+        return theirs
+    keep = -(-tokens // block_size)
+    return [g[:keep] for g in theirs]

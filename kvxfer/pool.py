@@ -95,19 +95,19 @@ class PoolClient:
         return cls(mem_socket_path(engine_socket), timeout_s)
 
     @contextlib.contextmanager
-    def _socket(self) -> Iterator[socket.socket]:
+    def _socket(self, timeout_s: float = 0.0) -> Iterator[socket.socket]:
         if self._fd < 0:
-            self._fd = self._connect()
+            self._fd = self._connect(timeout_s)
             self._finalizer = weakref.finalize(self, _close_fd, self._fd)
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET, fileno=self._fd)
         try:
-            sock.settimeout(self.timeout_s)
+            sock.settimeout(timeout_s or self.timeout_s)
             yield sock
         finally:
             sock.detach()
 
-    def _connect(self) -> int:
-        end = time.monotonic() + self.timeout_s
+    def _connect(self, timeout_s: float = 0.0) -> int:
+        end = time.monotonic() + (timeout_s or self.timeout_s)
         while True:  # the sidecar may still be starting
             s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
             try:
@@ -122,9 +122,10 @@ class PoolClient:
                 s.close()
                 raise KvxferError(f"cannot reach the sidecar's memory channel {self.path}: {e}") from e
 
-    def _call(self, msg: _PoolMsg, fd: int | None = None) -> tuple[PoolGranted, int | None]:
+    def _call(self, msg: _PoolMsg, fd: int | None = None,
+              timeout_s: float = 0.0) -> tuple[PoolGranted, int | None]:
         try:
-            with self._socket() as sock:
+            with self._socket(timeout_s) as sock:
                 if fd is None:
                     sock.send(_enc.encode(msg))
                 else:
@@ -160,22 +161,24 @@ class PoolClient:
             self.pools[pool.id] = pool
             return pool
 
-    def readopt(self) -> int:
+    def readopt(self, timeout_s: float = 0.0) -> int:
         """Hand every pool back to a (restarted) sidecar on a fresh connection; returns how
-        many. Their ids stay the same, so registrations naming them are valid again."""
+        many. Their ids stay the same, so registrations naming them are valid again.
+        ``timeout_s``: each call's bound (0: the client's; an engine step passes a short one)."""
         with self._lock:
             self._disconnect()
             for pool in self.pools.values():
                 self._call(PoolAdopt(pool=pool.id, size=pool.size, label=pool.label, device=pool.device,
-                                     device_uuid=pool.device_uuid), pool.fd)
+                                     device_uuid=pool.device_uuid), pool.fd, timeout_s)
             return len(self.pools)
 
-    def sidecar_pidfd(self) -> int | None:
+    def sidecar_pidfd(self, timeout_s: float = 0.0) -> int | None:
         """A pidfd of the sidecar process (it polls readable once that process exited; the
-        caller owns it); None when the sidecar gives none (an older one, no pidfd there)."""
+        caller owns it); None when the sidecar gives none (an older one, no pidfd there) or
+        not within ``timeout_s`` (0: the client's)."""
         with self._lock:
             try:
-                with self._socket() as sock:
+                with self._socket(timeout_s) as sock:
                     sock.send(_enc.encode(PoolWho()))
                     data, fds, _, _ = socket.recv_fds(sock, _PACKET, 1)
                 reply = _replies.decode(data) if data else None

@@ -272,3 +272,73 @@ def test_a_load_posted_to_some_ranks_only_fails_at_once_on_the_others() -> None:
     plan = StepPlan()
     assert not post(Client({0, 1, 2, 3}), plan)
     assert plan.refused == {}  # (the whole load fails: plan.failed, by the caller)
+
+
+def test_a_prefill_that_computed_more_than_is_loaded_is_paired_from_its_first_block() -> None:
+    """The prefill ran for more than one token (or without the back-off): 33 tokens computed,
+    3 blocks of 16 held, while this engine loads 32 (2 blocks). Lists lined up at the tail
+    paired decode [7, 8] with prefill [102, 103]: every block one off, no error (found by a
+    review). The prefill's list is cut to the loaded tokens' blocks first."""
+    from kvxfer.connector.scheduler import SchedulerSide
+
+    class Client:
+        sent: list[tuple[list[int], list[int]]] = []
+
+        def ping(self, timeout: float) -> SimpleNamespace:
+            return SimpleNamespace(engine_id="D", handshake_host="h", handshake_port=1, generation="g",
+                                   grouped_streams=False, chunk_streams=False, grouped_chunks=False,
+                                   instance="i")
+
+        def recv(self, req_id: str, blocks: list[int], remote: object, **kw: object) -> None:
+            self.sent.append((list(blocks), list(remote.block_ids)))  # type: ignore[attr-defined]
+
+    sched = SchedulerSide(ConnectorSettings(sidecar="ipc:///nowhere"), 1, client=Client())  # type: ignore[arg-type]
+    sched.block_size = 16
+    params = {"do_remote_prefill": True, "remote_engine_id": "P", "remote_host": "h", "remote_port": 1,
+              "remote_block_ids": [101, 102, 103], "remote_num_tokens": 33, "tp_size": 1}
+    r = SimpleNamespace(request_id="d1", kv_transfer_params=params, prompt_token_ids=list(range(32)),
+                        status=SimpleNamespace(name="WAITING"))
+    assert sched.get_num_new_matched_tokens(r, 0) == (32, True)
+    sched.update_state_after_alloc(r, [7, 8], 32)
+    assert Client.sent == [([7, 8], [101, 102])]
+
+
+@pytest.mark.parametrize("hit", [0, 1, 2])
+def test_the_cut_keeps_each_decode_block_on_the_prefill_block_of_its_tokens(hit: int) -> None:
+    from kvxfer.pairing import cut_to_load, pair_groups
+
+    prefill = [100 + k for k in range(6)]  # 6 blocks of 4 tokens held: 21-24 tokens computed
+    for tokens in range(hit * 4 + 1, 21):  # this engine loads fewer, its first ``hit`` blocks cached
+        blocks = -(-tokens // 4)
+        mine = [50 + k for k in range(hit, blocks)]  # its new blocks (id 50 + position, for the check)
+        pairs = pair_groups([mine], cut_to_load([prefill], False, tokens, 4))
+        got = [(a - 50, b - 100) for a, b in zip(pairs.local, pairs.remote, strict=True)]
+        assert got == [(k, k) for k in range(hit, blocks)], tokens
+
+
+def test_a_memory_channel_call_in_an_engine_step_waits_a_quarter_second_at_most(tmp_path: object) -> None:
+    """After a sidecar restart the worker asks the new one for its pidfd and hands its pools back
+    inside an engine step; a sidecar that accepts and then says nothing (frozen right after its
+    restart) held the step for the client's 30 s per call (found by a review)."""
+    import os
+    import socket
+    import threading
+
+    from kvxfer.connector.worker import STEP_CALL_S
+    from kvxfer.pool import PoolClient
+
+    path = os.path.join(str(tmp_path), "mem.sock")
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    listener.bind(path)
+    listener.listen(8)
+    accepted: list[socket.socket] = []
+    threading.Thread(target=lambda: accepted.append(listener.accept()[0]), daemon=True).start()
+    try:
+        client = PoolClient(path)  # (the worker's: 30 s for calls outside a step)
+        t0 = time.monotonic()
+        assert client.sidecar_pidfd(STEP_CALL_S) is None
+        assert time.monotonic() - t0 < STEP_CALL_S + 1.0
+    finally:
+        listener.close()
+        for s in accepted:
+            s.close()

@@ -81,10 +81,10 @@ def test_a_refused_or_unsent_re_registration_is_sent_again(sidecars: SidecarFact
     calls: list[float] = []
     real = ws.pools.readopt
 
-    def first_fails() -> int:
+    def first_fails(timeout_s: float = 0.0) -> int:
         calls.append(time.monotonic())
         if len(calls) > 1 or how == "took_while_reporting_layers":
-            return real()
+            return real(timeout_s)
         if how == "not_sent":
             raise KvxferError("memory channel not answering (test)")
         return 0  # (pools not handed back: the registration names pools the sidecar does not know)
@@ -211,9 +211,9 @@ def test_no_attempt_goes_to_a_sidecar_that_died_again(sidecars: SidecarFactory,
     calls: list[float] = []
     real = ws.pools.readopt
 
-    def first_refused() -> int:
+    def first_refused(timeout_s: float = 0.0) -> int:
         calls.append(time.monotonic())
-        return real() if len(calls) > 1 else 0  # (the first names pools the sidecar does not know)
+        return real(timeout_s) if len(calls) > 1 else 0  # (the first names pools the sidecar does not know)
 
     def step() -> float:
         t0 = time.monotonic()

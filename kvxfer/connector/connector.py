@@ -227,6 +227,7 @@ class KvxferConnector(KVConnectorBase_V1, *_HMA):  # type: ignore[misc]
             self.scheduler = SchedulerSide(self.settings, size, engine_id=engine_id_of(vllm_config),
                                            pp_size=pc.pipeline_parallel_size)
             self.scheduler.backoff = prefill_backoff(self.groups, vllm_config)
+            self.scheduler.block_size = vllm_config.cache_config.block_size
             self.scheduler.grouped = self.groups is not None and self.groups.grouped
             self.scheduler.state_groups = self.groups.state if self.groups is not None else ()
             split = _state_split(vllm_config, self.groups.state_group if self.groups else None, size)

@@ -36,6 +36,7 @@ from kvxfer.connector.push import StreamedHolds
 from kvxfer.connector.settings import ConnectorSettings
 from kvxfer.connector.step import FINISHED_OK, StepPlan
 from kvxfer.errors import ErrorCode
+from kvxfer.pairing import cut_to_load
 from kvxfer.protocol import Cancel
 
 log = logging.getLogger(__name__)
@@ -93,6 +94,7 @@ class SchedulerSide:
         self.settings = settings
         self.tp_size = tp_size
         self.backoff = 0  # prompt tokens the prefill leaves to the decode (windowed or state groups)
+        self.block_size = 0  # tokens per block, one KV cache group (0: the prefill's lists are not cut)
         self.grouped = False  # block ids travel per KV cache group (Groups.grouped)
         self.state_groups: tuple[bool, ...] = ()  # per transferable group: a state (Mamba/GDN) group
         self.state_split = ""  # how the state splits over TP ranks (StateSplit.signature; "": it does not)
@@ -101,9 +103,7 @@ class SchedulerSide:
         self.client = client or SidecarClient(settings.sidecar, send_queue=settings.send_queue,
                                               ring=settings.engine_channel == "ring")
         pong = self.client.ping(settings.sidecar_timeout_s)
-        # This engine's id (vLLM's, "<id>_dp<k>" under DP): its ranks, holds and receives are
-        # keyed by it in a sidecar shared with other engines. "": the sidecar's own id.
-        self.local_engine = engine_id
+        self.local_engine = engine_id  # vLLM's ("<id>_dp<k>": DP): keys ranks, holds, receives ("": ours)
         self.engine_id = engine_id or pong.engine_id
         self.handshake_host = pong.handshake_host
         self.handshake_port = pong.handshake_port
@@ -210,7 +210,8 @@ class SchedulerSide:
         # shift every block (wrong KV): the prompt is computed here instead
         hybrid = bool(unhashed_block_ids) and isinstance(unhashed_block_ids[0], list | tuple)
         mine = [list(g) for g in unhashed_block_ids] if hybrid else [list(unhashed_block_ids)]  # type: ignore[arg-type]
-        theirs = [list(g) for g in remote.groups] if remote.groups else [list(remote.block_ids)]
+        theirs = cut_to_load([list(g) for g in remote.groups] if remote.groups else [list(remote.block_ids)],
+                             hybrid, self._claimed.get(request.request_id, 0), self.block_size)
         flags = self.state_groups if hybrid else ()
         try:
             pairs = push_pairs(mine, flags) if remote.streamed else pair_groups(mine, theirs, flags)

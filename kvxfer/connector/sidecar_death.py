@@ -27,11 +27,11 @@ class SidecarDeath:
     def __init__(self) -> None:
         self._fd = -1
 
-    def watch(self, pools: PoolClient | None) -> bool:
+    def watch(self, pools: PoolClient | None, timeout_s: float = 0.0) -> bool:
         """Ask the sidecar now behind ``pools`` for its pidfd (after each registration);
-        whether one came."""
+        whether one came (``timeout_s``: an engine step's bound; 0: the client's)."""
         self.close()
-        fd = pools.sidecar_pidfd() if pools is not None else None
+        fd = pools.sidecar_pidfd(timeout_s) if pools is not None else None
         self._fd = -1 if fd is None else fd
         return self._fd >= 0
 

@@ -44,6 +44,10 @@ from kvxfer.pool import PoolClient
 from kvxfer.protocol import Done, Failed, KVGroup, LayersDone, MemoryRef, Registered, Released
 
 log = logging.getLogger(__name__)
+# A memory-channel call made inside an engine step (after a sidecar restart) waits at most this long
+# (the client's 30 s, per call and per pool, once held the step: found by a review); one not
+# answered in time is tried again with the registration (``Rejoin``)
+STEP_CALL_S = 0.25
 
 
 
@@ -288,7 +292,7 @@ class WorkerSide:
         self._instance = next((p.instance for p in reversed(pongs) if p.instance), "")
         self._rejoin.restarted(time.monotonic())
         self._register_again(time.monotonic())
-        self.death.watch(self.pools)
+        self.death.watch(self.pools, STEP_CALL_S)
 
     def _register_again(self, now: float) -> None:
         """Send our registration to the restarted sidecar when ``Rejoin`` says so. Never blocks
@@ -301,7 +305,7 @@ class WorkerSide:
             if self.pools is not None and self.pools.pools:
                 # the restarted sidecar gets our pools back (same ids) before the registration
                 # that names them; local and quick (one packet per pool)
-                self.pools.readopt()
+                self.pools.readopt(STEP_CALL_S)
             self.client.register_nowait(naming_abandoned(self._registration, self._abandoned, now))
         except KvxferError as e:
             log.error("re-registration of rank %d with sidecar %s not sent: %s; again in %.1fs",
@@ -311,7 +315,7 @@ class WorkerSide:
         if self._rejoin.attempts > 1:
             log.warning("rank %d: re-registration with sidecar %s sent again (attempt %d)", self.tp_rank,
                         self.settings.sidecar, self._rejoin.attempts)
-            self.death.watch(self.pools)  # (the first attempt's watch may have found no channel)
+            self.death.watch(self.pools, STEP_CALL_S)  # (the first attempt's may have found no channel)
 
     def _sidecar_gone(self, out: TransferResults, now: float) -> None:
         """The sidecar process exited (its pidfd says so; ``connector.sidecar_death``): none of
