@@ -64,6 +64,7 @@ class ProofScratch:
         self._reg = self.agent.register_memory([(self.addr, int(self.mem.nbytes), 0, "")], "DRAM")
         self._free = list(range(slots - 1, -1, -1))
         self._peers: set[str] = set()  # loaded into the inline agent
+        self._unloading: set[str] = set()  # removed by the main agent, not yet by the inline one
         self._settling: list[tuple[Any, int]] = []  # (handle, slot) given up on: polled (``retry``)
         self.lost = 0  # word reads given up on (slow, or their handle not let go), ever
 
@@ -93,8 +94,9 @@ class ProofScratch:
         if not self.inline:
             return
         self.remove_peer(name)  # (its metadata replaced)
-        if name in self._peers:
-            return  # (still loaded: the same process, agent names are per process: its words did not move)
+        if name in self._peers:  # (still loaded: the same process, agent names are per process: its
+            self._unloading.discard(name)  # words did not move; wanted again)
+            return
         try:
             self.agent.add_remote_agent(metadata)
             self._peers.add(name)
@@ -103,16 +105,19 @@ class ProofScratch:
 
     def remove_peer(self, name: str) -> None:
         """Unload ``name`` from the inline agent; refused (a word read still in flight), it
-        stays loaded, and is unloaded by a later ``remove_peer`` or ``add_peer``."""
+        is read no more and unloaded by ``retry`` once it can be (it stayed loaded until the
+        peer came back, if ever: found by a review)."""
         if name in self._peers:
             try:
                 self.agent.remove_remote_agent(name)
                 self._peers.discard(name)
+                self._unloading.discard(name)
             except Exception as e:
+                self._unloading.add(name)
                 log.debug("lease word agent kept %s loaded: %s", name, e)
 
     def post(self, slot: int, remote_addr: int, peer: str) -> Any:
-        if self.inline and peer not in self._peers:
+        if self.inline and (peer not in self._peers or peer in self._unloading):
             raise RuntimeError(f"{peer} is not loaded for lease word reads")
         self.mem[2 * slot] = 0
         self.mem[2 * slot + 1] = 0
@@ -137,6 +142,8 @@ class ProofScratch:
                 self.give(slot)
             else:
                 self._settling.append((handle, slot))
+        for name in list(self._unloading):
+            self.remove_peer(name)
 
     def word(self, slot: int) -> tuple[int, int]:
         return int(self.mem[2 * slot]), int(self.mem[2 * slot + 1])
