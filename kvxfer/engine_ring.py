@@ -133,7 +133,9 @@ class Asking:
 
     def answer(self, timeout_s: float = 0.0) -> EngineRing | None:
         """The ring once granted (None: no answer yet); RingUnavailable if refused or broken."""
-        if not select.select([self.conn], [], [], timeout_s)[0]:
+        waiting = select.poll()  # (not select.select: it fails on fds numbered 1024 and up, which a
+        waiting.register(self.conn, select.POLLIN)  # vLLM worker may have; found by a review)
+        if not waiting.poll(int(timeout_s * 1000 + 0.999)):  # (ms, rounded up)
             return None
         fds: list[int] = []
         try:

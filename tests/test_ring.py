@@ -382,3 +382,94 @@ def test_what_an_engine_wrote_before_closing_its_ring_is_all_handled(tmp_path) -
     assert [len(x) for x in by_len] == [100, 200], {k: len(v) for k, v in got.items()}
     assert by_len[0] == [b"a%d" % i for i in range(100)]  # every one, in order
     assert by_len[1] == [b"b%d" % i for i in range(200)]
+
+
+def test_an_engine_with_over_a_thousand_fds_open_gets_its_ring(sidecars: SidecarFactory) -> None:
+    """A vLLM worker may have more than 1,024 files open: the client waited for its ring's
+    answer with ``select.select``, which raises for fds numbered 1024 and up, and the
+    ValueError reached the engine step (it is not a send error; found by a review)."""
+    import resource
+
+    sc = sidecars.start("ring-fds")
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (min(hard, 4096), hard))
+    held = [os.open("/dev/null", os.O_RDONLY) for _ in range(1100)]
+    try:
+        c = SidecarClient(sc.endpoint, ring=True)
+        try:
+            assert c.ping(20).seq
+            assert c.ring is not None, c.ring_error
+            c.heartbeat()
+        finally:
+            c.close()
+    finally:
+        for fd in held:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+def test_one_rings_backlog_leaves_the_loop_its_turns() -> None:
+    """A ring read whole was handled in one callback while no other ring had messages: an engine
+    (or any process of the sidecar's uid) that wrote millions of messages before ringing held
+    every other engine and peer for as long (23 s measured with a 64 MiB ring; found by a
+    review). Its backlog now yields the loop every ``RING_TURN_S``."""
+    import asyncio
+
+    from kvxfer.sidecar.engine_rings import RING_TURN_S, TakingTurns
+
+    class Flooded:
+        def __init__(self, n: int) -> None:
+            self.frames = [b"x"] * n
+
+        def read_all(self) -> list[bytes]:
+            out, self.frames = self.frames, []
+            return out
+
+        def pending(self) -> bool:
+            return bool(self.frames)
+
+    wake = os.eventfd(0, os.EFD_NONBLOCK)
+    delivered, seen_at = [0], []
+
+    def deliver(body: bytes, now: int) -> None:
+        delivered[0] += 1
+        end = time.perf_counter() + 20e-6  # (a message's handling)
+        while time.perf_counter() < end:
+            pass
+
+    async def run() -> None:
+        loop = asyncio.get_running_loop()
+        turns = TakingTurns(loop, Flooded(20_000), wake, deliver, lambda e: None, [])  # type: ignore[arg-type]
+        turns.rang()
+
+        async def other_work() -> None:  # (another engine's message, a peer's claim)
+            while delivered[0] < 20_000:
+                seen_at.append(delivered[0])
+                await asyncio.sleep(0)
+
+        await other_work()
+
+    try:
+        asyncio.run(run())
+    finally:
+        os.close(wake)
+    assert len(seen_at) >= 5, f"the loop turned {len(seen_at)} times in 20,000 messages (~0.4 s)"
+    assert RING_TURN_S <= 0.05
+
+
+def test_a_doorbell_that_cannot_be_rung_drops_its_ring_and_nothing_else() -> None:
+    """The doorbell's eventfd is shared with the engine (one file description): an engine that
+    sets its counter to the top made the sidecar's ring of it raise BlockingIOError, which
+    escaped the ring's write, killed the lease expiry task whose release was being sent, and
+    stopped the sidecar (found by a review). Now that ring is dropped."""
+    from kvxfer.sidecar.engine_rings import ring_or_drop
+
+    fd = os.eventfd(0, os.EFD_NONBLOCK)
+    try:
+        os.eventfd_write(fd, 2**64 - 2)  # (the engine's doing: the counter at its top)
+        dropped: list[RingCorrupt] = []
+        ring_or_drop(fd, dropped.append)
+        assert len(dropped) == 1
+        assert "doorbell" in str(dropped[0])
+    finally:
+        os.close(fd)

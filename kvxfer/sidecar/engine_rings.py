@@ -47,6 +47,7 @@ from kvxfer.sidecar.pool_server import listen_private, unlink_if_same
 from kvxfer.sidecar.procfs import creds_of
 
 log = logging.getLogger("kvxfer.sidecar")
+RING_TURN_S = 0.02  # one ring's messages handled in one callback at most this long (others then run)
 MAX_RINGS = 256  # rings open at once (one per engine rank connection); past it, refused
 OPEN_TIMEOUT_S = 5.0
 
@@ -60,7 +61,9 @@ class TakingTurns:
     round waited ~40 ms; staged TP cells 5-15 % faster since, direct ones unchanged). A ring
     alone keeps being read whole: one message per turn there only paid a loop turn each (a
     prefill's burst of 1,200 Holds, on a loaded machine, fell behind the decodes' claims
-    until 139 failed `expired`), and a time budget per turn lost most of the gain. What was
+    until 139 failed `expired`), and a time budget per turn lost most of the gain (a budget of
+    ``RING_TURN_S`` bounds it now: one engine's backlog of millions of messages, in one callback,
+    held every other engine and peer 23 s; found by a review). What was
     read waits here, in order; the ring is read again only once it is empty, so a flooding
     engine meets its full ring, as before."""
 
@@ -121,8 +124,20 @@ class TakingTurns:
         self._turning = True
         self._loop.call_soon(self._turn)  # (the next messages, or a look for new ones)
         self._deliver(*self._backlog.popleft())
-        while self._backlog and not any(t is not self and t._waiting() for t in self._family):
+        end = time.monotonic() + RING_TURN_S
+        while (self._backlog and not any(t is not self and t._waiting() for t in self._family)
+               and time.monotonic() < end):
             self._deliver(*self._backlog.popleft())
+
+
+def ring_or_drop(doorbell: int, corrupt: Callable[[RingCorrupt], None]) -> None:
+    """Ring the engine's doorbell; one that cannot be rung (the engine set the counter it shares
+    to the top) drops its ring (the error escaped, killed the lease expiry task whose release
+    was being sent, and so stopped the sidecar: found by a review)."""
+    try:
+        ring_doorbell(doorbell)
+    except OSError as e:
+        corrupt(RingCorrupt(f"its doorbell cannot be rung: {e}"))
 
 
 def oversize(ident: bytes, size: int, max_frame: int) -> None:
@@ -239,7 +254,7 @@ class EngineRings:
             except RingCorrupt as e:  # (the engine scribbled on its head)
                 corrupt(e)
                 return False
-            ring_doorbell(doorbell)
+            ring_or_drop(doorbell, corrupt)
             return True
 
         def deliver(body: bytes, now: int) -> None:

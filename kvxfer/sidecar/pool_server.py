@@ -56,6 +56,7 @@ log = logging.getLogger("kvxfer.pool")  # the name its log lines carried before 
 # at most); past this, a new connection takes the place of the oldest one that holds no pool
 # (a storm, or an engine that connected and never asked), or is closed if every one does.
 MAX_CONNECTIONS = 256
+MAX_POOLS_PER_CONNECTION = 4096  # (an engine makes a few per cache; each is an fd here)
 
 
 @dataclass
@@ -105,6 +106,11 @@ class Room:
                 raise RequestError(ErrorCode.OUT_OF_MEMORY, f"a pool of {gib(size)} needs more memory than "
                                    f"GPU {device} has free ({gib(free)})")
             return
+        phys = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        if held + size > phys:  # (memfds take no memory until written: each pool alone fit, and one
+            # connection held 3,000 of them, 2.9 TiB on a 21 GiB machine: found by a review)
+            raise RequestError(ErrorCode.OUT_OF_MEMORY, f"a pool of {gib(size)} beside the {gib(held)} "
+                               f"of pools held would exceed this machine's memory ({gib(phys)})")
         avail = available_memory()
         if avail is not None and size > avail:
             raise RequestError(ErrorCode.OUT_OF_MEMORY, f"a pool of {gib(size)} needs more memory than "
@@ -318,6 +324,11 @@ class PoolServer:
                 os.close(fd)
 
     def _reply(self, conn: socket.socket, msg: _PoolMsg, fd: int | None = None) -> None:
+        """Never waits: a connection that does not read its replies loses them (it held this
+        thread 5 s a reply once its buffer was full: every other engine's pools waited; found
+        by a review)."""
+        timeout = conn.gettimeout()
+        conn.settimeout(0.0)  # (MSG_DONTWAIT alone is not enough: a socket with a timeout waits for it)
         try:
             if fd is None:
                 conn.send(_enc.encode(msg))
@@ -325,6 +336,8 @@ class PoolServer:
                 socket.send_fds(conn, [_enc.encode(msg)], [fd])
         except OSError as e:
             log.warning("memory channel: reply not sent: %s", e)
+        finally:
+            conn.settimeout(timeout)
 
     def gpu(self) -> Vmm:
         return self.room.gpu()
@@ -333,6 +346,9 @@ class PoolServer:
         device = self.room.local_device(msg.device, msg.device_uuid)
         with self._lock:
             held = sum(h.size for h in self._pools.values() if h.device == device)
+            mine = sum(1 for h in self._pools.values() if h.conn == fileno)
+        if mine >= MAX_POOLS_PER_CONNECTION:
+            raise RequestError(ErrorCode.OUT_OF_MEMORY, f"this connection holds {mine} pools already")
         self.room.check(msg.size, device, held)
         size = msg.size
         if device >= 0:
