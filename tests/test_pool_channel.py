@@ -82,3 +82,4 @@ def test_one_connection_cannot_hold_pools_without_bound(monkeypatch: pytest.Monk
         client.close()
     finally:
         server.close()
+

@@ -106,15 +106,15 @@ class Room:
                 raise RequestError(ErrorCode.OUT_OF_MEMORY, f"a pool of {gib(size)} needs more memory than "
                                    f"GPU {device} has free ({gib(free)})")
             return
+        avail = available_memory()
+        if avail is not None and size > avail:
+            raise RequestError(ErrorCode.OUT_OF_MEMORY, f"a pool of {gib(size)} needs more memory than "
+                               f"this machine has available ({gib(avail)})")
         phys = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
         if held + size > phys:  # (memfds take no memory until written: each pool alone fit, and one
             # connection held 3,000 of them, 2.9 TiB on a 21 GiB machine: found by a review)
             raise RequestError(ErrorCode.OUT_OF_MEMORY, f"a pool of {gib(size)} beside the {gib(held)} "
                                f"of pools held would exceed this machine's memory ({gib(phys)})")
-        avail = available_memory()
-        if avail is not None and size > avail:
-            raise RequestError(ErrorCode.OUT_OF_MEMORY, f"a pool of {gib(size)} needs more memory than "
-                               f"this machine has available ({gib(avail)})")
 
 
     def prove(self, fd: int, size: int, device: int) -> None:
@@ -166,6 +166,7 @@ class PoolServer:
         self.max_connections = MAX_CONNECTIONS
         # (this thread) for each connection closed because max_connections were held: counted
         self.on_refused: Callable[[int], None] | None = None
+        self._catching_up = False  # (``_adopt``: serving another connection's backlog now)
 
     # --------------------------------------------------------------- queries (any thread)
 
@@ -324,9 +325,7 @@ class PoolServer:
                 os.close(fd)
 
     def _reply(self, conn: socket.socket, msg: _PoolMsg, fd: int | None = None) -> None:
-        """Never waits: a connection that does not read its replies loses them (it held this
-        thread 5 s a reply once its buffer was full: every other engine's pools waited; found
-        by a review)."""
+        """Never waits: a connection not reading its replies loses them (found by a review)."""
         timeout = conn.gettimeout()
         conn.settimeout(0.0)  # (MSG_DONTWAIT alone is not enough: a socket with a timeout waits for it)
         try:
@@ -373,8 +372,12 @@ class PoolServer:
         reads expect the holder's."""
         with self._lock:
             held = self._pools.get(msg.pool)
-        if held is not None and held.conn != fileno:
-            self._catch_up(held.conn)  # (an engine handing its pools back on a fresh connection)
+        if held is not None and held.conn != fileno and not self._catching_up:
+            self._catching_up = True  # (once: two connections adopting each other's pools recursed
+            try:  # until RecursionError, leaking the fds they sent: found by a review)
+                self._catch_up(held.conn)  # (an engine handing its pools back on a fresh connection)
+            finally:
+                self._catching_up = False
             with self._lock:
                 held = self._pools.get(msg.pool)
         if held is not None and held.conn != fileno:
