@@ -316,3 +316,30 @@ def test_a_batch_is_cut_into_stage_requests_that_fit(sizes: list[int], limit: in
         assert size <= 16 * limit or len(part) == 1
         if i + 1 < len(got):
             assert size + got[i + 1][0].runs_bytes > 16 * limit
+
+
+def test_the_prefill_and_decode_halves_of_a_sidecar_share_one_book_of_arena_slots(tmp_path: object) -> None:
+    """One sidecar serves both roles by default (a node with a prefill and a decode engine):
+    each half kept its own book of the one arena, so a prefill's gather for a peer and this
+    sidecar's own read could be given the same bytes at once (wrong KV either way; found by a
+    review). Both halves now take their slots from one book."""
+    import os
+
+    from kvxfer.config import Config
+    from kvxfer.sidecar.app import Sidecar
+
+    os.chmod(tmp_path, 0o700)
+    sidecar = Sidecar(Config(engine_socket=f"ipc://{tmp_path}/e.sock", insecure=True, handshake_port=0,
+                             metrics_port=0, control_target=f"unix://{tmp_path}/c.ctl"))
+    try:
+        prefill, decode = sidecar.peer_server.stager.books, sidecar.receiver.staging.books
+        assert prefill is decode
+        sidecar.nixl.spans[-1] = (1 << 30, 4 * SLOT_ALIGN)  # (an arena, as the port reports it)
+        a = prefill.get(-1).alloc(SLOT_ALIGN, ("peer", "p", "r1", ("0/0",), -1), 1e9)
+        b = decode.get(-1).alloc(SLOT_ALIGN, "r2#0", 1e9)
+        assert a is not None
+        assert b is not None
+        assert a != b
+    finally:  # (never started: its sockets closed here)
+        sidecar.ctx.destroy(linger=0)
+        sidecar.dial_ctx.destroy(linger=0)

@@ -71,6 +71,7 @@ from kvxfer.sidecar.peer_server import PeerServer
 from kvxfer.sidecar.pool_server import PoolServer
 from kvxfer.sidecar.receiver import Receiver
 from kvxfer.sidecar.registry import RankRegistry
+from kvxfer.sidecar.staging import Books
 from kvxfer.sidecar.stall_guard import StallGuard
 from kvxfer.sidecar.stream_server import StreamServer
 from kvxfer.systemd import Notifier
@@ -169,15 +170,17 @@ class Sidecar:
         generation = lambda: self.registry.generation(self.agent_name)  # noqa: E731
         self.streams = StreamServer(config=config, registry=self.registry, holds=self.holds,  # (push)
                                     observer=self.observer, generation=generation)
+        books = Books(self.nixl.spans)  # (the staging arenas' slots: one book for both halves)
         self.peer_server = PeerServer(channel=self.channel, registry=self.registry, holds=self.holds,
                                       nixl=self.nixl, observer=self.observer,
                                       authenticated=self.authenticated, generation=generation,
-                                      lease_words=words, streams=self.streams)
+                                      lease_words=words, streams=self.streams, books=books)
         self.engine_server = EngineServer(self.ctx, config.engine_socket, self.observer)
         self.rings = EngineRings(self.engine_server, self.observer)
         self.receiver = Receiver(config=config, registry=self.registry, peers=self.peers, book=self.book,
                                  nixl=self.nixl, observer=self.observer, send=self.engine_server.send,
-                                 spawn=self._spawn, agent_name=self.agent_name, abandoned=self.abandoned)
+                                 spawn=self._spawn, agent_name=self.agent_name, abandoned=self.abandoned,
+                                 books=books)
         self.stalls = StallGuard(config, self.peers, self.book, self.receiver.reading_from)
         self.keeper = LeaseKeeper(config, self.peers, self.book, self.engine_server.send, self.agent_name)
         self.engines = Engines(config=config, registry=self.registry, receiver=self.receiver,

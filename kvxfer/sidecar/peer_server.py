@@ -54,6 +54,7 @@ from kvxfer.sidecar.peer_book import Authenticated
 from kvxfer.sidecar.peer_client import PeerChannel
 from kvxfer.sidecar.registry import RankRegistry
 from kvxfer.sidecar.stage_server import StageServer
+from kvxfer.sidecar.staging import Books
 from kvxfer.sidecar.stream_server import StreamServer
 
 log = logging.getLogger("kvxfer.peers")
@@ -76,7 +77,8 @@ def peer_address(frame: zmq.Frame) -> str:
 class PeerServer:
     def __init__(self, *, channel: PeerChannel, registry: RankRegistry, holds: Holds, nixl: NixlPort,
                  observer: Observer, authenticated: Authenticated, generation: Callable[[], str],
-                 lease_words: tuple[int, int] = (0, 0), streams: StreamServer | None = None) -> None:
+                 lease_words: tuple[int, int] = (0, 0), streams: StreamServer | None = None,
+                 books: Books | None = None) -> None:
         self.channel = channel
         self.streams = streams  # (push mode: LayerWatch)
         self.lease_words = lease_words  # (address, slots) advertised in every Welcome
@@ -86,8 +88,8 @@ class PeerServer:
         self.observer = observer
         self.authenticated = authenticated
         self._generation = generation  # this sidecar's registrations now (Welcome.generation)
-        # (staged reads: StageRequest)
-        self.stager = StageServer(holds=holds, registry=registry, nixl=nixl, generation=generation)
+        self.stager = StageServer(holds=holds, registry=registry, nixl=nixl, generation=generation,  # (staged
+                                  books=books)  # reads: StageRequest)
         self.challenges = ChallengeBook(channel.agent_name)
         self._tasks: set[asyncio.Task[None]] = set()
 

@@ -59,6 +59,7 @@ from kvxfer.sidecar.recv_state import (
 from kvxfer.sidecar.registry import RankKey, RankRegistry
 from kvxfer.sidecar.staged_reads import Prepared, Staging
 from kvxfer.sidecar.staged_windows import WindowFailed
+from kvxfer.sidecar.staging import Books
 from kvxfer.sidecar.stream_feed import StreamFeed
 from kvxfer.sidecar.verify import Verifier
 from kvxfer.topology import BlockPairing, RankPlan
@@ -72,7 +73,7 @@ class Receiver:
     def __init__(self, *, config: Config, registry: RankRegistry, peers: PeerClient, book: PeerBook,
                  nixl: NixlPort, observer: Observer, send: Callable[[bytes, Any], None],
                  spawn: Callable[[Any], None], agent_name: str,
-                 abandoned: Abandoned | None = None) -> None:
+                 abandoned: Abandoned | None = None, books: Books | None = None) -> None:
         self.config = config
         self.registry = registry
         self.peers = peers
@@ -85,7 +86,7 @@ class Receiver:
         self.recvs: dict[str, RecvState] = {}
         self.verifier = Verifier(config, registry, peers, book, nixl, observer)
         self.claims = Claims(config, peers, book, observer, agent_name)
-        self.staging = Staging(config, peers, book, nixl, agent_name)
+        self.staging = Staging(config, peers, book, nixl, agent_name, books)
         self.feed = StreamFeed(config=config, registry=registry, peers=peers, observer=observer, nixl=nixl,
                                staging=self.staging)
         self.abandoned = abandoned if abandoned is not None else Abandoned()  # (kvxfer.abandoned)

@@ -56,12 +56,14 @@ class StageTimes:
 
 class StageServer:
     def __init__(self, *, holds: Holds, registry: RankRegistry, nixl: NixlPort,
-                 generation: Callable[[], str]) -> None:
+                 generation: Callable[[], str], books: Books | None = None) -> None:
         self.holds = holds
         self.registry = registry
         self.nixl = nixl
         self._generation = generation
-        self.books = Books(nixl.spans)
+        # (the arenas' one book, shared with this sidecar's decode half: two gave the same bytes
+        # to a prefill's gather and a decode's read at once; found by a review)
+        self.books = books if books is not None else Books(nixl.spans)
         self.times = StageTimes()  # (the slots answered, ever, and what they cost)
         self._waiting: dict[tuple[object, ...], set[str]] = {}  # slot -> readers whose final notice is due
         self._gathering: set[tuple[object, ...]] = set()  # slots being filled now

@@ -145,14 +145,14 @@ def _split(plan: StagedPlan, groups: list[int], arena: int, sharing: int) -> lis
 
 class Staging:
     def __init__(self, config: Config, peers: PeerClient, book: PeerBook, nixl: NixlPort,
-                 agent_name: str) -> None:
+                 agent_name: str, books: Books | None = None) -> None:
         self.config = config
         self.peer_book = book
         self.below = config.stage_below_kib << 10
         self.peers = peers
         self.nixl = nixl
         self.agent_name = agent_name
-        self.books = Books(nixl.spans)
+        self.books = books if books is not None else Books(nixl.spans)  # (shared: StageServer)
         self._rows: _RowsCache = {}
         self.staged = 0  # receives staged, ever
         self._batches: dict[tuple[object, ...], _Batch] = {}
