@@ -569,3 +569,25 @@ def test_a_rank_that_registers_again_fails_its_receives_that_wait(sidecars: Side
         assert not late.done
         assert not d.verify(tid, db), "the prefill's bytes landed in the re-registered memory"
         assert ds.proc.poll() is None
+
+
+def test_reports_before_a_refused_streamed_hold_do_not_count_for_a_retry(sidecars: SidecarFactory) -> None:
+    """Layer reports that come before their streamed Hold are kept for it. A Hold refused (here:
+    too late, its engine's deadline past) or released at once never started its book, so they
+    stayed, and the router's retry held under the same transfer id started with every layer
+    "computed": its decode read blocks nothing had computed, proven by the retry's own lease
+    word (found by a review)."""
+    with pair(sidecars, "pushh") as (ds, ps, d, p):
+        tid = "push-refused"
+        pb = p.allocate(4)
+        p.client.send(LayersDone(req_ids=[tid], layers=LAYOUT.num_layers))  # (its workers reported)
+        p.client.hold(tid, pb, token=tid, streamed=True, expires_unix=time.time() - 5)
+        err = wait_for(p.client, lambda a: bool(a.errors), timeout=5)
+        assert err.errors, "the late Hold was not refused"
+        pb2, db2 = p.allocate(4), d.allocate(4)  # the retry, under the same id: nothing computed
+        d.wipe(db2)
+        p.client.hold(tid, pb2, token=tid, streamed=True, expires_unix=time.time() + 60)
+        d.client.recv(tid, db2, streamed_remote(p, tid), streamed=True, deadline_s=3)
+        got = wait_for(d.client, lambda a: bool(a.done or a.failed), timeout=30)
+        assert not got.done, "the retry's uncomputed blocks were read and reported Done"
+        assert got.failed[0].code == ErrorCode.DEADLINE

@@ -96,6 +96,7 @@ class LayerBook:
         self._progress: dict[LayerKey, Progress] = {}
         self._early: collections.OrderedDict[LayerKey, dict[tuple[int, int], tuple[int, int]]] = (
             collections.OrderedDict())
+        self._not_held: collections.OrderedDict[LayerKey, None] = collections.OrderedDict()
 
     def __len__(self) -> int:
         return len(self._progress)
@@ -111,11 +112,22 @@ class LayerBook:
         """A streamed Hold: its stages ((first, n) by pipeline stage) and TP size; ``partial``:
         a prompt computed in chunks, held at its first (``extend`` holds the next ones)."""
         prog = Progress(dict(stages), tp_size, partial=partial)
+        self._not_held.pop(key, None)
         for rank, (layers, blocks) in self._early.pop(key, {}).items():
             prog.done[rank], prog.blocks_done[rank] = layers, blocks
         self._advance(prog)
         self._progress[key] = prog
         return []
+
+    def not_held(self, key: LayerKey) -> None:
+        """A streamed Hold refused or released at once: the reports kept for it, and any that
+        come before the next streamed Hold of the key, are not counted (a retry held under the
+        same id started with them: its decode read blocks not computed; found by a review)."""
+        self._early.pop(key, None)
+        self._not_held[key] = None
+        self._not_held.move_to_end(key)
+        while len(self._not_held) > EARLY_MAX:
+            self._not_held.popitem(last=False)
 
     def extend(self, key: LayerKey, partial: bool) -> list[Any]:
         """The next chunk's blocks are held (``partial`` False: the last): readers see it."""
@@ -128,6 +140,8 @@ class LayerBook:
         """A rank computed ``layers`` layers of its stage (of the last chunk), or every layer
         of the first ``blocks`` blocks (a chunk): the watchers that now see more."""
         prog = self._progress.get(key)
+        if prog is None and key in self._not_held:
+            return []
         if prog is None:
             early = self._early.setdefault(key, {})
             old = early.get((pp, tp), (0, 0))

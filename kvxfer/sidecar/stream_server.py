@@ -80,14 +80,21 @@ class StreamServer:
                 for watch in self.book.extend(lease.key, msg.partial):
                     self._answer(lease.key, watch)
             return
-        self.holds.hold(ident, msg, draining, sender)
         engine = self.registry.engine_of(msg.engine_id)
+        try:
+            self.holds.hold(ident, msg, draining, sender)
+        except RequestError:
+            if msg.streamed:  # (refused)
+                self.book.not_held((engine, msg.req_id))
+            raise
         if msg.streamed and (engine, msg.req_id) in self.holds.table:  # (not released at once: its
             # decode cancelled before it came, ``Holds._keep_until_held``)
             stages, tp_size = stages_of([r.layout for r in self.registry.of_engine(engine)])
             self.book.start((engine, msg.req_id), stages, tp_size, partial=msg.partial)
             log.debug("streamed hold %s of engine %s: %d blocks, layers %s by %d ranks", msg.req_id, engine,
                       len(msg.block_ids), stages, tp_size)
+        elif msg.streamed:  # (released at once)
+            self.book.not_held((engine, msg.req_id))
         if msg.req_id in self._early:
             self._hold_came(msg.req_id)
 
