@@ -272,3 +272,31 @@ def test_group_chunk_pairs_and_what_is_left_of_each_group_after_them() -> None:
         with pytest.raises(RequestError):
             after_group_chunks(msg, LayersAt(seq=0, held="held", groups=bad, num_tokens=120), 5,
                                {0: partial[0]}, 16)
+
+
+def test_a_partial_prefix_hit_with_block_sizes_that_differ_is_not_read() -> None:
+    """Blocks of 16 tokens here, of 32 at the prefill, a 64-token prompt, the decode's first
+    block a local prefix hit: the pairing lines both lists up from the first token, so local
+    block 1 (tokens 16-31) got the prefill's tokens 0-15 and every block after shifted too,
+    delivered as proven (found by a review). Refused now (the prompt is computed here); the
+    whole prompt's blocks still pair."""
+    from unittest import mock
+
+    from kvxfer.errors import ErrorCode
+    from kvxfer.protocol import LayersAt, Recv
+    from kvxfer.sidecar.stream_feed import completed
+    from kvxfer.testing.engine import make_layout
+
+    local = make_layout(layers=2, num_blocks=16, heads=2, head_dim=8, block_size=16)
+    ans = LayersAt(seq=1, held="held", ready=2, total=2, block_ids=[10, 11], num_tokens=64, tp_size=1,
+                   engine_id="p")
+    peer = mock.Mock(generation="g")
+
+    def recv(blocks: list[int]) -> Recv:
+        return Recv(req_id="t", block_ids=blocks, remote_engine_id="p", remote_host="h", remote_port=1,
+                    remote_block_ids=[], streamed=True)
+
+    with pytest.raises(RequestError) as refused:
+        completed(recv([5, 6, 7]), ans, peer, False, local)
+    assert refused.value.code == ErrorCode.INCOMPATIBLE
+    assert completed(recv([4, 5, 6, 7]), ans, peer, False, local).remote_block_ids == [10, 11]

@@ -403,6 +403,12 @@ def completed(msg: Recv, ans: LayersAt, peer: Peer, same_block_size: bool, local
         raise RequestError(ErrorCode.INCOMPATIBLE, "the prefill holds this request per KV cache group (a "
                            "model of several groups), this engine names one list: not the same KV cache "
                            "layout, not read", msg.req_id)
+    if not same_block_size and 0 < len(msg.block_ids) < -(-ans.num_tokens // local.block_size):
+        # (a partial prefix hit here, block sizes that differ: the pairing lines both lists up
+        # from the first token, and every block would shift: found by a review)
+        raise RequestError(ErrorCode.INCOMPATIBLE, f"{len(msg.block_ids)} blocks of {local.block_size} "
+                           f"tokens here for a prompt of {ans.num_tokens} held in blocks of another size: "
+                           "a partial prefix hit cannot be paired; computed here", msg.req_id)
     remote = remote_suffix(list(ans.block_ids), len(msg.block_ids), same_block_size)
     return msgspec.structs.replace(msg, remote_block_ids=remote, **common)
 
