@@ -323,3 +323,39 @@ def test_a_window_read_is_routed_to_its_receive_whatever_the_request_id_holds() 
         return routed
 
     assert asyncio.run(run())
+
+
+def test_a_cancel_whose_caller_gives_up_still_ends_the_receive() -> None:
+    """An operator's CancelTransfer (or a Drain's cancel step) is cancelled while the receive's
+    cancel waits for the port (the client's deadline, Ctrl-C): the receive had been marked
+    stopping, so its staged answer was then ignored, and nothing ever ended it: no Done or
+    Failed for its engine, its slot held, the sidecar never idle (found by a review)."""
+
+    async def run() -> tuple[bool, list[Any]]:
+        port, sent = RecordingPort(), []
+        rx = Receiver(config=Config(), registry=mock.MagicMock(), peers=mock.MagicMock(),
+                      book=mock.MagicMock(), nixl=port, observer=Observer(),  # type: ignore[arg-type]
+                      send=lambda owner, msg: sent.append(msg), spawn=asyncio.ensure_future, agent_name="d")
+        rx.staging = mock.MagicMock()
+        rx.staging.settle = mock.AsyncMock()
+        msg = Recv(req_id="r1", block_ids=[3, 4], remote_engine_id="p", remote_host="h", remote_port=9,
+                   remote_block_ids=[5, 6])
+        machine = Receive("r1")
+        machine.start(False, 10.0)  # (its StageRequest out, nothing posted)
+        state = RecvState(owner=b"e", msg=msg, nbytes=1, started=0.0, deadline=1e12, local=mock.MagicMock(),
+                          machine=machine, peer_agent="p-agent")
+        rx.recvs["k"] = state
+        rpc = asyncio.ensure_future(rx.cancel("r1"))  # (the gRPC handler's await)
+        await asyncio.sleep(0)
+        rpc.cancel()  # the caller gave up
+        await asyncio.sleep(0.01)
+        port.cancel_may_answer.set()
+        answered = asyncio.get_running_loop().create_future()
+        answered.set_result(None)
+        rx._staged("k", state, mock.MagicMock(), [], mock.MagicMock(), mock.MagicMock(), answered)
+        await asyncio.sleep(0.05)
+        return "k" in rx.recvs, sent
+
+    stuck, sent = asyncio.run(run())
+    assert not stuck, "the receive is still in flight, and nothing will end it"
+    assert [type(m).__name__ for m in sent] == ["Failed"]

@@ -158,9 +158,9 @@ class Receiver:
         (its engine died) when named; returns how many."""
         keys = [k for k, st in self.recvs.items() if (st.msg.req_id == req_id or not req_id)
                 and rank in (None, st.local)]
-        for key in keys:
-            await self._cancel(key, RequestError(code, reason, req_id))
-        return len(keys)
+        for key in keys:  # (each to its end even if the caller goes, a cancelled RPC: it had set
+            await asyncio.shield(self._cancel(key, RequestError(code, reason, req_id)))  # ``stopping``,
+        return len(keys)  # then nothing ended it: no Done or Failed ever; found by a review)
 
     async def _cancel(self, key: str, err: RequestError, which: RecvState | None = None) -> None:
         state = self.recvs.get(key)
