@@ -139,3 +139,57 @@ def test_handshakes_are_logged_with_the_peer_and_counted() -> None:
             probe.close()
             p.close()
             d.close()
+
+
+def test_a_resume_during_a_drains_cancels_leaves_the_holds_taken_since() -> None:
+    """A drain that timed out cancels what is left, then releases every hold; an operator's
+    Resume while it cancelled let engines hold again, and those new holds were then released
+    too (their decodes found them gone and recomputed; found by a review). The parts stood in
+    for: the drain's own logic."""
+    import asyncio
+    import types
+    from unittest import mock
+
+    from kvxfer.sidecar.lifecycle import Lifecycle
+    from kvxfer.sidecar.operations import Operations
+
+    released: list[str] = []
+    held = ["old"]
+
+    class Holds:
+        def __len__(self) -> int:
+            return len(held)
+
+        def release_all(self) -> int:
+            n = len(held)
+            released.extend(held)
+            held.clear()
+            return n
+
+    async def run() -> bool:
+        gate, entered = asyncio.Event(), asyncio.Event()
+
+        class Receiver:
+            recvs = {"k": object()}
+
+            async def cancel(self, *a: object) -> int:
+                entered.set()
+                await gate.wait()
+                Receiver.recvs = {}
+                return 1
+
+        lifecycle = Lifecycle()
+        parts = types.SimpleNamespace(lifecycle=lifecycle, observer=mock.MagicMock(), receiver=Receiver(),
+                                      holds=Holds(), idle=asyncio.Event())
+        ops = Operations(parts)  # type: ignore[arg-type]
+        drain = asyncio.ensure_future(ops.drain(0.01))
+        await entered.wait()
+        assert await ops.resume()  # the operator resumes while the drain cancels
+        held.append("new-after-resume")  # an engine's Hold taken after the resume
+        gate.set()
+        await drain
+        return lifecycle.draining
+
+    draining = asyncio.run(run())
+    assert "new-after-resume" not in released, f"released after the resume: {released}"
+    assert not draining

@@ -128,6 +128,8 @@ class Operations:
         failed = len(p.receiver.recvs)
         if failed:
             await p.receiver.cancel("", ErrorCode.DRAINING, "sidecar drained before the transfer finished")
+        if p.lifecycle.resumes != resumes:  # (resumed during the cancels: the holds taken since are
+            return False, failed, 0, time.monotonic() - start  # new work, not the drain's: a review)
         released = p.holds.release_all()
         took = time.monotonic() - start
         p.observer.emit(Event("drained", seconds=took))
