@@ -98,11 +98,13 @@ class Receive:
         self._claim = _PENDING
         return Step.WAIT
 
-    def not_started(self, err: RequestError) -> Step:
-        """The handshake, the plan or the post failed: nothing was posted."""
+    def not_started(self, err: RequestError, tell: bool = False) -> Step:
+        """The handshake, the plan or the post failed: nothing was posted. ``tell``: the prefill
+        may have reserved something for it (a staged copy asked for): it is told this reader
+        will not read (else its slot and lease waited for their time to run out)."""
         if self.phase is Phase.ENDED:
             return Step.WAIT
-        return self._end(Outcome(Exit.NOT_STARTED, error=err))
+        return self._end(Outcome(Exit.NOT_STARTED, error=err, notice=False if tell else None))
 
     # ------------------------------------------------------------------ events
 

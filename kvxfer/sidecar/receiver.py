@@ -266,8 +266,8 @@ class Receiver:
             staged = self.staging.read_after(key, prepared, task)
         except WindowFailed as e:  # (a window was read: the receive's read failed, the prefill is told)
             return self._step(key, state, state.machine.landed(e.event))
-        except RequestError as e:
-            return self._not_started(key, e)
+        except RequestError as e:  # (its StageRequest may have been answered: the prefill is told; a review)
+            return self._step(key, state, state.machine.not_started(e, tell=True))
         remaining = state.deadline - time.monotonic()
         if staged is None:  # no room at the prefill: the direct read and its claim
             return self._claim_and_post(key, state, peer, plans, pairing, remaining)
