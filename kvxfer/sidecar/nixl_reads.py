@@ -417,9 +417,10 @@ class Reads:
         rd.proof_handle, rd.proof_addr = None, 0
 
     def _landed(self, rd: Read, now: float) -> None:
-        if rd.trust_until and now > rd.trust_until:
-            self._fail(rd, ErrorCode.EXPIRED, f"the staged copy landed {now - rd.trust_until:.3f}s after the "
-                       "peer could reuse its slot; not used")
+        if rd.trust_until and (seen := time.monotonic()) > rd.trust_until:  # (now, not the pump's start:
+            # other reads' scatters and word reads came between; found by a review)
+            self._fail(rd, ErrorCode.EXPIRED, f"the staged copy landed {seen - rd.trust_until:.3f}s after "
+                       "the peer could reuse its slot; not used")
             return
         if rd.after_landing is not None:
             try:
