@@ -60,7 +60,8 @@ def test_landed_then_claimed_is_done() -> None:
     assert r.landed(LANDED) is Step.WAIT
     assert r.phase is Phase.VERIFYING  # the claim's answer is awaited
     assert not r.read_in_flight
-    assert r.claimed(None) is Step.CHECK
+    assert r.claimed(None) is Step.RECLAIM  # (its "held" may predate the landing: asked again after it)
+    assert r.reclaimed(None) is Step.CHECK
     assert r.succeed() is Step.END
     assert r.outcome is not None
     assert r.outcome.exit is Exit.DONE
@@ -72,7 +73,8 @@ def test_claimed_then_landed_is_done() -> None:
     r = reading()
     assert r.claimed(None) is Step.WAIT  # the read is still in flight
     assert r.phase is Phase.READING
-    assert r.landed(LANDED) is Step.CHECK
+    assert r.landed(LANDED) is Step.RECLAIM
+    assert r.reclaimed(None) is Step.CHECK
     assert r.succeed() is Step.END
     assert r.outcome is not None
     assert r.outcome.exit is Exit.DONE
@@ -123,7 +125,8 @@ def test_a_disconnected_peer_is_dropped_not_notified() -> None:
 def test_a_sampled_read_is_verified_before_it_is_reported() -> None:
     r = reading()
     r.landed(LANDED)
-    assert r.claimed(None) is Step.CHECK
+    assert r.claimed(None) is Step.RECLAIM
+    assert r.reclaimed(None) is Step.CHECK
     r.verifying()
     assert r.phase is Phase.VERIFYING
     assert r.verified(None) is Step.END
@@ -200,6 +203,8 @@ def test_a_receive_ends_at_most_once_and_never_done_unclaimed(events: list[str],
             step = Step.WAIT if r.read_in_flight else r.cancelled(EXPIRED)
         else:
             step = r.not_started(EXPIRED)
+        if step is Step.RECLAIM:  # (a claim after the landing: the prefill still holds it)
+            step = r.reclaimed(None)
         if step is Step.CHECK:
             if sample:
                 r.verifying()

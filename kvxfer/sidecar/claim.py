@@ -101,12 +101,13 @@ class Claims:
         self._shared: dict[ClaimKey, _Shared] = {}  # unanswered claims, for other ranks to join
 
     def start(self, msg: Recv, engine: str, reading_s: float, peer: Peer,
-              mark: Callable[[str], None]) -> asyncio.Future[ClaimAnswer]:
+              mark: Callable[[str], None], fresh: bool = False) -> asyncio.Future[ClaimAnswer]:
         """Send the claim now (when a link to the peer is open) and keep at it in a task,
-        or wait for the answer of a claim of the same request that covers this read."""
+        or wait for the answer of a claim of the same request that covers this read (not when
+        ``fresh``: one sent after a landing proves what an earlier one cannot)."""
         key = _key(msg, engine)
         now = time.monotonic()
-        got = self._shared.get(key)
+        got = None if fresh else self._shared.get(key)
         if got is not None and not got.answer.done() and now + reading_s <= got.covers_until + SHARE_SLACK_S:
             mark("claim_shared")
             return _mirror(got.answer, mark)

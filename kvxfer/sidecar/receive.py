@@ -53,6 +53,7 @@ class Step(enum.Enum):
     WAIT = "wait"  # nothing to do until the next event
     CHECK = "check"  # landed and claimed: verify a sample (``verifying``), or end (``succeed``)
     REPROVE = "reprove"  # read its lease word again (``reproved``): the first read did not show it
+    RECLAIM = "reclaim"  # claim again, after the landing (``reclaimed``): nothing proved the lease then
     END = "end"  # ended: ``outcome`` says what to do
 
 
@@ -84,6 +85,7 @@ class Receive:
         self._claim: object = None  # None: no claim; _PENDING; then the refusal or True
         self._published = False  # the claim said the lease's word is published
         self._proof: bool | None = None  # its word read after the landing: showed the lease, or not
+        self._after = False  # its claim was sent after the data landed (or the bytes were copied under it)
 
     # ------------------------------------------------------------------ before the read
 
@@ -126,11 +128,18 @@ class Receive:
         self._proof = proof
         return self._after_read()
 
-    def claimed(self, refusal: RequestError | None, published: bool = False) -> Step:
+    def claim_sent(self) -> None:
+        """Its claim goes out now: once the data landed (a read that landed inside its post), its
+        "held" proves the lease held after the landing."""
+        self._after = self._read is not None
+
+    def claimed(self, refusal: RequestError | None, published: bool = False, copied: bool = False) -> Step:
         """The claim's answer: None, the prefill held the blocks (``published``: and its lease
-        word is published); else why the read must not be trusted."""
+        word is published); else why the read must not be trusted. ``copied``: a staged read's
+        (the prefill copied the bytes into its slot under the lease: ``trust_until`` guards it)."""
         if self.phase is Phase.ENDED or self._claim is not _PENDING:
             return Step.WAIT
+        self._after = self._after or copied
         if self._read is not None and self._proof is True:
             return Step.WAIT  # (its lease word proved it after the landing: the answer is moot)
         self._published = published and refusal is None
@@ -146,7 +155,7 @@ class Receive:
         if self.phase is Phase.ENDED:
             return Step.WAIT
         if shows is None:
-            return Step.CHECK
+            return Step.CHECK if self._after else Step.RECLAIM
         if shows:
             self._proof = True
             return Step.CHECK
@@ -154,6 +163,20 @@ class Receive:
             ErrorCode.EXPIRED, "the prefill's lease ended while the blocks were read (its lease word was "
             "cleared): they may hold another request's KV; not used", self.req_id),
             read=self._read, notice=False, peer_failed=True))
+
+    def reclaimed(self, refusal: RequestError | None) -> Step:
+        """The answer to a claim sent after the landing (nothing else proved the lease held
+        then: no lease word, or it could not be read; the first claim's "held" may predate the
+        landing, and a lease the prefill ended during the read, a drain or an abort, was
+        delivered with the reused blocks' bytes: found by a review)."""
+        if self.phase is Phase.ENDED:
+            return Step.WAIT
+        if refusal is None:
+            self._after = True
+            return Step.CHECK
+        err = RequestError(refusal.code, refusal.reason, self.req_id)
+        return self._end(Outcome(Exit.CLAIM_REFUSED, error=err, read=self._read, notice=False,
+                                 peer_failed=True))
 
     def verifying(self) -> None:
         """A sample of this read is being digested on both sides."""
@@ -208,7 +231,7 @@ class Receive:
             # (published, and the word read after the landing did not show it, or was not made:
             # slow, no scratch slot; the claim's "held" may predate the landing: found by a review)
             return Step.REPROVE
-        return Step.CHECK
+        return Step.CHECK if self._after else Step.RECLAIM
 
     def _end(self, outcome: Outcome) -> Step:
         self.phase = Phase.ENDED

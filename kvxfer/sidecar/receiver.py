@@ -50,11 +50,12 @@ from kvxfer.sidecar.recv_state import (
     notify_prefill,
     plan_for,
     plan_with_peer,
+    proof_again,
     proof_of,
     read_spec,
     recv_key,
+    start_claim,
     window_spec,
-    word_again,
 )
 from kvxfer.sidecar.registry import RankKey, RankRegistry
 from kvxfer.sidecar.staged_reads import Prepared, Staging
@@ -246,7 +247,7 @@ class Receiver:
         self._post(key, state, peer, plans, pairing, remaining)
         if self.recvs.get(key) is not state:
             return  # (it ended inside the post: landed and proved, or failed)
-        state.claim_task = self.claims.start(state.msg, state.remote_engine, remaining, peer, state.mark)
+        state.claim_task = start_claim(self.claims, state, peer, remaining)
         state.claim_task.add_done_callback(lambda task: self._claimed(key, state, task))
 
     def _post(self, key: str, state: RecvState, peer: Peer, plans: list[RankPlan], pairing: BlockPairing,
@@ -271,7 +272,7 @@ class Receiver:
         remaining = state.deadline - time.monotonic()
         if staged is None:  # no room at the prefill: the direct read and its claim
             return self._claim_and_post(key, state, peer, plans, pairing, remaining)
-        state.machine.claimed(None)  # (the copy was taken under the lease, and extended it)
+        state.machine.claimed(None, copied=True)  # (the copy was taken under the lease, and extended it)
         self._post(key, state, peer, plans, pairing, remaining, staged)
 
     def _claimed(self, key: str, state: RecvState, task: asyncio.Future[ClaimAnswer]) -> None:
@@ -301,8 +302,7 @@ class Receiver:
         self._step(event.req_id, state, state.machine.landed(event, proof))
 
     async def _then(self, key: str, state: RecvState, awaited: Any, step: Callable[[Any], Step]) -> None:
-        """An await in a landed receive's end (its lease word again, its integrity check), then
-        ``step`` with its result; a bug there fails the receive (``_failed_by_bug``)."""
+        """An await in a landed receive's end, then ``step`` with its result (a bug: it fails)."""
         try:
             got = await awaited
         except Exception as e:
@@ -315,9 +315,10 @@ class Receiver:
     def _step(self, key: str, state: RecvState, step: Step) -> None:
         """Do what the machine's last transition asks."""
         try:
-            if step is Step.REPROVE:
-                self._spawn(self._then(key, state, word_again(self.nixl, self.observer, state),
-                                       state.machine.reproved))
+            if step in (Step.REPROVE, Step.RECLAIM):  # (after the landing: its word again, or a claim)
+                got = proof_again(step is Step.REPROVE, self.nixl, self.observer, self.claims, self.book,
+                                  state)
+                self._spawn(self._then(key, state, *got))
                 return
             if step is Step.CHECK:
                 peer = self.book.by_agent(state.peer_agent)

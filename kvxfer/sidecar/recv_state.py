@@ -25,7 +25,7 @@ from kvxfer.sidecar.nixl_types import ReadFinished
 from kvxfer.sidecar.peer_book import Peer, PeerBook
 from kvxfer.sidecar.peer_client import PeerClient
 from kvxfer.sidecar.plan import ReadSpec, StagedRead
-from kvxfer.sidecar.receive import Outcome, Receive, plan_read
+from kvxfer.sidecar.receive import Outcome, Receive, Step, plan_read
 from kvxfer.sidecar.registry import RankKey, RankRegistry
 from kvxfer.topology import BlockPairing, RankPlan
 
@@ -270,3 +270,33 @@ async def word_again(nixl: NixlPort, observer: Observer, state: RecvState) -> An
     if (shows := None if word is None else proves(word, state.proof[0], time.time())) is not None:
         observer.lease_word(shows)
     return shows
+
+
+async def claim_again(claims: Claims, book: PeerBook, state: RecvState) -> RequestError | None:
+    """A claim sent after the data landed, when nothing else proved the lease held then (no
+    lease word: ``--cuda on``, a slot taken, a word that could not be read): its "held" does
+    (None); else why the read is not trusted."""
+    peer = book.by_agent(state.peer_agent)
+    if peer is None:
+        return RequestError(ErrorCode.PEER_DISCONNECTED, "the prefill went away before the read was proven",
+                            state.msg.req_id)
+    task = claims.start(state.msg, state.remote_engine, max(0.0, state.deadline - time.monotonic()), peer,
+                        state.mark, fresh=True)
+    await asyncio.wait([task])
+    return claim_answer(task)[0]
+
+
+def start_claim(claims: Claims, state: RecvState, peer: Peer,
+                remaining: float) -> asyncio.Future[ClaimAnswer]:
+    """The read's claim, sent now (the machine learns whether the data had landed already)."""
+    state.machine.claim_sent()
+    return claims.start(state.msg, state.remote_engine, remaining, peer, state.mark)
+
+
+def proof_again(word: bool, nixl: NixlPort, observer: Observer, claims: Claims, book: PeerBook,
+                state: RecvState) -> tuple[Any, Callable[[Any], Step]]:
+    """What proves a landed read now, and the machine's step for its answer: its lease word read
+    again (``word``), or a claim sent after the landing."""
+    if word:
+        return word_again(nixl, observer, state), state.machine.reproved
+    return claim_again(claims, book, state), state.machine.reclaimed
