@@ -297,3 +297,25 @@ def test_a_word_read_given_up_on_frees_its_slot_once_it_settled() -> None:
     assert scratch.take() == slots[1]
     assert agent.state == {}  # every handle released
     assert scratch.lost == 2
+
+
+def test_a_read_landed_in_its_post_claims_on_its_own_never_on_an_earlier_ranks_claim() -> None:
+    """Ranks of one request share a claim that is still unanswered. A rank whose read landed
+    inside its post sends its only claim after the landing, so that claim proves the lease
+    held then; mirroring another rank's, sent before that landing, would have proved nothing
+    and been taken for proof (found by a review of the change that requires a claim after the
+    landing)."""
+    from unittest import mock
+
+    from kvxfer.sidecar.recv_state import start_claim
+
+    landed, waiting = Receive("r"), Receive("r")
+    for r in (landed, waiting):
+        r.start(False, 10)
+    landed.landed(LANDED, proof=None)
+    claims = mock.Mock()
+    for machine, fresh in ((landed, True), (waiting, False)):
+        state = mock.Mock(machine=machine)
+        start_claim(claims, state, mock.Mock(), 5.0)
+        assert claims.start.call_args.kwargs["fresh"] is fresh
+    assert landed.claimed(None) is Step.CHECK  # (its own claim, sent after the landing)

@@ -117,7 +117,7 @@ class Claims:
         sent = self.peers.send_renewal(msg.remote_host, msg.remote_port, renew)  # now, beside the read
         if sent is not None:
             mark("claim_sent")
-        task = asyncio.ensure_future(self._run(msg, reading_s, renew, sent, peer, mark))
+        task = asyncio.ensure_future(self._run(msg, reading_s, renew, sent, peer, mark, fresh))
         entry = self._shared[key] = _Shared(now + reading_s, task)
         task.add_done_callback(lambda _t: self._forget(key, entry))  # (answered: it serves nobody more)
         return task
@@ -127,7 +127,7 @@ class Claims:
             del self._shared[key]
 
     async def _run(self, msg: Recv, reading_s: float, renew: LeaseRenew, sent: RenewalSent | None, peer: Peer,
-                   mark: Callable[[str], None]) -> ClaimAnswer:
+                   mark: Callable[[str], None], after: bool = False) -> ClaimAnswer:
         """Ask until an answer is final. An answer may take as long as the read it vouches
         for (a loaded prefill sidecar answers late, not wrongly), and no less than a
         handshake; a Hold still on its way is waited for one handshake timeout."""
@@ -161,7 +161,7 @@ class Claims:
                 continue
             if verdict.stale_peer:
                 self.book.mark_stale(peer)  # the next receive handshakes again
-            if verdict.expired:
+            if verdict.expired and not after:  # (one sent after a landing: it ended during the read)
                 self.observer.emit(Event("lease_expired_before_read", request_id=msg.req_id,
                                          peer=f"{msg.remote_host}:{msg.remote_port}"))
             if verdict.refusal is None:

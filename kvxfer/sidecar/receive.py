@@ -128,10 +128,12 @@ class Receive:
         self._proof = proof
         return self._after_read()
 
-    def claim_sent(self) -> None:
+    def claim_sent(self) -> bool:
         """Its claim goes out now: once the data landed (a read that landed inside its post), its
-        "held" proves the lease held after the landing."""
+        "held" proves the lease held after the landing (True: then it must be a claim of its own,
+        not another rank's sent earlier)."""
         self._after = self._read is not None
+        return self._after
 
     def claimed(self, refusal: RequestError | None, published: bool = False, copied: bool = False) -> Step:
         """The claim's answer: None, the prefill held the blocks (``published``: and its lease
@@ -151,7 +153,8 @@ class Receive:
     def reproved(self, shows: bool | None) -> Step:
         """The lease word read again (after the claim said it is published): it shows the
         lease, or the lease ended during the read (the engine aborted, a drain); None: it could
-        not be read (no word address here, the read failed): the claim decides, as before words."""
+        not be read (no word address here, the read failed): a claim sent after the landing
+        decides (``reclaimed``), unless the first one was sent after it already."""
         if self.phase is Phase.ENDED:
             return Step.WAIT
         if shows is None:
@@ -174,7 +177,8 @@ class Receive:
         if refusal is None:
             self._after = True
             return Step.CHECK
-        err = RequestError(refusal.code, refusal.reason, self.req_id)
+        err = RequestError(refusal.code, "the prefill's lease ended before the read was proven (no lease "
+                           f"word; asked again after the landing: [{refusal.code}])", self.req_id)
         return self._end(Outcome(Exit.CLAIM_REFUSED, error=err, read=self._read, notice=False,
                                  peer_failed=True))
 

@@ -265,7 +265,8 @@ def count_end(observer: Observer, book: PeerBook, state: RecvState, out: Outcome
 
 async def word_again(nixl: NixlPort, observer: Observer, state: RecvState) -> Any:
     """The receive's lease word read again: the claim says it is published, and the landing's
-    read did not show it or was not made (None: it cannot be read now either: the claim decides)."""
+    read did not show it or was not made (None: it cannot be read now either: a claim sent
+    after the landing decides)."""
     word = await nixl.read_word(state.peer_agent, state.proof[1]) if state.proof[1] else None
     if (shows := None if word is None else proves(word, state.proof[0], time.time())) is not None:
         observer.lease_word(shows)
@@ -288,9 +289,10 @@ async def claim_again(claims: Claims, book: PeerBook, state: RecvState) -> Reque
 
 def start_claim(claims: Claims, state: RecvState, peer: Peer,
                 remaining: float) -> asyncio.Future[ClaimAnswer]:
-    """The read's claim, sent now (the machine learns whether the data had landed already)."""
-    state.machine.claim_sent()
-    return claims.start(state.msg, state.remote_engine, remaining, peer, state.mark)
+    """The read's claim, sent now (the machine learns whether the data had landed already: then
+    a claim of its own, never another rank's sent before the landing)."""
+    after = state.machine.claim_sent()
+    return claims.start(state.msg, state.remote_engine, remaining, peer, state.mark, fresh=after)
 
 
 def proof_again(word: bool, nixl: NixlPort, observer: Observer, claims: Claims, book: PeerBook,
