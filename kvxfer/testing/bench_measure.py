@@ -181,13 +181,16 @@ def _concurrency(p: SyntheticEngine, d: SyntheticEngine, reg: Any, pb_all: list[
     for n in levels:
         n = min(n, len(pb_all) // per)
         names = [f"c{n}-{i}" for i in range(n)]
+        tokens = [new_token() for _ in names]  # (held and named as the connector does: lease words prove
+        generation = p.client.ping().generation  # the reads; without, each waits for a claim after it)
         for i, name in enumerate(names):
-            p.client.hold(name, pb_all[i * per:(i + 1) * per], lease_s=120)
+            p.client.hold(name, pb_all[i * per:(i + 1) * per], lease_s=120, token=tokens[i],
+                          expires_unix=time.time() + 120)
         t0 = time.perf_counter()
         for i, name in enumerate(names):
             d.client.recv(name, db_all[i * per:(i + 1) * per],
                           RemoteBlocks(reg.engine_id, reg.handshake_host, reg.handshake_port,
-                                       pb_all[i * per:(i + 1) * per]))
+                                       pb_all[i * per:(i + 1) * per], generation=generation, token=tokens[i]))
         _wait(d, n)
         took = time.perf_counter() - t0
         out.append({"concurrent": n, "gbps": round(n * per * BLOCK_BYTES / took / 1e9, 3),
@@ -268,15 +271,17 @@ def _fan_in(f: SidecarFactory, engines: list[int], serve: list[str], device: str
             decs.append((d, d.allocate(reqs * per)))
             d.client.recv("warm", [], RemoteBlocks(reg.engine_id, reg.handshake_host, reg.handshake_port, []))
             _wait(d, 1)
+        generation = p.client.ping().generation  # (named, with a token: as the connector does)
         for n in engines:
             t0 = time.perf_counter()
             for k, (d, dbs) in enumerate(decs[:n]):
                 for j in range(reqs):
                     src = pbs[(k * reqs + j) * per:(k * reqs + j + 1) * per]
-                    name = f"fan{n}-{k}-{j}"
-                    p.client.hold(name, src, lease_s=120)
+                    name, token = f"fan{n}-{k}-{j}", new_token()
+                    p.client.hold(name, src, lease_s=120, token=token, expires_unix=time.time() + 120)
                     d.client.recv(name, dbs[j * per:(j + 1) * per],
-                                  RemoteBlocks(reg.engine_id, reg.handshake_host, reg.handshake_port, src))
+                                  RemoteBlocks(reg.engine_id, reg.handshake_host, reg.handshake_port, src,
+                                               generation=generation, token=token))
             for d, _ in decs[:n]:
                 _wait(d, reqs)
             took = time.perf_counter() - t0
