@@ -403,15 +403,20 @@ def test_a_prefill_sidecar_frozen_under_load_costs_seconds(pipeline: Pipeline) -
     freeze: list[float] = []
     proved = 'kvxfer_lease_word_proofs_total{proved="true"}'
     proofs: list[float] = []
+    ended: list[float] = []  # receives the decode sidecar finished, any result
 
     def frozen() -> None:
         freeze.append(time.monotonic())
-        proofs.append(ds.scrape().get(proved, 0.0))
+        m = ds.scrape()
+        proofs.append(m.get(proved, 0.0))
+        ended.append(sum(v for k, v in m.items() if k.startswith("kvxfer_transfers_total")))
         os.kill(ps.proc.pid, signal.SIGSTOP)
         try:
             time.sleep(15.0)
         finally:
-            proofs.append(ds.scrape().get(proved, 0.0))
+            m = ds.scrape()
+            proofs.append(m.get(proved, 0.0))
+            ended.append(sum(v for k, v in m.items() if k.startswith("kvxfer_transfers_total")))
             os.kill(ps.proc.pid, signal.SIGCONT)
             freeze.append(time.monotonic())
 
@@ -420,11 +425,14 @@ def test_a_prefill_sidecar_frozen_under_load_costs_seconds(pipeline: Pipeline) -
     judge_freeze(pipeline, done, freeze[0], freeze[1], "prefill sidecar frozen 15 s")
     # How the decode went on: it found the peer stalled (a receive owed an answer: its claim),
     # or, since fences, read the frozen sidecar's engine memory over CMA and delivered on the
-    # lease word (the engine's own deadline still far): either way within the bound above.
+    # lease word (the engine's own deadline still far), or no receive ended during the freeze
+    # (the prefill's connector could not hold with its sidecar frozen: the decodes computed the
+    # prompts; seen in one CI run of six, 2026-11-29): each within the bound above. A receive
+    # delivered during the freeze with neither would have been proved by nothing.
     stalls = ds.scrape().get("kvxfer_peer_stalls_total", 0)
     print(f"peer stalls {stalls:.0f}, reads proved by their lease word during the freeze "
-          f"{proofs[1] - proofs[0]:.0f}")
-    assert stalls >= 1 or proofs[1] > proofs[0]
+          f"{proofs[1] - proofs[0]:.0f}, receives ended during it {ended[1] - ended[0]:.0f}")
+    assert stalls >= 1 or proofs[1] > proofs[0] or ended[1] == ended[0]
     pd_again(pipeline, lambda: ps.scrape().get('kvxfer_leases_released_total{reason="read"}', 0.0) > released)
 
 
