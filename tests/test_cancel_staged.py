@@ -30,6 +30,7 @@ class RecordingPort:
         self.calls: list[str] = []
         self.cancel_may_answer = asyncio.Event()
         self.spans: dict[int, tuple[int, int]] = {}  # (no staging arenas)
+        self.notes: list[tuple[str, bytes]] = []  # notifications sent (read notices)
 
     async def cancel(self, key: str, code: str, reason: str) -> bool:
         self.calls.append("cancel")
@@ -40,6 +41,35 @@ class RecordingPort:
     def read(self, spec: Any) -> None:
         self.calls.append("read")
 
+    def notify_soon(self, agent: str, payload: bytes) -> None:
+        self.notes.append((agent, payload))
+
+
+def staged_receive(port: RecordingPort, sent: list[Any], peer_agent: str = "") -> tuple[Receiver, RecvState]:
+    """A receiver with stand-ins for its parts, and its receive ``k`` of request r1, staged:
+    its StageRequest is out, nothing posted (READING)."""
+    rx = Receiver(config=Config(), registry=mock.MagicMock(), peers=mock.MagicMock(),
+                  book=mock.MagicMock(), nixl=port, observer=Observer(),  # type: ignore[arg-type]
+                  send=lambda owner, msg: sent.append(msg), spawn=asyncio.ensure_future, agent_name="d")
+    rx.registry.get.return_value = None  # type: ignore[attr-defined]  # (the rank's layout: not needed)
+    rx.staging = mock.MagicMock()
+    rx.staging.settle = mock.AsyncMock()  # (no window read in flight)
+    msg = Recv(req_id="r1", block_ids=[3, 4], remote_engine_id="p", remote_host="h", remote_port=9,
+               remote_block_ids=[5, 6])
+    machine = Receive("r1")
+    machine.start(False, 10.0)
+    state = RecvState(owner=b"e", msg=msg, nbytes=1, started=0.0, deadline=1e12, local=mock.MagicMock(),
+                      machine=machine, peer_agent=peer_agent)
+    rx.recvs["k"] = state
+    return rx, state
+
+
+def answered() -> asyncio.Future[Any]:
+    """A StageRequest's task, done (what ``read_after`` makes of it is the test's stand-in)."""
+    done: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+    done.set_result(None)
+    return done
+
 
 @pytest.mark.parametrize("room", [True, False], ids=["slot", "no-room-direct"])
 def test_a_staged_answer_that_comes_back_during_the_cancel_posts_nothing(room: bool) -> None:
@@ -47,30 +77,16 @@ def test_a_staged_answer_that_comes_back_during_the_cancel_posts_nothing(room: b
 
     async def run() -> tuple[list[str], list[Any], Any]:
         port, sent = RecordingPort(), []
-        rx = Receiver(config=Config(), registry=mock.MagicMock(), peers=mock.MagicMock(),
-                      book=mock.MagicMock(), nixl=port, observer=Observer(),  # type: ignore[arg-type]
-                      send=lambda owner, msg: sent.append(msg), spawn=asyncio.ensure_future,
-                      agent_name="d")
+        rx, state = staged_receive(port, sent)
         rx.feed.settle = mock.AsyncMock()  # type: ignore[method-assign]
-        rx.staging = mock.MagicMock()  # its answer: a slot to read (whatever it holds), or none
-        rx.staging.settle = mock.AsyncMock()  # (no window read in flight)
-        if not room:
+        if not room:  # (its answer: a slot to read, whatever it holds, or none)
             rx.staging.read_after.return_value = None
         rx.claims = mock.MagicMock()
-        msg = Recv(req_id="r1", block_ids=[3, 4], remote_engine_id="p", remote_host="h", remote_port=9,
-                   remote_block_ids=[5, 6])
-        machine = Receive("r1")
-        machine.start(False, 10.0)  # READING: the StageRequest is out, nothing posted
-        state = RecvState(owner=b"e", msg=msg, nbytes=1, started=0.0, deadline=1e12, local=mock.MagicMock(),
-                          machine=machine)
-        rx.recvs["k"] = state
         err = RequestError(ErrorCode.CANCELLED, "dropped", "r1")
         cancelling = asyncio.ensure_future(rx._cancel("k", err))
         await asyncio.sleep(0)  # (the cancel is with the port)
-        answered: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-        answered.set_result(None)
         with mock.patch.object(receiver_mod, "read_spec", return_value="spec"):
-            rx._staged("k", state, mock.MagicMock(), [], mock.MagicMock(), mock.MagicMock(), answered)
+            rx._staged("k", state, mock.MagicMock(), [], mock.MagicMock(), mock.MagicMock(), answered())
         port.cancel_may_answer.set()
         await cancelling
         return port.calls, sent, rx.claims
@@ -137,28 +153,13 @@ def test_a_window_that_fails_once_posted_fails_the_receives_read_and_tells_the_p
     from kvxfer.sidecar.staged_windows import WindowFailed
 
     async def run() -> tuple[list[Any], list[tuple[str, bytes]]]:
-        port, sent, notes = RecordingPort(), [], []
-        port.notify_soon = lambda agent, payload: notes.append((agent, payload))  # type: ignore[attr-defined]
-        rx = Receiver(config=Config(), registry=mock.MagicMock(), peers=mock.MagicMock(),
-                      book=mock.MagicMock(), nixl=port, observer=Observer(),  # type: ignore[arg-type]
-                      send=lambda owner, msg: sent.append(msg), spawn=asyncio.ensure_future,
-                      agent_name="d")
-        rx.registry.get.return_value = None  # (the rank's layout: not needed here)
-        rx.staging = mock.MagicMock()
+        port, sent = RecordingPort(), []
+        rx, state = staged_receive(port, sent, peer_agent="p-agent")
         event = ReadFinished("k", "p-agent", False, 0, 0.5, code=ErrorCode.TRANSFER_ERROR,
                              reason="window 2: remote access error")
         rx.staging.read_after.side_effect = WindowFailed(event)
-        msg = Recv(req_id="r1", block_ids=[3, 4], remote_engine_id="p", remote_host="h", remote_port=9,
-                   remote_block_ids=[5, 6])
-        machine = Receive("r1")
-        machine.start(False, 10.0)
-        state = RecvState(owner=b"e", msg=msg, nbytes=1, started=0.0, deadline=1e12, local=mock.MagicMock(),
-                          machine=machine, peer_agent="p-agent")
-        rx.recvs["k"] = state
-        done: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-        done.set_result(None)
-        rx._staged("k", state, mock.MagicMock(), [], mock.MagicMock(), mock.MagicMock(), done)
-        return sent, notes
+        rx._staged("k", state, mock.MagicMock(), [], mock.MagicMock(), mock.MagicMock(), answered())
+        return sent, port.notes
 
     sent, notes = asyncio.run(run())
     assert [type(m).__name__ for m in sent] == ["Failed"], sent
@@ -333,26 +334,13 @@ def test_a_cancel_whose_caller_gives_up_still_ends_the_receive() -> None:
 
     async def run() -> tuple[bool, list[Any]]:
         port, sent = RecordingPort(), []
-        rx = Receiver(config=Config(), registry=mock.MagicMock(), peers=mock.MagicMock(),
-                      book=mock.MagicMock(), nixl=port, observer=Observer(),  # type: ignore[arg-type]
-                      send=lambda owner, msg: sent.append(msg), spawn=asyncio.ensure_future, agent_name="d")
-        rx.staging = mock.MagicMock()
-        rx.staging.settle = mock.AsyncMock()
-        msg = Recv(req_id="r1", block_ids=[3, 4], remote_engine_id="p", remote_host="h", remote_port=9,
-                   remote_block_ids=[5, 6])
-        machine = Receive("r1")
-        machine.start(False, 10.0)  # (its StageRequest out, nothing posted)
-        state = RecvState(owner=b"e", msg=msg, nbytes=1, started=0.0, deadline=1e12, local=mock.MagicMock(),
-                          machine=machine, peer_agent="p-agent")
-        rx.recvs["k"] = state
+        rx, state = staged_receive(port, sent, peer_agent="p-agent")
         rpc = asyncio.ensure_future(rx.cancel("r1"))  # (the gRPC handler's await)
         await asyncio.sleep(0)
         rpc.cancel()  # the caller gave up
         await asyncio.sleep(0.01)
         port.cancel_may_answer.set()
-        answered = asyncio.get_running_loop().create_future()
-        answered.set_result(None)
-        rx._staged("k", state, mock.MagicMock(), [], mock.MagicMock(), mock.MagicMock(), answered)
+        rx._staged("k", state, mock.MagicMock(), [], mock.MagicMock(), mock.MagicMock(), answered())
         await asyncio.sleep(0.05)
         return "k" in rx.recvs, sent
 
@@ -368,25 +356,11 @@ def test_a_staged_receive_that_fails_after_asking_tells_the_prefill() -> None:
     VRAM arena's half for ~36 s (found by a review). It is told this reader will not read."""
 
     async def run() -> tuple[list[Any], list[Any]]:
-        port, sent, notes = RecordingPort(), [], []
-        port.notify_soon = lambda agent, payload: notes.append((agent, payload))  # type: ignore[attr-defined]
-        rx = Receiver(config=Config(), registry=mock.MagicMock(), peers=mock.MagicMock(),
-                      book=mock.MagicMock(), nixl=port, observer=Observer(),  # type: ignore[arg-type]
-                      send=lambda owner, msg: sent.append(msg), spawn=asyncio.ensure_future, agent_name="d")
-        rx.staging = mock.MagicMock()
+        port, sent = RecordingPort(), []
+        rx, state = staged_receive(port, sent, peer_agent="p-agent")
         rx.staging.read_after.side_effect = RequestError(ErrorCode.HANDSHAKE_FAILED, "no answer in 30s")
-        rx.registry.get.return_value = None  # type: ignore[attr-defined]  # (the rank's layout: not needed)
-        msg = Recv(req_id="r1", block_ids=[3, 4], remote_engine_id="p", remote_host="h", remote_port=9,
-                   remote_block_ids=[5, 6])
-        machine = Receive("r1")
-        machine.start(False, 10.0)
-        state = RecvState(owner=b"e", msg=msg, nbytes=1, started=0.0, deadline=1e12, local=mock.MagicMock(),
-                          machine=machine, peer_agent="p-agent")
-        rx.recvs["k"] = state
-        answered = asyncio.get_running_loop().create_future()
-        answered.set_result(None)
-        rx._staged("k", state, mock.MagicMock(), [], mock.MagicMock(), mock.MagicMock(), answered)
-        return sent, notes
+        rx._staged("k", state, mock.MagicMock(), [], mock.MagicMock(), mock.MagicMock(), answered())
+        return sent, port.notes
 
     sent, notes = asyncio.run(run())
     assert [type(m).__name__ for m in sent] == ["Failed"]

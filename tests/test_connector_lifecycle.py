@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 
@@ -24,26 +25,33 @@ def factory():
         yield f
 
 
-def test_a_hold_the_sidecar_refuses_is_freed(factory: SidecarFactory) -> None:
-    """A Hold refused by a live sidecar (here: draining) makes no lease, so no Released ever
-    comes; the worker frees holds only for a silent sidecar: vLLM keeps the blocks forever."""
-    import grpc
+def engine(settings: ConnectorSettings) -> tuple[Any, Any]:
+    """A worker with a small KV cache registered with the sidecar, and its scheduler side."""
     import torch
 
     from kvxfer.connector.scheduler import SchedulerSide
     from kvxfer.connector.worker import CacheShape, WorkerSide
-    from kvxfer.control.v1 import control_pb2 as pb
-    from kvxfer.control.v1 import control_pb2_grpc as pb_grpc
 
-    sc = factory.start("hr")
-    settings = ConnectorSettings(sidecar=sc.endpoint, heartbeat_s=0.1, lease_s=1.0, grace_s=0.5, settle_s=0.5)
     ws = WorkerSide(settings, 0, 1, "cpu")
     ctx = ws.mem_pool_context()
     assert ctx is not None
     with ctx:
         kv = {"l0": torch.zeros(2, 8, 16, 8, 64, dtype=torch.float16)}
     ws.register_kv_caches(kv, CacheShape(8, 16, 8, 8, 64, False))
-    sched = SchedulerSide(settings, tp_size=1)
+    return ws, SchedulerSide(settings, tp_size=1)
+
+
+def test_a_hold_the_sidecar_refuses_is_freed(factory: SidecarFactory) -> None:
+    """A Hold refused by a live sidecar (here: draining) makes no lease, so no Released ever
+    comes; the worker frees holds only for a silent sidecar: vLLM keeps the blocks forever."""
+    import grpc
+
+    from kvxfer.control.v1 import control_pb2 as pb
+    from kvxfer.control.v1 import control_pb2_grpc as pb_grpc
+
+    sc = factory.start("hr")
+    ws, sched = engine(ConnectorSettings(sidecar=sc.endpoint, heartbeat_s=0.1, lease_s=1.0, grace_s=0.5,
+                                         settle_s=0.5))
     try:
         res = pb_grpc.ControlStub(grpc.insecure_channel(sc.control)).Drain(pb.DrainRequest(timeout_s=0.2),
                                                                             timeout=10)
@@ -73,21 +81,9 @@ def test_a_retry_under_a_transfer_id_still_held_is_freed_and_the_first_still_is_
     refused the second lease (``duplicate_request``), vLLM kept r2's blocks, the worker's name
     for T became r2, and T's one Released freed r2: r1's blocks leaked (found by a review).
     Now r2 is freed at once and r1 when its lease ends."""
-    import torch
-
-    from kvxfer.connector.scheduler import SchedulerSide
-    from kvxfer.connector.worker import CacheShape, WorkerSide
-
     sc = factory.start("dup")
-    settings = ConnectorSettings(sidecar=sc.endpoint, heartbeat_s=0.1, lease_s=1.0, grace_s=0.5,
-                                 settle_s=0.5, mode="push")
-    ws = WorkerSide(settings, 0, 1, "cpu")
-    ctx = ws.mem_pool_context()
-    assert ctx is not None
-    with ctx:
-        kv = {"l0": torch.zeros(2, 8, 16, 8, 64, dtype=torch.float16)}
-    ws.register_kv_caches(kv, CacheShape(8, 16, 8, 8, 64, False))
-    sched = SchedulerSide(settings, tp_size=1)
+    ws, sched = engine(ConnectorSettings(sidecar=sc.endpoint, heartbeat_s=0.1, lease_s=1.0, grace_s=0.5,
+                                         settle_s=0.5, mode="push"))
     freed: set[str] = set()
 
     def step() -> None:

@@ -21,12 +21,18 @@ def _open_fds() -> int:
     return len(os.listdir("/proc/self/fd"))
 
 
-def test_a_connection_that_reads_no_replies_holds_up_no_other_and_leaks_nothing() -> None:
+def _server() -> tuple[PoolServer, str]:
+    """A memory channel's server, started, on a socket in a private folder."""
     folder = tempfile.mkdtemp(prefix="kvxfer-pc-")
     os.chmod(folder, 0o700)
     path = os.path.join(folder, "e.sock.mem")
     server = PoolServer(path)
     server.start()
+    return server, path
+
+
+def test_a_connection_that_reads_no_replies_holds_up_no_other_and_leaks_nothing() -> None:
+    server, path = _server()
     try:
         good = PoolClient(path, timeout_s=30)
         good.create(1 << 20)  # (warm: the thread runs, a pool exists)
@@ -68,11 +74,7 @@ def test_one_connection_cannot_hold_pools_without_bound(monkeypatch: pytest.Monk
         pool_server.Room().check(1 << 20, -1, held=phys)
     assert refused.value.code == ErrorCode.OUT_OF_MEMORY
     monkeypatch.setattr(pool_server, "MAX_POOLS_PER_CONNECTION", 3)
-    folder = tempfile.mkdtemp(prefix="kvxfer-pc-")
-    os.chmod(folder, 0o700)
-    path = os.path.join(folder, "e.sock.mem")
-    server = PoolServer(path)
-    server.start()
+    server, path = _server()
     try:
         client = PoolClient(path, timeout_s=30)
         for _ in range(3):

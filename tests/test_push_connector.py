@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
 
+from kvxfer.client import Drained
 from kvxfer.connector.push import StreamedHolds
 from kvxfer.connector.settings import ConnectorSettings
 from kvxfer.connector.step import StepPlan
@@ -34,6 +35,22 @@ class Client:
 
     def release(self, req_id: str, **kw: Any) -> None:
         self.releases.append(req_id)
+
+
+class Sidecar(Client):
+    """A recording client that a connector's worker or scheduler drains: ``pending`` is what
+    its next poll returns."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pending = Drained()
+
+    def heartbeat(self) -> None:
+        pass
+
+    def poll(self) -> Drained:
+        out, self.pending = self.pending, Drained()
+        return out
 
 
 def request(rid: str, tid: str, prompt: int, computed: int = 0, status: str = "RUNNING") -> Any:
@@ -308,22 +325,10 @@ def test_a_worker_does_not_hold_again_a_lease_that_ended_before_its_extension_wa
     that extension: no Released ever ended it, and at the next sidecar restart it was reported
     as a finished send for a request vLLM had already freed, which vLLM's scheduler asserts on
     (the engine core dies; found by a review)."""
-    from kvxfer.client import Drained
     from kvxfer.connector.worker import TransferResults, WorkerSide
     from kvxfer.protocol import Released
 
-    class Sidecar(Client):
-        pending = Drained()
-
-        def heartbeat(self) -> None:
-            pass
-
-        def poll(self) -> Drained:
-            out, self.pending = self.pending, Drained()
-            return out
-
     client = Sidecar()
-    client.pending = Drained()
     push = StreamedHolds(ConnectorSettings(mode="push"), client, 1, "P", CHUNKS)  # type: ignore[arg-type]
     worker = WorkerSide(ConnectorSettings(mode="push"), 0, 1, "cpu")
     worker.client = client  # type: ignore[assignment]
@@ -358,7 +363,6 @@ def test_a_sidecar_rolled_back_under_the_engine_is_followed_by_its_last_pong() -
     one turns them on again. A prompt held chunk by chunk when the sidecar restarted is not
     extended at its next chunk: its lease died with the old sidecar (an older one would take
     the extension for a new hold of part of the prompt)."""
-    from kvxfer.client import Drained
     from kvxfer.connector.scheduler import SchedulerSide
     from kvxfer.protocol import Pong
 
@@ -366,22 +370,11 @@ def test_a_sidecar_rolled_back_under_the_engine_is_followed_by_its_last_pong() -
         return Pong(seq=0, engine_id="P", version=6, handshake_host="127.0.0.1", handshake_port=1,
                     instance=instance, grouped_streams=new, chunk_streams=new, grouped_chunks=new)
 
-    class Sidecar(Client):
-        def __init__(self) -> None:
-            super().__init__()
-            self.pending = Drained()
-
+    class Pinged(Sidecar):
         def ping(self, _timeout: float) -> Pong:
             return pong(True)
 
-        def heartbeat(self) -> None:
-            pass
-
-        def poll(self) -> Drained:
-            out, self.pending = self.pending, Drained()
-            return out
-
-    client = Sidecar()
+    client = Pinged()
     side = SchedulerSide(ConnectorSettings(sidecar="ipc:///nowhere", mode="push"), 1, client)  # type: ignore[arg-type]
     assert (side.grouped_push, side.push.chunks, side.push.grouped_chunks) == (True, True, True)
     client.pending.pongs.append(pong(False))  # restarted, an older version

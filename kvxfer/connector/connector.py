@@ -359,8 +359,7 @@ class KvxferConnector(KVConnectorBase_V1, *_HMA):  # type: ignore[misc]
             return
         meta = self._get_connector_metadata()
         assert isinstance(meta, KvxferConnectorMetadata)
-        self.worker.bind(meta.recvs, meta.holds, meta.failed, meta.refused, meta.names, meta.unheld,
-                             getattr(meta, "extended", None))
+        self._bind(meta)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # whole requests are loaded before they are scheduled (async load)
@@ -409,9 +408,13 @@ class KvxferConnector(KVConnectorBase_V1, *_HMA):  # type: ignore[misc]
         if self.has_connector_metadata():
             meta = self._get_connector_metadata()
             if isinstance(meta, KvxferConnectorMetadata):
-                self.worker.bind(meta.recvs, meta.holds, meta.failed, meta.refused, meta.names, meta.unheld,
-                             getattr(meta, "extended", None))
+                self._bind(meta)
         return self.worker.get_transfer_results()
+
+    def _bind(self, meta: KvxferConnectorMetadata) -> None:
+        assert self.worker is not None
+        self.worker.bind(meta.recvs, meta.holds, meta.failed, meta.refused, meta.names, meta.unheld,
+                         meta.extended)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         invalid = self.worker.take_invalid_block_ids() if self.worker is not None else set()

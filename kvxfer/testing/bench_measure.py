@@ -178,11 +178,11 @@ def _concurrency(p: SyntheticEngine, d: SyntheticEngine, reg: Any, pb_all: list[
                  levels: list[int]) -> list[dict[str, Any]]:
     out = []
     per = 8  # 16 MiB requests
-    for n in levels:
+    generation = p.client.ping().generation  # (held with tokens and named, as the connector's: lease
+    for n in levels:  # words prove the reads; without, each waits for a claim after its landing)
         n = min(n, len(pb_all) // per)
         names = [f"c{n}-{i}" for i in range(n)]
-        tokens = [new_token() for _ in names]  # (held and named as the connector does: lease words prove
-        generation = p.client.ping().generation  # the reads; without, each waits for a claim after it)
+        tokens = [new_token() for _ in names]
         for i, name in enumerate(names):
             p.client.hold(name, pb_all[i * per:(i + 1) * per], lease_s=120, token=tokens[i],
                           expires_unix=time.time() + 120)
