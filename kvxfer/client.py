@@ -62,6 +62,8 @@ class RemoteBlocks:
     token: str = ""  # the prefill lease's capability (kv_transfer_params remote_lease_token)
     # a hybrid model's blocks, one list per KV cache group (block_ids: their distinct blocks)
     groups: tuple[tuple[int, ...], ...] = ()
+    # the prefill's tokens per block (kv_transfer_params remote_block_size; 0: not said)
+    block_size: int = 0
 
     @property
     def streamed(self) -> bool:
@@ -290,7 +292,7 @@ class SidecarClient:
                  remote_generation=remote.generation, engine_id=engine_id, pp_rank=pp_rank,
                  remote_token=remote.token, state_block_ids=list(state[0]) or None,
                  remote_state_block_ids=list(state[1]) or None, trace=trace, streamed=streamed,
-                 **(groups.fields() if groups else {}))
+                 remote_block_size=remote.block_size, **(groups.fields() if groups else {}))
         )
 
     def keepalive(self, remote: RemoteBlocks, remote_req_ids: list[str], req_ids: list[str],

@@ -67,3 +67,32 @@ def cut_to_load(theirs: list[list[int]], grouped: bool, tokens: int, block_size:
         return theirs
     keep = -(-tokens // block_size)
     return [g[:keep] for g in theirs]
+
+
+def pair_sizes(local: Sequence[int], remote: Sequence[int], first: int, end: int, local_size: int,
+               remote_size: int) -> Pairs:
+    """One KV cache group whose blocks hold another number of tokens on each side: the decode's
+    ``local`` blocks receive tokens ``[first, end)`` (``first``: its own cached prefix), the
+    prefill's ``remote`` list starts at token 0. -> the decode's blocks of those tokens and the
+    prefill's blocks of the same tokens, which its sidecar pairs by the ratio
+    (``kvxfer.topology.BlockPairing``: a larger block holds ``ratio`` smaller ones, from its
+    first token). ``ValueError`` when they cannot be paired that way: sizes of which neither
+    divides the other, a cached prefix that ends inside a prefill block, too few blocks."""
+    big, small = max(local_size, remote_size), min(local_size, remote_size)
+    if small <= 0 or big % small:
+        raise ValueError(f"blocks of {local_size} tokens here, {remote_size} on the prefill: neither "
+                         "size divides the other")
+    if first % local_size or first % remote_size:
+        raise ValueError(f"this engine's cached prefix ends at token {first}, inside a prefill block of "
+                         f"{remote_size} tokens: the blocks cannot be paired")
+    if not 0 <= first < end:
+        raise ValueError(f"no tokens to load ({first}..{end})")
+    want = -(-end // local_size) - first // local_size
+    lo, hi = first // remote_size, -(-end // remote_size)
+    if len(local) < want or len(remote) < hi:
+        raise ValueError(f"tokens {first}..{end - 1}: {len(local)} blocks here (of {local_size}) for "
+                         f"{want}, the prefill holds {len(remote)} (of {remote_size}) for {hi}")
+    mine, theirs = list(local[:want]), list(remote[lo:hi])
+    if not all(mine) or not all(theirs):  # (a null block in a full-attention list: not one group)
+        raise ValueError(f"tokens {first}..{end - 1}: null blocks in {mine} / {theirs}")
+    return Pairs(mine, theirs, [], [])

@@ -200,6 +200,24 @@ def test_vllm_refuses_sleep_mode_with_kvxfer_at_start_up(tmp_path: object) -> No
     assert not KvxferConnector.supports_sleep_mode(cfg.kv_transfer_config)
 
 
+@pytest.mark.parametrize("name", ["decode_context_parallel_size", "prefill_context_parallel_size"])
+def test_context_parallelism_is_refused_at_start_up(tmp_path: object, name: str) -> None:
+    """Under DCP/PCP a rank holds part of each block's tokens, which the sidecar's plans do
+    not model: the connector refuses to start (both roles) rather than move tokens to other
+    tokens' places (found by a review: nothing refused it)."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    from kvxfer.connector.connector import KvxferConnector
+    from tests.vllm_harness import make_config, write_tiny_model
+
+    cfg = make_config(write_tiny_model(str(tmp_path)), "ipc:///tmp/none")
+    KvxferConnector(cfg, KVConnectorRole.WORKER)  # (with 1: starts; it meets its sidecar later)
+    setattr(cfg.parallel_config, name, 2)
+    for role in (KVConnectorRole.SCHEDULER, KVConnectorRole.WORKER):
+        with pytest.raises(NotImplementedError, match=f"{name}=2: context parallelism is not supported"):
+            KvxferConnector(cfg, role)
+
+
 def test_merge_bound_is_zero_without_neighbouring_ids_and_open_for_a_geometry_it_does_not_know() -> None:
     nb, length = 64, 32 << 10
     geo = np.array([(r * nb * length, length, length, 0) for r in range(64)], dtype=np.int64)

@@ -32,8 +32,8 @@ MESSAGES: dict[str, tuple[object, str]] = {
         p.Recv(req_id="r1", block_ids=[4, 5], remote_engine_id="P", remote_host="10.0.0.1",
                remote_port=5700, remote_block_ids=[1, 2]),
         (
-            "dc0018a472656376a27231920405a150a831302e302e302e31cd16449201020100a0cb0000000000"
-            "000000c2cb0000000000000000a0a000a0c0c0c2c2c0c000"
+            "dc0019a472656376a27231920405a150a831302e302e302e31cd16449201020100a0cb0000000000"
+            "000000c2cb0000000000000000a0a000a0c0c0c2c2c0c00000"
         ),
     ),
     "ping": (p.Ping(seq=7), "92a470696e6707"),

@@ -55,7 +55,7 @@ def write_tiny_model(path: str) -> str:
 
 
 def make_config(model: str, sidecar: str, *, policy: str = "recompute", multi: str = "",
-                storage: str = "", tp: int = 1, **extra: Any) -> VllmConfig:
+                storage: str = "", tp: int = 1, block_size: int = BLOCK_SIZE, **extra: Any) -> VllmConfig:
     """``multi``: "" (kvxfer alone), "first" or "second" (kvxfer's place in a
     MultiConnector next to vLLM's ExampleConnector storing under ``storage``)."""
     kvxfer = {"kv_connector": "KvxferConnector", "kv_connector_module_path": "kvxfer.connector",
@@ -76,7 +76,7 @@ def make_config(model: str, sidecar: str, *, policy: str = "recompute", multi: s
             enable_chunked_prefill=True, is_encoder_decoder=False,
             disable_hybrid_kv_cache_manager=True,
         ),
-        cache_config=CacheConfig(block_size=BLOCK_SIZE, gpu_memory_utilization=0.9,
+        cache_config=CacheConfig(block_size=block_size, gpu_memory_utilization=0.9,
                                  cache_dtype="auto", enable_prefix_caching=True),
         kv_transfer_config=transfer,
         parallel_config=ParallelConfig(tensor_parallel_size=tp),
@@ -89,7 +89,7 @@ _hash_ready = False
 
 
 def make_request(prompt_len: int, *, params: dict[str, Any] | None = None, max_tokens: int = 1,
-                 seed: int = 0) -> Request:
+                 seed: int = 0, block_size: int = BLOCK_SIZE) -> Request:
     global _hash_ready
     if not _hash_ready:
         init_none_hash(sha256)
@@ -102,7 +102,7 @@ def make_request(prompt_len: int, *, params: dict[str, Any] | None = None, max_t
         sampling_params=sp,
         pooling_params=None,
         mm_features=None,
-        block_hasher=get_request_block_hasher(BLOCK_SIZE, sha256),
+        block_hasher=get_request_block_hasher(block_size, sha256),
     )
     req.kv_transfer_params = params
     return req
@@ -141,7 +141,8 @@ class TPEngine:
         from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
 
         heads = max(1, KV_HEADS // tp)  # fewer KV heads than ranks: replicated
-        spec = FullAttentionSpec(block_size=BLOCK_SIZE, num_kv_heads=heads, head_size=HEAD_DIM,
+        bs = config.cache_config.block_size
+        spec = FullAttentionSpec(block_size=bs, num_kv_heads=heads, head_size=HEAD_DIM,
                                  dtype=torch.float16)
         kv_cache_config = KVCacheConfig(num_blocks=NUM_BLOCKS, kv_cache_tensors=[],
                                         kv_cache_groups=[KVCacheGroupSpec(list(LAYERS), spec)])
@@ -155,7 +156,7 @@ class TPEngine:
             ctx = w.get_mem_pool_context()
             assert ctx is not None
             with ctx:
-                kv = {layer: torch.zeros(2, NUM_BLOCKS, BLOCK_SIZE, heads, HEAD_DIM, dtype=torch.float16)
+                kv = {layer: torch.zeros(2, NUM_BLOCKS, bs, heads, HEAD_DIM, dtype=torch.float16)
                       for layer in LAYERS}
             w.register_kv_caches(kv)
             workers.append(w)
@@ -168,7 +169,7 @@ class TPEngine:
             sched_cls = Scheduler
         scheduler = sched_cls(
             vllm_config=config, kv_cache_config=kv_cache_config, log_stats=True,
-            structured_output_manager=StructuredOutputManager(config), block_size=BLOCK_SIZE,
+            structured_output_manager=StructuredOutputManager(config), block_size=bs,
         )
         agg = KVOutputAggregator.from_connector(workers[0], tp)
         return cls(name, config, scheduler, workers, caches, agg)
@@ -247,10 +248,10 @@ class TPEngine:
 
     def _compute(self, rank: int, req_id: str, start: int, n_tokens: int) -> None:
         req = self.scheduler.requests[req_id]
-        blocks = self.blocks(req_id)
+        blocks, bs = self.blocks(req_id), self.config.cache_config.block_size
         for layer_idx, layer in enumerate(LAYERS):
             for pos in range(start, start + n_tokens):
-                b, off = blocks[pos // BLOCK_SIZE], pos % BLOCK_SIZE
+                b, off = blocks[pos // bs], pos % bs
                 token = req.all_token_ids[pos] if pos < len(req.all_token_ids) else 0
                 val = float((token * 31 + pos + layer_idx * 7 + rank * 3) % 2048) / 8.0
                 self.kv[rank][layer][0, b, off] = val

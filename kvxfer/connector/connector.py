@@ -168,6 +168,18 @@ def placement(vllm_config: VllmConfig) -> Placement:
                      pp_size=pp_size, first_layer=start, total_layers=total)
 
 
+def refuse_context_parallel(pc: Any) -> None:
+    """Context parallelism spreads a request's tokens over ranks (under DCP a rank holds every
+    d-th token of each block): the sidecar's plans say which heads each rank holds, never which
+    tokens, so its reads would put tokens at other tokens' places. Refused at start-up until
+    it is modelled (NotImplementedError, as vLLM's NixlConnector refuses what it cannot move)."""
+    for name in ("decode_context_parallel_size", "prefill_context_parallel_size"):
+        size = int(getattr(pc, name, 1) or 1)
+        if size > 1:
+            raise NotImplementedError(f"kvxfer: {name}={size}: context parallelism is not supported "
+                                      "(a rank holds part of each block's tokens); run with 1")
+
+
 def _tp(vllm_config: VllmConfig) -> tuple[int, int]:
     size = vllm_config.parallel_config.tensor_parallel_size
     try:
@@ -212,6 +224,7 @@ class KvxferConnector(KVConnectorBase_V1, *_HMA):  # type: ignore[misc]
     ) -> None:
         super().__init__(vllm_config, role, kv_cache_config)  # type: ignore[arg-type]
         assert vllm_config.kv_transfer_config is not None
+        refuse_context_parallel(vllm_config.parallel_config)
         # Hybrid models: which groups move and how; state layers are refused here, at start-up
         # (UnsupportedModel says which layers and why).
         self.groups = Groups.from_config(kv_cache_config) if kv_cache_config is not None else None

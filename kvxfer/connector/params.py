@@ -5,7 +5,9 @@ Field names are vLLM's (``do_remote_prefill``, ``do_remote_decode``, ``remote_en
 so vLLM's toy proxy and llm-d's routing sidecar pass them through unchanged. Host and port
 name the prefill *sidecar's* handshake endpoint. kvxfer adds ``remote_generation`` (the
 prefill sidecar's registration generation when the blocks were held; optional) and
-``remote_lease_token`` (the hold's capability: only whoever has it can read or release it).
+``remote_lease_token`` (the hold's capability: only whoever has it can read or release it) and
+``remote_block_size`` (the prefill's tokens per block: a decode whose blocks hold another
+number pairs the two lists by token; without it they are taken to be the same).
 
 Push mode (the router sends the request to both engines at once): both get ``transfer_id``
 (unguessable, at most 128 characters: it is the request's capability too); the decode also
@@ -86,6 +88,7 @@ def parse_remote(params: Mapping[str, Any]) -> RemoteBlocks:
         req_id=req_id,
         generation=generation,
         token=token,
+        block_size=_int(params, "remote_block_size", 1) if params.get("remote_block_size") is not None else 0,
     )
 
 

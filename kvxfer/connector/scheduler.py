@@ -24,8 +24,10 @@ late instead of reading into, or holding, blocks the engine has reused.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import time
+from collections.abc import Sequence
 from typing import Any
 
 from kvxfer.auth import new_token
@@ -36,7 +38,7 @@ from kvxfer.connector.push import StreamedHolds
 from kvxfer.connector.settings import ConnectorSettings
 from kvxfer.connector.step import FINISHED_OK, StepPlan
 from kvxfer.errors import ErrorCode
-from kvxfer.pairing import cut_to_load
+from kvxfer.pairing import cut_to_load, pair_sizes
 from kvxfer.protocol import Cancel
 
 log = logging.getLogger(__name__)
@@ -205,16 +207,13 @@ class SchedulerSide:
             # Full local prefix hit: nothing to read, but the prefill side still holds.
             release_remote(self.client, self._ranks(), self.local_engine, request.request_id, remote)
             return
-        # one list per KV cache group on both sides (a single-group model: one each), paired
-        # group by group at the tail, then flat; a decode list longer than the prefill's would
-        # shift every block (wrong KV): the prompt is computed here instead
         hybrid = bool(unhashed_block_ids) and isinstance(unhashed_block_ids[0], list | tuple)
         mine = [list(g) for g in unhashed_block_ids] if hybrid else [list(unhashed_block_ids)]  # type: ignore[arg-type]
-        theirs = cut_to_load([list(g) for g in remote.groups] if remote.groups else [list(remote.block_ids)],
-                             hybrid, self._claimed.get(request.request_id, 0), self.block_size)
-        flags = self.state_groups if hybrid else ()
+        # the prefill's block size as it said it (kv_transfer_params), else taken to be this one's
+        remote = dataclasses.replace(remote, block_size=remote.block_size or self.block_size)
         try:
-            pairs = push_pairs(mine, flags) if remote.streamed else pair_groups(mine, theirs, flags)
+            pairs = pair_load(mine, remote, self.state_groups if hybrid else None, self.block_size,
+                              self._claimed.get(request.request_id, 0), num_external_tokens)
         except ValueError as e:
             self.errors[request.request_id] = str(e)
             log.warning("request %s: %s; computing the prompt locally", request.request_id, e)
@@ -318,6 +317,7 @@ class SchedulerSide:
             "remote_num_tokens": getattr(request, "num_computed_tokens", 0),
             "remote_generation": self.generation,
             "remote_lease_token": token,
+            **({"remote_block_size": self.block_size} if self.block_size else {}),
             **({"remote_state_split": self.state_split} if self.state_split else {}),
         }
 
@@ -388,6 +388,28 @@ class SchedulerSide:
         self.client.close()
 
 
+def pair_load(mine: list[list[int]], remote: RemoteBlocks, state_groups: Sequence[bool] | None,
+              block_size: int, end: int, external: int) -> Pairs:
+    """A load's block pairs: this engine's new blocks (``mine``, one list per KV cache group;
+    ``state_groups`` None for a single-group model) with the prefill's. One list per group on
+    both sides, paired group by group at the tail (a decode list longer than the prefill's
+    would shift every block: wrong KV, refused); blocks of another size than the prefill's
+    (``remote.block_size``) by token (``pair_sizes``: one group only); push mode's by its
+    sidecar (``push_pairs``). ``end``: the prompt tokens loaded, ``external`` of them read.
+    ValueError: the prompt is computed here."""
+    hybrid = state_groups is not None
+    if remote.streamed:
+        return push_pairs(mine, state_groups or ())
+    if remote.block_size != block_size:
+        if hybrid or remote.groups:
+            raise ValueError(f"blocks of {block_size} tokens here, {remote.block_size} on the prefill, in a "
+                             "model of several KV cache groups: not supported")
+        return pair_sizes(mine[0], list(remote.block_ids), end - external, end, block_size, remote.block_size)
+    theirs = cut_to_load([list(g) for g in remote.groups] if remote.groups else [list(remote.block_ids)],
+                         hybrid, end, block_size)
+    return pair_groups(mine, theirs, state_groups or ())
+
+
 def release_remote(client: SidecarClient, ranks: list[tuple[int, int]], engine: str, req_id: str,
                    remote: RemoteBlocks) -> None:
     """An empty Recv to every (pp, tp) rank: the prefill's blocks are not needed (its lease
@@ -411,8 +433,7 @@ def post_loads(client: SidecarClient, settings: ConnectorSettings, ranks: list[t
     for pp, rank in ranks:
         try:
             client.recv(req_id, pairs.local,
-                        RemoteBlocks(remote.engine_id, remote.host, remote.port, pairs.remote, remote.tp_size,
-                                     remote.req_id, remote.generation, remote.token),
+                        dataclasses.replace(remote, block_ids=pairs.remote, groups=()),
                         streamed=remote.streamed, groups=grouped, tp_rank=rank,
                         deadline_s=settings.transfer_timeout_s, reply_to_rank=True, expires_unix=expires,
                         engine_id=engine, pp_rank=pp, state=(pairs.state_local, pairs.state_remote))

@@ -155,6 +155,11 @@ class Recv(_Msg, tag="recv"):
     groups: GroupBlockIds | None = None
     state_groups: Annotated[list[bool], Meta(max_length=64)] | None = None
     num_tokens: NonNeg = 0
+    # The prefill's block size (tokens) the two lists were paired for: when the block sizes
+    # differ, a decode block holds several prefill blocks or the reverse, and the lists cover
+    # the same tokens (kvxfer.pairing.pair_sizes). 0: not said, the lists pair one to one; a
+    # sidecar that finds the sizes differ, or another size than said, refuses the receive.
+    remote_block_size: NonNeg = 0
 
     @property
     def state_pairs(self) -> tuple[list[int], list[int]]:

@@ -262,6 +262,8 @@ def plan_read(msg: Recv, local: KVLayout, ranks: dict[tuple[int, int], RankInfo]
         shared, pairing = layout_plans(local, tuple(stages.items()), remote)
         plans = list(shared)
         if msg.block_ids:
+            if not msg.streamed:  # (push: this sidecar paired them, kvxfer.sidecar.stream_feed)
+                check_paired_for(msg.remote_block_size, remote.block_size, local.block_size)
             pairing.pairs(len(msg.block_ids), len(msg.remote_block_ids))
     except Incompatible as e:
         if len(stages) < remote.pp_size:
@@ -277,6 +279,16 @@ def plan_read(msg: Recv, local: KVLayout, ranks: dict[tuple[int, int], RankInfo]
         check_blocks(msg.req_id, msg.state_pairs[1] if plan.state else msg.remote_block_ids,
                      info.layout.num_blocks, "remote")
     return plans, pairing
+
+
+def check_paired_for(told: int, remote: int, local: int) -> None:
+    """Incompatible unless a receive's lists were paired for the prefill's block size
+    (``Recv.remote_block_size``; 0, not said, fits equal sizes only): lists paired one to one
+    while a decode block holds two prefill blocks pair the wrong tokens, and a list whose
+    length happens to fit the ratio (one block each) would be read, wrong, without this."""
+    if told != remote and (told or remote != local):
+        raise Incompatible(f"the block lists were paired for prefill blocks of {told or local} tokens; "
+                           f"the prefill's blocks hold {remote} (kv_transfer_params remote_block_size)")
 
 
 @functools.lru_cache(maxsize=1024)

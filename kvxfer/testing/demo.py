@@ -202,7 +202,8 @@ class _Decoder:
         blocks = self.lead.allocate(self.opts.side_blocks("decode"))
         self.local[p["req_id"]] = blocks
         remote = RemoteBlocks(p["engine_id"], p["host"], p["port"], p["block_ids"], p["tp_size"],
-                              token=p["token"], generation=p["generation"])
+                              token=p["token"], generation=p["generation"],
+                              block_size=self.opts.block_size_of("prefill"))
         for e in self.engines:  # (a read's deadline under the sidecar's --max-read-s, as the
             # connector's default is: a longer one is cut, counted and logged with every read)
             e.client.recv(p["req_id"], blocks, remote, tp_rank=e.layout.tp_rank,
