@@ -44,6 +44,15 @@ class Lease:
     num_tokens: int = 0
     queued: float = 0.0  # the time of its one entry in the expiry heap (at most ``expires``)
     expected_by: dict[str, int] = field(default_factory=dict)  # ranks each reader agent said it has
+    # A push hold's read capability (``LayersAt.token``): a fresh one per Hold, so that a hold
+    # again under the same transfer id (a router's retry: ``token`` is the id) is another
+    # lease to a read's proof (its lease word, its claim, its notices). "": none (pull: its
+    # ``token`` is fresh per hold already)
+    read_token: str = ""
+
+    def proof_token(self) -> str:
+        """The capability a read of this lease proves it with (its lease word's key)."""
+        return self.read_token or self.token
 
     @property
     def key(self) -> LeaseKey:

@@ -75,7 +75,7 @@ MESSAGES: dict[str, tuple[object, str]] = {
     "cwatch": (p.ChunkWatch(seq=4, engine_id="P", req_id="t1", have=2, token="tok", seen=3),
                "9ba663776174636804a150a2743102a3746f6bcb3ff0000000000000cb0000000000000000a0a003"),
     "layersat": (p.LayersAt(seq=4, held="held", ready=3, total=8, block_ids=[1, 2], generation="g", tp_size=2,
-                            engine_id="P"), "dc0011a86c6179657273617404a468656c64030892010290a16702a150a0a0c000c20000"),
+                            engine_id="P"), "dc0012a86c6179657273617404a468656c64030892010290a16702a150a0a0c000c20000a0"),
     "stage": (
         p.StageRequest(seq=3, engine_id="P", req_id="r1", ranks=[p.StageRank(rank=0, runs=bytes(range(16)))],
                        nbytes=64, readers=["0/0"], extend_s=2.5, agent_name="a"),

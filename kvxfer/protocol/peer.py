@@ -257,6 +257,11 @@ class LayersAt(_Msg, tag="layersat"):
     partial: bool = False
     complete: NonNeg = 0
     version: NonNeg = 0
+    # "held": the hold's read capability (push: a fresh one per Hold, ``Lease.read_token``):
+    # the reads of these blocks, their claims, notices and lease word present it, so that a
+    # hold again under the same transfer id (a router's retry) never proves them. "": the
+    # watch's token (an older prefill sidecar)
+    token: Token = ""
 
 
 HandshakeReply = Welcome | Refused | DigestReply | LeaseState | Challenge | Staged | LayersAt

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from kvxfer.abandoned import Abandoned
-from kvxfer.auth import same_token
+from kvxfer.auth import new_token, same_token
 from kvxfer.config import Config
 from kvxfer.errors import ErrorCode, RequestError
 from kvxfer.leases import Lease, LeaseTable
@@ -108,9 +108,11 @@ class Holds:
         lease = Lease(req_id=msg.req_id, owner=ident, block_ids=list(msg.block_ids),
                       expires=now + duration, reads_expected=msg.reads, created=now,
                       notify_ranks=msg.notify_ranks, engine=engine, duration=duration, token=msg.token,
-                      groups=msg.groups, num_tokens=msg.num_tokens)
+                      groups=msg.groups, num_tokens=msg.num_tokens,
+                      read_token=new_token() if is_push_hold(msg) else "")
         self.table.add(lease)
-        self.words.put(lease.key, lease_tag(engine, msg.req_id, msg.token), deadline_ms(msg.expires_unix))
+        self.words.put(lease.key, lease_tag(engine, msg.req_id, lease.proof_token()),
+                       deadline_ms(msg.expires_unix))
         self.changed.emit()
         self._wakeup.set()
         kept = self._before_hold.pop(msg.req_id, {})
@@ -149,7 +151,8 @@ class Holds:
         if not self._authenticated(agent):
             self.observer.peer_refused(agent, req_id, message, "unauthenticated")
             return None
-        if lease.token and not same_token(lease.token, token):
+        if lease.token and not same_token(lease.token, token) and not (
+                lease.read_token and same_token(lease.read_token, token)):
             self.observer.peer_refused(agent, req_id, message, "bad_token")
             return None
         return lease
@@ -195,7 +198,8 @@ class Holds:
         if self.table.extend(lease.key, min(until, lease.created + self.config.max_lease_s)):
             self._wakeup.set()
         if msg.expires_unix:  # (its lease word's deadline: the engine's own, renewed)
-            self.words.put(lease.key, lease_tag(engine, msg.req_id, msg.token), deadline_ms(msg.expires_unix))
+            self.words.put(lease.key, lease_tag(engine, msg.req_id, lease.proof_token()),
+                           deadline_ms(msg.expires_unix))
         return lease
 
     def extend(self, lease: Lease, by_s: float, agent: str, message: str, cap_s: float) -> None:
@@ -342,3 +346,9 @@ def grown_groups(held: list[int], groups: list[list[int]] | None, msg: Hold) -> 
     if not now.issuperset(held) or any(b and b not in now for g in msg.groups for b in g):
         raise RequestError(ErrorCode.MALFORMED, "an extended hold lets go of blocks held, or its groups "
                            "name blocks it does not hold")
+
+
+def is_push_hold(msg: Hold) -> bool:
+    """A push hold (streamed, or named by its capability: the transfer id, which a router's
+    retry holds again): its reads prove it with a read token of its own (``Lease.read_token``)."""
+    return msg.streamed or (bool(msg.token) and msg.token == msg.req_id)

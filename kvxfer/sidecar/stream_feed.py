@@ -231,7 +231,8 @@ class StreamFeed:
                                               remote_generation=ans.generation or peer.generation,
                                               remote_tp_size=ans.tp_size or msg.remote_tp_size,
                                               remote_engine_id=ans.engine_id or msg.remote_engine_id,
-                                              groups=None, state_groups=None, state_block_ids=None,
+                                              remote_token=ans.token or msg.remote_token, groups=None,
+                                              state_groups=None, state_block_ids=None,
                                               remote_state_block_ids=None)
                 plans, pairing = self._told_if(state, peer, engine, functools.partial(
                     plan_read, sub, lay, ranks, engine))
@@ -396,7 +397,8 @@ def completed(msg: Recv, ans: LayersAt, peer: Peer, same_block_size: bool, local
     model of several KV cache groups pairs them group by group: ``paired``)."""
     common = {"remote_generation": ans.generation or peer.generation,
               "remote_tp_size": ans.tp_size or msg.remote_tp_size,
-              "remote_engine_id": ans.engine_id or msg.remote_engine_id}
+              "remote_engine_id": ans.engine_id or msg.remote_engine_id,
+              "remote_token": ans.token or msg.remote_token}  # (the hold's read token: LayersAt.token)
     if msg.groups is not None:
         return msgspec.structs.replace(msg, **paired(msg, ans, local), **common)
     if ans.groups is not None:  # (a decode without its lists per group: its hybrid KV cache manager off?)

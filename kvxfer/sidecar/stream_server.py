@@ -222,7 +222,7 @@ class StreamServer:
                    "version": prog.version} if prog else {})
         return LayersAt(seq=msg.seq, held="held", ready=ready, total=total, block_ids=list(lease.block_ids),
                         generation=self._generation(), tp_size=tp_size, engine_id=lease.engine,
-                        groups=lease.groups, num_tokens=lease.num_tokens, **chunks)
+                        groups=lease.groups, num_tokens=lease.num_tokens, token=lease.read_token, **chunks)
 
     def _not_held(self, msg: LayerWatch) -> LayersAt:
         return LayersAt(seq=msg.seq, held=self.holds.absent(msg.engine_id, msg.req_id),

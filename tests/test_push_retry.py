@@ -1,0 +1,65 @@
+"""Push mode, a router's retry under the same transfer id while a read of the first hold is
+in flight: the transfer id is the push hold's capability, and it used to key the lease word
+and the claim too, so the retry's hold proved the first hold's read after the engine had
+aborted it and reused its blocks (a review reproduced 2 of 4 delivered with another
+request's bytes). Each push hold now has a read token of its own (``LayersAt.token``): the
+retry's hold proves nothing of the first one's reads. Real sidecars, real NIXL reads."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from kvxfer.protocol import LayersDone
+from kvxfer.testing.engine import SyntheticEngine
+from kvxfer.testing.procs import SidecarFactory
+from tests.test_lease_words import BIG
+from tests.test_push import streamed_remote
+from tests.test_sidecar import wait_for
+
+
+@pytest.mark.parametrize("words", [True, False], ids=["word", "no-word"])
+def test_a_hold_again_under_the_transfer_id_proves_nothing_of_the_first_holds_read(
+        sidecars: SidecarFactory, words: bool) -> None:
+    """The prefill holds a computed request (push, streamed), the decode reads it (192 MiB,
+    2 MiB at a time); mid-read the prefill engine aborts it (Released: it reuses the blocks)
+    and the router's retry holds the same transfer id again on them, and other bytes are
+    written into them. The first read is refused, or landed before the abort
+    with the original bytes; never delivered with the next use's."""
+    ds = sidecars.start(f"retry{int(words)}-d", "--chunk-mib", "2", "--max-inflight-chunks", "1",
+                        "--verify-sample", "0")
+    ps = sidecars.start(f"retry{int(words)}-p", *(() if words else ("--lease-word-slots", "0")))
+    d, p = SyntheticEngine(BIG, ds.endpoint, seed=2), SyntheticEngine(BIG, ps.endpoint, seed=1)
+    try:
+        d.start()
+        p.start()
+        refused = 0
+        for attempt in range(4):
+            tid = f"retry-{attempt}-{int(words)}-tid"
+            pb, db = p.allocate(96), d.allocate(96)
+            p.fill(tid, pb)
+            p.client.hold(tid, pb, token=tid, streamed=True, expires_unix=time.time() + 60)
+            p.client.send(LayersDone(req_ids=[tid], layers=BIG.num_layers))  # (computed: read at once)
+            d.client.recv(tid, db, streamed_remote(p, tid), streamed=True, deadline_s=30)
+            time.sleep(0.02 * (attempt + 1))
+            p.client.release(tid)  # the engine aborted: once Released, it reuses the blocks
+            wait_for(p.client, lambda a: bool(a.released))
+            p.client.hold(tid, pb, token=tid, streamed=True, expires_unix=time.time() + 60)  # the retry
+            p.fill(f"other-{attempt}", pb)  # (computed into by the retry, or by another request)
+            got = wait_for(d.client, lambda a: bool(a.done or a.failed), timeout=30)
+            if got.failed:
+                refused += 1
+            else:
+                assert d.verify(tid, db), "a read of the first hold delivered with the blocks' next use"
+            p.client.release(tid)
+            wait_for(p.client, lambda a: bool(a.released))
+            d.free(db)
+            p.free(pb)
+        print(f"\n{refused} of 4 reads refused (the rest landed before their abort)")
+        assert refused >= 1, "every read landed before its abort: nothing was tested"
+        assert ds.proc.poll() is None
+        assert ps.proc.poll() is None
+    finally:
+        d.close()
+        p.close()
