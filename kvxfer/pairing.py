@@ -78,13 +78,8 @@ def pair_sizes(local: Sequence[int], remote: Sequence[int], first: int, end: int
     (``kvxfer.topology.BlockPairing``: a larger block holds ``ratio`` smaller ones, from its
     first token). ``ValueError`` when they cannot be paired that way: sizes of which neither
     divides the other, a cached prefix that ends inside a prefill block, too few blocks."""
-    big, small = max(local_size, remote_size), min(local_size, remote_size)
-    if small <= 0 or big % small:
-        raise ValueError(f"blocks of {local_size} tokens here, {remote_size} on the prefill: neither "
-                         "size divides the other")
-    if first % local_size or first % remote_size:
-        raise ValueError(f"this engine's cached prefix ends at token {first}, inside a prefill block of "
-                         f"{remote_size} tokens: the blocks cannot be paired")
+    if why := sizes_unpaired(local_size, remote_size, first, False):
+        raise ValueError(why)
     if not 0 <= first < end:
         raise ValueError(f"no tokens to load ({first}..{end})")
     want = -(-end // local_size) - first // local_size
@@ -96,3 +91,23 @@ def pair_sizes(local: Sequence[int], remote: Sequence[int], first: int, end: int
     if not all(mine) or not all(theirs):  # (a null block in a full-attention list: not one group)
         raise ValueError(f"tokens {first}..{end - 1}: null blocks in {mine} / {theirs}")
     return Pairs(mine, theirs, [], [])
+
+
+def sizes_unpaired(local_size: int, remote_size: int, first: int, grouped: bool) -> str:
+    """Why a load of tokens from ``first`` on cannot be paired by token between blocks of
+    these sizes ("": it can, or the sizes are equal). Known before any block is allocated,
+    so that the connector computes such a prompt here rather than fail a load vLLM counts on
+    (its default ``kv_load_failure_policy``, "fail", fails the request: found by a review)."""
+    if local_size == remote_size:
+        return ""
+    big, small = max(local_size, remote_size), min(local_size, remote_size)
+    if grouped:
+        return (f"blocks of {local_size} tokens here, {remote_size} on the prefill, in a model of several "
+                "KV cache groups: not supported")
+    if small <= 0 or big % small:
+        return (f"blocks of {local_size} tokens here, {remote_size} on the prefill: neither size divides "
+                "the other")
+    if first % local_size or first % remote_size:
+        return (f"this engine's cached prefix ends at token {first}, inside a prefill block of {remote_size} "
+                "tokens: the blocks cannot be paired")
+    return ""

@@ -25,7 +25,10 @@ def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Engi
         try:
             for role, bs in (("p", 16), ("p", 32), ("d", 16), ("d", 32)):
                 side = f.start(f"bs-{role}{bs}", "--handshake-timeout-s", "1")
-                extra = {"lease_s": 20} if role == "p" else {"transfer_timeout_s": 5}
+                # (the decode of 16: vLLM's default failure policy, "fail": a load it counts on
+                # and that fails fails the request)
+                extra = ({"lease_s": 20} if role == "p" else
+                         {"transfer_timeout_s": 5, "policy": "fail" if bs == 16 else "recompute"})
                 started[f"{role}{bs}"] = Engine.start(f"{role}{bs}", make_config(model, side.endpoint,
                                                                                    block_size=bs, **extra))
             yield started
@@ -108,8 +111,9 @@ def test_a_cached_prefix_on_the_decode_loads_only_the_rest(engines: dict[str, En
 
 def test_a_cached_prefix_ending_inside_a_prefill_block_is_computed_here(engines: dict[str, Engine]) -> None:
     """Decode blocks of 16, prefill blocks of 32, 16 tokens cached here: the loaded tokens would
-    start inside a prefill block, which the pairing cannot say; the prompt is computed here and
-    the prefill's blocks are released."""
+    start inside a prefill block, which the pairing cannot say; the prompt is computed here (not
+    claimed: under vLLM's default failure policy a claimed load that fails fails the request,
+    found by a review) and the prefill's blocks are released."""
     p, d = engines["p32"], engines["d16"]
     n, seed = 100, 43
     warm = make_request(20, seed=seed, block_size=16)

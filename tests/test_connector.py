@@ -158,6 +158,14 @@ def test_prefix_cache_hit_on_decode_still_releases_prefill(engines: tuple[Engine
               "remote_port": "80", "remote_block_ids": [1]}),
         (43, {"do_remote_prefill": True, "remote_engine_id": "x", "remote_host": "h",
               "remote_port": 80, "remote_block_ids": ["a"]}),
+        # integers msgpack cannot encode: they raised out of the scheduler (vLLM's engine core
+        # died; found by a review)
+        (44, {"do_remote_prefill": True, "remote_engine_id": "x", "remote_host": "h",
+              "remote_port": 80, "remote_block_ids": [1], "remote_block_size": 2**64}),
+        (45, {"do_remote_prefill": True, "remote_engine_id": "x", "remote_host": "h",
+              "remote_port": 80, "remote_block_ids": [1], "tp_size": 2**64}),
+        (46, {"do_remote_prefill": True, "remote_engine_id": "x", "remote_host": "h",
+              "remote_port": 80, "remote_block_ids": [2**64]}),
     ],
 )
 def test_malformed_params_compute_locally_with_a_clear_error(

@@ -23,6 +23,13 @@ from typing import Any
 from kvxfer.client import RemoteBlocks
 from kvxfer.connector.groups import held_blocks
 
+# Bounds on integers a client's kv_transfer_params give: each goes into a message, and one
+# that msgpack cannot encode raised out of vLLM's scheduler and killed its engine core
+# (found by a review: remote_block_size, tp_size or a block id of 2**64)
+MAX_ID = 1 << 63
+MAX_RANKS = 4096  # (kvxfer.topology.MAX_TP_SIZE)
+MAX_BLOCK_SIZE = 1 << 24
+
 
 class InvalidTransferParams(ValueError):
     """kv_transfer_params from a client that cannot be used; the request is recomputed."""
@@ -40,7 +47,7 @@ def _int(params: Mapping[str, Any], key: str, lo: int, hi: int | None = None) ->
 def _ids(value: Any) -> list[int]:
     out = []
     for b in value:
-        if isinstance(b, bool) or not isinstance(b, int) or b < 0:
+        if isinstance(b, bool) or not isinstance(b, int) or not 0 <= b < MAX_ID:
             raise InvalidTransferParams(f"remote_block_ids holds {b!r}, not a block id")
         out.append(b)
     return out
@@ -84,11 +91,12 @@ def parse_remote(params: Mapping[str, Any]) -> RemoteBlocks:
         port=_int(params, "remote_port", 1, 65535),
         block_ids=block_ids,
         groups=groups,
-        tp_size=_int(params, "tp_size", 1) if "tp_size" in params else 1,
+        tp_size=_int(params, "tp_size", 1, MAX_RANKS) if "tp_size" in params else 1,
         req_id=req_id,
         generation=generation,
         token=token,
-        block_size=_int(params, "remote_block_size", 1) if params.get("remote_block_size") is not None else 0,
+        block_size=(_int(params, "remote_block_size", 1, MAX_BLOCK_SIZE)
+                    if params.get("remote_block_size") is not None else 0),
     )
 
 
@@ -110,6 +118,6 @@ def parse_push(params: Mapping[str, Any]) -> RemoteBlocks:
     engine = params.get("remote_engine_id") or ""
     if not isinstance(engine, str):
         raise InvalidTransferParams("remote_engine_id must be a string")
-    tp_size = _int(params, "tp_size", 1) if "tp_size" in params else 1
+    tp_size = _int(params, "tp_size", 1, MAX_RANKS) if "tp_size" in params else 1
     return RemoteBlocks(engine_id=engine, host=host, port=_int(params, "remote_port", 1, 65535), block_ids=[],
                         tp_size=tp_size, req_id=tid, token=tid)

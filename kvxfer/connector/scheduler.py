@@ -38,7 +38,7 @@ from kvxfer.connector.push import StreamedHolds
 from kvxfer.connector.settings import ConnectorSettings
 from kvxfer.connector.step import FINISHED_OK, StepPlan
 from kvxfer.errors import ErrorCode
-from kvxfer.pairing import cut_to_load, pair_sizes
+from kvxfer.pairing import cut_to_load, pair_sizes, sizes_unpaired
 from kvxfer.protocol import Cancel
 
 log = logging.getLogger(__name__)
@@ -186,6 +186,12 @@ class SchedulerSide:
             log.info("request %s: the prefill's state covers %s tokens, this engine would load %d; "
                      "computing the prompt here", request.request_id, computed, -n)
         count = n - num_computed_tokens
+        grouped = self.grouped or bool(remote.groups)
+        if count > 0 and remote.block_size and self.block_size and (why := sizes_unpaired(
+                self.block_size, remote.block_size, num_computed_tokens, grouped)):
+            log.warning("request %s: %s; computing the prompt here", request.request_id, why)
+            self.errors[request.request_id] = why
+            return 0, False  # (its update_state_after_alloc, 0 tokens: the prefill is told to release)
         if count > 0:
             self._waiting[request.request_id] = remote  # until it gets blocks: keep its lease alive
         return (count, True) if count > 0 else (0, False)
@@ -401,9 +407,9 @@ def pair_load(mine: list[list[int]], remote: RemoteBlocks, state_groups: Sequenc
     if remote.streamed:
         return push_pairs(mine, state_groups or ())
     if remote.block_size != block_size:
-        if hybrid or remote.groups:
-            raise ValueError(f"blocks of {block_size} tokens here, {remote.block_size} on the prefill, in a "
-                             "model of several KV cache groups: not supported")
+        grouped = hybrid or bool(remote.groups)
+        if why := sizes_unpaired(block_size, remote.block_size, end - external, grouped):
+            raise ValueError(why)
         return pair_sizes(mine[0], list(remote.block_ids), end - external, end, block_size, remote.block_size)
     theirs = cut_to_load([list(g) for g in remote.groups] if remote.groups else [list(remote.block_ids)],
                          hybrid, end, block_size)
