@@ -27,18 +27,17 @@ import contextlib
 import dataclasses
 import logging
 import time
-from collections.abc import Sequence
 from typing import Any
 
 from kvxfer.auth import new_token
 from kvxfer.client import SEND_ERRORS, Drained, GroupedLoad, RemoteBlocks, SidecarClient
-from kvxfer.connector.groups import Pairs, held_blocks, pair_groups, push_pairs
+from kvxfer.connector.groups import Pairs, held_blocks
+from kvxfer.connector.loads import pair_load, unpaired
 from kvxfer.connector.params import InvalidTransferParams, parse_push, parse_remote, transfer_id_of
 from kvxfer.connector.push import StreamedHolds
 from kvxfer.connector.settings import ConnectorSettings
 from kvxfer.connector.step import FINISHED_OK, StepPlan
 from kvxfer.errors import ErrorCode
-from kvxfer.pairing import cut_to_load, pair_sizes, sizes_unpaired
 from kvxfer.protocol import Cancel
 
 log = logging.getLogger(__name__)
@@ -167,10 +166,8 @@ class SchedulerSide:
             return 0, False
         if any(self.state_groups) and not splits_alike(self.state_split, params, remote, self.tp_size):
             # (a state that cannot move between these TP sizes: computed here, not claimed and failed)
-            if remote.engine_id not in self._hetero_warned:
-                self._hetero_warned.add(remote.engine_id)
-                log.warning("prefill engine %s runs TP %d, this one TP %d; their states do not split alike: "
-                            "computing prompts here", remote.engine_id, remote.tp_size, self.tp_size)
+            warn_once(self._hetero_warned, remote.engine_id, "prefill engine %s runs TP %d, this one TP %d; "
+                      "their states do not split alike: computing prompts here", remote.tp_size, self.tp_size)
             return 0, False
         computed = params.get("remote_num_tokens")
         prompt = len(request.prompt_token_ids or ())
@@ -186,9 +183,7 @@ class SchedulerSide:
             log.info("request %s: the prefill's state covers %s tokens, this engine would load %d; "
                      "computing the prompt here", request.request_id, computed, -n)
         count = n - num_computed_tokens
-        grouped = self.grouped or bool(remote.groups)
-        if count > 0 and remote.block_size and self.block_size and (why := sizes_unpaired(
-                self.block_size, remote.block_size, num_computed_tokens, grouped)):
+        if count > 0 and (why := unpaired(remote, self.block_size, num_computed_tokens, self.grouped)):
             log.warning("request %s: %s; computing the prompt here", request.request_id, why)
             self.errors[request.request_id] = why
             return 0, False  # (its update_state_after_alloc, 0 tokens: the prefill is told to release)
@@ -394,26 +389,11 @@ class SchedulerSide:
         self.client.close()
 
 
-def pair_load(mine: list[list[int]], remote: RemoteBlocks, state_groups: Sequence[bool] | None,
-              block_size: int, end: int, external: int) -> Pairs:
-    """A load's block pairs: this engine's new blocks (``mine``, one list per KV cache group;
-    ``state_groups`` None for a single-group model) with the prefill's. One list per group on
-    both sides, paired group by group at the tail (a decode list longer than the prefill's
-    would shift every block: wrong KV, refused); blocks of another size than the prefill's
-    (``remote.block_size``) by token (``pair_sizes``: one group only); push mode's by its
-    sidecar (``push_pairs``). ``end``: the prompt tokens loaded, ``external`` of them read.
-    ValueError: the prompt is computed here."""
-    hybrid = state_groups is not None
-    if remote.streamed:
-        return push_pairs(mine, state_groups or ())
-    if remote.block_size != block_size:
-        grouped = hybrid or bool(remote.groups)
-        if why := sizes_unpaired(block_size, remote.block_size, end - external, grouped):
-            raise ValueError(why)
-        return pair_sizes(mine[0], list(remote.block_ids), end - external, end, block_size, remote.block_size)
-    theirs = cut_to_load([list(g) for g in remote.groups] if remote.groups else [list(remote.block_ids)],
-                         hybrid, end, block_size)
-    return pair_groups(mine, theirs, state_groups or ())
+def warn_once(seen: set[str], key: str, message: str, *args: Any) -> None:
+    """``message`` (its first argument ``key``) logged the first time ``key`` is seen."""
+    if key not in seen:
+        seen.add(key)
+        log.warning(message, key, *args)
 
 
 def release_remote(client: SidecarClient, ranks: list[tuple[int, int]], engine: str, req_id: str,
