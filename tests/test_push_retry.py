@@ -7,15 +7,17 @@ retry's hold proves nothing of the first one's reads. Real sidecars, real NIXL r
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import pytest
 
+from kvxfer.errors import ErrorCode
 from kvxfer.protocol import LayersDone
 from kvxfer.testing.engine import SyntheticEngine
 from kvxfer.testing.procs import SidecarFactory
 from tests.test_lease_words import BIG
-from tests.test_push import streamed_remote
+from tests.test_push import LAYOUT, pair, streamed_remote
 from tests.test_sidecar import wait_for
 
 
@@ -63,3 +65,40 @@ def test_a_hold_again_under_the_transfer_id_proves_nothing_of_the_first_holds_re
     finally:
         d.close()
         p.close()
+
+
+def test_a_decode_watching_a_refused_push_hold_fails_at_once(sidecars: SidecarFactory) -> None:
+    """A push hold the prefill sidecar refuses (here: too late, its engine's deadline past):
+    its decode, watching before or after, is answered "refused" and fails at once (it used to
+    be told "unknown" until its deadline, 30 s here, and recompute then). Not told to a peer
+    without the request's token; a retry held under the transfer id is read as any hold."""
+    with pair(sidecars, "pushref") as (_ds, _ps, d, p):
+        for early in (True, False):
+            tid = f"refused-{early}"
+            pb, db = p.allocate(4), d.allocate(4)
+            if early:  # (the decode watches first: its watch waits for the Hold)
+                d.client.recv(tid, db, streamed_remote(p, tid), streamed=True, deadline_s=30)
+                time.sleep(0.2)
+            t0 = time.monotonic()
+            p.client.hold(tid, pb, token=tid, streamed=True, expires_unix=time.time() - 5)
+            assert wait_for(p.client, lambda a: bool(a.errors), timeout=5).errors
+            if not early:
+                d.client.recv(tid, db, streamed_remote(p, tid), streamed=True, deadline_s=30)
+            got = wait_for(d.client, lambda a: bool(a.done or a.failed), timeout=10)
+            assert got.failed, got
+            assert "hold was refused" in got.failed[0].reason, got.failed[0]
+            assert time.monotonic() - t0 < 5, "the decode waited for its deadline"
+            d.free(db)
+        tid, db = "refused-False", d.allocate(4)  # another token: told nothing, its own deadline ends it
+        other = dataclasses.replace(streamed_remote(p, tid), token="not-the-tid")
+        d.client.recv(tid, db, other, streamed=True, deadline_s=2)
+        got = wait_for(d.client, lambda a: bool(a.done or a.failed), timeout=10)
+        assert got.failed[0].code == ErrorCode.DEADLINE, got.failed[0]
+        pb, db = p.allocate(4), d.allocate(4)  # the router's retry under the same id: held, read
+        p.fill(tid, pb)
+        p.client.hold(tid, pb, token=tid, streamed=True, expires_unix=time.time() + 60)
+        p.client.send(LayersDone(req_ids=[tid], layers=LAYOUT.num_layers))
+        d.client.recv(tid, db, streamed_remote(p, tid), streamed=True, deadline_s=30)
+        got = wait_for(d.client, lambda a: bool(a.done or a.failed), timeout=10)
+        assert got.done, got
+        assert d.verify(tid, db)

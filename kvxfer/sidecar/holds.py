@@ -157,6 +157,9 @@ class Holds:
             return None
         return lease
 
+    def is_authenticated(self, agent: str) -> bool:
+        return self._authenticated(agent)
+
     def absent(self, engine: str, req_id: str) -> Literal["gone", "unknown"]:
         """What a peer asking for a lease ``lease_for`` did not give it is told: "gone" (it
         ended here: released, aborted, expired) or "unknown" (never held here, not yet, or

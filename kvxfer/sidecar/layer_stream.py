@@ -87,6 +87,47 @@ class Progress:
         return out
 
 
+@dataclass(frozen=True)
+class RefusedHold:
+    engine: str
+    token: str
+    code: str
+    reason: str
+    until: float  # (time.monotonic())
+
+
+class RefusedHolds:
+    """Push holds this sidecar refused (too late, draining, ranks missing, blocks out of range),
+    kept a while by request id: a decode watching one is answered "refused" at once, instead
+    of "unknown" until its deadline (it used to wait its whole transfer timeout, then
+    recompute). Bounded: the oldest go first; a hold of the id that is made drops it."""
+
+    def __init__(self, most: int = 4096) -> None:
+        self.most = most
+        self._by_id: collections.OrderedDict[str, RefusedHold] = collections.OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._by_id)
+
+    def add(self, req_id: str, refused: RefusedHold) -> None:
+        self._by_id.pop(req_id, None)
+        self._by_id[req_id] = refused
+        while len(self._by_id) > self.most:
+            self._by_id.popitem(last=False)
+
+    def drop(self, req_id: str) -> None:
+        self._by_id.pop(req_id, None)
+
+    def find(self, req_id: str, engine: str, now: float) -> RefusedHold | None:
+        """The refusal of ``req_id`` of ``engine`` ("": any) still kept at ``now``."""
+        got = self._by_id.get(req_id)
+        if got is None or now >= got.until:
+            if got is not None:
+                del self._by_id[req_id]
+            return None
+        return got if engine in ("", got.engine) else None
+
+
 class LayerBook:
     """The prefill side's held requests in push mode. A request starts with its Hold
     (``start``); reports may come before it (another socket) and are kept, a few, until it

@@ -26,13 +26,14 @@ from dataclasses import dataclass
 
 import msgspec
 
+from kvxfer.auth import same_token
 from kvxfer.config import Config
 from kvxfer.errors import ErrorCode, RequestError
 from kvxfer.leases import Lease
 from kvxfer.observe import Observer
 from kvxfer.protocol import ChunkWatch, Hold, LayersAt, LayersDone, LayerWatch
-from kvxfer.sidecar.holds import Holds
-from kvxfer.sidecar.layer_stream import LayerBook, LayerKey, stages_of
+from kvxfer.sidecar.holds import Holds, is_push_hold
+from kvxfer.sidecar.layer_stream import LayerBook, LayerKey, RefusedHold, RefusedHolds, stages_of
 from kvxfer.sidecar.ownership import Creds, authorize
 from kvxfer.sidecar.registry import RankRegistry
 
@@ -63,6 +64,7 @@ class StreamServer:
         self.book = LayerBook()
         self._early: dict[str, list[Watch]] = {}  # by request id: watches for leases not held yet
         self._early_by_agent: dict[str, int] = {}  # how many of them each decode sidecar sent
+        self.refused = RefusedHolds()
         holds.changed.subscribe(self._leases_changed)
 
     def __len__(self) -> int:
@@ -83,10 +85,16 @@ class StreamServer:
         engine = self.registry.engine_of(msg.engine_id)
         try:
             self.holds.hold(ident, msg, draining, sender)
-        except RequestError:
+        except RequestError as e:
             if msg.streamed:  # (refused)
                 self.book.not_held((engine, msg.req_id))
+            if is_push_hold(msg):  # (its decode is told when it watches: ``_refused``)
+                self.refused.add(msg.req_id, RefusedHold(engine, msg.token, e.code, e.reason,
+                                                         time.monotonic() + self.config.lease_s))
+                if msg.req_id in self._early:
+                    self._hold_came(msg.req_id)
             raise
+        self.refused.drop(msg.req_id)
         if msg.streamed and (engine, msg.req_id) in self.holds.table:  # (not released at once: its
             # decode cancelled before it came, ``Holds._keep_until_held``)
             stages, tp_size = stages_of([r.layout for r in self.registry.of_engine(engine)])
@@ -127,7 +135,9 @@ class StreamServer:
         if first:
             self.observer.layer_watch(lease is not None)
         if lease is None:
-            if not (first and self._park_early(msg, reply)):
+            if (refused := self._refused(msg)) is not None:
+                reply(refused)
+            elif not (first and self._park_early(msg, reply)):
                 reply(self._not_held(msg))
             return
         key = lease.key
@@ -223,6 +233,16 @@ class StreamServer:
         return LayersAt(seq=msg.seq, held="held", ready=ready, total=total, block_ids=list(lease.block_ids),
                         generation=self._generation(), tp_size=tp_size, engine_id=lease.engine,
                         groups=lease.groups, num_tokens=lease.num_tokens, token=lease.read_token, **chunks)
+
+    def _refused(self, msg: LayerWatch) -> LayersAt | None:
+        """The answer to a watch of a push hold refused here (to an authenticated peer that
+        presents its token), or None."""
+        got = self.refused.find(msg.req_id, msg.engine_id, time.monotonic())
+        if got is None or not self.holds.is_authenticated(msg.agent_name) or (
+                got.token and not same_token(got.token, msg.token)):
+            return None
+        return LayersAt(seq=msg.seq, held="refused", code=got.code, reason=f"the prefill's hold was refused: "
+                        f"{got.reason}", generation=self._generation())
 
     def _not_held(self, msg: LayerWatch) -> LayersAt:
         return LayersAt(seq=msg.seq, held=self.holds.absent(msg.engine_id, msg.req_id),
