@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import time
 
+import numpy as np
 import pytest
 
 from kvxfer.errors import ErrorCode
@@ -102,3 +103,87 @@ def test_a_decode_watching_a_refused_push_hold_fails_at_once(sidecars: SidecarFa
         got = wait_for(d.client, lambda a: bool(a.done or a.failed), timeout=10)
         assert got.done, got
         assert d.verify(tid, db)
+
+
+def test_a_chunk_read_of_a_hold_made_again_is_not_used(sidecars: SidecarFactory) -> None:
+    """A prompt held in chunks: a chunk of hold #1 is read (it has no proof of its own: the
+    final read's proof covers it); the engine grows the hold, then aborts it and another
+    request reuses its blocks; the router's retry holds the transfer id again on them. The
+    decode's next answer comes from hold #2, whose read token proved the final read, and the
+    chunk's bytes were delivered (a review: 3 of 3 wrong). Now an answer with another read
+    token than the first ends the receive."""
+    ds = sidecars.start("chunkretry-d", "--chunk-mib", "2", "--max-inflight-chunks", "1",
+                        "--verify-sample", "0")
+    ps = sidecars.start("chunkretry-p", "--lease-s", "30")
+    d, p = SyntheticEngine(BIG, ds.endpoint, seed=2), SyntheticEngine(BIG, ps.endpoint, seed=1)
+    try:
+        d.start()
+        p.start()
+        for attempt in range(3):
+            tid, n, c = f"chunkretry-{attempt}", 100, 90
+            pb, db = p.allocate(n), d.allocate(n)
+            d.wipe(db)
+            p.client.hold(tid, pb[:c], token=tid, streamed=True, partial=True, num_tokens=n * BIG.block_size,
+                          expires_unix=time.time() + 60)
+            d.client.recv(tid, db, streamed_remote(p, tid), streamed=True, deadline_s=30)
+            p.fill(tid, pb[:c])
+            p.client.send(LayersDone(req_ids=[tid], layers=0, blocks=c))  # (the first chunk computed)
+            end = time.monotonic() + 10
+            while not d.verify_layers(tid, db[:1], range(0, 1)) and time.monotonic() < end:
+                time.sleep(0.001)  # (its read began)
+            p.client.hold(tid, pb[:c + 1], token=tid, streamed=True, extends=True, partial=True,
+                          num_tokens=n * BIG.block_size)  # the next chunk is scheduled ...
+            p.client.release(tid)  # ... and the engine aborts the request
+            wait_for(p.client, lambda a: bool(a.released))
+            p.client.hold(tid, pb, token=tid, streamed=True, num_tokens=n * BIG.block_size,
+                          expires_unix=time.time() + 60)  # the router's retry, on the same blocks
+            p.kv.blocks()[:, :, np.asarray(pb[:c]), :] = 0xAB  # (another request reuses them first)
+            p.fill(tid, pb)
+            p.client.send(LayersDone(req_ids=[tid], layers=BIG.num_layers))
+            got = wait_for(d.client, lambda a: bool(a.done or a.failed), timeout=30)
+            assert got.failed or d.verify(tid, db), "a chunk of the aborted hold was delivered"
+            p.client.release(tid)
+            wait_for(p.client, lambda a: bool(a.released))
+            d.free(db)
+            p.free(pb)
+    finally:
+        d.close()
+        p.close()
+
+
+def test_a_claim_with_the_transfer_id_is_not_told_the_word_is_published() -> None:
+    """An older decode sidecar claims a push hold with the transfer id (it ignores
+    ``LayersAt.token``) and tags its word with it: told "published", it read the word again,
+    found none of its own and refused every push read (a review). Told so only with the
+    read token the word is tagged with."""
+    from kvxfer.config import Config
+    from kvxfer.leases import Lease
+    from kvxfer.observe import Observer
+    from kvxfer.protocol import LeaseRenew
+    from kvxfer.sidecar.holds import Holds
+    from kvxfer.sidecar.lease_words import LeaseWords, lease_tag
+    from tests.test_security import _Registry
+
+    words = LeaseWords(64)
+    h = Holds(Config(max_read_s=5.0, max_lease_s=60.0), _Registry(), Observer(), words=words)  # type: ignore[arg-type]
+    now = time.monotonic()
+    lease = Lease(req_id="tid", owner=b"w", block_ids=[1], expires=now + 10, created=now, engine="e",
+                  token="tid", read_token="rt")
+    h.table.add(lease)
+    assert words.put(lease.key, lease_tag("e", "tid", lease.proof_token()), 1 << 60)
+    for token, published in (("tid", False), ("rt", True)):
+        state = h.renew(LeaseRenew(seq=1, engine_id="e", req_ids=["tid"], agent_name="a", tokens=[token]))
+        assert (state.held, state.published) == (["held"], [published]), token
+
+
+def test_a_words_deadline_is_renewed_by_its_own_lease_only() -> None:
+    """A prompt held in chunks renews its engine's deadline with each chunk's Hold: the word
+    kept the first one, and a long prefill's reads were refused past it (a review)."""
+    from kvxfer.sidecar.lease_words import LeaseWords
+
+    words = LeaseWords(64)
+    assert words.put("k", 5, 100)
+    assert words.put("k", 5, 200)
+    assert words.word("k") == (5, 200)
+    assert not words.put("k", 7, 300)  # (another tag under the key: not this lease's word)
+    assert words.word("k") == (5, 200)

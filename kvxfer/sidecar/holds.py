@@ -277,7 +277,11 @@ class Holds:
             self.extend(lease, req.extend_s or lease.duration or self.config.lease_s, req.agent_name,
                          "lease_renew", self.config.max_read_s)
             held.append("held")
-            published.append(self.words.word(lease.key) is not None)
+            # (its word is tagged with the read token: a reader that claims with the transfer id,
+            # an older decode sidecar, would find no word of its own: a claim after the landing
+            # decides; found by a review)
+            published.append(self.words.word(lease.key) is not None and (
+                not lease.read_token or same_token(lease.read_token, token)))
         return LeaseState(seq=req.seq, held=held, published=published)
 
     # ------------------------------------------------------------------ endings

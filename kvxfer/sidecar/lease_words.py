@@ -70,9 +70,17 @@ class LeaseWords:
         return int(self.mem.nbytes)
 
     def put(self, key: Hashable, tag: int, deadline: int) -> bool:
-        """Publish a held lease (False: no tag, or its slot belongs to another lease)."""
-        if not tag or key in self._slot_of:
+        """Publish a held lease (False: no tag, or its slot belongs to another lease). A lease
+        published already under this tag gets the new deadline (a prompt held in chunks: each
+        chunk's Hold renews its engine's deadline; it kept the first, and a long prefill's
+        reads were refused past it: found by a review)."""
+        if not tag:
             return False
+        if (mine := self._slot_of.get(key)) is not None:
+            if int(self.mem[2 * mine]) != tag:
+                return False
+            self.mem[2 * mine + 1] = np.uint64(deadline)
+            return True
         slot = tag % self.slots
         if slot in self._holder:
             self.collisions += 1

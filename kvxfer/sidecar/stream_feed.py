@@ -84,6 +84,11 @@ class Following:
     read_blocks: int = 0  # the prefill's first blocks read whole (a prompt computed in chunks)
     # several KV cache groups computed in chunks: group -> the prefill's list as it was read
     read_groups: dict[int, list[int]] = dataclasses.field(default_factory=dict)
+    # the hold's read token, as its first "held" answer gave it (``LayersAt.token``): every
+    # later answer must give the same, or the id was held again (a router's retry) and what
+    # was read of the first hold (chunks, layers: proved only by the final read's proof) is
+    # not used (found by a review: a chunk of an aborted hold delivered, proven by the retry's)
+    read_token: str | None = None
 
 
 @dataclass(frozen=True)
@@ -185,6 +190,11 @@ class StreamFeed:
                 continue
             if ans.held != "held":
                 raise _refusal(ans, msg.req_id)
+            if f.read_token is None:
+                f.read_token = ans.token
+            elif ans.token != f.read_token:
+                raise RequestError(ErrorCode.INCOMPATIBLE, "the prefill held this transfer id again while "
+                                   "it was read (another read token): not used", msg.req_id)
             if ans.partial and pairing is None:  # (a prompt computed in chunks: read those done)
                 ans = await self._chunk(key, state, local, peer, ans.engine_id or engine, f, ans)
                 continue
