@@ -21,6 +21,7 @@ from kvxfer.sidecar import receiver as receiver_mod
 from kvxfer.sidecar.receive import Receive
 from kvxfer.sidecar.receiver import Receiver
 from kvxfer.sidecar.recv_state import RecvState
+from kvxfer.sidecar.registry import RankKey
 
 
 class RecordingPort:
@@ -58,7 +59,7 @@ def staged_receive(port: RecordingPort, sent: list[Any], peer_agent: str = "") -
                remote_block_ids=[5, 6])
     machine = Receive("r1")
     machine.start(False, 10.0)
-    state = RecvState(owner=b"e", msg=msg, nbytes=1, started=0.0, deadline=1e12, local=mock.MagicMock(),
+    state = RecvState(owner=b"e", msg=msg, nbytes=1, started=0.0, deadline=1e12, local=RankKey("d", 0, 0, 0),
                       machine=machine, peer_agent=peer_agent)
     rx.recvs["k"] = state
     return rx, state

@@ -52,9 +52,9 @@ MESSAGES: dict[str, tuple[object, str]] = {
         p.Welcome(version=1, compat_hash="abcd", engine_id="P", agent_name="b",
                   ranks=[p.RankInfo(layout=LAYOUT, regions=[p.RemoteRegion(addr=4096, block_len=64, block_stride=64)])]),
         (
-            "9fa777656c636f6d6501a461626364a150a1629196a472616e6bdc0017a66c61796f7574020a1008"
+            "dc0010a777656c636f6d6501a461626364a150a1629196a472616e6bdc0017a66c61796f7574020a1008"
             "08cc80a862666c6f6174313602c2a34e48440001a0a0000100000000a0909195a772726567696f6ecd"
-            "1000404000a44452414da000a0a0000000c2c2c2a0"
+            "1000404000a44452414da000a0a0000000c2c2c2a0c2"
         ),
     ),
     "refused": (p.Refused(version=1, code="incompatible", reason="no"), "94a77265667573656401ac696e636f6d70617469626c65a26e6f"),
@@ -84,7 +84,7 @@ MESSAGES: dict[str, tuple[object, str]] = {
     ),
     "staged": (p.Staged(seq=3, held="held", addr=4096, nbytes=64, ttl_s=7.5),
                "99a673746167656403a468656c64cd100040cb401e000000000000a0a0a0"),
-    "read": (p.ReadNotice(req_id="r1", tp_rank=0, ok=True, readers=2), "99a472656164a2723100c302cb0000000000000000a000a0"),
+    "read": (p.ReadNotice(req_id="r1", tp_rank=0, ok=True, readers=2), "9aa472656164a2723100c302cb0000000000000000a000a0a0"),
 }
 
 DECODERS = {

@@ -143,6 +143,12 @@ from kvxfer.protocol.peer import (
 #    Hello.compat_tp / Welcome.compat_tp appended: two engines whose state layouts say how they
 #    split shake hands when their TP-independent hashes match, whatever their compat_hash; a 6
 #    that does not know them compares compat_hash alone, as before)
+#    (and, decodable by any 6: Recv.remote_block_size (a decode sidecar that does not know it
+#    reads lists paired by token as its ratio pairs them: right); LayersAt.token (a push hold's
+#    read token; a decode that does not know it claims with the transfer id, is never told a
+#    word is published, and is proved by a claim after the landing); ReadNotice.reader_engine
+#    and Welcome.reader_engines (readers told apart by decode engine; a decode names a staging
+#    slot's readers "pp/tp@engine" only at a prefill whose Welcome says so) appended)
 PROTOCOL_VERSION = 6
 
 

@@ -181,6 +181,7 @@ class Welcome(_Msg, tag="welcome"):
     grouped_streams: bool = False  # ... and its LayersAt names the blocks per KV cache group
     chunk_streams: bool = False  # ... and answers ChunkWatch (prompts computed in chunks)
     compat_tp: str = ""  # kvxfer.protocol.compat_tp_hash of its layout ("": none)
+    reader_engines: bool = False  # it keys readers by decode engine too (ReadNotice.reader_engine)
 
 
 class Challenge(_Msg, tag="challenge"):
@@ -281,3 +282,8 @@ class ReadNotice(_Msg, tag="read"):
     engine_id: str = ""  # the prefill engine whose lease this is ("": the only one with req_id)
     pp_rank: NonNeg = 0  # the reader's pipeline stage (a reader is (agent, pp_rank, tp_rank))
     token: Token = ""  # the lease's capability (Hold.token)
+    # the decode engine whose rank read (a decode sidecar may serve several: DP ranks, which a
+    # router's retry may send the same request to): a reader is (agent, reader_engine,
+    # pp_rank, tp_rank), and a staging slot's readers are "pp/tp@reader_engine" at a prefill
+    # whose Welcome says reader_engines ("": an older decode sidecar, readers by agent)
+    reader_engine: EngineId = ""

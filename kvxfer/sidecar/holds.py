@@ -116,7 +116,7 @@ class Holds:
         self.changed.emit()
         self._wakeup.set()
         kept = self._before_hold.pop(msg.req_id, {})
-        for (agent, named, _pp, _tp), (at, payload) in kept.items():
+        for (agent, named, _pp, _tp, _engine), (at, payload) in kept.items():
             if named in ("", engine) and now - at < duration:  # (its readers will not read: said now)
                 try:
                     self.on_notice(agent, payload)
@@ -232,12 +232,15 @@ class Holds:
                 self.observer.stray_notice(agent, notice.req_id,
                                            "expired_lease" if notice.reading_s > 0 else "unknown")
             return
+        # (a reader: its sidecar and, when it says, its engine: two decode engines behind one
+        # sidecar read one request's blocks apart; found by a review)
+        reader = f"{agent}@{notice.reader_engine}" if notice.reader_engine else agent
         if notice.reading_s > 0:
-            self.table.note_started(lease.key, (agent, notice.pp_rank, notice.tp_rank))
+            self.table.note_started(lease.key, (reader, notice.pp_rank, notice.tp_rank))
             self.extend(lease, notice.reading_s + 1.0, agent, "read_notice", self.config.max_read_s)
             return
         before = lease.reads_seen
-        done = self.table.note_read(lease.key, (agent, notice.pp_rank, notice.tp_rank), notice.readers)
+        done = self.table.note_read(lease.key, (reader, notice.pp_rank, notice.tp_rank), notice.readers)
         if notice.ok and lease.reads_seen > before:  # (a repeated notice counts once)
             self.observer.served(agent, len(lease.block_ids) if before == 0 else 0)
         if done is not None:
@@ -248,7 +251,7 @@ class Holds:
         replayed when it is (the replay checks the token as any notice). One per reader (agent,
         engine, rank) and request, BEFORE_HOLD_MAX requests, the oldest dropped first."""
         readers = self._before_hold.setdefault(notice.req_id, {})
-        reader = (agent, notice.engine_id, notice.pp_rank, notice.tp_rank)
+        reader = (agent, notice.engine_id, notice.pp_rank, notice.tp_rank, notice.reader_engine)
         if reader in readers or len(readers) < BEFORE_HOLD_READERS:
             readers[reader] = (time.monotonic(), payload)
         self._before_hold.move_to_end(notice.req_id)

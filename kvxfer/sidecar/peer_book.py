@@ -38,6 +38,7 @@ class Peer:
     layer_streams: bool = False  # it answers LayerWatch (push mode; Welcome.layer_streams)
     grouped_streams: bool = False  # ... naming a request's blocks per KV cache group
     chunk_streams: bool = False  # ... answering ChunkWatch (prompts computed in chunks)
+    reader_engines: bool = False  # it tells readers apart by decode engine (Welcome.reader_engines)
 
     def outdated_by(self, generation: str) -> bool:
         """Both generations known and different: this description came from another

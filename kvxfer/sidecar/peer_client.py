@@ -273,8 +273,8 @@ class PeerClient:
                     ranks={r.key: r for r in infos}, handshake_s=took, connected_unix=time.time(),
                     generation=reply.generation, staging_bytes=reply.staging_bytes,
                     lease_words=(reply.lease_words_addr, reply.lease_words_slots),
-                    layer_streams=reply.layer_streams,
-                    grouped_streams=reply.grouped_streams, chunk_streams=reply.chunk_streams)
+                    layer_streams=reply.layer_streams, grouped_streams=reply.grouped_streams,
+                    chunk_streams=reply.chunk_streams, reader_engines=reply.reader_engines)
         self.book.put(peer)
         self._stalled.discard(key)
         self.observer.handshake(key, True, took)

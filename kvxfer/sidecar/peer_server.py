@@ -271,7 +271,8 @@ class PeerServer:
                           generation=generation,
                           staging_bytes=staging, lease_words_addr=self.lease_words[0],
                           lease_words_slots=self.lease_words[1], layer_streams=self.streams is not None,
-                          grouped_streams=self.streams is not None, chunk_streams=self.streams is not None)
+                          grouped_streams=self.streams is not None, chunk_streams=self.streams is not None,
+                          reader_engines=True)
         if secret:
             welcome = sign_welcome(secret, welcome, hello, metadata)
             self.authenticated.add(hello.agent_name)

@@ -111,7 +111,8 @@ def notify_prefill(nixl: NixlPort, registry: RankRegistry, state: RecvState, ok:
     entry = registry.get(state.local)
     readers = entry.layout.tp_size * entry.layout.pp_size if entry is not None else 0
     notice = ReadNotice(req_id=msg.remote_req_id or msg.req_id, tp_rank=msg.tp_rank, ok=ok, readers=readers,
-                        engine_id=state.remote_engine, pp_rank=msg.pp_rank, token=msg.remote_token)
+                        engine_id=state.remote_engine, pp_rank=msg.pp_rank, token=msg.remote_token,
+                        reader_engine=state.local.engine)
     nixl.notify_soon(state.peer_agent, encode(notice))
 
 
@@ -195,7 +196,7 @@ def read_spec(key: str, state: RecvState, peer: Peer, plans: list[RankPlan], pai
     # that posts the first chunk tells it right after (it must not delay the read).
     started = ReadNotice(req_id=msg.remote_req_id or msg.req_id, tp_rank=msg.tp_rank, ok=True,
                          reading_s=remaining, engine_id=state.remote_engine, pp_rank=msg.pp_rank,
-                         token=msg.remote_token)
+                         token=msg.remote_token, reader_engine=state.local.engine)
     return ReadSpec(req_id=key, peer=peer.agent_name, local_rank=state.local,
                     local_blocks=list(msg.block_ids), remote_blocks=list(msg.remote_block_ids), plans=plans,
                     pairing=pairing, deadline=state.deadline,

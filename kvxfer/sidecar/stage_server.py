@@ -27,6 +27,7 @@ from kvxfer.sidecar.holds import Holds
 from kvxfer.sidecar.nixl_port import NixlPort
 from kvxfer.sidecar.nixl_staging import Runs
 from kvxfer.sidecar.registry import RankRegistry
+from kvxfer.sidecar.staged_reads import reader_name
 from kvxfer.sidecar.staging import Books, arena_device
 
 log = logging.getLogger("kvxfer.staging")
@@ -162,7 +163,7 @@ class StageServer:
             return  # (counted by the holds)
         if notice.reading_s > 0:
             return  # "started": the slot is being read
-        reader = f"{notice.pp_rank}/{notice.tp_rank}"
+        reader = reader_name(notice.pp_rank, notice.tp_rank, notice.reader_engine)
         for key, readers in list(self._waiting.items()):
             if key[:3] == (agent, notice.engine_id, notice.req_id) and reader in readers:
                 readers.discard(reader)  # (every slot of the reader's: windows on several GPUs)

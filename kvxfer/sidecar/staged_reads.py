@@ -72,6 +72,7 @@ class Prepared:
     windows: tuple[tuple[StagedPlan, list[StageRank]], ...] = ()
     window_devices: tuple[int, ...] = ()  # each window's prefill arena (TP across GPUs: several)
     alone: bool = False  # asks alone, never in another receive's batch (a push pre-read)
+    reader_engine: str = ""  # the local engine whose rank reads (ReadNotice.reader_engine)
 
 
 @dataclass
@@ -216,7 +217,7 @@ class Staging:
         return Prepared(plan, offset, asks(plan), expected=1 if alone else max(1, local.layout.tp_size),
                         device=device, remote_device=gpu(plan),
                         windows=tuple((w, asks(w)) for w in windows),
-                        window_devices=tuple(gpu(w) for w in windows))
+                        window_devices=tuple(gpu(w) for w in windows), reader_engine=local.engine_id)
 
     def counts(self) -> dict[str, int]:
         """Receives staged, by how (``transfer_gauges.staging_gauges``)."""
@@ -305,7 +306,7 @@ class Staging:
             return await self._in_windows(msg, engine, prepared, reading_s, peer, mark, windows)
         loop = asyncio.get_running_loop()
         key = (msg.remote_host, msg.remote_port, engine, msg.remote_req_id or msg.req_id, msg.remote_token,
-               msg.pp_rank)
+               msg.pp_rank, prepared.reader_engine)  # (two local engines' ranks never ask as one)
         batch = self._batches.get(key)
         if batch is None:
             batch = self._batches[key] = _Batch()
@@ -404,7 +405,9 @@ class Staging:
         req = StageRequest(seq=0, engine_id=engine, req_id=msg.remote_req_id or msg.req_id,
                            ranks=[r for m in part for r in m.prepared.ranks],
                            nbytes=sum(m.prepared.plan.nbytes for m in part),
-                           readers=[f"{m.msg.pp_rank}/{m.msg.tp_rank}" for m in part],
+                           readers=[reader_name(m.msg.pp_rank, m.msg.tp_rank,
+                                                m.prepared.reader_engine if peer.reader_engines else "")
+                                    for m in part],
                            extend_s=reading_s + self.config.handshake_timeout_s + 1.0,
                            agent_name=self.agent_name, token=msg.remote_token)
         timeout = self.config.handshake_timeout_s
@@ -439,3 +442,9 @@ class Staging:
             for mark in marks:
                 mark("staged")
             return got, sent
+
+
+def reader_name(pp: int, tp: int, engine: str) -> str:
+    """A staging slot's reader as the prefill names it from its ``ReadNotice`` (engine "": by
+    rank alone, as a prefill without ``Welcome.reader_engines`` does)."""
+    return f"{pp}/{tp}@{engine}" if engine else f"{pp}/{tp}"
