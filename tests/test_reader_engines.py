@@ -132,3 +132,43 @@ def test_two_decode_engines_of_one_sidecar_read_one_request_staged(sidecars: Sid
         for d in ds_eng:
             d.close()
         p.close()
+
+
+def test_an_unregistered_ranks_receives_and_leases_end_with_it() -> None:
+    """``Unregister`` removed the rank and left its receives (handshaking, waiting for a Hold or
+    a staged copy, following a push) and its engine's leases: a new registration of the key
+    found no entry to cancel them for, and they planned against, and wrote into, the new
+    memory (a review)."""
+    from unittest import mock
+
+    from kvxfer.errors import ErrorCode
+    from kvxfer.protocol import RankInfo, RegisterKV, Unregister
+    from kvxfer.sidecar.engines import Engines
+    from kvxfer.sidecar.ownership import UNKNOWN
+    from kvxfer.sidecar.registry import RankKey, RankRegistry
+    from kvxfer.testing.engine import make_layout
+
+    class Memory:
+        async def register(self, key: object, msg: RegisterKV, holder: object) -> RankInfo:
+            return RankInfo(layout=msg.layout, regions=[])
+
+        async def unregister(self, key: object) -> bool:
+            return True
+
+    async def run() -> tuple[Any, Any]:
+        reg = RankRegistry("e", Memory())  # type: ignore[arg-type]
+        receiver, holds = mock.MagicMock(), mock.MagicMock()
+        receiver.cancel = mock.AsyncMock(return_value=0)
+        holds.end_engine.return_value = 0
+        engines = Engines(config=mock.MagicMock(engine_ownership="process"), registry=reg, receiver=receiver,
+                          holds=holds, pools=None, abandoned=mock.MagicMock(), server=mock.MagicMock(),
+                          observer=mock.MagicMock(), advertised=mock.MagicMock())
+        lay = make_layout(layers=1, num_blocks=4, heads=1, head_dim=8)
+        await reg.register(RegisterKV(layout=lay, memory=[], regions=[], engine_id="x"), b"a", None)
+        await engines.unregister(b"a", Unregister(tp_rank=0, engine_id="x"), UNKNOWN)
+        return receiver.cancel.await_args_list, holds.end_engine.call_args_list
+
+    cancels, ends = asyncio.run(run())
+    key = RankKey("x", 0, 0, 0)
+    assert [(c.args[1], c.kwargs.get("rank")) for c in cancels] == [(ErrorCode.NOT_REGISTERED, key)]
+    assert [c.args for c in ends] == [("x",)]

@@ -149,6 +149,13 @@ class Engines:
         # (an identity is the client's choice, and ROUTER_HANDOVER hands it to the last to claim it)
         authorize(sender, [entry.holder], self.config.engine_ownership, "unregister", entry.key.engine)
         try:
+            # Its receives and the engine's leases go with its memory: a receive still handshaking,
+            # waiting for a staged copy or following a push would plan against the next
+            # registration of the key, which finds no entry to cancel them for (a review)
+            why = "the rank unregistered during the receive"
+            await self.receiver.cancel("", ErrorCode.NOT_REGISTERED, why, rank=entry.key)
+            if ended := self.holds.end_engine(entry.key.engine):
+                log.warning("%s unregistered: %d leases on its memory ended", entry.key, ended)
             await self.registry.remove(entry.key)
         finally:
             self.changed.emit()
