@@ -41,6 +41,9 @@ def pair_groups(local: Sequence[Sequence[int]], remote: Sequence[Sequence[int]],
             raise ValueError(f"group {i} (state): blocks {list(lg)} to load from {list(rg)}")
         la, ra = (out.state_local, out.state_remote) if is_state else (out.local, out.remote)
         for a, b in zip(lg, list(rg)[len(rg) - len(lg):], strict=True):
+            if a and not b:  # (a block this engine keeps, whose KV the prefill no longer has: it
+                # would be neither written nor zeroed, and enter the prefix cache: a review)
+                raise ValueError(f"group {i}: block {a} to load faces a block the prefill freed")
             if a and b:
                 la.append(a)
                 ra.append(b)

@@ -53,8 +53,8 @@ def test_one_group_is_not_hybrid() -> None:
 
 
 def test_groups_pair_at_the_tail_and_skip_null_blocks() -> None:
-    local = [[11, 12, 13], [21, 22], [33, 34]]  # group 2: two blocks hit this engine's prefix cache
-    remote = [[51, 52, 53], [0, 62], [71, 72, 73, 74]]  # a freed (null) block in group 1
+    local = [[11, 12, 13], [0, 22], [33, 34]]  # group 2: two blocks hit this engine's prefix cache
+    remote = [[51, 52, 53], [0, 62], [71, 72, 73, 74]]  # a freed (null) block in group 1, on both sides
     pairs = pair_groups(local, remote)
     assert pairs.local == [11, 12, 13, 22, 33, 34]
     assert pairs.remote == [51, 52, 53, 62, 73, 74]
@@ -67,6 +67,8 @@ def test_groups_pair_at_the_tail_and_skip_null_blocks() -> None:
         pair_groups(local, remote[:2])
     with pytest.raises(ValueError, match="group 0: 4 blocks to load, the prefill holds 3"):
         pair_groups([[1, 2, 3, 4]], [[5, 6, 7]])  # would shift every block: refused, recomputed
+    with pytest.raises(ValueError, match="faces a block the prefill freed"):  # (kept here: never written)
+        pair_groups([[11, 12, 13], [21, 22], [33, 34]], remote)
     assert held_blocks(remote) == [51, 52, 53, 62, 71, 72, 73, 74]
     assert held_blocks([[5, 0, 6], [6, 7]]) == [5, 6, 7]  # no null block, none twice
 
@@ -250,8 +252,9 @@ def test_a_state_is_loaded_only_under_the_claim_it_was_computed_for() -> None:
                                    grouped_chunks=False)
 
     side = SchedulerSide(ConnectorSettings(sidecar="ipc:///none"), 1, client=NoSidecar())  # type: ignore[arg-type]
-    side.backoff, side.state_groups = 1, (True, False)
-    side._remote_for = lambda r: RemoteBlocks("p", "h", 1, [1])  # type: ignore[method-assign]
+    side.backoff, side.state_groups, side.grouped = 1, (True, False), True
+    two = ((9,), (1,))  # (the prefill's lists: a state's block, an attention group's)
+    side._remote_for = lambda r: RemoteBlocks("p", "h", 1, [9, 1], groups=two)  # type: ignore[method-assign]
 
     def claim(prompt: int, computed: object, split: str = "") -> tuple[int, bool]:
         params = {"do_remote_prefill": True} | ({} if computed is None else {"remote_num_tokens": computed})
@@ -273,7 +276,7 @@ def test_a_state_is_loaded_only_under_the_claim_it_was_computed_for() -> None:
     # one that splits is loaded from a prefill that says it splits alike (kv_transfer_params'
     # remote_state_split: kvxfer.connector.state_parts.StateSplit.signature) ...
     side.state_split = "s1"
-    side._remote_for = lambda r: RemoteBlocks("p", "h", 1, [1], tp_size=2)  # type: ignore[method-assign]
+    side._remote_for = lambda r: RemoteBlocks("p", "h", 1, [9, 1], tp_size=2, groups=two)  # type: ignore[method-assign]
     assert claim(100, 99, "s1") == (99, True)
     # ... not from one that does not say (older, or cannot) or splits otherwise (SD and DS ...)
     assert claim(100, 99) == (0, False)

@@ -80,12 +80,15 @@ class Group:
     state_shapes: tuple[tuple[int, ...], ...] = ()
     state_itemsizes: tuple[int, ...] = ()
     state_dtypes: tuple[str, ...] = ()
+    # sliding window: tokens vLLM keeps before the window as well (``extra_retained_tokens``:
+    # multi-module MTP's lookahead less one); the window's blocks a transfer carries include them
+    retained: int = 0
 
     def skipped(self, tokens: int) -> int:
         """Tokens vLLM no longer keeps once ``tokens`` are computed (its managers'
-        ``get_num_skipped_tokens``, without speculative decoding's retained tokens)."""
+        ``get_num_skipped_tokens``)."""
         if self.kind == "sliding_window":
-            return max(0, tokens - self.window + 1)
+            return max(0, tokens - self.window + 1 - self.retained)
         if self.kind == "chunked_local" and self.chunk:
             return tokens // self.chunk * self.chunk
         return 0
@@ -93,7 +96,9 @@ class Group:
     @property
     def window_blocks(self) -> int:
         """Blocks a transfer carries for this group (0: all of the request's)."""
-        return _cdiv(self.window, self.block_size) + 1 if self.window else 0
+        # (vLLM keeps cdiv(window - 1 + retained, block) + 1 at most: every kept block is carried,
+        # or one it keeps is never written here nor zeroed, and enters its prefix cache: a review)
+        return _cdiv(self.window + self.retained, self.block_size) + 1 if self.window else 0
 
     @property
     def is_state(self) -> bool:
@@ -146,7 +151,8 @@ def _group_of(spec: Any, layers: Sequence[str]) -> Group:
         return _state_group(state, layers)
     s = specs[0]
     if _is(s, "SlidingWindowSpec"):
-        return Group("sliding_window", int(s.block_size), int(s.sliding_window), tuple(layers), kept=False)
+        return Group("sliding_window", int(s.block_size), int(s.sliding_window), tuple(layers), kept=False,
+                     retained=int(getattr(s, "extra_retained_tokens", 0) or 0))
     if _is(s, "ChunkedLocalAttentionSpec"):
         return Group("chunked_local", int(s.block_size), 0, tuple(layers),  # moved in full
                      chunk=int(getattr(s, "attention_chunk_size", 0) or 0), kept=False)

@@ -11,12 +11,18 @@ from kvxfer.connector.groups import Pairs, pair_groups, push_pairs
 from kvxfer.pairing import cut_to_load, pair_sizes, sizes_unpaired
 
 
-def unpaired(remote: RemoteBlocks, block_size: int, first: int, grouped: bool) -> str:
-    """Why a load from token ``first`` on could not pair this engine's blocks with the prefill's
-    by token (``sizes_unpaired``; "" also when the prefill did not say its block size)."""
+def unpaired(remote: RemoteBlocks, block_size: int, first: int, groups: int) -> str:
+    """Why a load from token ``first`` on could not pair this engine's blocks (``groups``: its
+    KV cache groups that move, 1 for a model of one) with the prefill's: another number of
+    groups (known from the params alone: claimed, the load failed after allocation, and under
+    vLLM's default failure policy the request failed: a review), or block sizes that cannot be
+    paired by token (``sizes_unpaired``; "" also when the prefill did not say its size)."""
+    theirs = len(remote.groups) or 1
+    if not remote.streamed and theirs != groups:
+        return f"the prefill holds {theirs} KV cache groups, this engine {groups}: not the same model"
     if not (remote.block_size and block_size):
         return ""
-    return sizes_unpaired(block_size, remote.block_size, first, grouped or bool(remote.groups))
+    return sizes_unpaired(block_size, remote.block_size, first, groups > 1 or bool(remote.groups))
 
 
 def pair_load(mine: list[list[int]], remote: RemoteBlocks, state_groups: Sequence[bool] | None,

@@ -178,12 +178,12 @@ class SchedulerSide:
                             "it here", request.request_id)
                 return 0, False
         n = self._claimed[request.request_id] = tokens_to_load(prompt, self.backoff, computed,
-                                                               any(self.state_groups))  # (Recv.num_tokens)
+                                                               any(self.state_groups), self.grouped)
         if n < 0:
-            log.info("request %s: the prefill's state covers %s tokens, this engine would load %d; "
-                     "computing the prompt here", request.request_id, computed, -n)
-        count = n - num_computed_tokens
-        if count > 0 and (why := unpaired(remote, self.block_size, num_computed_tokens, self.grouped)):
+            log.info("request %s: the prefill computed %s tokens, this engine would load %d (a state, or "
+                     "several groups): computing the prompt here", request.request_id, computed, -n)
+        count, groups = n - num_computed_tokens, len(self.state_groups) or 1  # (a flag per group moved)
+        if count > 0 and (why := unpaired(remote, self.block_size, num_computed_tokens, groups)):
             log.warning("request %s: %s; computing the prompt here", request.request_id, why)
             self.errors[request.request_id] = why
             return 0, False  # (its update_state_after_alloc, 0 tokens: the prefill is told to release)
@@ -443,16 +443,22 @@ def splits_alike(ours: str, params: Any, remote: Any, tp_size: int) -> bool:
     return bool(ours) and theirs == ours
 
 
-def tokens_to_load(prompt: int, backoff: int, computed: Any, state: bool) -> int:
+def tokens_to_load(prompt: int, backoff: int, computed: Any, state: bool, grouped: bool = False) -> int:
     """The prompt tokens a decode loads from its prefill (``computed``: what the prefill says
-    it computed, ``remote_num_tokens``; ``state``: the model has state groups). Negative: a
-    state that cannot be loaded (minus the tokens it would have covered): compute it all here."""
+    it computed, ``remote_num_tokens``; ``state``: the model has state groups; ``grouped``:
+    several KV cache groups). Negative: a load that cannot be paired (minus the tokens it would
+    have covered): compute it all here."""
     n = prompt - backoff if prompt > backoff else 0  # (the prefill stopped short of ``backoff``)
     known = isinstance(computed, int) and not isinstance(computed, bool)
     if state and n and not (known and computed == n):
         # A state is the state after exactly ``computed`` tokens: loaded under any other claim
         # it would be recomputed on top of itself (a prefill that did not stop short, e.g.
         # prompt logprobs asked there, or another prompt here).
+        return -n
+    if grouped and n and known and computed > n:
+        # Several groups' lists line up at their tails: a prefill that computed more holds
+        # blocks past the ones loaded here (and its window ends elsewhere), and every block
+        # would get another position's KV (a review; one group is cut: ``cut_to_load``)
         return -n
     return computed if known and 0 < computed < n else n  # (never more than the prefill computed)
 
