@@ -368,7 +368,13 @@ class SidecarClient:
         body = encode(msg)
         ring = self.ring if self._ring_alive() else None  # (a dead sidecar's ring: ZMQ queues for the next)
         if ring is not None and len(body) <= ring.max_frame:  # (larger ones: a registration, over ZMQ)
-            if not ring.write(body):
+            try:
+                written = ring.write(body)
+            except RingCorrupt as e:  # (not sent; ZMQ from now on: it raised into vLLM's hooks, a review)
+                ring.close()
+                self.ring, self.ring_error = None, f"the ring is corrupt: {e}"
+                raise SidecarUnavailable(f"sidecar at {self.endpoint}: its ring is corrupt ({e})") from e
+            if not written:
                 raise SidecarUnavailable(f"sidecar at {self.endpoint} is not taking messages (its ring "
                                          "is full)")
             return

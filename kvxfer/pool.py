@@ -175,23 +175,32 @@ class PoolClient:
     def sidecar_pidfd(self, timeout_s: float = 0.0) -> int | None:
         """A pidfd of the sidecar process (it polls readable once that process exited; the
         caller owns it); None when the sidecar gives none (an older one, no pidfd there) or
-        not within ``timeout_s`` (0: the client's)."""
-        with self._lock:
-            try:
-                with self._socket(timeout_s) as sock:
-                    sock.send(_enc.encode(PoolWho()))
-                    data, fds, _, _ = socket.recv_fds(sock, _PACKET, 1)
-                reply = _replies.decode(data) if data else None
-            except (OSError, KvxferError, msgspec.DecodeError, ValueError):
-                self._disconnect()  # (a late reply must not answer the next request)
-                return None
-            if isinstance(reply, PoolSelf) and fds:
-                return fds[0]
-            for fd in fds:
-                os.close(fd)
-            if reply is None:
-                self._disconnect()
+        not within ``timeout_s`` (0: the client's). Asked on a connection of its own, closed
+        after: the one that holds the pools must never close for a slow answer (the sidecar
+        takes that for the engine's death and drops its ranks, while the worker believes them
+        registered: found by a review), and a late reply then answers nobody."""
+        try:
+            fd = self._connect(timeout_s)
+        except KvxferError:
             return None
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET, fileno=fd)
+        fds: list[int] = []
+        try:
+            sock.settimeout(timeout_s or self.timeout_s)
+            sock.send(_enc.encode(PoolWho()))
+            data, fds, _, _ = socket.recv_fds(sock, _PACKET, 1)
+            reply = _replies.decode(data) if data else None
+        except (OSError, msgspec.DecodeError, ValueError):
+            reply = None
+        finally:
+            sock.close()
+        if isinstance(reply, PoolSelf) and fds:
+            for extra in fds[1:]:
+                os.close(extra)
+            return fds[0]
+        for extra in fds:
+            os.close(extra)
+        return None
 
     def free(self, pool: Pool) -> None:
         with self._lock:

@@ -44,6 +44,10 @@ class StreamedHolds:
         self.tp_size = tp_size
         self.local_engine = engine_id
         self._streams: dict[str, str] = {}  # request id -> transfer id (its lease, held)
+        # finished requests whose lease lives on until its Released (a decode may read it):
+        # their transfer ids are as taken as a running one's (a review: a retry held under
+        # one got the only Released, and the first request's blocks leaked)
+        self._ending: dict[str, str] = {}
         # allocated this step: (request, blocks, blocks per KV cache group or None: one group,
         # vLLM's lists of every group as allocated so far, or None)
         self._pending: dict[str, tuple[Any, list[int], list[list[int]] | None, list[list[int]] | None]] = {}
@@ -211,7 +215,7 @@ class StreamedHolds:
         also its token: the decode was given it by the router. False: not held."""
         req_id = request.request_id
         tid = transfer_id_of(request.kv_transfer_params)
-        if not block_ids or tid in self._streams.values():
+        if not block_ids or self._live(tid):
             return False  # (nothing to hold; or its transfer id is live: never two leases under one)
         give_up = self.settings.lease_s + self.settings.grace_s
         try:
@@ -237,7 +241,7 @@ class StreamedHolds:
         """Whether another request is held streamed under this transfer id now (a router's
         retry while the first is held): ``req_id`` is then not held under it (two leases under
         one name, one Released: one of the two leaked; found by a review)."""
-        if tid not in self._streams.values():
+        if not self._live(tid):
             return False
         log.warning("request %s: its transfer id %s is held for another request; its blocks are "
                     "freed, its decode reads that one's or computes", req_id, tid)
@@ -260,7 +264,13 @@ class StreamedHolds:
         status = getattr(request.status, "name", str(request.status))
         if status not in FINISHED_OK:
             self._release(req_id, tid)
+        self._ending[req_id] = tid
         return True, None
+
+    def _live(self, tid: str) -> bool:
+        """A lease under this transfer id is held here: a running request's, or a finished
+        one's whose Released has not come."""
+        return tid in self._streams.values() or tid in self._ending.values()
 
     def hold_back(self, finished_sending: set[str] | None) -> set[str] | None:
         """The workers' finished sends, less those of requests vLLM has not finished (their
@@ -268,6 +278,8 @@ class StreamedHolds:
         vLLM preempted their request (it freed those blocks itself; found by a review)."""
         if not finished_sending:
             return finished_sending
+        for r in finished_sending:
+            self._ending.pop(r, None)
         dropped = finished_sending & self._dropped
         self._dropped -= dropped
         early = {r for r in finished_sending if r in self._streams}
