@@ -97,7 +97,11 @@ class Engines:
             return
         if entry.pools and self.pools is not None and not self._pools_held(entry):
             # (its memory channel closed while it registered: pools_closed found no entry then)
-            await self.gone(entry, "engine process exited while it registered (its memory channel closed)")
+            why = "engine process exited while it registered (its memory channel closed)"
+            await self.gone(entry, why)
+            # (answered: a worker that lives on, its channel closed under it, registers again
+            # rather than wait for an answer for ever; a review)
+            self.server.send(ident, Error(code=ErrorCode.NOT_REGISTERED, message=why))
             return
         nbytes = sum(m.size for m in msg.memory)
         log.info("registered %s: %d bytes", entry.key, nbytes)
