@@ -16,6 +16,7 @@ import types
 from typing import Any
 
 import msgspec
+import pytest
 
 from kvxfer.protocol import ReadNotice, Recv, Staged, encode
 from kvxfer.testing.engine import SyntheticEngine
@@ -63,7 +64,11 @@ def test_one_decode_engines_final_notice_frees_its_own_slot_only() -> None:
     assert third.addr != second.addr, "another request was gathered into the slot dec_dp1 reads"
 
 
-def test_the_ranks_of_two_local_engines_never_ask_in_one_stage_request() -> None:
+@pytest.mark.parametrize("apart", [True, False], ids=["reader-engines", "older-prefill"])
+def test_the_ranks_of_two_local_engines_never_ask_in_one_stage_request(apart: bool) -> None:
+    """At a prefill that tells readers apart by engine, each engine's rank asks apart; at an
+    older one they ask as one (refused there: readers must be distinct), as before: apart,
+    both named "0/0", each would free the other's slot there (a review)."""
     from kvxfer.config import Config
     from kvxfer.sidecar.staged_reads import Prepared, Staging
 
@@ -76,7 +81,7 @@ def test_the_ranks_of_two_local_engines_never_ask_in_one_stage_request() -> None
     async def run() -> list[Any]:
         st = Staging(Config(), types.SimpleNamespace(call_peer=call_peer), types.SimpleNamespace(),  # type: ignore[arg-type]
                      types.SimpleNamespace(spans={}), "d")
-        peer = types.SimpleNamespace(reader_engines=True, outdated_by=lambda generation: False)
+        peer = types.SimpleNamespace(reader_engines=apart, outdated_by=lambda generation: False)
         asks = []
         for engine in ("dec_dp0", "dec_dp1"):
             prepared = Prepared(plan=types.SimpleNamespace(nbytes=4096), offset=0, ranks=[], expected=2,  # type: ignore[arg-type]
@@ -88,7 +93,8 @@ def test_the_ranks_of_two_local_engines_never_ask_in_one_stage_request() -> None
 
     got = asyncio.run(run())
     assert not any(isinstance(g, Exception) for g in got), got
-    assert sorted(r.readers for r in sent) == [["0/0@dec_dp0"], ["0/0@dec_dp1"]]
+    want = [["0/0@dec_dp0"], ["0/0@dec_dp1"]] if apart else [["0/0", "0/0"]]
+    assert sorted(r.readers for r in sent) == want
 
 
 def test_two_decode_engines_of_one_sidecar_read_one_request_staged(sidecars: SidecarFactory) -> None:

@@ -9,11 +9,13 @@ from __future__ import annotations
 import os
 import signal
 import time
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 
 from kvxfer.client import SidecarClient
+from kvxfer.connector.settings import ConnectorSettings
 from kvxfer.testing.procs import SidecarFactory
 from tests.test_rejoin import SHAPE, _worker
 
@@ -161,3 +163,123 @@ def test_a_corrupt_ring_head_never_raises_into_a_scheduler_hook(sidecars: Sideca
         sched.request_finished(req, [1, 2])  # must not raise (a hold not sent frees the blocks)
     finally:
         sched.shutdown()
+
+
+def test_a_push_request_held_at_finish_keeps_its_transfer_id_taken(sidecars: SidecarFactory) -> None:
+    """r1 (push, not streamed: e.g. its streamed Hold failed to send, or a chunked prompt at a
+    sidecar without chunk streams) is held at request_finished under transfer id T. A router
+    retry r2 under T was then held streamed too: the duplicate refused by the sidecar, the
+    worker's name for T became r2, and T's one Released was reported as r2's: r1's blocks
+    leaked (a review). T is taken until its Released, as a streamed request's is."""
+    from tests.test_connector_lifecycle import engine
+
+    sc = sidecars.start("restart-dup")
+    ws, sched = engine(ConnectorSettings(sidecar=sc.endpoint, heartbeat_s=0.1, lease_s=1.0, grace_s=0.5,
+                                         settle_s=0.5, mode="push"))
+    freed: set[str] = set()
+
+    def step() -> None:
+        p = sched.take_plan()
+        ws.bind(p.recvs, p.holds, p.failed, p.refused, p.names, p.unheld, p.extended)
+        freed.update(sched.push.hold_back(ws.get_transfer_results().finished_sending) or ())
+
+    def request(rid: str) -> SimpleNamespace:
+        return SimpleNamespace(request_id=rid, num_prompt_tokens=32, num_computed_tokens=0,
+                               kv_transfer_params={"do_remote_decode": True, "transfer_id": "T"},
+                               status=SimpleNamespace(name="RUNNING"), prompt_token_ids=list(range(32)))
+
+    try:
+        r1, r2 = request("r1"), request("r2")
+        r1.status, r1.num_computed_tokens = SimpleNamespace(name="FINISHED_LENGTH_CAPPED"), 32
+        delayed, _ = sched.request_finished(r1, [1, 2])  # (never streamed: held at finish under T)
+        assert delayed
+        step()
+        sched.push.allocated(r2, [3, 4], 16)  # the retry, while T (r1's lease) lives
+        sched.push.scheduled({"r2": 32}, None, sched.plan)
+        step()
+        end = time.monotonic() + 6.0
+        while time.monotonic() < end and "r1" not in freed:
+            step()
+            time.sleep(0.05)
+        assert "r1" in freed, f"r1 kept by vLLM and never reported: its blocks leak (freed: {freed})"
+    finally:
+        ws.shutdown()
+        sched.shutdown()
+
+
+def test_a_registration_answered_not_registered_is_sent_again(tmp_path: os.PathLike[str]) -> None:
+    """A registration whose memory channel closed while the sidecar processed it is answered
+    (``engines.CHANNEL_CLOSED``) so that the worker registers again rather than wait for ever.
+    It was answered ``not_registered``, which the worker ignores as a registration's refusal
+    (it is another message's), so no second registration was ever sent (a review)."""
+    import threading
+
+    import torch
+    import zmq
+
+    from kvxfer.connector.worker import WorkerSide
+    from kvxfer.memchannel import mem_socket_path
+    from kvxfer.protocol import Error, Pong, Registered, encode, engine_request_decoder
+    from kvxfer.sidecar.engines import CHANNEL_CLOSED
+    from kvxfer.sidecar.pool_server import PoolServer
+
+    endpoint = f"ipc://{tmp_path}/fake.sock"
+    ctx = zmq.Context()
+    router = ctx.socket(zmq.ROUTER)
+    router.bind(endpoint)
+    stop = threading.Event()
+    registrations: list[float] = []
+
+    def fake_sidecar() -> None:
+        instance = "one"
+        while not stop.is_set():
+            if not router.poll(10):
+                continue
+            ident, body = router.recv_multipart()
+            msg = engine_request_decoder.decode(body)
+            kind = type(msg).__name__
+            if kind == "RegisterKV":
+                registrations.append(time.monotonic())
+                if len(registrations) == 1:
+                    router.send_multipart([ident, encode(Registered(
+                        tp_rank=0, engine_id="fake", agent_name="one", bytes_registered=1,
+                        handshake_host="127.0.0.1", handshake_port=1))])
+                    instance = "two"
+                elif len(registrations) == 2:  # what engines.register answers then
+                    router.send_multipart([ident, encode(Error(
+                        code=CHANNEL_CLOSED,
+                        message="engine process exited while it registered (its memory channel closed)"))])
+                else:
+                    router.send_multipart([ident, encode(Registered(
+                        tp_rank=0, engine_id="fake", agent_name="two", bytes_registered=1,
+                        handshake_host="127.0.0.1", handshake_port=1))])
+            elif kind == "Ping":
+                router.send_multipart([ident, encode(Pong(seq=msg.seq, engine_id="fake", version=2,
+                                                          handshake_host="127.0.0.1", handshake_port=1,
+                                                          instance=instance))])
+
+    thread = threading.Thread(target=fake_sidecar, daemon=True)
+    thread.start()
+    pools = PoolServer(mem_socket_path(endpoint))
+    pools.start()
+    ws = WorkerSide(ConnectorSettings(sidecar=endpoint, heartbeat_s=0.05, sidecar_timeout_s=5.0,
+                                      engine_channel="zmq"), 0, 1, "cpu")
+    try:
+        ctx_pool = ws.mem_pool_context()
+        assert ctx_pool is not None
+        with ctx_pool:
+            kv = {"l0": torch.zeros(2, 8, 16, 8, 64, dtype=torch.float16)}
+        ws.register_kv_caches(kv, SHAPE)
+        end = time.monotonic() + 4.0
+        while time.monotonic() < end and not (ws.registered and ws.registered.agent_name == "two"):
+            ws.get_transfer_results()
+            time.sleep(0.01)
+        assert len(registrations) >= 3, (f"{len(registrations)} registrations; rejoin outstanding="
+                                         f"{ws._rejoin.outstanding}: the answer was ignored, none again")
+    finally:
+        stop.set()
+        thread.join(2)
+        ws.shutdown()
+        pools.close()
+        router.close(0)
+        ctx.term()

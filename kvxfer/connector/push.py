@@ -267,6 +267,12 @@ class StreamedHolds:
         self._ending[req_id] = tid
         return True, None
 
+    def held_at_finish(self, req_id: str, tid: str) -> None:
+        """A push request not streamed (its streamed Hold not sent, a chunked prompt at a
+        sidecar without chunk streams) held as it finished, under its transfer id ("": pull)."""
+        if tid:
+            self._ending[req_id] = tid
+
     def _live(self, tid: str) -> bool:
         """A lease under this transfer id is held here: a running request's, or a finished
         one's whose Released has not come."""

@@ -301,10 +301,10 @@ class SchedulerSide:
                              expires_unix=time.time() + give_up, engine_id=self.local_engine, token=token,
                              groups=groups, num_tokens=tokens)
         except SEND_ERRORS as e:
-            log.warning("request %s: hold not sent to the sidecar (%s); freeing its blocks, the decode "
-                        "will compute the prompt", req_id, e)
+            log.warning("request %s: hold not sent (%s); blocks freed, decode computes", req_id, e)
             return False, None
         self._plan.holds[lease] = time.monotonic() + give_up
+        self.push.held_at_finish(req_id, tid)  # (its transfer id taken until Released: a review)
         return True, {
             "do_remote_prefill": True,
             "do_remote_decode": False,

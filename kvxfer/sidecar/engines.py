@@ -39,6 +39,10 @@ from kvxfer.topology import Incompatible, check_layout
 log = logging.getLogger("kvxfer.sidecar")
 
 
+# What a registration whose memory channel closed while it was processed is answered: a code
+# the worker takes for its registration's refusal (it registers again), not ``not_registered``
+CHANNEL_CLOSED = ErrorCode.MEMORY_MAP_FAILED
+
 @dataclass
 class Advertised:
     """Where peers reach this sidecar's handshake listener (the port is known once bound)."""
@@ -100,8 +104,9 @@ class Engines:
             why = "engine process exited while it registered (its memory channel closed)"
             await self.gone(entry, why)
             # (answered: a worker that lives on, its channel closed under it, registers again
-            # rather than wait for an answer for ever; a review)
-            self.server.send(ident, Error(code=ErrorCode.NOT_REGISTERED, message=why))
+            # rather than wait for an answer for ever; a review. Not ``not_registered``: a
+            # worker takes that for a refusal of another message, never of its registration)
+            self.server.send(ident, Error(code=CHANNEL_CLOSED, message=why))
             return
         nbytes = sum(m.size for m in msg.memory)
         log.info("registered %s: %d bytes", entry.key, nbytes)

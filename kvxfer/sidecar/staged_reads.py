@@ -306,7 +306,9 @@ class Staging:
             return await self._in_windows(msg, engine, prepared, reading_s, peer, mark, windows)
         loop = asyncio.get_running_loop()
         key = (msg.remote_host, msg.remote_port, engine, msg.remote_req_id or msg.req_id, msg.remote_token,
-               msg.pp_rank, prepared.reader_engine)  # (two local engines' ranks never ask as one)
+               msg.pp_rank, prepared.reader_engine if peer.reader_engines else "")
+        # (two local engines' ranks ask apart where the prefill tells their readers apart; at an older
+        # one together, refused: apart, each would free the other's slot there: a review)
         batch = self._batches.get(key)
         if batch is None:
             batch = self._batches[key] = _Batch()
