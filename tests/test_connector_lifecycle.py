@@ -8,7 +8,10 @@ finished send, which vLLM's scheduler asserts on (the engine core dies); a defer
 posted nor failed."""
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
 
@@ -74,6 +77,51 @@ def test_a_hold_the_sidecar_refuses_is_freed(factory: SidecarFactory) -> None:
         sched.shutdown()
 
 
+@dataclass
+class PushRig:
+    """A push-mode worker and scheduler on a real sidecar (leases of 1 s), stepped as vLLM steps
+    them; ``freed``: the requests reported sent (vLLM frees their blocks then)."""
+
+    ws: Any
+    sched: Any
+    freed: set[str] = field(default_factory=set)
+
+    def step(self) -> None:
+        p = self.sched.take_plan()
+        self.ws.bind(p.recvs, p.holds, p.failed, p.refused, p.names, p.unheld, p.extended)
+        self.freed.update(self.sched.push.hold_back(self.ws.get_transfer_results().finished_sending) or ())
+
+    def step_until_freed(self, req_id: str, timeout_s: float = 6.0) -> None:
+        """Steps until ``req_id`` is reported sent or ``timeout_s`` passed (its lease: 1 s)."""
+        end = time.monotonic() + timeout_s
+        while time.monotonic() < end and req_id not in self.freed:
+            self.step()
+            time.sleep(0.05)
+
+    @staticmethod
+    def request(rid: str, tid: str = "T") -> SimpleNamespace:
+        """A prefill request of 32 tokens, its decode dispatched at once under transfer id ``tid``."""
+        return SimpleNamespace(request_id=rid, num_prompt_tokens=32, num_computed_tokens=0,
+                               kv_transfer_params={"do_remote_decode": True, "transfer_id": tid},
+                               status=SimpleNamespace(name="RUNNING"), prompt_token_ids=list(range(32)))
+
+    @staticmethod
+    def finished(req: SimpleNamespace) -> SimpleNamespace:
+        req.status, req.num_computed_tokens = SimpleNamespace(name="FINISHED_LENGTH_CAPPED"), 32
+        return req
+
+
+@contextlib.contextmanager
+def push_rig(endpoint: str) -> Iterator[PushRig]:
+    ws, sched = engine(ConnectorSettings(sidecar=endpoint, heartbeat_s=0.1, lease_s=1.0, grace_s=0.5,
+                                         settle_s=0.5, mode="push"))
+    try:
+        yield PushRig(ws, sched)
+    finally:
+        ws.shutdown()
+        sched.shutdown()
+
+
 def test_a_retry_under_a_transfer_id_still_held_is_freed_and_the_first_still_is_later(
         factory: SidecarFactory) -> None:
     """Push mode: a router's retry r2 reuses the transfer id T under which r1 is held streamed.
@@ -82,41 +130,21 @@ def test_a_retry_under_a_transfer_id_still_held_is_freed_and_the_first_still_is_
     for T became r2, and T's one Released freed r2: r1's blocks leaked (found by a review).
     Now r2 is freed at once and r1 when its lease ends."""
     sc = factory.start("dup")
-    ws, sched = engine(ConnectorSettings(sidecar=sc.endpoint, heartbeat_s=0.1, lease_s=1.0, grace_s=0.5,
-                                         settle_s=0.5, mode="push"))
-    freed: set[str] = set()
-
-    def step() -> None:
-        p = sched.take_plan()
-        ws.bind(p.recvs, p.holds, p.failed, p.refused, p.names, p.unheld, p.extended)
-        freed.update(sched.push.hold_back(ws.get_transfer_results().finished_sending) or ())
-
-    def request(rid: str) -> SimpleNamespace:
-        return SimpleNamespace(request_id=rid, num_prompt_tokens=32, num_computed_tokens=0,
-                               kv_transfer_params={"do_remote_decode": True, "transfer_id": "T"},
-                               status=SimpleNamespace(name="RUNNING"), prompt_token_ids=list(range(32)))
-
-    try:
-        r1, r2 = request("r1"), request("r2")
+    with push_rig(sc.endpoint) as rig:
+        sched = rig.sched
+        r1, r2 = rig.request("r1"), rig.request("r2")
         sched.push.allocated(r1, [1, 2], 16)
         sched.push.scheduled({"r1": 32}, None, sched.plan)
-        step()
+        rig.step()
         sched.push.allocated(r2, [3, 4], 16)
         sched.push.scheduled({"r2": 32}, None, sched.plan)
-        step()
-        r2.status, r2.num_computed_tokens = SimpleNamespace(name="FINISHED_LENGTH_CAPPED"), 32
-        assert sched.request_finished(r2, [3, 4]) == (False, None), "a second lease under a live name"
-        r1.status, r1.num_computed_tokens = SimpleNamespace(name="FINISHED_LENGTH_CAPPED"), 32
-        delayed, _ = sched.request_finished(r1, [1, 2])
-        end = time.monotonic() + 6.0  # (its lease expires: 1 s, checked every 0.05)
-        while time.monotonic() < end and "r1" not in freed:
-            step()
-            time.sleep(0.05)
-        assert not delayed or "r1" in freed, "r1 was kept by vLLM and never reported: its blocks leak"
-        assert "r2" not in freed  # (freed by vLLM at once: never reported as a send)
-    finally:
-        ws.shutdown()
-        sched.shutdown()
+        rig.step()
+        got = sched.request_finished(rig.finished(r2), [3, 4])
+        assert got == (False, None), "a second lease under a live name"
+        delayed, _ = sched.request_finished(rig.finished(r1), [1, 2])
+        rig.step_until_freed("r1")  # (its lease expires: 1 s)
+        assert not delayed or "r1" in rig.freed, "r1 was kept by vLLM and never reported: its blocks leak"
+        assert "r2" not in rig.freed  # (freed by vLLM at once: never reported as a send)
 
 
 def test_a_preempted_streamed_requests_release_is_not_handed_to_vllm() -> None:

@@ -17,6 +17,7 @@ import pytest
 from kvxfer.client import SidecarClient
 from kvxfer.connector.settings import ConnectorSettings
 from kvxfer.testing.procs import SidecarFactory
+from tests.test_connector_lifecycle import push_rig
 from tests.test_rejoin import SHAPE, _worker
 
 
@@ -89,55 +90,33 @@ def test_a_pidfd_ask_that_times_out_after_a_re_registration_keeps_the_rank_regis
         ws.shutdown()
 
 
+@pytest.mark.parametrize("streamed", [True, False], ids=["streamed", "held-at-finish"])
 def test_a_retry_under_the_transfer_id_of_a_finished_request_still_held_leaks_nothing(
-        sidecars: SidecarFactory) -> None:
-    """Push mode: r1 is held streamed under transfer id T, finishes (vLLM keeps its blocks until
-    T's Released), and a router retry r2 reusing T is scheduled while r1's lease still lives.
-    ``_hold`` only checks ``_streams`` (r1 left it at ``finish``), so r2 is held under T too:
-    the sidecar refuses it (duplicate_request, not a HOLD_REFUSED code: nothing is unheld), the
-    worker's name for T becomes r2, and T's one Released is reported as r2's. r1 is never
-    reported: its blocks stayed held for ever. A finished request's transfer id is taken until
-    its Released comes."""
-    from types import SimpleNamespace
-
-    from kvxfer.connector.settings import ConnectorSettings
-    from tests.test_connector_lifecycle import engine
-
-    sc = sidecars.start("restart-dup2")
-    ws, sched = engine(ConnectorSettings(sidecar=sc.endpoint, heartbeat_s=0.1, lease_s=1.0, grace_s=0.5,
-                                         settle_s=0.5, mode="push"))
-    freed: set[str] = set()
-
-    def step() -> None:
-        p = sched.take_plan()
-        ws.bind(p.recvs, p.holds, p.failed, p.refused, p.names, p.unheld, p.extended)
-        freed.update(sched.push.hold_back(ws.get_transfer_results().finished_sending) or ())
-
-    def request(rid: str) -> SimpleNamespace:
-        return SimpleNamespace(request_id=rid, num_prompt_tokens=32, num_computed_tokens=0,
-                               kv_transfer_params={"do_remote_decode": True, "transfer_id": "T"},
-                               status=SimpleNamespace(name="RUNNING"), prompt_token_ids=list(range(32)))
-
-    try:
-        r1, r2 = request("r1"), request("r2")
-        sched.push.allocated(r1, [1, 2], 16)
-        sched.push.scheduled({"r1": 32}, None, sched.plan)
-        step()
-        r1.status, r1.num_computed_tokens = SimpleNamespace(name="FINISHED_LENGTH_CAPPED"), 32
-        delayed, _ = sched.request_finished(r1, [1, 2])
+        sidecars: SidecarFactory, streamed: bool) -> None:
+    """Push mode: r1 is held under transfer id T (``streamed``: held streamed, as its blocks were
+    allocated; else held as it finished: its streamed Hold not sent, or a chunked prompt at a
+    sidecar without chunk streams) and finishes (vLLM keeps its blocks until T's Released),
+    and a router retry r2 reusing T is scheduled while r1's lease still lives. r2 was held
+    under T too (only running streamed requests' ids counted as taken): the sidecar refused it
+    (duplicate_request, not a HOLD_REFUSED code: nothing is unheld), the worker's name for T
+    became r2, and T's one Released was reported as r2's. r1 was never reported: its blocks
+    stayed held for ever (two reviews). A finished request's transfer id is taken until its
+    Released comes."""
+    with push_rig(sidecars.start(f"restart-dup-{streamed}").endpoint) as rig:
+        sched = rig.sched
+        r1, r2 = rig.request("r1"), rig.request("r2")
+        if streamed:
+            sched.push.allocated(r1, [1, 2], 16)
+            sched.push.scheduled({"r1": 32}, None, sched.plan)
+            rig.step()
+        delayed, _ = sched.request_finished(rig.finished(r1), [1, 2])
         assert delayed  # vLLM keeps blocks 1, 2 until r1 is reported sent
-        step()
+        rig.step()
         sched.push.allocated(r2, [3, 4], 16)  # the retry, while T (r1's lease) lives
         sched.push.scheduled({"r2": 32}, None, sched.plan)
-        step()
-        end = time.monotonic() + 6.0  # (r1's lease expires after 1 s)
-        while time.monotonic() < end and "r1" not in freed:
-            step()
-            time.sleep(0.05)
-        assert "r1" in freed, f"r1 was kept by vLLM and never reported: its blocks leak (freed: {freed})"
-    finally:
-        ws.shutdown()
-        sched.shutdown()
+        rig.step()
+        rig.step_until_freed("r1")  # (r1's lease expires after 1 s)
+        assert "r1" in rig.freed, f"r1 was kept by vLLM and never reported: its blocks leak ({rig.freed})"
 
 
 def test_a_corrupt_ring_head_never_raises_into_a_scheduler_hook(sidecars: SidecarFactory) -> None:
@@ -146,7 +125,6 @@ def test_a_corrupt_ring_head_never_raises_into_a_scheduler_hook(sidecars: Sideca
     them) when the sidecar's head counter is impossible; the read side catches it, the write
     side did not: ``request_finished`` raised into vLLM's scheduler (the engine core died). Now
     the message is not sent (the hold's blocks are freed) and the client goes on over ZMQ."""
-    from types import SimpleNamespace
 
     from kvxfer.connector.scheduler import SchedulerSide
     from kvxfer.connector.settings import ConnectorSettings
@@ -162,48 +140,6 @@ def test_a_corrupt_ring_head_never_raises_into_a_scheduler_hook(sidecars: Sideca
                               status=SimpleNamespace(name="FINISHED_LENGTH_CAPPED"), num_computed_tokens=32)
         sched.request_finished(req, [1, 2])  # must not raise (a hold not sent frees the blocks)
     finally:
-        sched.shutdown()
-
-
-def test_a_push_request_held_at_finish_keeps_its_transfer_id_taken(sidecars: SidecarFactory) -> None:
-    """r1 (push, not streamed: e.g. its streamed Hold failed to send, or a chunked prompt at a
-    sidecar without chunk streams) is held at request_finished under transfer id T. A router
-    retry r2 under T was then held streamed too: the duplicate refused by the sidecar, the
-    worker's name for T became r2, and T's one Released was reported as r2's: r1's blocks
-    leaked (a review). T is taken until its Released, as a streamed request's is."""
-    from tests.test_connector_lifecycle import engine
-
-    sc = sidecars.start("restart-dup")
-    ws, sched = engine(ConnectorSettings(sidecar=sc.endpoint, heartbeat_s=0.1, lease_s=1.0, grace_s=0.5,
-                                         settle_s=0.5, mode="push"))
-    freed: set[str] = set()
-
-    def step() -> None:
-        p = sched.take_plan()
-        ws.bind(p.recvs, p.holds, p.failed, p.refused, p.names, p.unheld, p.extended)
-        freed.update(sched.push.hold_back(ws.get_transfer_results().finished_sending) or ())
-
-    def request(rid: str) -> SimpleNamespace:
-        return SimpleNamespace(request_id=rid, num_prompt_tokens=32, num_computed_tokens=0,
-                               kv_transfer_params={"do_remote_decode": True, "transfer_id": "T"},
-                               status=SimpleNamespace(name="RUNNING"), prompt_token_ids=list(range(32)))
-
-    try:
-        r1, r2 = request("r1"), request("r2")
-        r1.status, r1.num_computed_tokens = SimpleNamespace(name="FINISHED_LENGTH_CAPPED"), 32
-        delayed, _ = sched.request_finished(r1, [1, 2])  # (never streamed: held at finish under T)
-        assert delayed
-        step()
-        sched.push.allocated(r2, [3, 4], 16)  # the retry, while T (r1's lease) lives
-        sched.push.scheduled({"r2": 32}, None, sched.plan)
-        step()
-        end = time.monotonic() + 6.0
-        while time.monotonic() < end and "r1" not in freed:
-            step()
-            time.sleep(0.05)
-        assert "r1" in freed, f"r1 kept by vLLM and never reported: its blocks leak (freed: {freed})"
-    finally:
-        ws.shutdown()
         sched.shutdown()
 
 
