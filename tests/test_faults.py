@@ -428,54 +428,12 @@ def test_what_an_engine_gave_up_at_a_sidecar_restart_is_never_read_or_held(sidec
 def test_re_registration_never_blocks_an_engine_step(tmp_path: os.PathLike[str]) -> None:
     """A restarted sidecar that answers heartbeats but not (yet) the registration: every
     get_transfer_results still returns at once (the old code waited sidecar_timeout_s)."""
-    import threading
+    from tests.test_rejoin import Answer, registered, stand_in_sidecar
 
-    import torch
+    def answer(n: int) -> Answer:  # instance "one" registers; then "two" only answers pings
+        return (0.0, registered("one") if n == 1 else None)
 
-    from kvxfer.connector.settings import ConnectorSettings
-    from kvxfer.connector.worker import CacheShape, WorkerSide
-    from kvxfer.protocol import Pong, Registered, encode, engine_request_decoder
-
-    endpoint = f"ipc://{tmp_path}/fake.sock"
-    ctx = zmq.Context()
-    router = ctx.socket(zmq.ROUTER)
-    router.bind(endpoint)
-    stop = threading.Event()
-    registrations: list[float] = []
-
-    def fake_sidecar() -> None:  # instance "one" registers; then "two" only answers pings
-        instance = "one"
-        while not stop.is_set():
-            if not router.poll(20):
-                continue
-            ident, body = router.recv_multipart()
-            msg = engine_request_decoder.decode(body)
-            if type(msg).__name__ == "RegisterKV":
-                registrations.append(time.monotonic())
-                if instance == "one":
-                    router.send_multipart([ident, encode(Registered(
-                        tp_rank=0, engine_id="fake", agent_name="one", bytes_registered=1,
-                        handshake_host="127.0.0.1", handshake_port=1))])
-                    instance = "two"  # "restarts" right after
-            elif type(msg).__name__ == "Ping":
-                router.send_multipart([ident, encode(Pong(seq=msg.seq, engine_id="fake", version=2,
-                                                          handshake_host="127.0.0.1", handshake_port=1,
-                                                          instance=instance))])
-
-    thread = threading.Thread(target=fake_sidecar, daemon=True)
-    thread.start()
-    from kvxfer.memchannel import mem_socket_path
-    from kvxfer.sidecar.pool_server import PoolServer
-
-    pools = PoolServer(mem_socket_path(endpoint))  # its memory channel: the real one
-    pools.start()
-    ws = WorkerSide(ConnectorSettings(sidecar=endpoint, heartbeat_s=0.05, sidecar_timeout_s=5.0), 0, 1, "cpu")
-    try:
-        pool = ws.mem_pool_context()
-        assert pool is not None
-        with pool:
-            kv = {"l0": torch.zeros(2, 8, 16, 8, 64, dtype=torch.float16)}
-        ws.register_kv_caches(kv, CacheShape(8, 16, 8, 8, 64, False))
+    with stand_in_sidecar(tmp_path, answer) as (ws, registrations, pools):
         slowest = 0.0
         end = time.monotonic() + 2.0
         while time.monotonic() < end:
@@ -486,13 +444,6 @@ def test_re_registration_never_blocks_an_engine_step(tmp_path: os.PathLike[str])
         assert len(registrations) >= 2  # the restart was noticed and re-registration sent
         assert slowest < 0.5, slowest  # never waited for the answer inside the step
         assert pools.adopted == 1  # the "restarted" sidecar got the KV pool back first
-    finally:
-        stop.set()
-        thread.join(2)
-        ws.shutdown()
-        pools.close()
-        router.close(0)
-        ctx.term()
 
 
 def test_shared_secret_handshake(sidecars: SidecarFactory, tmp_path: os.PathLike[str]) -> None:

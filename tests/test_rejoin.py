@@ -4,9 +4,11 @@ handed back) left the rank unregistered for good, every load recomputed, P/D sil
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import time
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -119,19 +121,34 @@ def test_a_refused_or_unsent_re_registration_is_sent_again(sidecars: SidecarFact
         ws.shutdown()
 
 
-def test_errors_for_layer_reports_are_not_the_registrations_refusal(tmp_path: os.PathLike[str]) -> None:
-    """A stand-in sidecar restarts and answers the worker's re-registration only after 1 s;
-    meanwhile it answers each layer report ``not_registered`` with no request id, as the real
-    one does for a rank not registered yet. None of those is taken for the registration's
-    refusal: exactly one re-registration goes (a second would end the engine's leases)."""
+def registered(name: str) -> bytes:
+    """A stand-in sidecar's ``Registered`` answer, as instance ``name``."""
+    from kvxfer.protocol import Registered, encode
+
+    return encode(Registered(tp_rank=0, engine_id="fake", agent_name=name, bytes_registered=1,
+                             handshake_host="127.0.0.1", handshake_port=1))
+
+
+Answer = tuple[float, "bytes | None"]  # (after how many seconds, the frame; None: no answer)
+
+
+@contextlib.contextmanager
+def stand_in_sidecar(tmp_path: os.PathLike[str], answer: Callable[[int], Answer],
+                     others: dict[str, bytes] | None = None,
+                     **settings: Any) -> Iterator[tuple[WorkerSide, list[float], Any]]:
+    """A stand-in sidecar on a ZMQ ROUTER beside a real memory channel, and a worker whose KV
+    pool comes from it, registered with it. The sidecar is instance "one" until the first
+    registration, then "two" (it restarted: the worker registers again). ``answer(n)``: the
+    n-th registration's answer (from 1); ``others``: the answer to another kind of message, by
+    name; pings are answered as the instance is. Yields the worker, the registrations' times
+    and the memory channel."""
     import threading
 
     import torch
     import zmq
 
-    from kvxfer.errors import ErrorCode
     from kvxfer.memchannel import mem_socket_path
-    from kvxfer.protocol import Error, Pong, Registered, encode, engine_request_decoder
+    from kvxfer.protocol import Pong, encode, engine_request_decoder
     from kvxfer.sidecar.pool_server import PoolServer
 
     endpoint = f"ipc://{tmp_path}/fake.sock"
@@ -141,16 +158,13 @@ def test_errors_for_layer_reports_are_not_the_registrations_refusal(tmp_path: os
     stop = threading.Event()
     registrations: list[float] = []
 
-    def registered(name: str) -> bytes:
-        return encode(Registered(tp_rank=0, engine_id="fake", agent_name=name, bytes_registered=1,
-                                 handshake_host="127.0.0.1", handshake_port=1))
-
-    def fake_sidecar() -> None:  # "one" registers at once; "two" (its restart) after 1 s
-        instance, answer_at, who = "one", 0.0, b""
+    def serve() -> None:
+        instance, later = "one", []
         while not stop.is_set():
-            if answer_at and time.monotonic() >= answer_at:
-                router.send_multipart([who, registered("two")])
-                answer_at = 0.0
+            now = time.monotonic()
+            for due in [d for d in later if d[0] <= now]:
+                later.remove(due)
+                router.send_multipart([due[1], due[2]])
             if not router.poll(10):
                 continue
             ident, body = router.recv_multipart()
@@ -158,31 +172,53 @@ def test_errors_for_layer_reports_are_not_the_registrations_refusal(tmp_path: os
             kind = type(msg).__name__
             if kind == "RegisterKV":
                 registrations.append(time.monotonic())
-                if instance == "one":
-                    router.send_multipart([ident, registered("one")])
-                    instance = "two"
-                else:
-                    answer_at, who = time.monotonic() + 1.0, ident
-            elif kind == "LayersDone":
-                router.send_multipart([ident, encode(Error(code=ErrorCode.NOT_REGISTERED,
-                                                           message="rank pp0/tp0 is not registered"))])
+                after, frame = answer(len(registrations))
+                instance = "two"
+                if frame is not None:
+                    later.append((time.monotonic() + after, ident, frame))
             elif kind == "Ping":
                 router.send_multipart([ident, encode(Pong(seq=msg.seq, engine_id="fake", version=2,
                                                           handshake_host="127.0.0.1", handshake_port=1,
                                                           instance=instance))])
+            elif others and kind in others:
+                router.send_multipart([ident, others[kind]])
 
-    thread = threading.Thread(target=fake_sidecar, daemon=True)
+    thread = threading.Thread(target=serve, daemon=True)
     thread.start()
     pools = PoolServer(mem_socket_path(endpoint))
     pools.start()
-    ws = WorkerSide(ConnectorSettings(sidecar=endpoint, heartbeat_s=0.05, sidecar_timeout_s=5.0,
-                                      engine_channel="zmq"), 0, 1, "cpu")
+    ws = WorkerSide(ConnectorSettings(sidecar=endpoint, heartbeat_s=0.05, sidecar_timeout_s=5.0, **settings),
+                    0, 1, "cpu")
     try:
         ctx_pool = ws.mem_pool_context()
         assert ctx_pool is not None
         with ctx_pool:
             kv = {"l0": torch.zeros(2, 8, 16, 8, 64, dtype=torch.float16)}
         ws.register_kv_caches(kv, SHAPE)
+        yield ws, registrations, pools
+    finally:
+        stop.set()
+        thread.join(2)
+        ws.shutdown()
+        pools.close()
+        router.close(0)
+        ctx.term()
+
+
+def test_errors_for_layer_reports_are_not_the_registrations_refusal(tmp_path: os.PathLike[str]) -> None:
+    """A stand-in sidecar restarts and answers the worker's re-registration only after 1 s;
+    meanwhile it answers each layer report ``not_registered`` with no request id, as the real
+    one does for a rank not registered yet. None of those is taken for the registration's
+    refusal: exactly one re-registration goes (a second would end the engine's leases)."""
+    from kvxfer.errors import ErrorCode
+    from kvxfer.protocol import Error, encode
+
+    def answer(n: int) -> Answer:  # "one" registers at once; "two" (its restart) after 1 s
+        return (0.0, registered("one")) if n == 1 else (1.0, registered("two"))
+
+    not_yet = encode(Error(code=ErrorCode.NOT_REGISTERED, message="rank pp0/tp0 is not registered"))
+    with stand_in_sidecar(tmp_path, answer, {"LayersDone": not_yet},
+                          engine_channel="zmq") as (ws, registrations, _):
         end = time.monotonic() + 2.5
         while time.monotonic() < end:
             ws.get_transfer_results()
@@ -191,13 +227,6 @@ def test_errors_for_layer_reports_are_not_the_registrations_refusal(tmp_path: os
         assert ws.registered is not None
         assert ws.registered.agent_name == "two"
         assert len(registrations) == 2, registrations  # the first, and one re-registration
-    finally:
-        stop.set()
-        thread.join(2)
-        ws.shutdown()
-        pools.close()
-        router.close(0)
-        ctx.term()
 
 
 def test_no_attempt_goes_to_a_sidecar_that_died_again(sidecars: SidecarFactory,

@@ -18,7 +18,7 @@ from kvxfer.client import SidecarClient
 from kvxfer.connector.settings import ConnectorSettings
 from kvxfer.testing.procs import SidecarFactory
 from tests.test_connector_lifecycle import push_rig
-from tests.test_rejoin import SHAPE, _worker
+from tests.test_rejoin import SHAPE, Answer, _worker, registered, stand_in_sidecar
 
 
 def _hold_refused(endpoint: str, lease: str) -> list[Any]:
@@ -127,7 +127,6 @@ def test_a_corrupt_ring_head_never_raises_into_a_scheduler_hook(sidecars: Sideca
     the message is not sent (the hold's blocks are freed) and the client goes on over ZMQ."""
 
     from kvxfer.connector.scheduler import SchedulerSide
-    from kvxfer.connector.settings import ConnectorSettings
 
     sc = sidecars.start("restart-ring")
     sched = SchedulerSide(ConnectorSettings(sidecar=sc.endpoint, heartbeat_s=0.1), tp_size=1)
@@ -148,74 +147,19 @@ def test_a_registration_answered_not_registered_is_sent_again(tmp_path: os.PathL
     (``engines.CHANNEL_CLOSED``) so that the worker registers again rather than wait for ever.
     It was answered ``not_registered``, which the worker ignores as a registration's refusal
     (it is another message's), so no second registration was ever sent (a review)."""
-    import threading
-
-    import torch
-    import zmq
-
-    from kvxfer.connector.worker import WorkerSide
-    from kvxfer.memchannel import mem_socket_path
-    from kvxfer.protocol import Error, Pong, Registered, encode, engine_request_decoder
+    from kvxfer.protocol import Error, encode
     from kvxfer.sidecar.engines import CHANNEL_CLOSED
-    from kvxfer.sidecar.pool_server import PoolServer
 
-    endpoint = f"ipc://{tmp_path}/fake.sock"
-    ctx = zmq.Context()
-    router = ctx.socket(zmq.ROUTER)
-    router.bind(endpoint)
-    stop = threading.Event()
-    registrations: list[float] = []
+    closed = encode(Error(code=CHANNEL_CLOSED, message="engine process exited while it registered "
+                          "(its memory channel closed)"))  # (what engines.register answers then)
 
-    def fake_sidecar() -> None:
-        instance = "one"
-        while not stop.is_set():
-            if not router.poll(10):
-                continue
-            ident, body = router.recv_multipart()
-            msg = engine_request_decoder.decode(body)
-            kind = type(msg).__name__
-            if kind == "RegisterKV":
-                registrations.append(time.monotonic())
-                if len(registrations) == 1:
-                    router.send_multipart([ident, encode(Registered(
-                        tp_rank=0, engine_id="fake", agent_name="one", bytes_registered=1,
-                        handshake_host="127.0.0.1", handshake_port=1))])
-                    instance = "two"
-                elif len(registrations) == 2:  # what engines.register answers then
-                    router.send_multipart([ident, encode(Error(
-                        code=CHANNEL_CLOSED,
-                        message="engine process exited while it registered (its memory channel closed)"))])
-                else:
-                    router.send_multipart([ident, encode(Registered(
-                        tp_rank=0, engine_id="fake", agent_name="two", bytes_registered=1,
-                        handshake_host="127.0.0.1", handshake_port=1))])
-            elif kind == "Ping":
-                router.send_multipart([ident, encode(Pong(seq=msg.seq, engine_id="fake", version=2,
-                                                          handshake_host="127.0.0.1", handshake_port=1,
-                                                          instance=instance))])
+    def answer(n: int) -> Answer:  # "one"; then its restart refuses as a closed channel, then "two"
+        return (0.0, registered("one") if n == 1 else closed if n == 2 else registered("two"))
 
-    thread = threading.Thread(target=fake_sidecar, daemon=True)
-    thread.start()
-    pools = PoolServer(mem_socket_path(endpoint))
-    pools.start()
-    ws = WorkerSide(ConnectorSettings(sidecar=endpoint, heartbeat_s=0.05, sidecar_timeout_s=5.0,
-                                      engine_channel="zmq"), 0, 1, "cpu")
-    try:
-        ctx_pool = ws.mem_pool_context()
-        assert ctx_pool is not None
-        with ctx_pool:
-            kv = {"l0": torch.zeros(2, 8, 16, 8, 64, dtype=torch.float16)}
-        ws.register_kv_caches(kv, SHAPE)
+    with stand_in_sidecar(tmp_path, answer, engine_channel="zmq") as (ws, registrations, _):
         end = time.monotonic() + 4.0
         while time.monotonic() < end and not (ws.registered and ws.registered.agent_name == "two"):
             ws.get_transfer_results()
             time.sleep(0.01)
         assert len(registrations) >= 3, (f"{len(registrations)} registrations; rejoin outstanding="
                                          f"{ws._rejoin.outstanding}: the answer was ignored, none again")
-    finally:
-        stop.set()
-        thread.join(2)
-        ws.shutdown()
-        pools.close()
-        router.close(0)
-        ctx.term()
