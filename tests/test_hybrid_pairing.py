@@ -8,6 +8,7 @@ decode loads (every block one position off), multi-module MTP's retained window 
 from __future__ import annotations
 
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import torch
@@ -58,14 +59,27 @@ def decode_lists(c: KVCacheConfig, prompt: int, load: int) -> tuple[list[list[in
     return [list(g) for g in allb.get_block_ids()], allb.get_unhashed_block_ids_all_groups()
 
 
+def params_of(theirs: list[list[int]]) -> RemoteBlocks:
+    """What the decode's connector parses from the prefill's (clipped) lists per group."""
+    return RemoteBlocks("p", "h", 1, [b for x in theirs for b in x if b], groups=tuple(map(tuple, theirs)),
+                        block_size=BS)
+
+
+def load_after_hit(m: KVCacheManager, r: Request, n: int, h: int, hit_blocks: Any) -> Any:
+    """vLLM's allocation for a load of ``n`` tokens on top of a local hit of ``h``, as its
+    scheduler does it for an async load; the request's blocks."""
+    assert m.allocate_slots(r, 0, num_new_computed_tokens=h, new_computed_blocks=hit_blocks,
+                            num_external_computed_tokens=n - h, delay_cache_blocks=True) is not None
+    return m.get_blocks(r.request_id)
+
+
 def check(c: KVCacheConfig, prompt: int, load: int, computed: int) -> None:
     """Every block the decode keeps gets its own position's KV."""
     g = Groups.from_config(c)
     theirs = g.clip(prefill_lists(c, computed))
     held_d, unhashed = decode_lists(c, prompt, load)
     mine = g.clip(unhashed)
-    remote = RemoteBlocks("p", "h", 1, [b for x in theirs for b in x if b], groups=tuple(map(tuple, theirs)),
-                          block_size=BS)
+    remote = params_of(theirs)
     pairs = pair_load(mine, remote, g.state, BS, load, load)
     got = dict(zip(pairs.local, pairs.remote, strict=True))
     p_full = prefill_lists(c, computed)
@@ -165,16 +179,13 @@ def check_with_hit(c: KVCacheConfig, prompt: int, cached: int, backoff: int = 1)
     hit_blocks, h, _ = m.get_computed_blocks(r)
     if h >= n:
         return
-    assert m.allocate_slots(r, 0, num_new_computed_tokens=h, new_computed_blocks=hit_blocks,
-                            num_external_computed_tokens=n - h, delay_cache_blocks=True) is not None
-    allb = m.get_blocks("d")
+    allb = load_after_hit(m, r, n, h, hit_blocks)
     held_d = [list(g) for g in allb.get_block_ids()]
     g = Groups.from_config(c)
     mine = g.clip(allb.get_unhashed_block_ids_all_groups())
     p_full = prefill_lists(c, n)
     theirs = g.clip(p_full)
-    remote = RemoteBlocks("p", "h", 1, [b for x in theirs for b in x if b], groups=tuple(map(tuple, theirs)),
-                          block_size=BS)
+    remote = params_of(theirs)
     pairs = pair_load(mine, remote, g.state, BS, n, n - h)
     got = dict(zip(pairs.local, pairs.remote, strict=True))
     hashed = {b.block_id for grp in allb.blocks for b in grp if b.block_hash is not None}
@@ -244,8 +255,7 @@ def test_mamba_state_pairs_the_running_state_slots(spec_blocks: int, prompt: int
     p_full = prefill_chunked(c, n, first)
     held_d, unhashed = decode_lists(c, prompt, n)
     theirs = g.clip(p_full)
-    remote = RemoteBlocks("p", "h", 1, [b for x in theirs for b in x if b], groups=tuple(map(tuple, theirs)),
-                          block_size=BS)
+    remote = params_of(theirs)
     pairs = pair_load(g.clip(unhashed), remote, g.state, BS, n, n)
     slot = -(-n // BS) - 1
     assert (pairs.state_local, pairs.state_remote) == ([held_d[0][slot]], [p_full[0][slot]]), held_d[0]
@@ -276,15 +286,12 @@ def test_mamba_with_a_decode_prefix_hit(spec_blocks: int, prompt: int, cached: i
     assert h == min(cached, (prompt - 1) // BS * BS)  # (the hit is real)
     if h >= n:
         return
-    assert m.allocate_slots(r, 0, num_new_computed_tokens=h, new_computed_blocks=hit_blocks,
-                            num_external_computed_tokens=n - h, delay_cache_blocks=True) is not None
-    allb = m.get_blocks("d")
+    allb = load_after_hit(m, r, n, h, hit_blocks)
     held_d = [list(g) for g in allb.get_block_ids()]
     g = Groups.from_config(c)
     p_full = prefill_chunked(c, n, 0)
     theirs = g.clip(p_full)
-    remote = RemoteBlocks("p", "h", 1, [b for x in theirs for b in x if b], groups=tuple(map(tuple, theirs)),
-                          block_size=BS)
+    remote = params_of(theirs)
     pairs = pair_load(g.clip(allb.get_unhashed_block_ids_all_groups()), remote, g.state, BS, n, n - h)
     slot = -(-n // BS) - 1
     assert (pairs.state_local, pairs.state_remote) == ([held_d[0][slot]], [p_full[0][slot]]), (h, held_d[0])
