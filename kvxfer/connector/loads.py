@@ -38,8 +38,7 @@ def pair_load(mine: list[list[int]], remote: RemoteBlocks, state_groups: Sequenc
     if remote.streamed:
         return push_pairs(mine, state_groups or ())
     if remote.block_size != block_size:
-        grouped = hybrid or bool(remote.groups)
-        if why := sizes_unpaired(block_size, remote.block_size, end - external, grouped):
+        if why := unpaired(remote, block_size, end - external, len(mine)):
             raise ValueError(why)
         return pair_sizes(mine[0], list(remote.block_ids), end - external, end, block_size, remote.block_size)
     theirs = cut_to_load([list(g) for g in remote.groups] if remote.groups else [list(remote.block_ids)],

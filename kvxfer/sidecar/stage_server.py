@@ -27,8 +27,7 @@ from kvxfer.sidecar.holds import Holds
 from kvxfer.sidecar.nixl_port import NixlPort
 from kvxfer.sidecar.nixl_staging import Runs
 from kvxfer.sidecar.registry import RankRegistry
-from kvxfer.sidecar.staged_reads import reader_name
-from kvxfer.sidecar.staging import Books, arena_device
+from kvxfer.sidecar.staging import Books, arena_device, reader_name
 
 log = logging.getLogger("kvxfer.staging")
 

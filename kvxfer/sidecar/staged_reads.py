@@ -38,6 +38,7 @@ from kvxfer.sidecar.staging import (
     StagedPlan,
     arena_device,
     read_pieces,
+    reader_name,
     staged_plan,
     windows_of,
     worth_staging,
@@ -445,8 +446,3 @@ class Staging:
                 mark("staged")
             return got, sent
 
-
-def reader_name(pp: int, tp: int, engine: str) -> str:
-    """A staging slot's reader as the prefill names it from its ``ReadNotice`` (engine "": by
-    rank alone, as a prefill without ``Welcome.reader_engines`` does)."""
-    return f"{pp}/{tp}@{engine}" if engine else f"{pp}/{tp}"

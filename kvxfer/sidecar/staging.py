@@ -374,3 +374,9 @@ class Books:
 
     def __len__(self) -> int:  # (the metrics thread's: a copy of the values, never the dict iterated)
         return sum(len(b) for b in list(self._books.values()))
+
+
+def reader_name(pp: int, tp: int, engine: str) -> str:
+    """A staging slot's reader as the prefill names it from its ``ReadNotice`` (engine "": by
+    rank alone, as a prefill without ``Welcome.reader_engines`` does)."""
+    return f"{pp}/{tp}@{engine}" if engine else f"{pp}/{tp}"
