@@ -153,6 +153,9 @@ class Config:
                                 "loop: ~0.3 ms per 2 MiB here); larger ones, and every one while "
                                 "the NIXL thread is in NIXL, go through the NIXL thread. 0: all "
                                 "do. Not used with --cuda on.", default=4096)
+    inline_alone_read_kib: int = _doc("And up to this many KiB while nothing else waits for the loop "
+                                      "(no other receive, no engine message unread, no read in "
+                                      "flight).", default=32768)
     notice_fences: bool = _doc("After each NIXL notification to a peer, read 16 bytes from it (a fence), "
                                "so that the next read from that peer completes inside its post: in UCX "
                                "peer mode a transfer posted after a notification otherwise waits for "
@@ -247,18 +250,15 @@ class Config:
             raise ConfigError("control_tls_client_ca needs control_tls_cert and control_tls_key")
         if self.chunk_mib <= 0 or self.max_inflight_chunks <= 0:
             raise ConfigError("chunk_mib and max_inflight_chunks must be > 0")
-        if self.nixl_threads < 0:
-            raise ConfigError("nixl_threads must be >= 0")
-        if self.inline_read_kib < 0:
-            raise ConfigError("inline_read_kib must be >= 0 (0: every read goes through the NIXL thread)")
+        for name in ("nixl_threads", "inline_read_kib", "inline_alone_read_kib", "verify_sample"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{name} must be >= 0")
         if self.engine_ownership not in ("process", "uid"):
             raise ConfigError(f"engine_ownership must be process or uid, not {self.engine_ownership!r}")
         if self.handshake_encryption not in ("auto", "none"):
             raise ConfigError(f"handshake_encryption must be auto or none, not {self.handshake_encryption!r}")
         if self.max_lease_s < self.lease_s:
             raise ConfigError(f"max_lease_s ({self.max_lease_s}) must be >= lease_s ({self.lease_s})")
-        if self.verify_sample < 0:
-            raise ConfigError("verify_sample must be >= 0 (0 disables it)")
 
     @property
     def resolved_engine_id(self) -> str:

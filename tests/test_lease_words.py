@@ -164,6 +164,35 @@ def test_without_a_word_a_claim_after_the_landing_decides() -> None:
     assert r.outcome.exit is Exit.CLAIM_REFUSED
 
 
+def test_a_read_in_flight_its_word_will_prove_needs_no_claim_beside_it() -> None:
+    """#38: a read handed to the NIXL thread, whose peer keeps a lease word for it, sends no
+    claim beside it (``claim_deferred``): its word, read once it landed, proves it; a word that
+    does not (not published, not read) leaves it to a claim sent after the landing, whose
+    "held" delivers it and whose refusal fails it. A late answer of no claim changes nothing."""
+    r = Receive("r")
+    r.start(False, 10)
+    r.claim_deferred()
+    assert r.landed(LANDED, proof=True) is Step.CHECK
+    assert r.succeed() is Step.END
+    assert r.outcome is not None
+    assert r.outcome.exit is Exit.DONE
+    for proof in (False, None):
+        r = Receive("r")
+        r.start(False, 10)
+        r.claim_deferred()
+        assert r.claimed(None, published=True) is Step.WAIT  # (no claim of its own was sent)
+        assert r.landed(LANDED, proof=proof) is Step.RECLAIM
+        assert r.reclaimed(None) is Step.CHECK
+        assert r.succeed() is Step.END  # (the claim's "held" is what trusts it: asserted inside)
+        refused = Receive("r")
+        refused.start(False, 10)
+        refused.claim_deferred()
+        assert refused.landed(LANDED, proof=proof) is Step.RECLAIM
+        assert refused.reclaimed(RequestError(ErrorCode.EXPIRED, "gone")) is Step.END
+        assert refused.outcome is not None
+        assert refused.outcome.exit is Exit.CLAIM_REFUSED
+
+
 # ---------------------------------------------------------------------- real sidecars
 
 BIG = make_layout(layers=32, num_blocks=200, heads=8, head_dim=128)  # 2 MiB per block
@@ -237,6 +266,47 @@ def test_a_read_whose_lease_ended_during_it_is_refused(sidecars: SidecarFactory,
         print(f"\n{refused} of 4 reads refused (the rest landed before their abort)")
         assert refused >= 1, "every read landed before its abort: nothing was tested"
         assert ds.proc.poll() is None
+    finally:
+        d.close()
+        p.close()
+
+
+def test_a_read_its_word_proves_sends_no_claim_one_it_does_not_is_claimed_after_it_landed(
+        sidecars: SidecarFactory) -> None:
+    """#38: 16 MiB reads posted by the NIXL thread (a claim beside one, sent from the loop while
+    the thread planned it, cost ~0.3 ms). The first's word proves it: no claim is sent at all.
+    The prefill keeps one word slot, taken by the first lease, so the second's word proves
+    nothing: a claim sent after its landing delivers it (with that claim's "held" not taken
+    as the trust, it failed ``internal``). Every byte checked."""
+    ds = sidecars.start("lwd-d", "--inline-alone-read-kib", "0", "--verify-sample", "0",
+                        metrics_port=free_port())
+    ps = sidecars.start("lwd-p", "--lease-word-slots", "1")
+    d, p = SyntheticEngine(BIG, ds.endpoint, seed=2), SyntheticEngine(BIG, ps.endpoint, seed=1)
+    try:
+        d.start()
+        p.start()
+        d.client.recv("warm", [], remote_of(p, []))
+        wait_for(d.client, lambda a: bool(a.done))
+        generation = p.client.ping().generation
+        blocks = {name: (p.allocate(8), d.allocate(8)) for name in ("first", "second")}
+        for name, (pb, _db) in blocks.items():
+            p.fill(name, pb)
+            p.client.hold(name, pb, token=f"tok-{name}", expires_unix=time.time() + 60)
+        traces = {}
+        for name, (pb, db) in blocks.items():
+            d.client.recv(name, db, dataclasses.replace(remote_of(p, pb), token=f"tok-{name}",
+                                                        generation=generation), trace=True)
+            got = wait_for(d.client, lambda a: bool(a.done or a.failed))
+            assert got.done, got
+            assert d.verify(name, db), f"{name}: wrong bytes"
+            traces[name] = [hop for hop, _t in got.done[0].trace or []]
+        assert "claim_sent" not in traces["first"], traces["first"]
+        second = traces["second"]
+        assert "claim_sent" in second, second
+        assert second.index("claim_sent") > second.index("landed"), second
+        m = ds.scrape()
+        assert m.get('kvxfer_lease_word_proofs_total{proved="yes"}') == 1, m
+        assert m.get('kvxfer_lease_word_proofs_total{proved="no"}') == 1, m
     finally:
         d.close()
         p.close()

@@ -96,6 +96,7 @@ def transfer_options(config: Config, words: LeaseWords | None = None) -> Transfe
         # (posting from the loop's thread is verified on host memory only: with CUDA the
         # NIXL thread stays the only one that drives NIXL)
         inline_bytes=0 if config.cuda_enabled else config.inline_read_kib << 10,
+        inline_alone_bytes=0 if config.cuda_enabled else config.inline_alone_read_kib << 10,
         staging_bytes=config.staging_mib << 20, vram_staging_bytes=config.vram_staging_mib << 20,
         lease_words=(words.addr, words.nbytes) if words is not None and not config.cuda_enabled else (0, 0))
 
@@ -180,7 +181,7 @@ class Sidecar:
         self.receiver = Receiver(config=config, registry=self.registry, peers=self.peers, book=self.book,
                                  nixl=self.nixl, observer=self.observer, send=self.engine_server.send,
                                  spawn=self._spawn, agent_name=self.agent_name, abandoned=self.abandoned,
-                                 books=books)
+                                 books=books, waiting=self.rings.waiting)
         self.stalls = StallGuard(config, self.peers, self.book, self.receiver.reading_from)
         self.keeper = LeaseKeeper(config, self.peers, self.book, self.engine_server.send, self.agent_name)
         self.engines = Engines(config=config, registry=self.registry, receiver=self.receiver,

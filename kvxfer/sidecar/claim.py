@@ -2,8 +2,10 @@
 the blocks while they were read, and extends their lease over the read and its check.
 
 Sent beside the read (over the peer's kept-open link, right after the read is posted, so
-the round trip overlaps the copy; not at all for a small read that landed and was proved by
-its lease word inside the post: ``Receiver._claim_and_post``); asked again, briefly, while
+the round trip overlaps the copy) when no lease word can prove it; not at all for a read
+that landed and was proved by its word inside the post, nor for one in flight that its word
+will prove once it landed (``recv_state.start_claim``), whose claim, if the word does not,
+goes after the landing (``Step.RECLAIM``); asked again, briefly, while
 the prefill does not know the request yet (its ``Hold`` may still be on the way); judged
 by ``receive.claim_verdict``. The answer is the claim task's result: None (held),
 ``PUBLISHED`` (held, and the lease's word is published: a word read after the landing must

@@ -157,6 +157,10 @@ class EngineRings:
         self._numbers = itertools.count(1)
         self._turns: list[TakingTurns] = []  # every open ring's reader (kvxfer: TakingTurns)
 
+    def waiting(self) -> bool:
+        """Whether any engine ring has messages not handled yet (no system call)."""
+        return any(t._waiting() for t in self._turns)
+
     def __len__(self) -> int:
         return len(self._conns)
 

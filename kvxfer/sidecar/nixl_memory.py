@@ -249,9 +249,7 @@ class Registrations:
         for plan in spec.plans:
             pl = self._pair_lists(spec.peer, local, plan, spec.remote_engine)
             remote = self.peers[spec.peer][(spec.remote_engine, plan.remote_pp, plan.remote_rank)]
-            rows = pl.rows
-            leg = plan_leg(rows.rows, rows.local_geometry, rows.remote_geometry,
-                           spairs if plan.state else pairs, slb if plan.state else lb,
+            leg = plan_leg(pl.rows, spairs if plan.state else pairs, slb if plan.state else lb,
                            srb if plan.state else rb, local.num_blocks, remote.layout.num_blocks,
                            merge=merge, chunk_bytes=chunk_bytes)
             if leg is not None:

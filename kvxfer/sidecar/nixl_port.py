@@ -63,6 +63,16 @@ def offered_staging(port: NixlPort) -> int:
     return max(vram) if vram else port.spans.get(-1, (0, 0))[1]
 
 
+def inline_ok(spec: ReadSpec, info: RankInfo, options: TransferOptions, reads: Reads) -> bool:
+    """Whether the loop posts this read itself: a small one (``inline_bytes``), or a larger one
+    (``inline_alone_bytes``) when nothing else waits for the loop and nothing is in flight; and
+    never past the cap on chunks in flight."""
+    bound = options.inline_bytes
+    if spec.alone and not len(reads):
+        bound = max(bound, options.inline_alone_bytes)
+    return read_bound(spec, info) <= bound and not reads.full
+
+
 def read_bound(spec: ReadSpec, info: RankInfo) -> int:
     """At most how many bytes a read moves into its local rank: its blocks times a block's
     bytes, or, when every plan names its regions (cut to some layers: a streamed receive's
@@ -309,7 +319,7 @@ class NixlPort:
         try:
             regs, reads = self._regs_(), self._reads_()
             local = regs.local.get(spec.local_rank)
-            if local is None or read_bound(spec, local.info) > self.options.inline_bytes or reads.full:
+            if local is None or not inline_ok(spec, local.info, self.options, reads):
                 return False
             self._start_read(spec)
             self.reads_inline += 1

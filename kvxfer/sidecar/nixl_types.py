@@ -19,6 +19,7 @@ class TransferOptions:
     settle_timeout_s: float = 20.0  # a failed read's in-flight chunks must stop by then
     expect_read_s: float = 2e-3  # after a claim, poll at busy_poll_s this long (expect_reads)
     inline_bytes: int = 4 << 20  # reads up to this size are posted by the caller itself (NixlPort.read)
+    inline_alone_bytes: int = 0  # and up to this size when the caller is alone (ReadSpec.alone)
     staging_bytes: int = 0  # the host staging arena (kvxfer.sidecar.nixl_staging); 0: none
     vram_staging_bytes: int = 0  # with cuda: an arena of this size per CUDA device; 0: none
     lease_words: tuple[int, int] = (0, 0)  # (address, bytes) of this sidecar's lease words, registered

@@ -11,6 +11,7 @@ device]``; a *descriptor index* is ``row * num_blocks + block`` into a prepared 
 
 from __future__ import annotations
 
+import functools
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -66,6 +67,7 @@ class ReadSpec:
     trace: bool = False  # record the NIXL side's hops (Done.trace)
     staged: StagedRead | None = None  # read the peer's staging slot instead (kvxfer.sidecar.staging)
     proof_addr: int = 0  # the peer's lease word to read once the data landed (0: none; lease_words)
+    alone: bool = False  # nothing else waits for the caller's loop: a larger read may be posted there
 
     @property
     def num_blocks(self) -> int:
@@ -83,6 +85,11 @@ class PairRows:
     remote: list[RemoteRegion]
     local_geometry: np.ndarray  # geometry(local)
     remote_geometry: np.ndarray
+
+    @functools.cached_property
+    def known(self) -> bool:
+        """Whether ``merge_bound`` knows these rows' geometry (worked out once, not per read)."""
+        return known_geometry(self.local_geometry, self.remote_geometry)
 
 
 @dataclass
@@ -229,27 +236,40 @@ def _indices(rows: list[np.ndarray], local_geometry: np.ndarray, parts: Parts, l
 
 
 def merge_bound(rows: list[np.ndarray], local_geometry: np.ndarray, remote_geometry: np.ndarray,
-                parts: Parts) -> int:
+                parts: Parts, known: bool | None = None) -> int:
     """At most how many descriptors ``merge_runs`` can save on these blocks, cheaply. A run
     goes on from one descriptor to the next of its row only where the next block's bytes
     start where this one's end, on both sides; a row is never longer than its stride
     (``merge_rows``), so that takes the next block id on both sides, and each such pair of
     neighbours saves at most one descriptor per row. A busy engine's random block ids have
     none: their read skips the merge (``plan_leg`` of 8 random blocks, 512 descriptors, here:
-    122 -> 69 µs called after an idle pause, 45 -> 22 µs back to back)."""
-    for g in (local_geometry, remote_geometry):
-        if not ((g[:, 1] > 0) & (g[:, 1] <= g[:, 2])).all():
-            return sys.maxsize  # (a geometry it does not know: no bound, merge_runs decides)
-    return sum(len(rows[q]) * int(np.count_nonzero((np.diff(lb) == 1) & (np.diff(rb) == 1)))
-               for q, lb, rb in parts)
+    122 -> 69 µs called after an idle pause, 45 -> 22 µs back to back). ``known``: what
+    ``known_geometry`` says of these geometries, when the caller kept it."""
+    if not (known_geometry(local_geometry, remote_geometry) if known is None else known):
+        return sys.maxsize  # (a geometry it does not know: no bound, merge_runs decides)
+    return sum(len(rows[q]) * _neighbours(lb, rb) for q, lb, rb in parts)
 
 
-def plan_leg(rows: list[np.ndarray], local_geometry: np.ndarray, remote_geometry: np.ndarray,
-             pairs: list[tuple[int, int, int]], lb: np.ndarray, rb: np.ndarray, local_nb: int,
+def known_geometry(local_geometry: np.ndarray, remote_geometry: np.ndarray) -> bool:
+    """Rows no longer than their stride, and not empty, on both sides (``merge_bound``)."""
+    return all(bool(((g[:, 1] > 0) & (g[:, 1] <= g[:, 2])).all()) for g in (local_geometry, remote_geometry))
+
+
+def _neighbours(lb: np.ndarray, rb: np.ndarray) -> int:
+    """Pairs of consecutive blocks that go on to the next block id on both sides (a few
+    blocks: in Python, cheaper than four numpy calls)."""
+    if len(lb) <= 64:
+        ls, rs = lb.tolist(), rb.tolist()
+        return sum(1 for i in range(len(ls) - 1) if ls[i + 1] - ls[i] == 1 and rs[i + 1] - rs[i] == 1)
+    return int(np.count_nonzero((np.diff(lb) == 1) & (np.diff(rb) == 1)))
+
+
+def plan_leg(pr: PairRows, pairs: list[tuple[int, int, int]], lb: np.ndarray, rb: np.ndarray, local_nb: int,
              remote_nb: int, *, merge: bool, chunk_bytes: int) -> LegPlan | None:
     """The descriptors of one leg (None: it moves nothing), consecutive blocks merged into
     runs where that saves at least ``MERGE_MIN_SAVED`` descriptors, posted ``chunk_bytes``
     at a time."""
+    rows, local_geometry, remote_geometry = pr.rows, pr.local_geometry, pr.remote_geometry
     parts = list(paired_blocks(len(rows), pairs, lb, rb))
     li, ri, nbytes = _indices(rows, local_geometry, parts, local_nb, remote_nb)
     if not len(li):
@@ -257,7 +277,7 @@ def plan_leg(rows: list[np.ndarray], local_geometry: np.ndarray, remote_geometry
     leg = LegPlan(li, ri, nbytes)
     # (runs never leave their row: a leg of one block has nothing to merge)
     if (merge and len(pairs) > 1 and len(li) > MERGE_MIN_SAVED
-            and merge_bound(rows, local_geometry, remote_geometry, parts) >= MERGE_MIN_SAVED):
+            and merge_bound(rows, local_geometry, remote_geometry, parts, pr.known) >= MERGE_MIN_SAVED):
         runs = merge_runs(local_geometry, remote_geometry, local_nb, remote_nb, li, ri)
         if len(li) - len(runs[0]) >= MERGE_MIN_SAVED:
             leg.runs = runs

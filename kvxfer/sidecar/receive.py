@@ -1,8 +1,9 @@
 """One receive (a request's blocks for one local rank), as a state machine with no I/O.
 
 Phases: ``handshake`` (the peer is being handshaked, or the read planned) -> ``reading``
-(the read is posted, its lease *claim* runs beside it) -> ``verifying`` (it landed; the
-claim's answer or a sampled digest is awaited) -> ended. Every receive ends exactly once,
+(the read is posted; its lease *claim* runs beside it, unless its lease word will prove it:
+``claim_deferred``) -> ``verifying`` (it landed; the claim's answer or a sampled digest is
+awaited) -> ended. Every receive ends exactly once,
 in one of the ``Exit``s, and its ``Outcome`` says everything the shell must do about it:
 what the engine is told, whether the prefill gets a read notice (and with which verdict) or
 its peer is dropped, whether the peer is to be handshaked again.
@@ -128,6 +129,14 @@ class Receive:
         self._proof = proof
         return self._after_read()
 
+    def claim_deferred(self) -> None:
+        """No claim beside this read (posted, not landed): its lease word, read once it
+        landed, proves it; only a word that does not is followed by a claim, sent after the
+        landing (``RECLAIM``). The read's ``ReadNotice`` extends the lease over it, as a
+        claim did."""
+        if self.phase is Phase.READING and self._claim is _PENDING:
+            self._claim = None
+
     def claim_sent(self) -> bool:
         """Its claim goes out now: once the data landed (a read that landed inside its post), its
         "held" proves the lease held after the landing (True: then it must be a claim of its own,
@@ -176,6 +185,7 @@ class Receive:
             return Step.WAIT
         if refusal is None:
             self._after = True
+            self._claim = True  # (a claim deferred to the landing: this is its "held")
             return Step.CHECK
         err = RequestError(refusal.code, "the prefill's lease ended before the read was proven (no lease "
                            f"word; asked again after the landing: [{refusal.code}])", self.req_id)

@@ -74,16 +74,16 @@ class Receiver:
     def __init__(self, *, config: Config, registry: RankRegistry, peers: PeerClient, book: PeerBook,
                  nixl: NixlPort, observer: Observer, send: Callable[[bytes, Any], None],
                  spawn: Callable[[Any], None], agent_name: str,
-                 abandoned: Abandoned | None = None, books: Books | None = None) -> None:
+                 abandoned: Abandoned | None = None, books: Books | None = None,
+                 waiting: Callable[[], bool] = lambda: False) -> None:
         self.config = config
         self.registry = registry
         self.peers = peers
         self.book = book
         self.nixl = nixl
         self.observer = observer
-        self._send, self._spawn = send, spawn
+        self._send, self._spawn, self._waiting = send, spawn, waiting  # (waiting: EngineRings.waiting)
         self.changed = Signal()  # a receive started or ended
-        self.agent_name = agent_name
         self.recvs: dict[str, RecvState] = {}
         self.verifier = Verifier(config, registry, peers, book, nixl, observer)
         self.claims = Claims(config, peers, book, observer, agent_name)
@@ -239,22 +239,22 @@ class Receiver:
 
     def _claim_and_post(self, key: str, state: RecvState, peer: Peer, plans: list[RankPlan],
                         pairing: BlockPairing, remaining: float) -> None:
-        """The direct read, then its claim (the prefill confirms it holds the blocks and extends the
-        lease over the read; a read its lease word does not prove waits for the answer). A small
-        read lands, proved by its word, inside the post: no claim (one sent first cost ~0.4 ms)."""
+        """The direct read, then its claim (the prefill confirms it holds the blocks), unless its
+        lease word proves it: it landed inside its post, or will once it lands (``start_claim``)."""
         if state.stopping:  # (cancelled meanwhile: its cancel found nothing posted and ends it; a
             return  # read now would land in freed blocks, a claim extend the prefill's lease)
         self._post(key, state, peer, plans, pairing, remaining)
         if self.recvs.get(key) is not state:
             return  # (it ended inside the post: landed and proved, or failed)
-        state.claim_task = start_claim(self.claims, state, peer, remaining)
-        state.claim_task.add_done_callback(lambda task: self._claimed(key, state, task))
+        state.claim_task = start_claim(self.claims, state, peer, remaining, not self.config.cuda_enabled)
+        if state.claim_task is not None:
+            state.claim_task.add_done_callback(lambda task: self._claimed(key, state, task))
 
     def _post(self, key: str, state: RecvState, peer: Peer, plans: list[RankPlan], pairing: BlockPairing,
               remaining: float, staged: StagedRead | None = None) -> None:
-        try:
-            self.nixl.read(read_spec(key, state, peer, plans, pairing, remaining, staged))  # (a small one
-            # lands in this call: the port's choice)
+        try:  # (a small read, or a larger one alone, lands in this call: the port's choice)
+            self.nixl.read(read_spec(key, state, peer, plans, pairing, remaining, staged,
+                                     alone=len(self.recvs) == 1 and not self._waiting()))
         except Exception as e:
             self._not_started(key, e)
 

@@ -189,8 +189,9 @@ def proof_of(state: RecvState, peer: Peer) -> tuple[int, int]:
 
 
 def read_spec(key: str, state: RecvState, peer: Peer, plans: list[RankPlan], pairing: BlockPairing,
-              remaining: float, staged: StagedRead | None) -> ReadSpec:
-    """What the NIXL port is asked to read for a receive."""
+              remaining: float, staged: StagedRead | None, alone: bool = False) -> ReadSpec:
+    """What the NIXL port is asked to read for a receive (``alone``: nothing else waits for the
+    loop, ``ReadSpec.alone``)."""
     msg = state.msg
     # The prefill side must not let its lease run out under a read in progress: the thread
     # that posts the first chunk tells it right after (it must not delay the read).
@@ -202,7 +203,7 @@ def read_spec(key: str, state: RecvState, peer: Peer, plans: list[RankPlan], pai
                     pairing=pairing, deadline=state.deadline,
                     started_notice=encode(started), remote_engine=state.remote_engine,
                     state_blocks=msg.state_pairs, trace=state.trace is not None, staged=staged,
-                    proof_addr=0 if staged is not None else state.proof[1])
+                    proof_addr=0 if staged is not None else state.proof[1], alone=alone)
 
 
 
@@ -288,10 +289,16 @@ async def claim_again(claims: Claims, book: PeerBook, state: RecvState) -> Reque
     return claim_answer(task)[0]
 
 
-def start_claim(claims: Claims, state: RecvState, peer: Peer,
-                remaining: float) -> asyncio.Future[ClaimAnswer]:
+def start_claim(claims: Claims, state: RecvState, peer: Peer, remaining: float,
+                words_read: bool = False) -> asyncio.Future[ClaimAnswer] | None:
     """The read's claim, sent now (the machine learns whether the data had landed already: then
-    a claim of its own, never another rank's sent before the landing)."""
+    a claim of its own, never another rank's sent before the landing). None: a read in flight
+    whose lease word will be read once it landed (``words_read``: host memory) needs none
+    (``Receive.claim_deferred``: a claim beside a 16 MiB read, sent from the loop while the
+    NIXL thread planned it, cost ~0.3 ms here)."""
+    if words_read and state.proof[1] and state.machine.read_in_flight:
+        state.machine.claim_deferred()
+        return None
     after = state.machine.claim_sent()
     return claims.start(state.msg, state.remote_engine, remaining, peer, state.mark, fresh=after)
 
