@@ -134,3 +134,23 @@ def test_a_rank_that_comes_after_the_answer_asks_for_itself() -> None:
     assert sent == 2
     assert late is not None
     assert late.code == ErrorCode.EXPIRED
+
+
+def test_a_lease_found_over_is_reported_before_the_read_unless_a_claim_went_beside_it() -> None:
+    """``lease_expired_before_read`` (an event operators watch): from the claim beside a read;
+    a claim after the landing that follows one says nothing new (the lease may have ended
+    during the read); but one that is the read's only claim (none beside it: its lease word was
+    to prove it, #38) reports it, as the claim beside it did (lost at first, found by a review)."""
+    async def run(fresh: bool, first: bool) -> list[str]:
+        peers, obs = FakePeers("gone"), Observer()
+        c = Claims(Config(), peers, PeerBook(), obs, "agent-d")  # type: ignore[arg-type]
+        with obs.subscribe(frozenset({"lease_expired_before_read"})) as q:
+            peers.release.set()
+            got = await c.start(recv(), "p", 10.0, FakePeer(), lambda _: None, fresh=fresh, first=first)  # type: ignore[arg-type]
+            assert got is not None
+            assert got.code == ErrorCode.EXPIRED
+            return [q.get_nowait().kind for _ in range(q.qsize())]
+
+    assert asyncio.run(run(fresh=False, first=False)) == ["lease_expired_before_read"]
+    assert asyncio.run(run(fresh=True, first=False)) == []
+    assert asyncio.run(run(fresh=True, first=True)) == ["lease_expired_before_read"]

@@ -191,6 +191,8 @@ def test_a_read_in_flight_its_word_will_prove_needs_no_claim_beside_it() -> None
         assert refused.reclaimed(RequestError(ErrorCode.EXPIRED, "gone")) is Step.END
         assert refused.outcome is not None
         assert refused.outcome.exit is Exit.CLAIM_REFUSED
+        assert refused.outcome.error is not None
+        assert "its lease word did not show it" in refused.outcome.error.reason  # (not "no lease word")
 
 
 # ---------------------------------------------------------------------- real sidecars

@@ -9,12 +9,14 @@ judgement itself (``kvxfer.sidecar.liveness``) is property-tested here too.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import time
 from collections.abc import Callable
 
 import numpy as np
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -210,6 +212,52 @@ def _read_once(d: SyntheticEngine, ps: SidecarProc, name: str) -> SyntheticEngin
     assert d.verify(name, db)
     d.free(db)
     return p
+
+
+@pytest.mark.parametrize("blocks", [64, 16], ids=["nixl-thread", "alone-on-the-loop"])
+def test_a_prefill_frozen_under_a_read_its_word_proves_costs_stall_s(sidecars: SidecarFactory,
+                                                                     blocks: int) -> None:
+    """A read its lease word proves sends no claim (#38), and the claim was what opened the
+    decode's link to the prefill, which the stall guard judges and probes: with the prefill
+    frozen under such a read (the first after a handshake: no link yet), nothing was ever owed,
+    the read ran to its deadline, its chunks never settled and the decode sidecar exited
+    (``ReadStuck``, exit code 3, found by a review). Now a peer reads run against is probed
+    with no link open too: ``peer_stalled`` within --peer-stall-s, the sidecar up. 128 MiB go
+    through the NIXL thread, 32 MiB are posted by the loop (alone)."""
+    ds = sidecars.start(f"wstall{blocks}-d", "--peer-stall-s", str(STALL_S), "--settle-timeout-s", "3",
+                        metrics_port=free_port())
+    ps = sidecars.start(f"wstall{blocks}-p")
+    d, p = SyntheticEngine(BIG, ds.endpoint, seed=2), SyntheticEngine(BIG, ps.endpoint, seed=1)
+    d.start()
+    p.start()
+    try:
+        d.client.recv("warm", [], remote_of(p, []))  # (the handshake: no claim, no link)
+        wait_for(d.client, lambda a: bool(a.done))
+        generation = p.client.ping().generation
+        pb, db = p.allocate(blocks), d.allocate(blocks)
+        p.fill("frozen", pb)
+        p.client.hold("frozen", pb, token="tok-frozen", expires_unix=time.time() + 120)
+        time.sleep(0.2)  # (the hold is in)
+        os.kill(ps.proc.pid, signal.SIGSTOP)
+        try:
+            t0 = time.monotonic()
+            d.client.recv("frozen", db, dataclasses.replace(remote_of(p, pb), token="tok-frozen",
+                                                            generation=generation), deadline_s=5)
+            got = d.client.wait_until(lambda a: bool(a.done or a.failed), 12)
+            took = time.monotonic() - t0
+            alive = ds.proc.poll() is None
+        finally:
+            os.kill(ps.proc.pid, signal.SIGCONT)
+        assert alive, f"the decode sidecar exited ({ds.proc.poll()}) after {took:.1f}s"
+        assert got.done or got.failed, f"no Done or Failed after {took:.1f}s (deadline 5 s)"
+        if got.done:  # (proved by its word under the engine's own deadline: allowed)
+            assert d.verify("frozen", db)
+            return
+        assert got.failed[0].code == ErrorCode.PEER_STALLED, got
+        assert took < STALL_S + 2.0, took
+    finally:
+        d.close()
+        p.close()
 
 
 def test_what_a_decode_keeps_for_a_prefill_that_went_away_is_let_go(sidecars: SidecarFactory) -> None:

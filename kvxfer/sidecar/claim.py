@@ -102,11 +102,13 @@ class Claims:
         self.agent_name = agent_name
         self._shared: dict[ClaimKey, _Shared] = {}  # unanswered claims, for other ranks to join
 
-    def start(self, msg: Recv, engine: str, reading_s: float, peer: Peer,
-              mark: Callable[[str], None], fresh: bool = False) -> asyncio.Future[ClaimAnswer]:
+    def start(self, msg: Recv, engine: str, reading_s: float, peer: Peer, mark: Callable[[str], None],
+              fresh: bool = False, first: bool = False) -> asyncio.Future[ClaimAnswer]:
         """Send the claim now (when a link to the peer is open) and keep at it in a task,
         or wait for the answer of a claim of the same request that covers this read (not when
-        ``fresh``: one sent after a landing proves what an earlier one cannot)."""
+        ``fresh``: one sent after a landing proves what an earlier one cannot). ``first``: a
+        fresh one is the read's only claim (none went beside it): a lease found over is
+        reported as one before a read, as the claim beside it did."""
         key = _key(msg, engine)
         now = time.monotonic()
         got = None if fresh else self._shared.get(key)
@@ -119,7 +121,7 @@ class Claims:
         sent = self.peers.send_renewal(msg.remote_host, msg.remote_port, renew)  # now, beside the read
         if sent is not None:
             mark("claim_sent")
-        task = asyncio.ensure_future(self._run(msg, reading_s, renew, sent, peer, mark, fresh))
+        task = asyncio.ensure_future(self._run(msg, reading_s, renew, sent, peer, mark, fresh and not first))
         entry = self._shared[key] = _Shared(now + reading_s, task)
         task.add_done_callback(lambda _t: self._forget(key, entry))  # (answered: it serves nobody more)
         return task

@@ -198,9 +198,9 @@ class PeerClient:
         return list(self._links)
 
     def probe_due(self, key: str, now: float, after_s: float = 0.0) -> bool:
-        """Whether a peer should be asked for a sign of life now (``Liveness.probe_due``)."""
+        """Whether to ask a peer for a sign of life now (``Liveness.probe_due``; no link: yes)."""
         link = self._links.get(key)
-        return link is not None and not link.closed and link.liveness.probe_due(now, after_s)
+        return link is None or (not link.closed and link.liveness.probe_due(now, after_s))
 
     async def probe(self, host: str, port: int, engine_id: str) -> None:
         """A renewal of no lease: its answer is the sign of life (no answer: see stalled_links)."""

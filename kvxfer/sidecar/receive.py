@@ -87,6 +87,7 @@ class Receive:
         self._published = False  # the claim said the lease's word is published
         self._proof: bool | None = None  # its word read after the landing: showed the lease, or not
         self._after = False  # its claim was sent after the data landed (or the bytes were copied under it)
+        self.deferred = False  # no claim went beside the read (``claim_deferred``)
 
     # ------------------------------------------------------------------ before the read
 
@@ -132,10 +133,11 @@ class Receive:
     def claim_deferred(self) -> None:
         """No claim beside this read (posted, not landed): its lease word, read once it
         landed, proves it; only a word that does not is followed by a claim, sent after the
-        landing (``RECLAIM``). The read's ``ReadNotice`` extends the lease over it, as a
-        claim did."""
+        landing (``RECLAIM``). What else the claim did: the read's ``ReadNotice``, sent once
+        its chunks are posted, extends the lease over it (not while it waits behind the cap
+        on chunks in flight), and the stall guard probes a peer reads run against."""
         if self.phase is Phase.READING and self._claim is _PENDING:
-            self._claim = None
+            self._claim, self.deferred = None, True
 
     def claim_sent(self) -> bool:
         """Its claim goes out now: once the data landed (a read that landed inside its post), its
@@ -187,8 +189,9 @@ class Receive:
             self._after = True
             self._claim = True  # (a claim deferred to the landing: this is its "held")
             return Step.CHECK
-        err = RequestError(refusal.code, "the prefill's lease ended before the read was proven (no lease "
-                           f"word; asked again after the landing: [{refusal.code}])", self.req_id)
+        why = "its lease word did not show it" if self.deferred else "no lease word"
+        err = RequestError(refusal.code, f"the prefill's lease ended before the read was proven ({why}; "
+                           f"asked after the landing: [{refusal.code}])", self.req_id)
         return self._end(Outcome(Exit.CLAIM_REFUSED, error=err, read=self._read, notice=False,
                                  peer_failed=True))
 

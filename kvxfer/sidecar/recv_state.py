@@ -284,7 +284,7 @@ async def claim_again(claims: Claims, book: PeerBook, state: RecvState) -> Reque
         return RequestError(ErrorCode.PEER_DISCONNECTED, "the prefill went away before the read was proven",
                             state.msg.req_id)
     task = claims.start(state.msg, state.remote_engine, max(0.0, state.deadline - time.monotonic()), peer,
-                        state.mark, fresh=True)
+                        state.mark, fresh=True, first=state.machine.deferred)
     await asyncio.wait([task])
     return claim_answer(task)[0]
 
