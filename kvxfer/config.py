@@ -155,7 +155,7 @@ class Config:
                                 "do. Not used with --cuda on.", default=4096)
     inline_alone_read_kib: int = _doc("And up to this many KiB while nothing else waits for the loop "
                                       "(no other receive, no engine message unread, no read in "
-                                      "flight).", default=32768)
+                                      "flight; none with --inline-read-kib 0).", default=32768)
     notice_fences: bool = _doc("After each NIXL notification to a peer, read 16 bytes from it (a fence), "
                                "so that the next read from that peer completes inside its post: in UCX "
                                "peer mode a transfer posted after a notification otherwise waits for "

@@ -9,6 +9,8 @@ judgement itself (``kvxfer.sidecar.liveness``) is property-tested here too.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import dataclasses
 import os
 import signal
@@ -17,12 +19,19 @@ from collections.abc import Callable
 
 import numpy as np
 import pytest
+import zmq
+import zmq.asyncio
 from hypothesis import given
 from hypothesis import strategies as st
 
 from kvxfer.client import Drained
+from kvxfer.config import Config
 from kvxfer.errors import ErrorCode
+from kvxfer.observe import Observer
 from kvxfer.sidecar.liveness import Liveness
+from kvxfer.sidecar.peer_book import Peer, PeerBook
+from kvxfer.sidecar.peer_client import PeerChannel, PeerClient
+from kvxfer.sidecar.stall_guard import StallGuard
 from kvxfer.testing.engine import SyntheticEngine, make_layout
 from kvxfer.testing.procs import SidecarFactory, SidecarProc, free_port
 from tests.test_faults import remote_of
@@ -258,6 +267,68 @@ def test_a_prefill_frozen_under_a_read_its_word_proves_costs_stall_s(sidecars: S
     finally:
         d.close()
         p.close()
+
+
+class _Nixl:
+    """What PeerClient asks of the NIXL port when it drops a peer: which agents, when."""
+
+    def __init__(self) -> None:
+        self.removed: list[str] = []
+        self.changed = asyncio.Event()
+
+    async def remove_peer(self, name: str, reason: str, stalled: bool = False) -> bool:
+        self.removed.append(name)
+        self.changed.set()
+        return True
+
+    async def until_removed(self, name: str) -> None:
+        while name not in self.removed:
+            self.changed.clear()
+            await self.changed.wait()
+
+
+def test_a_probe_pending_on_a_dropped_link_does_not_hold_up_the_next_one() -> None:
+    """The guard probes a prefill that reads run against with no link open (one probe per
+    endpoint at a time). A peer dropped while that probe waited (a read failed
+    ``peer_disconnected``) used to leave it waiting on the closed link until its own timeout
+    (2 x --peer-stall-s), and the endpoint's slot taken: the prefill, back and handshaked
+    again, then frozen under a read its word proves, was found stalled after ~3.1 s instead
+    of ~1.4 (found by a review). Now what waits on a dropped peer's link fails at once. A
+    ROUTER that never answers stands in for the frozen prefill; no sidecars."""
+    async def run() -> float:
+        ctx, dial_ctx = zmq.asyncio.Context(), zmq.asyncio.Context()
+        frozen = ctx.socket(zmq.ROUTER)
+        port = frozen.bind_to_random_port("tcp://127.0.0.1")
+        key, book, nixl, cfg = f"127.0.0.1:{port}", PeerBook(), _Nixl(), Config(peer_stall_s=STALL_S)
+        client = PeerClient(config=cfg, channel=PeerChannel("d", "agent-d"), dial_ctx=dial_ctx, book=book,
+                            registry=None, nixl=nixl, observer=Observer())  # type: ignore[arg-type]
+        guard = StallGuard(cfg, client, book, lambda: {key})
+
+        def peer(agent: str) -> Peer:
+            return Peer(endpoint=key, engine_id="p", agent_name=agent, ranks={}, handshake_s=0.0,
+                        connected_unix=0.0)
+
+        book.put(peer("A"))
+        await guard.check(time.monotonic())  # (no link: the probe opens one, the peer owes)
+        await asyncio.sleep(0.1)
+        assert key in client.link_keys()
+        await client.drop_peer("A", "a read failed peer_disconnected")
+        book.put(peer("B"))  # (handshaked again; a read runs against it)
+        t0 = time.monotonic()
+        loop = asyncio.ensure_future(guard.run())
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(nixl.until_removed("B"), 8)
+        took = time.monotonic() - t0
+        loop.cancel()
+        await asyncio.gather(loop, return_exceptions=True)
+        client.close()
+        frozen.close(0)
+        dial_ctx.term()
+        ctx.term()
+        return took
+
+    took = asyncio.run(run())
+    assert took < STALL_S + 0.6, f"found stalled after {took:.2f}s"
 
 
 def test_what_a_decode_keeps_for_a_prefill_that_went_away_is_let_go(sidecars: SidecarFactory) -> None:

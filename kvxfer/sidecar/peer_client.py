@@ -176,8 +176,8 @@ class PeerClient:
         for key in gone:
             self.observer.peer_dropped(key, reason)
             link = self._links.pop(key, None)
-            if link is not None:
-                link.close()
+            if link is not None:  # (what waits on it fails now: its answers can no longer come)
+                link.close(RequestError(ErrorCode.PEER_DISCONNECTED, f"peer dropped: {reason}"))
         log.warning("dropped peer %s: %s", agent, reason)
         try:
             await self.nixl.remove_peer(agent, reason)
@@ -200,7 +200,7 @@ class PeerClient:
     def probe_due(self, key: str, now: float, after_s: float = 0.0) -> bool:
         """Whether to ask a peer for a sign of life now (``Liveness.probe_due``; no link: yes)."""
         link = self._links.get(key)
-        return link is None or (not link.closed and link.liveness.probe_due(now, after_s))
+        return link is None or link.closed or link.liveness.probe_due(now, after_s)
 
     async def probe(self, host: str, port: int, engine_id: str) -> None:
         """A renewal of no lease: its answer is the sign of life (no answer: see stalled_links)."""
