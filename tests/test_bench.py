@@ -48,6 +48,9 @@ def test_bench_quick_reports_every_field() -> None:
                          "posted", "data_done", "claimed", "landed", "loop", "reply", "engine_done",
                          "handshaked", "claim_shared", "stage_sent", "staged"}, hops
     assert all(v >= 0 for v in hops.values()), hops
+    # the same trace for every size of the main comparison, printed for 16 MiB (#38's target)
+    assert all({"sidecar", "posted", "reply", "engine_done"} <= set(r["hops_us"]) for r in res["sizes"]), res
+    assert "16 MiB per hop" in out.stdout
     if res["device"] == "cpu":  # descriptors per 16 MiB request, per layout and block ids
         per = {(x["kv_layout"], x["block_ids"]): x["descriptors"] for x in res["layouts"]}
         assert per == {("LBNHC", "random"): 512, ("LBNHC", "consecutive"): 64,

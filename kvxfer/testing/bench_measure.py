@@ -70,10 +70,12 @@ def _size_row(p: SyntheticEngine, d: SyntheticEngine, raw: RawNixl, reg: Any, pb
     turn, ``repeats`` times (the first read of each method checked byte for byte)."""
     t: dict[str, list[float]] = {"kvxfer": [], "raw_nixl": [], "memcpy": []}
     descs = 0
+    traces = []
     generation = p.client.ping().generation  # (named, as the connector does: the lease word proves the read)
     for r in range(repeats):
-        took, done = _timed_read(p, d, reg, f"s{n}-{r}", pb, db, generation)
+        took, done = _timed_read(p, d, reg, f"s{n}-{r}", pb, db, generation, trace=True)
         descs = done.descriptors
+        traces.append(done.trace or [])
         t["kvxfer"].append(took)
         if r == 0:
             _check(p, d, pb, db, "kvxfer")
@@ -90,6 +92,7 @@ def _size_row(p: SyntheticEngine, d: SyntheticEngine, raw: RawNixl, reg: Any, pb
         row[f"{k}_ms"] = {a: round(b * 1e3, 3) if a != "n" else b for a, b in _summary(v).items()}
     row["ratio_vs_raw_nixl"] = round(row["kvxfer_gbps"] / row["raw_nixl_gbps"], 3)
     row["ratio_vs_memcpy"] = round(row["kvxfer_gbps"] / row["memcpy_gbps"], 3)
+    row["hops_us"] = hop_times(traces)  # (where a read of this size spends its time, as the fixed cost's)
     return row
 
 

@@ -46,6 +46,9 @@ def print_table(res: dict[str, Any]) -> None:
         print(f"  {r['bytes'] / (1 << 20):>6.0f} MiB {r['descriptors']:>7} {r['kvxfer_gbps']:>6.2f} GB/s "
               f"{r['raw_nixl_gbps']:>6.2f} GB/s {r['memcpy_gbps']:>6.2f} GB/s {r['ratio_vs_raw_nixl']:>7.2f} "
               f"{r['ratio_vs_memcpy']:>9.2f}")
+    for r in res["sizes"]:
+        if r.get("hops_us") and r["bytes"] == 16 << 20:  # (#38's 16 MiB target: where its time goes)
+            print("  16 MiB per hop, p50 us: " + ", ".join(f"{k} {v}" for k, v in r["hops_us"].items()))
     print("  step overhead: " + ", ".join(
         f"{s['inflight']} in flight p50 {s['p50_us']} us p99 {s['p99_us']} us" for s in res["step_overhead"]))
     if res.get("engine_channel"):
