@@ -43,6 +43,19 @@ def _read(p: SyntheticEngine, d: SyntheticEngine, reqs: dict[str, tuple[list[int
     p.client.wait_until(lambda a: len(a.released) >= len(reqs), 20)
 
 
+def _one_posted_by_loop(p: SyntheticEngine, d: SyntheticEngine, ds: SidecarProc, name: str,
+                        pair: tuple[list[int], list[int]], words: bool = False) -> float:
+    """Read ``pair`` until the loop posted one read (it may find the NIXL thread polling and
+    hand the read over: one of a few is posted by the loop); exactly one was. The count before."""
+    before = _posted_by_loop(ds)
+    for i in range(5):
+        _read(p, d, {f"{name}-{i}": pair}, words=words)
+        if _posted_by_loop(ds) > before:
+            break
+    assert _posted_by_loop(ds) == before + 1
+    return before
+
+
 def test_small_reads_are_posted_by_the_loop_large_ones_by_the_nixl_thread() -> None:
     with SidecarFactory() as f:
         ps = f.start("hot-p")
@@ -57,13 +70,7 @@ def test_small_reads_are_posted_by_the_loop_large_ones_by_the_nixl_thread() -> N
             _read(p, d, {"warm": (p.allocate(1), d.allocate(1))})
             # 512 KiB, the limit: posted by the loop, unless the NIXL thread happened to be
             # polling at that moment (then handed over): one of a few does
-            small = (p.allocate(4), d.allocate(4))
-            before = _posted_by_loop(ds)
-            for i in range(5):
-                _read(p, d, {f"small-{i}": small})
-                if _posted_by_loop(ds) > before:
-                    break
-            assert _posted_by_loop(ds) == before + 1
+            before = _one_posted_by_loop(p, d, ds, "small", (p.allocate(4), d.allocate(4)))
             large = (p.allocate(5), d.allocate(5))  # 640 KiB: over the limit, never
             for i in range(3):
                 _read(p, d, {f"large-{i}": large})
@@ -98,12 +105,7 @@ def test_a_larger_read_alone_is_posted_by_the_loop_a_burst_of_them_by_the_nixl_t
             d.start()
             _read(p, d, {"warm": (p.allocate(1), d.allocate(1))})
             alone = (p.allocate(8), d.allocate(8))  # 1 MiB: over --inline-read-kib, within the other
-            before = _posted_by_loop(ds)
-            for i in range(5):  # (one finds the NIXL thread polling and is handed over: one of a few)
-                _read(p, d, {f"alone-{i}": alone}, words=True)
-                if _posted_by_loop(ds) > before:
-                    break
-            assert _posted_by_loop(ds) == before + 1
+            _one_posted_by_loop(p, d, ds, "alone", alone, words=True)
             burst = [(p.allocate(8), d.allocate(8)) for _ in range(8)]
             before = _posted_by_loop(ds)
             _read(p, d, {f"burst-{i}": pair for i, pair in enumerate(burst)}, words=True)

@@ -201,6 +201,14 @@ BIG = make_layout(layers=32, num_blocks=200, heads=8, head_dim=128)  # 2 MiB per
 SMALL = make_layout(layers=4, num_blocks=64, heads=2, head_dim=32)
 
 
+def handshaked(d: SyntheticEngine, p: SyntheticEngine) -> str:
+    """The decode's sidecar handshakes the prefill's (an empty read); the generation a request
+    names, as the connector's kv_transfer_params do."""
+    d.client.recv("warm", [], remote_of(p, []))
+    wait_for(d.client, lambda a: bool(a.done))
+    return p.client.ping().generation
+
+
 def test_reads_are_proved_by_their_lease_words(sidecars: SidecarFactory) -> None:
     ds = sidecars.start("lw-d", metrics_port=free_port())
     ps = sidecars.start("lw-p")
@@ -242,9 +250,7 @@ def test_a_read_whose_lease_ended_during_it_is_refused(sidecars: SidecarFactory,
     try:
         d.start()
         p.start()
-        d.client.recv("warm", [], remote_of(p, []))
-        wait_for(d.client, lambda a: bool(a.done))
-        generation = p.client.ping().generation  # (as the connector's kv_transfer_params name it)
+        generation = handshaked(d, p)
         refused = 0
         for attempt in range(4):
             name, tok = f"abort-{attempt}", f"tok-{attempt}"
@@ -287,9 +293,7 @@ def test_a_read_its_word_proves_sends_no_claim_one_it_does_not_is_claimed_after_
     try:
         d.start()
         p.start()
-        d.client.recv("warm", [], remote_of(p, []))
-        wait_for(d.client, lambda a: bool(a.done))
-        generation = p.client.ping().generation
+        generation = handshaked(d, p)
         blocks = {name: (p.allocate(8), d.allocate(8)) for name in ("first", "second")}
         for name, (pb, _db) in blocks.items():
             p.fill(name, pb)

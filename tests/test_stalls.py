@@ -35,6 +35,7 @@ from kvxfer.sidecar.stall_guard import StallGuard
 from kvxfer.testing.engine import SyntheticEngine, make_layout
 from kvxfer.testing.procs import SidecarFactory, SidecarProc, free_port
 from tests.test_faults import remote_of
+from tests.test_lease_words import handshaked
 from tests.test_sidecar import wait_for
 
 STALL_S = 1.0
@@ -240,9 +241,7 @@ def test_a_prefill_frozen_under_a_read_its_word_proves_costs_stall_s(sidecars: S
     d.start()
     p.start()
     try:
-        d.client.recv("warm", [], remote_of(p, []))  # (the handshake: no claim, no link)
-        wait_for(d.client, lambda a: bool(a.done))
-        generation = p.client.ping().generation
+        generation = handshaked(d, p)  # (no claim: no link)
         pb, db = p.allocate(blocks), d.allocate(blocks)
         p.fill("frozen", pb)
         p.client.hold("frozen", pb, token="tok-frozen", expires_unix=time.time() + 120)
