@@ -7,7 +7,8 @@
   (``KeepAlive`` → ``LeaseRenew``, as vLLM's NixlConnector heartbeats waiting requests); a
   lease already gone comes back as ``expired`` and the request is computed locally.
 * The engine worker frees a hold on its own only when its sidecar is silent: a live sidecar
-  may have extended the lease.
+  may have extended the lease. It asks a live one after its overdue holds instead, and frees
+  those it does not hold (their Hold or their Released was lost).
 """
 
 from __future__ import annotations
@@ -162,27 +163,35 @@ def test_the_decode_scheduler_keeps_waiting_requests_alive_and_recomputes_lost_o
         d.close()
 
 
-def test_a_worker_frees_a_hold_on_its_own_only_when_its_sidecar_is_silent(
+def test_a_worker_frees_a_hold_on_its_own_only_when_its_sidecar_is_silent_or_does_not_hold_it(
     factory: SidecarFactory,
 ) -> None:
     import torch
 
+    from kvxfer.client import SidecarClient
     from kvxfer.connector.settings import ConnectorSettings
     from kvxfer.connector.worker import CacheShape, WorkerSide
 
-    sc = factory.start("silent")
+    sc = factory.start("silent", "--lease-s", "60")
     ws = WorkerSide(ConnectorSettings(sidecar=sc.endpoint, heartbeat_s=0.1, grace_s=1.0), 0, 1, "cpu")
     ctx = ws.mem_pool_context()
     assert ctx is not None
     with ctx:
         kv = {"l0": torch.zeros(2, 8, 16, 8, 64, dtype=torch.float16)}
+    scheduler = SidecarClient(sc.endpoint)  # (the Holds come from the scheduler's own connection)
     try:
         ws.register_kv_caches(kv, CacheShape(8, 16, 8, 8, 64, False))
-        ws.bind({}, {"held": time.monotonic() + 0.2})  # the engine's own deadline passes at once
-        end = time.monotonic() + 2.0
+        scheduler.hold("held", [0, 1], lease_s=60, notify_ranks=True)  # held (as if a decode extended it)
+        scheduler.ping()
+        # ... and "lost", whose Hold never reached the sidecar: the engine's own deadlines pass at once
+        ws.bind({}, {"held": time.monotonic() + 0.2, "lost": time.monotonic() + 0.2})
+        freed: set[str] = set()
+        end = time.monotonic() + 3.0
         while time.monotonic() < end:  # the sidecar answers heartbeats: it may have extended the lease
-            assert "held" not in ws.get_transfer_results().finished_sending
+            freed |= ws.get_transfer_results().finished_sending
+            assert "held" not in freed
             time.sleep(0.05)
+        assert freed == {"lost"}, "a hold the live sidecar does not hold was never freed"
         os.kill(sc.proc.pid, signal.SIGSTOP)  # silent now
         try:
             deadline = time.monotonic() + 10
@@ -192,5 +201,6 @@ def test_a_worker_frees_a_hold_on_its_own_only_when_its_sidecar_is_silent(
         finally:
             os.kill(sc.proc.pid, signal.SIGCONT)
     finally:
+        scheduler.close()
         ws.shutdown()
 

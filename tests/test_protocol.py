@@ -28,6 +28,7 @@ MESSAGES: dict[str, tuple[object, str]] = {
     "unregister": (p.Unregister(tp_rank=1), "94aa756e726567697374657201a000"),
     "hold": (p.Hold(req_id="r1", block_ids=[1, 2, 3], lease_s=2.5, reads=2), "9ea4686f6c64a2723193010203cb400400000000000002c2cb0000000000000000a0a0c2c000c2c2"),
     "release": (p.Release(req_id="r1"), "93a772656c65617365a27231a0"),
+    "holds_check": (p.HoldsCheck(engine_id="E", req_ids=["r1", "r2"]), "93ab686f6c64735f636865636ba14592a27231a27232"),
     "recv": (
         p.Recv(req_id="r1", block_ids=[4, 5], remote_engine_id="P", remote_host="10.0.0.1",
                remote_port=5700, remote_block_ids=[1, 2]),
@@ -46,7 +47,7 @@ MESSAGES: dict[str, tuple[object, str]] = {
     "failed": (p.Failed(req_id="r1", block_ids=[4, 5], code="deadline", reason="late"), "97a66661696c6564a27231920405a8646561646c696e65a46c617465ffff"),
     "released": (p.Released(req_id="r1", reason="read", reads=1), "94a872656c6561736564a27231a47265616401"),
     "error": (p.Error(code="malformed", message="bad", req_id="r1"), "94a56572726f72a96d616c666f726d6564a3626164a27231"),
-    "pong": (p.Pong(seq=7, engine_id="D", version=1, handshake_host="h", handshake_port=1), "9ba4706f6e6707a14401a16801a0a0c2c2c2"),
+    "pong": (p.Pong(seq=7, engine_id="D", version=1, handshake_host="h", handshake_port=1), "9ca4706f6e6707a14401a16801a0a0c2c2c2c2"),
     "hello": (p.Hello(version=1, compat_hash="abcd", engine_id="D", agent_name="a"), "9ca568656c6c6f01a461626364a144a161a0cb0000000000000000a0a0a0a0a0"),
     "welcome": (
         p.Welcome(version=1, compat_hash="abcd", engine_id="P", agent_name="b",

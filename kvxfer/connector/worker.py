@@ -31,6 +31,7 @@ import msgspec
 
 from kvxfer.client import SEND_ERRORS, Drained, SidecarClient
 from kvxfer.connector.early import EARLY_MAX, EarlyEvents
+from kvxfer.connector.holds_check import OverdueHolds
 from kvxfer.connector.layer_reports import LayerReports
 from kvxfer.connector.layout import Placement, registration_from_tensors, tensor_of_layer
 from kvxfer.connector.rejoin import Rejoin, naming_abandoned
@@ -106,6 +107,7 @@ class WorkerSide:
         self.registered: Registered | None = None
         self._recvs: dict[str, tuple[list[int], float]] = {}
         self._holds: dict[str, float] = {}
+        self._overdue = OverdueHolds(settings.lease_s + settings.grace_s + settings.settle_s)  # (holds_check)
         self._names: dict[str, str] = {}  # push mode: lease (transfer) id -> vLLM's request id
         self._layers = LayerReports({})  # push mode: the layers a step computed, as the sidecar counts them
         self._invalid: set[int] = set()
@@ -226,7 +228,7 @@ class WorkerSide:
             self._sidecar_restarted(out, ev.pongs)
             return out
         if ev.pongs:
-            self._last_pong = now
+            self._last_pong, self._overdue.supported = now, ev.pongs[-1].holds_check
         elif self._gone or (now - self._last_pong > self.settings.heartbeat_s and self.death.proven()):
             self._sidecar_gone(out, now)
         for reg in ev.registered:
@@ -234,7 +236,8 @@ class WorkerSide:
             self._rejoin.answered()
             log.info("rank %d re-registered with sidecar %s", self.tp_rank, self.settings.sidecar)
         self._early.apply(lambda event: self._apply(out, event), now)
-        for event in [*ev.done, *ev.failed, *ev.released]:
+        for event in [*ev.done, *ev.failed, *[r for r in ev.released
+                                               if self._overdue.admit(r, r.req_id in self._holds, now)]]:
             if not self._apply(out, event):
                 self._early.keep(event, now)
         for e in ev.errors:
@@ -352,15 +355,11 @@ class WorkerSide:
                 del self._recvs[req_id]
                 log.warning("no answer from the sidecar for request %s; failing its KV load", req_id)
                 self._fail(out, req_id, blocks)
-        for req_id, deadline in list(self._holds.items()):
-            # Only a silent sidecar: a live one may have extended the lease (a decode still
-            # waiting renews it, a read claims it) and sends Released when it ends.
-            if now > deadline and silent:
-                del self._holds[req_id]
-                log.warning("no release from a silent sidecar for request %s; freeing after its lease",
-                            req_id)
-                out.finished_sending.add(self._names.pop(req_id, req_id))
-                self.stats.expired += 1
+        for req_id in self._overdue.expire(self._holds, silent, now, self.client, self.place.engine_id):
+            del self._holds[req_id]
+            log.warning("no release from a silent sidecar for request %s; freeing after its lease", req_id)
+            out.finished_sending.add(self._names.pop(req_id, req_id))
+            self.stats.expired += 1
 
     def save_layer(self, layer_name: str, streamed: list[str]) -> None:
         """Push mode: this step (``streamed``: its requests) computed ``layer_name`` ("": all); what

@@ -57,6 +57,7 @@ from kvxfer.protocol.engine import (
     Error,
     Failed,
     Hold,
+    HoldsCheck,
     KeepAlive,
     LayersDone,
     Ping,
@@ -149,6 +150,8 @@ from kvxfer.protocol.peer import (
 #    word is published, and is proved by a claim after the landing); ReadNotice.reader_engine
 #    and Welcome.reader_engines (readers told apart by decode engine; a decode names a staging
 #    slot's readers "pp/tp@engine" only at a prefill whose Welcome says so) appended)
+#    (and HoldsCheck, engine -> sidecar, added, with Released.reason "unknown" (its only answer)
+#    and Pong.holds_check appended: a worker asks only a sidecar whose Pong says so)
 PROTOCOL_VERSION = 6
 
 
@@ -196,6 +199,7 @@ __all__ = [
     "HandshakeRequest",
     "Hello",
     "Hold",
+    "HoldsCheck",
     "KVGroup",
     "KVLayout",
     "KVRegion",

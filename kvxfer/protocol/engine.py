@@ -184,7 +184,19 @@ class KeepAlive(_Msg, tag="keepalive"):
     remote_tokens: Annotated[list[Token], Meta(max_length=4096)] = []  # the leases' capabilities, same order
 
 
-EngineRequest = RegisterKV | Unregister | Hold | Release | Recv | Ping | KeepAlive | LayersDone | Cancel
+class HoldsCheck(_Msg, tag="holds_check"):
+    """A worker's holds whose lease ran past the deadline it knows and whose ``Released`` has
+    not come: the sidecar answers ``Released(reason="unknown")`` for each it does not hold
+    (its Hold never reached it, or its Released was lost on the way), and nothing for one it
+    holds (a decode extended it: its Released comes when it ends). Asked only of a sidecar
+    whose ``Pong`` says ``holds_check``."""
+
+    engine_id: str
+    req_ids: Annotated[list[ReqId], Meta(max_length=4096)]  # the lease names (a push hold's transfer id)
+
+
+EngineRequest = (RegisterKV | Unregister | Hold | Release | Recv | Ping | KeepAlive | LayersDone | Cancel
+                 | HoldsCheck)
 
 
 # --------------------------------------------------------------------------- sidecar -> engine
@@ -225,7 +237,7 @@ class Failed(_Msg, tag="failed"):
 
 class Released(_Msg, tag="released"):
     req_id: str
-    reason: Literal["read", "expired", "aborted"]
+    reason: Literal["read", "expired", "aborted", "unknown"]  # unknown: the answer to a HoldsCheck
     reads: NonNeg = 0
 
 
@@ -248,6 +260,7 @@ class Pong(_Msg, tag="pong"):
     # ... and so with several KV cache groups (Hold.groups on a partial hold: the full-attention
     # groups' lists grow chunk by chunk, a window's and a state's come with the last)
     grouped_chunks: bool = False
+    holds_check: bool = False  # it answers HoldsCheck
 
 
 SidecarEvent = Registered | Done | Failed | Released | Error | Pong

@@ -44,6 +44,7 @@ from kvxfer.protocol import (
     PROTOCOL_VERSION,
     Cancel,
     Hold,
+    HoldsCheck,
     KeepAlive,
     LayersDone,
     Ping,
@@ -56,7 +57,7 @@ from kvxfer.protocol import (
 from kvxfer.sidecar.engine_rings import EngineRings
 from kvxfer.sidecar.engine_server import EngineServer, ipc_path, storm_proof
 from kvxfer.sidecar.engines import Advertised, Engines
-from kvxfer.sidecar.holds import Holds
+from kvxfer.sidecar.holds import Holds, unknown_holds
 from kvxfer.sidecar.keepalive import LeaseKeeper
 from kvxfer.sidecar.lease_words import LeaseWords
 from kvxfer.sidecar.lifecycle import Lifecycle, LifecycleView
@@ -209,6 +210,7 @@ class Sidecar:
         es.on(Recv, lambda ident, msg: self.receiver.on_recv(ident, msg, es.sender, self.lifecycle.draining,
                                                              es.received_ns))
         es.on(Release, lambda ident, msg: self.holds.release_request(msg, es.sender))
+        es.on(HoldsCheck, lambda i, m: [es.send(i, r) for r in unknown_holds(self.holds, m, es.sender)])
         es.on(Cancel, lambda ident, msg: self.receiver.on_cancel(msg, es.sender))
         es.on(RegisterKV, lambda ident, msg: self._spawn(self.engines.register(ident, msg, es.sender)))
         es.on(KeepAlive, lambda ident, msg: self._spawn(self.keeper.keepalive(ident, msg)))
@@ -372,7 +374,7 @@ class Sidecar:
         return Pong(seq=seq, engine_id=self.engine_id, version=PROTOCOL_VERSION, handshake_host=a.host,
                     handshake_port=a.port, instance=self.agent_name,
                     generation=self.registry.generation(self.agent_name), grouped_streams=True,
-                    chunk_streams=True, grouped_chunks=True)
+                    chunk_streams=True, grouped_chunks=True, holds_check=True)
 
     def _holds_changed(self) -> None:
         for out in self.holds.take_outbox():
