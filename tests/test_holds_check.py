@@ -67,3 +67,92 @@ def test_an_unknown_frees_a_bound_hold_and_makes_a_late_released_of_its_name_sta
     assert not o.admit(Released(req_id="a", reason="read"), held=False, now=61.0)
     assert o.admit(Released(req_id="a", reason="read"), held=True, now=62.5)  # its window is over
     assert o.admit(Released(req_id="b", reason="read"), held=True, now=30.0)  # other names untouched
+
+
+def test_a_name_no_sidecar_takes_is_freed_here_and_never_poisons_the_check() -> None:
+    o = OverdueHolds(stale_s=60, every_s=5)
+    o.supported = True
+    client = Sent()
+    long = "x" * 513  # (its Hold was refused malformed, naming nothing: no Released, no "unheld")
+    holds = {long: 10.0, "lost": 10.0}
+    assert o.expire(holds, silent=False, now=11.0, client=client, engine_id="E") == [long]  # type: ignore[arg-type]
+    assert client.msgs == [HoldsCheck(engine_id="E", req_ids=["lost"])]
+
+
+def test_more_overdue_holds_than_one_check_names_are_asked_after_in_turns() -> None:
+    o = OverdueHolds(stale_s=60, every_s=1)
+    o.supported = True
+    holds = {f"r{i}": 0.0 for i in range(MAX_ASKED + 100)}
+    first = o.due(holds, 10.0)
+    second = o.due(holds, 11.5)
+    assert len(first) == len(second) == MAX_ASKED
+    assert set(first) | set(second) == set(holds)  # (the first 4,096, extended for long, hide none)
+
+
+class Polled:
+    """A sidecar client whose events are given (WorkerSide's side only)."""
+
+    endpoint = "ipc:///x"
+
+    def __init__(self) -> None:
+        self.queue: list[list[Released]] = []
+        self.sent: list[Any] = []
+
+    def heartbeat(self) -> None:
+        pass
+
+    def poll(self) -> Any:
+        from kvxfer.client import Drained
+
+        d = Drained()
+        if self.queue:
+            d.released = self.queue.pop(0)
+        return d
+
+    def send(self, msg: Any) -> None:
+        self.sent.append(msg)
+
+
+def test_a_released_and_its_unknown_in_one_poll_free_the_hold_once_and_no_later_one() -> None:
+    import time
+
+    from kvxfer.connector.settings import ConnectorSettings
+    from kvxfer.connector.worker import WorkerSide
+
+    ws = WorkerSide(ConnectorSettings(sidecar="ipc:///x", heartbeat_s=1000.0), 0, 1, "cpu")
+    client = Polled()
+    ws.client = client  # type: ignore[assignment]
+    ws.bind({}, {"X": time.monotonic() + 60})
+    # its lease ended (read) and the answer to a HoldsCheck asked meanwhile come in one poll
+    client.queue.append([Released(req_id="X", reason="read"), Released(req_id="X", reason="unknown")])
+    assert ws.get_transfer_results().finished_sending == {"X"}
+    ws.bind({}, {"X": time.monotonic() + 60})  # a later hold under the name (a push router's retry)
+    for _ in range(3):
+        assert "X" not in ws.get_transfer_results().finished_sending, \
+            "a stale unknown, kept for a later hold, freed it while the sidecar may hold it"
+
+
+def test_a_sidecar_answers_unknown_for_what_it_does_not_hold_and_nothing_for_what_it_holds(
+    factory: Any,
+) -> None:
+    import time
+
+    from kvxfer.testing.engine import SyntheticEngine, make_layout
+
+    sc = factory.start("hc", "--lease-s", "60")
+    e = SyntheticEngine(make_layout(layers=2, num_blocks=32, heads=2, head_dim=32), sc.endpoint, seed=1)
+    e.start()
+    try:
+        e.client.hold("held", e.allocate(2), lease_s=60)
+        assert e.client.ping().holds_check
+        e.client.send(HoldsCheck(engine_id="", req_ids=["held", "lost", "lost"]))
+        got = e.client.wait_until(lambda a: bool(a.released or a.errors), 5.0)
+        time.sleep(0.3)
+        got.merge(e.client.poll())
+        assert [(r.req_id, r.reason) for r in got.released] == [("lost", "unknown")]
+        assert got.errors == []  # (the handler returned a list, awaited: Error internal each time)
+        e.client.hold("lost", e.allocate(2), lease_s=60)  # its Hold, late: refused, never held now
+        err = e.client.wait_until(lambda a: bool(a.errors), 5.0).errors
+        assert [x.req_id for x in err] == ["lost"]
+    finally:
+        e.close()

@@ -236,9 +236,8 @@ class WorkerSide:
             self._rejoin.answered()
             log.info("rank %d re-registered with sidecar %s", self.tp_rank, self.settings.sidecar)
         self._early.apply(lambda event: self._apply(out, event), now)
-        for event in [*ev.done, *ev.failed, *[r for r in ev.released
-                                               if self._overdue.admit(r, r.req_id in self._holds, now)]]:
-            if not self._apply(out, event):
+        for event in [*ev.done, *ev.failed, *ev.released]:  # (each admitted as it is applied)
+            if self._overdue.admit(event, event.req_id in self._holds, now) and not self._apply(out, event):
                 self._early.keep(event, now)
         for e in ev.errors:
             # (a RegisterKV's refusal names no request; a LayersDone of this rank before it is

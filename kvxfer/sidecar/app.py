@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import os
 import secrets
@@ -210,7 +211,7 @@ class Sidecar:
         es.on(Recv, lambda ident, msg: self.receiver.on_recv(ident, msg, es.sender, self.lifecycle.draining,
                                                              es.received_ns))
         es.on(Release, lambda ident, msg: self.holds.release_request(msg, es.sender))
-        es.on(HoldsCheck, lambda i, m: [es.send(i, r) for r in unknown_holds(self.holds, m, es.sender)])
+        es.on(HoldsCheck, lambda i, m: unknown_holds(self.holds, m, es.sender, functools.partial(es.send, i)))
         es.on(Cancel, lambda ident, msg: self.receiver.on_cancel(msg, es.sender))
         es.on(RegisterKV, lambda ident, msg: self._spawn(self.engines.register(ident, msg, es.sender)))
         es.on(KeepAlive, lambda ident, msg: self._spawn(self.keeper.keepalive(ident, msg)))

@@ -365,16 +365,18 @@ def is_push_hold(msg: Hold) -> bool:
     return msg.streamed or (bool(msg.token) and msg.token == msg.req_id)
 
 
-def unknown_holds(holds: Holds, msg: HoldsCheck, sender: Creds) -> list[Released]:
+def unknown_holds(holds: Holds, msg: HoldsCheck, sender: Creds, send: Callable[[Released], None]) -> None:
     """A worker's overdue holds this sidecar does not hold (``HoldsCheck``: their Hold never
     came, or their Released was lost on the way), each answered ``Released(reason="unknown")``:
     the worker frees their blocks. Their Hold is refused from now on should it still come (it
-    cannot be admitted anyway: the worker asks only past the deadline the Hold carries)."""
+    cannot be admitted anyway: the worker asks only past the deadline the Hold carries). Sent
+    through ``send``: the handler returns nothing (a value returned is awaited)."""
     engine = holds.registry.engine_of(msg.engine_id)
     authorize(sender, holds.registry.holders(engine), holds.config.engine_ownership, "checking holds", engine)
     gone = [r for r in dict.fromkeys(msg.req_ids) if (engine, r) not in holds.table]
     if gone:
-        holds.abandoned.add(engine, gone, holds.config.max_lease_s)
+        holds.abandoned.add(engine, gone, holds.config.lease_s)
         log.warning("engine %s asked after %d holds this sidecar does not hold (e.g. %s): answered unknown, "
                     "its blocks are freed", engine, len(gone), gone[0])
-    return [Released(req_id=r, reason="unknown") for r in gone]
+    for r in gone:
+        send(Released(req_id=r, reason="unknown"))
