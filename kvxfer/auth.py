@@ -43,8 +43,10 @@ from kvxfer.protocol import DigestRequest, Hello, LayerWatch, LeaseRenew, StageR
 CHALLENGE_S = 30.0  # a challenge must be answered within this
 CHALLENGES_MAX = 4096  # outstanding challenges kept (oldest forgotten first)
 # How much of a Welcome its MAC covers (``welcome_cover``): 0, the fields of protocol 6 as first
-# released (through staging_bytes); 1, also the lease words and the push-mode flags.
-WELCOME_COVER = 1
+# released (through staging_bytes); 1, also the lease words and the push-mode flags; 2, also
+# compat_tp and reader_engines, and the compat_tp of the Hello it answers (which the Hello's own
+# MAC leaves out: its fields are fixed for every 6, and an older listener checks those only).
+WELCOME_COVER = 2
 
 
 def _mac(secret: bytes, label: str, *fields: Any) -> str:
@@ -124,6 +126,8 @@ def _welcome_fields(welcome: Welcome, hello: Hello, metadata: bytes, cover: int)
     if cover >= 1:  # what was appended to Welcome within protocol 6, after staging_bytes
         fields += (cover, welcome.lease_words_addr, welcome.lease_words_slots, welcome.layer_streams,
                    welcome.grouped_streams, welcome.chunk_streams)
+    if cover >= 2:  # (which TP-independent layout each side said it has: what the handshake matched)
+        fields += (welcome.compat_tp, welcome.reader_engines, hello.compat_tp)
     return fields
 
 

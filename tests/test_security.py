@@ -132,7 +132,8 @@ def test_the_welcome_mac_covers_what_it_vouches_for() -> None:
 
 # What was appended to Welcome within protocol 6: each changes how the decode reads
 LATER_FIELDS = {"lease_words_addr": 1 << 20, "lease_words_slots": 7, "layer_streams": True,
-                "grouped_streams": True, "chunk_streams": True}
+                "grouped_streams": True, "chunk_streams": True, "compat_tp": "other-tp-layout",
+                "reader_engines": True}
 
 
 def test_the_welcome_mac_covers_the_fields_appended_within_protocol_six() -> None:
@@ -144,6 +145,11 @@ def test_the_welcome_mac_covers_the_fields_appended_within_protocol_six() -> Non
     assert check_welcome(SECRET, w, hello, b"md")
     for name, value in LATER_FIELDS.items():  # changed on the way by someone without the secret
         assert not check_welcome(SECRET, msgspec.structs.replace(w, **{name: value}), hello, b"md"), name
+    # the Hello's compat_tp, which its own MAC leaves out, changed on the way to the listener: the
+    # Welcome signed over what the listener saw does not check against what the dialer sent
+    seen = msgspec.structs.replace(hello, compat_tp="other-tp-layout")
+    assert auth._hello_fields(seen) == auth._hello_fields(hello)  # (its own MAC does not see it)
+    assert not check_welcome(SECRET, sign_welcome(SECRET, w, seen, b"md"), hello, b"md")
     # nor can the ask be stripped from the Hello (the nonce is under the Hello's MAC) to make a
     # listener sign the first release's fields only
     stripped = msgspec.structs.replace(hello, nonce=hello.nonce.partition(".")[2])

@@ -150,6 +150,9 @@ from kvxfer.protocol.peer import (
 #    word is published, and is proved by a claim after the landing); ReadNotice.reader_engine
 #    and Welcome.reader_engines (readers told apart by decode engine; a decode names a staging
 #    slot's readers "pp/tp@engine" only at a prefill whose Welcome says so) appended)
+#    (and, with a secret, the Welcome MAC covering compat_tp and reader_engines and the Hello's
+#    compat_tp for a dialer whose nonce starts "w2." (cover 2, kvxfer.auth.welcome_cover); a
+#    listener of cover 1 signs cover 1, which such a dialer still accepts)
 #    (and HoldsCheck, engine -> sidecar, added, with Released.reason "unknown" (its only answer)
 #    and Pong.holds_check appended: a worker asks only a sidecar whose Pong says so)
 PROTOCOL_VERSION = 6
