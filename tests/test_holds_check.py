@@ -138,8 +138,9 @@ def test_a_sidecar_answers_unknown_for_what_it_does_not_hold_and_nothing_for_wha
     import time
 
     from kvxfer.testing.engine import SyntheticEngine, make_layout
+    from kvxfer.testing.procs import free_port
 
-    sc = factory.start("hc", "--lease-s", "60")
+    sc = factory.start("hc", "--lease-s", "60", metrics_port=free_port())
     e = SyntheticEngine(make_layout(layers=2, num_blocks=32, heads=2, head_dim=32), sc.endpoint, seed=1)
     e.start()
     try:
@@ -151,6 +152,7 @@ def test_a_sidecar_answers_unknown_for_what_it_does_not_hold_and_nothing_for_wha
         got.merge(e.client.poll())
         assert [(r.req_id, r.reason) for r in got.released] == [("lost", "unknown")]
         assert got.errors == []  # (the handler returned a list, awaited: Error internal each time)
+        assert sc.scrape().get('kvxfer_leases_released_total{reason="unknown"}') == 1
         e.client.hold("lost", e.allocate(2), lease_s=60)  # its Hold, late: refused, never held now
         err = e.client.wait_until(lambda a: bool(a.errors), 5.0).errors
         assert [x.req_id for x in err] == ["lost"]

@@ -379,4 +379,5 @@ def unknown_holds(holds: Holds, msg: HoldsCheck, sender: Creds, send: Callable[[
         log.warning("engine %s asked after %d holds this sidecar does not hold (e.g. %s): answered unknown, "
                     "its blocks are freed", engine, len(gone), gone[0])
     for r in gone:
+        holds.observer.lease_released(r, "unknown")  # (kvxfer_leases_released_total{reason="unknown"})
         send(Released(req_id=r, reason="unknown"))
