@@ -198,10 +198,15 @@ def main(argv: list[str] | None = None) -> int:
             print(f"kvxfer: warning: {w}", file=sys.stderr)
         if check:
             from kvxfer.config import describe
+            from kvxfer.errors import ListenError
+            from kvxfer.sidecar.sockdir import check_private
 
             try:
                 config.preflight()  # (what the start would refuse: files, the secret)
-            except ConfigError as e:
+                sock = config.engine_socket.partition("ipc://")[2]
+                if sock and os.path.isdir(os.path.dirname(sock)):  # (one not there yet is made 0700)
+                    check_private(os.path.dirname(sock), f"engine socket {config.engine_socket}")
+            except (ConfigError, ListenError) as e:
                 print(f"kvxfer: {e}", file=sys.stderr)
                 return 2
             print(describe(config, sources))

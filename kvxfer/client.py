@@ -410,12 +410,21 @@ class SidecarClient:
                 pass
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                raise SidecarUnavailable(f"no {what} answer from {self.endpoint}")
+                raise SidecarUnavailable(f"no {what} answer from {self.endpoint}{_no_socket(self.endpoint)}")
             if not self._ready():
                 self._poller().poll(int(remaining * 1000))
 
 
 __all__ = ["Drained", "ErrorCode", "RemoteBlocks", "SidecarClient"]
+
+
+def _no_socket(endpoint: str) -> str:
+    """Why an ipc:// sidecar cannot answer, when it is plain: nothing listens at that path."""
+    path = endpoint[len("ipc://"):] if endpoint.startswith("ipc://") else ""
+    if path and not os.path.exists(path):
+        return (f" (no socket at {path}: is a sidecar running with --engine-socket {endpoint}? the "
+                f"connector's kv_connector_extra_config 'sidecar' names it)")
+    return ""
 
 
 def decode_event(body: bytes) -> SidecarEvent:

@@ -9,11 +9,14 @@ flags (``engine_id`` -> ``--engine-id``), so the three sources can never drift a
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import ipaddress
 import json
+import logging
 import os
 import socket
+import stat
 import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -22,6 +25,8 @@ from typing import Any
 from kvxfer import hostkey
 from kvxfer.errors import ConfigError
 from kvxfer.targets import MUTATING_MODES, is_unix, split_targets
+
+log = logging.getLogger("kvxfer.config")
 
 ENV_PREFIX = "KVXFER_"
 
@@ -74,7 +79,9 @@ class Config:
     drain_timeout_s: float = _doc("How long SIGTERM waits for in-flight work before exiting.",
                                   default=20.0)
     secret_file: str = _doc("File holding the shared secret peers must prove at handshake "
-                            "(HMAC); also KVXFER_SECRET. Unset: no authentication.", default="")
+                            "(HMAC); also KVXFER_SECRET. Unset: loopback handshakes prove this "
+                            "host's key (--host-key-file), and none beyond loopback is allowed "
+                            "without --insecure.", default="")
     handshake_encryption: str = _doc("With a shared secret, 'auto' encrypts the handshake channel "
                                      "(CurveZMQ, keys derived from the secret: the NIXL metadata "
                                      "never crosses a network in clear); 'none' sends it in clear "
@@ -216,10 +223,7 @@ class Config:
             raise ConfigError(f"log_format must be text or json, not {self.log_format!r}")
         if self.log_level.upper() not in LOG_LEVELS:
             raise ConfigError(f"log_level must be one of {', '.join(LOG_LEVELS)}, not {self.log_level!r}")
-        scheme = self.engine_socket.partition("://")[0]
-        if scheme not in ("ipc", "tcp") or not self.engine_socket.partition("://")[2]:
-            raise ConfigError(f"engine_socket must be ipc:///path (or tcp://host:port), not "
-                              f"{self.engine_socket!r}")
+        check_engine_socket(self.engine_socket)
         for name in ("control_target", "health_target"):
             for target in split_targets(getattr(self, name)):
                 check_target(name, target)
@@ -275,6 +279,7 @@ class Config:
                 raise ConfigError(f"secret_file {self.secret_file}: {e}") from e
             if not secret:
                 raise ConfigError(f"secret_file {self.secret_file} is empty")
+            secret_warnings(self.secret_file, secret)
             return secret
         return env.get(ENV_PREFIX + "SECRET", "").encode()
 
@@ -337,12 +342,39 @@ LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off", "")
 
 
+def secret_warnings(path: str, secret: bytes) -> None:
+    """WARNINGs for a secret file others may read, or a secret short enough to guess."""
+    with contextlib.suppress(OSError):
+        mode = stat.S_IMODE(os.stat(path).st_mode)
+        if mode & 0o077:
+            log.warning("secret_file %s is readable by others (mode %04o): `chmod 600` it; whoever reads "
+                        "it can handshake as a peer and reach registered KV memory", path, mode)
+    if len(secret) < 16:
+        log.warning("secret_file %s holds a %d-byte secret: use at least 16 random bytes (e.g. "
+                    "`openssl rand -hex 32`)", path, len(secret))
+
+
+def check_engine_socket(endpoint: str) -> None:
+    """ipc:// and an absolute path (a relative one binds where the sidecar was started: / under
+    systemd), or tcp://host:port."""
+    scheme, _, rest = endpoint.partition("://")
+    host, sep, port = rest.rpartition(":")
+    if scheme == "ipc" and rest.startswith("/") and rest.strip("/"):
+        return
+    if scheme == "tcp" and sep and host and port.isdigit() and 0 < int(port) < 65536:
+        return
+    raise ConfigError(f"engine_socket must be ipc:// and an absolute path (ipc:///run/kvxfer/engine.sock) "
+                      f"or tcp://host:port, not {endpoint!r}")
+
+
 def check_target(name: str, target: str) -> None:
     """A gRPC listener address: unix:PATH (as the control server tells them: ``is_unix``) or
     host:port (IPv6 as [addr]:port)."""
     if is_unix(target):
-        if not target[len("unix:"):].lstrip("/"):
-            raise ConfigError(f"{name}: {target!r} names no socket path")
+        path = target[len("unix:"):]
+        path = path[2:] if path.startswith("//") else path  # (unix:///abs, unix:/abs; unix://rel is relative)
+        if not path.lstrip("/") or not path.startswith("/"):
+            raise ConfigError(f"{name}: {target!r} names no absolute socket path (unix:///run/kvxfer/x.sock)")
         return
     host, sep, port = target.rpartition(":")
     if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:

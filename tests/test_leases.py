@@ -204,3 +204,27 @@ def test_a_worker_frees_a_hold_on_its_own_only_when_its_sidecar_is_silent_or_doe
         scheduler.close()
         ws.shutdown()
 
+
+
+def test_a_read_the_decode_refuses_to_plan_frees_the_prefills_blocks_at_once(factory: SidecarFactory) -> None:
+    """A receive refused at its plan (here blocks the prefill does not have; in a new-user trial
+    two layouts that cannot be paired) was never told to the prefill: its blocks stayed held
+    until the lease ran out (``kvxfer demo`` with such layouts took 2 minutes). Now the prefill
+    is told this reader will not read, on the handshake's path and on the warm one."""
+    p, d, _ = _pair(factory, "60")
+    try:
+        reg = p.registered
+        assert reg is not None
+        remote = lambda blocks: RemoteBlocks(reg.engine_id, reg.handshake_host, reg.handshake_port,  # noqa: E731
+                                             blocks, generation=p.client.ping().generation)
+        for name in ("cold", "warm"):  # (the first handshakes; the second plans on the cached peer)
+            pb = p.allocate(2)
+            p.client.hold(name, pb, lease_s=60)
+            d.client.recv(name, d.allocate(2), remote([pb[0], LAYOUT.num_blocks + 5]))
+            failed = d.client.wait_until(lambda a: bool(a.failed), 20.0).failed
+            assert [f.code for f in failed] == [ErrorCode.BLOCK_OUT_OF_RANGE], failed
+            got = p.client.wait_until(lambda a: bool(a.released), 5.0).released
+            assert [(r.req_id, r.reason) for r in got] == [(name, "aborted")], name
+    finally:
+        p.close()
+        d.close()

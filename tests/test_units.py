@@ -164,6 +164,9 @@ def test_config_precedence(tmp_path: os.PathLike[str]) -> None:
         ({"handshake_port": 70000}, {}),
         ({"log_level": "verbose"}, {}),
         ({"engine_socket": "/run/kvxfer/engine.sock"}, {}),  # no ipc://
+        ({"engine_socket": "ipc://engine.sock"}, {}),  # relative: / under systemd (a new-user trial)
+        ({"engine_socket": "tcp://127.0.0.1:notaport"}, {}),  # passed --check, failed the start
+        ({"control_target": "unix://control.sock"}, {}),  # relative too
         ({"control_target": "foo"}, {}),
         ({"health_target": "0.0.0.0:99999"}, {}),
         ({}, {"KVXFER_INSECURE": "maybe"}),  # not silently false
@@ -395,6 +398,38 @@ def test_serve_check_refuses_what_the_start_would(tmp_path) -> None:  # type: ig
     with pytest.raises(ConfigError, match="control_tls_cert"):
         Config(control_tls_cert=str(tmp_path / "missing.pem")).preflight()
     Config().preflight()  # (loopback, no secret: the host key, made at start)
+
+
+def test_serve_check_refuses_a_shared_socket_directory_and_never_advises_chmod_on_it(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """A new-user trial: ``--check`` passed an engine socket in /tmp that the start refused,
+    and the refusal advised ``install -d -m 0700 /tmp`` (pasted by root: /tmp 0700 for all)."""
+    from kvxfer.cli import main
+
+    assert main(["serve", "--engine-socket", "ipc:///tmp/kvxfer-check.sock", "--check"]) == 2
+    err = capsys.readouterr().err
+    assert "writable by others" in err
+    assert "install -d -m 0700 /tmp/kvxfer`" in err
+    assert "install -d -m 0700 /tmp`" not in err
+
+
+def test_a_secret_file_others_can_read_or_a_short_secret_is_warned_of(
+        tmp_path: os.PathLike[str], caplog: pytest.LogCaptureFixture) -> None:
+    import pathlib
+
+    secret = pathlib.Path(tmp_path) / "secret"
+    secret.write_text("s3cret\n")
+    secret.chmod(0o644)
+    with caplog.at_level("WARNING", logger="kvxfer.config"):
+        assert Config(secret_file=str(secret)).load_secret() == b"s3cret"
+    assert "readable by others" in caplog.text
+    assert "6-byte secret" in caplog.text
+    caplog.clear()
+    secret.write_text("0123456789abcdef0123456789abcdef\n")
+    secret.chmod(0o600)
+    with caplog.at_level("WARNING", logger="kvxfer.config"):
+        Config(secret_file=str(secret)).load_secret()
+    assert caplog.text == ""
 
 
 @pytest.mark.parametrize(("preset", "want"), [(None, "1"), ("3", "3")])

@@ -35,10 +35,15 @@
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
+import logging
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
+
+log = logging.getLogger(__name__)
 
 DEFAULT_SIDECAR = "ipc:///run/kvxfer/engine.sock"
 # vLLM's KVCacheLayout names kvxfer can move (a layer's block must be one run: LHBNC and
@@ -65,6 +70,15 @@ class ConnectorSettings:
     mode: str = "pull"
 
     def __post_init__(self) -> None:
+        if not self.sidecar.startswith(("ipc://", "tcp://")):
+            raise ValueError(f"kvxfer: sidecar must be an ipc:// or tcp:// endpoint (e.g. ipc:///run/kvxfer/"
+                             f"engine.sock, as kvxfer serve --engine-socket), not {self.sidecar!r}")
+        for name in ("lease_s", "transfer_timeout_s", "sidecar_timeout_s", "heartbeat_s", "send_queue"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"kvxfer: {name} must be above 0, not {getattr(self, name)!r}")
+        for name in ("grace_s", "settle_s", "keepalive_s"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"kvxfer: {name} must be 0 or more, not {getattr(self, name)!r}")
         if self.mode not in ("pull", "push"):
             raise ValueError(f"kvxfer: mode must be 'pull' or 'push', not {self.mode!r}")
         if self.engine_channel not in ("ring", "zmq"):
@@ -81,18 +95,36 @@ class ConnectorSettings:
 
     @classmethod
     def from_extra(cls, extra: Mapping[str, Any] | None) -> ConnectorSettings:
+        """Raises ValueError naming the key of a value it cannot take; a key it does not know is
+        logged (a WARNING naming the nearest known one) and ignored: kv_connector_extra_config
+        may carry keys of another connector, but a typo must not pass unseen."""
         extra = dict(extra or {})
-        lease = extra.get("lease_s", extra.get("kv_lease_duration", cls.lease_s))
+        known = {f.name for f in dataclasses.fields(cls)} | {"kv_lease_duration"}
+        for key in sorted(set(extra) - known, key=str):
+            near = difflib.get_close_matches(str(key), known, 1)
+            hint = f"did you mean {near[0]!r}?" if near else f"kvxfer's: {', '.join(sorted(known))}"
+            log.warning("kvxfer: kv_connector_extra_config key %r is not one of kvxfer's: ignored (%s)",
+                        key, hint)
+
+        def num(key: str, default: float, kind: type = float) -> Any:
+            value = extra.get(key, default)
+            try:
+                return kind(value)
+            except (TypeError, ValueError):
+                raise ValueError(f"kvxfer: kv_connector_extra_config {key} must be a "
+                                 f"{'whole ' if kind is int else ''}number, not {value!r}") from None
+
+        lease = num("lease_s", num("kv_lease_duration", cls.lease_s))
         return cls(
             sidecar=str(extra.get("sidecar") or os.environ.get("KVXFER_SIDECAR") or DEFAULT_SIDECAR),
-            lease_s=float(lease),
-            transfer_timeout_s=float(extra.get("transfer_timeout_s", cls.transfer_timeout_s)),
-            sidecar_timeout_s=float(extra.get("sidecar_timeout_s", cls.sidecar_timeout_s)),
-            grace_s=float(extra.get("grace_s", cls.grace_s)),
-            settle_s=float(extra.get("settle_s", cls.settle_s)),
-            heartbeat_s=float(extra.get("heartbeat_s", cls.heartbeat_s)),
-            keepalive_s=float(extra.get("keepalive_s", cls.keepalive_s)),
-            send_queue=int(extra.get("send_queue", cls.send_queue)),
+            lease_s=lease,
+            transfer_timeout_s=num("transfer_timeout_s", cls.transfer_timeout_s),
+            sidecar_timeout_s=num("sidecar_timeout_s", cls.sidecar_timeout_s),
+            grace_s=num("grace_s", cls.grace_s),
+            settle_s=num("settle_s", cls.settle_s),
+            heartbeat_s=num("heartbeat_s", cls.heartbeat_s),
+            keepalive_s=num("keepalive_s", cls.keepalive_s),
+            send_queue=num("send_queue", cls.send_queue, int),
             engine_channel=str(extra.get("engine_channel", cls.engine_channel)),
             shm_dir=str(extra.get("shm_dir", cls.shm_dir)),
             gpu_memory=str(extra.get("gpu_memory", cls.gpu_memory)),

@@ -140,9 +140,10 @@ def check_generation(msg: Recv, peer: Peer) -> None:
 
 
 def plan_for(registry: RankRegistry, state: RecvState, peer: Peer) -> tuple[list[RankPlan], BlockPairing]:
-    """Which remote ranks to read and how blocks pair up; names the remote engine."""
+    """Which remote ranks to read and how blocks pair up; names the remote engine and agent (a
+    plan it refuses is told to it: the receive will not read, its blocks free at once)."""
     engine = peer.resolve_engine(state.msg.remote_engine_id)
-    state.remote_engine = engine
+    state.remote_engine, state.peer_agent = engine, peer.agent_name
     state.planned_from = peer.generation
     entry = registry.get(state.local)
     if entry is None:

@@ -32,12 +32,15 @@ def check_private(directory: str, what: str) -> None:
         raise ListenError(f"{what}: {directory} is not a directory")
     if st.st_uid in (euid, 0) and not mode & (stat.S_IWGRP | stat.S_IWOTH):
         return
+    shared = mode & (stat.S_IWGRP | stat.S_IWOTH)
+    own = os.path.join(directory, "kvxfer") if shared or st.st_uid not in (euid, 0) else directory
     raise ListenError(
         f"{what}: its directory {directory} (mode {mode:04o}, owner uid {st.st_uid}) is "
-        f"{'writable by others' if mode & (stat.S_IWGRP | stat.S_IWOTH) else 'owned by another user'}: "
-        f"the sidecar needs a private directory, owned by uid {euid}{' or root' if euid else ''} and "
-        f"writable by no one "
-        f"else (e.g. `install -d -m 0700 {directory}`), or others could plant files beside its socket")
+        f"{'writable by others' if shared else 'owned by another user'}: the sidecar needs a private "
+        f"directory, owned by uid {euid}{' or root' if euid else ''} and writable by no one else, or "
+        f"others could plant files beside its socket. Put the socket in a directory of its own (e.g. "
+        f"`install -d -m 0700 {own}` and a path inside it; never change the mode of a shared "
+        f"directory such as /tmp)")
 
 
 def open_lock(path: str) -> int:
