@@ -12,6 +12,7 @@ from typing import Any
 from kvxfer import __version__
 from kvxfer.config import Config, add_arguments, load_config
 from kvxfer.errors import ConfigError
+from kvxfer.protocol import DTYPE_SIZES
 
 
 def _demo_parser(sub: argparse._SubParsersAction, full: bool = True) -> None:  # type: ignore[type-arg]
@@ -32,7 +33,7 @@ def _demo_parser(sub: argparse._SubParsersAction, full: bool = True) -> None:  #
     p.add_argument("--block-size", type=int, default=d.block_size, help="tokens per block")
     p.add_argument("--heads", type=int, default=d.heads, help="KV heads")
     p.add_argument("--head-dim", type=int, default=d.head_dim)
-    p.add_argument("--dtype", default=d.dtype)
+    p.add_argument("--dtype", default=d.dtype, choices=sorted(DTYPE_SIZES))
     p.add_argument("--prefill-tp", type=int, default=d.prefill_tp)
     p.add_argument("--decode-tp", type=int, default=d.decode_tp)
     p.add_argument("--kv-heads", type=int, default=None, help="alias of --heads")
@@ -175,7 +176,11 @@ def main(argv: list[str] | None = None) -> int:
     _bench_parser(sub)
     args = parser.parse_args(argv)
     if hasattr(args, "func"):
-        return int(args.func(args))
+        try:
+            return int(args.func(args))
+        except BrokenPipeError:  # (`kvxfer status --watch | head`: the reader went, no traceback)
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # (the exit's flush too)
+            return 141
     if args.command == "bench" and args.tp_matrix:
         from kvxfer.testing.bench_tp import main as tp_main
 
