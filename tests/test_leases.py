@@ -207,10 +207,9 @@ def test_a_worker_frees_a_hold_on_its_own_only_when_its_sidecar_is_silent_or_doe
 
 
 def test_a_read_the_decode_refuses_to_plan_frees_the_prefills_blocks_at_once(factory: SidecarFactory) -> None:
-    """A receive refused at its plan (here blocks the prefill does not have; in a new-user trial
-    two layouts that cannot be paired) was never told to the prefill: its blocks stayed held
-    until the lease ran out (``kvxfer demo`` with such layouts took 2 minutes). Now the prefill
-    is told this reader will not read, on the handshake's path and on the warm one."""
+    """A receive refused at its plan (here: blocks the prefill does not have) was never told to
+    the prefill: its blocks stayed held until the lease ran out. Now the prefill is told this
+    reader will not read, on the handshake's path and on the warm one."""
     p, d, _ = _pair(factory, "60")
     try:
         reg = p.registered
