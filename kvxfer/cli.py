@@ -160,6 +160,30 @@ def _one_openmp_thread() -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
+def _serve_check(config: Config, sources: dict[str, str]) -> int:
+    """``kvxfer serve --check``: what the start would refuse (files, the secret, the engine
+    socket's directory), then every field and where it came from."""
+    from kvxfer.config import describe
+    from kvxfer.errors import ListenError
+    from kvxfer.sidecar.sockdir import check_private
+
+    try:
+        config.preflight()
+        sock_dir = os.path.dirname(config.engine_socket.partition("ipc://")[2])
+        if sock_dir and os.path.isdir(sock_dir):  # (one not there yet is made 0700)
+            st = os.stat(sock_dir)
+            if st.st_mode & 0o022:  # (others may write it: refused, as the start does)
+                check_private(sock_dir, f"engine socket {config.engine_socket}")
+            elif st.st_uid not in (0, os.geteuid()):  # (a unit's RuntimeDirectory: its User's)
+                print(f"kvxfer: warning: {sock_dir} is owned by uid {st.st_uid}: only a sidecar running "
+                      f"as that user may serve this socket", file=sys.stderr)
+    except (ConfigError, ListenError) as e:
+        print(f"kvxfer: {e}", file=sys.stderr)
+        return 2
+    print(describe(config, sources))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     command = (sys.argv[1:] if argv is None else argv)[:1]
     if command == ["serve"]:
@@ -202,20 +226,7 @@ def main(argv: list[str] | None = None) -> int:
         for w in warnings:
             print(f"kvxfer: warning: {w}", file=sys.stderr)
         if check:
-            from kvxfer.config import describe
-            from kvxfer.errors import ListenError
-            from kvxfer.sidecar.sockdir import check_private
-
-            try:
-                config.preflight()  # (what the start would refuse: files, the secret)
-                sock = config.engine_socket.partition("ipc://")[2]
-                if sock and os.path.isdir(os.path.dirname(sock)):  # (one not there yet is made 0700)
-                    check_private(os.path.dirname(sock), f"engine socket {config.engine_socket}")
-            except (ConfigError, ListenError) as e:
-                print(f"kvxfer: {e}", file=sys.stderr)
-                return 2
-            print(describe(config, sources))
-            return 0
+            return _serve_check(config, sources)
         # UCX and NIXL log at the sidecar's level (set before NIXL loads; their own variables win)
         ucx, nixl = NATIVE_LOG_LEVELS[config.log_level.upper()]
         os.environ.setdefault("UCX_LOG_LEVEL", ucx)

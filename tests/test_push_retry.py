@@ -187,3 +187,30 @@ def test_a_words_deadline_is_renewed_by_its_own_lease_only() -> None:
     assert words.word("k") == (5, 200)
     assert not words.put("k", 7, 300)  # (another tag under the key: not this lease's word)
     assert words.word("k") == (5, 200)
+
+
+def test_a_failed_first_attempt_does_not_abort_the_retrys_hold(sidecars: SidecarFactory) -> None:
+    """A streamed receive that ended before its prefill's Hold came told the prefill "will not
+    read" with the transfer id as its token; the prefill kept that notice for the Hold and
+    replayed it on the router's retry under the same id, whose lease ended at once (a review of
+    the change that made refused receives tell the prefill: pull receives do, streamed ones
+    leave it to stream_feed)."""
+    with pair(sidecars, "rvkeep") as (_ds, _ps, d, p):
+        tid = "rv-tid"
+        db = d.allocate(4)
+        # attempt 1: the prefill never held it (queued, then aborted by the router); the
+        # decode gives up at its deadline
+        d.client.recv("attempt-1", db, streamed_remote(p, tid), streamed=True, deadline_s=2)
+        got = wait_for(d.client, lambda a: bool(a.failed), timeout=20)
+        assert [f.code for f in got.failed] == [ErrorCode.DEADLINE], got.failed
+        # the router's retry under the same transfer id: held, computed, and read by the decode
+        pb = p.allocate(4)
+        p.fill(tid, pb)
+        p.client.hold(tid, pb, token=tid, streamed=True, expires_unix=time.time() + 60)
+        early = p.client.wait_until(lambda a: bool(a.released), 1.5).released
+        assert not early, f"the retry's hold ended before any decode read it: {early}"
+        p.client.send(LayersDone(req_ids=[tid], layers=LAYOUT.num_layers))
+        d.client.recv("attempt-2", db, streamed_remote(p, tid), streamed=True, deadline_s=20)
+        got = wait_for(d.client, lambda a: bool(a.done or a.failed), timeout=30)
+        assert not got.failed, got.failed
+        assert got.done

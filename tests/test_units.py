@@ -502,3 +502,18 @@ def test_one_undecodable_message_from_the_sidecar_costs_only_itself() -> None:
                                 encode(Done(req_id="b", nbytes=1, seconds=0.1))])
     assert skipped == 1
     assert [type(e).__name__ for e in got] == ["Released", "Done"]
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="chown needs root")
+def test_serve_check_as_root_accepts_a_units_runtime_directory(
+        tmp_path: os.PathLike[str], capsys: pytest.CaptureFixture[str]) -> None:
+    """systemd's RuntimeDirectory=kvxfer/%i with User=vllm: 0700, owned by vllm. The unit's
+    sidecar (as vllm) starts; ``sudo kvxfer serve --check`` with that socket warns, not refuses
+    (a review: it exited 2 and advised root to make a directory the service could not use)."""
+    from kvxfer.cli import main
+
+    run = os.path.join(tmp_path, "prefill0")
+    os.mkdir(run, 0o700)
+    os.chown(run, 999, 999)
+    assert main(["serve", "--engine-socket", f"ipc://{run}/engine.sock", "--check"]) == 0
+    assert "owned by uid 999" in capsys.readouterr().err

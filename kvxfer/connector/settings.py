@@ -73,10 +73,10 @@ class ConnectorSettings:
         if not self.sidecar.startswith(("ipc://", "tcp://")):
             raise ValueError(f"kvxfer: sidecar must be an ipc:// or tcp:// endpoint (e.g. ipc:///run/kvxfer/"
                              f"engine.sock, as kvxfer serve --engine-socket), not {self.sidecar!r}")
-        for name in ("lease_s", "transfer_timeout_s", "sidecar_timeout_s", "heartbeat_s", "send_queue"):
+        for name in ("lease_s", "transfer_timeout_s", "sidecar_timeout_s", "heartbeat_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"kvxfer: {name} must be above 0, not {getattr(self, name)!r}")
-        for name in ("grace_s", "settle_s", "keepalive_s"):
+        for name in ("grace_s", "settle_s", "keepalive_s", "send_queue"):  # (send_queue 0: ZMQ's no limit)
             if not getattr(self, name) >= 0:
                 raise ValueError(f"kvxfer: {name} must be 0 or more, not {getattr(self, name)!r}")
         if self.mode not in ("pull", "push"):

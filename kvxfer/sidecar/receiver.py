@@ -55,6 +55,7 @@ from kvxfer.sidecar.recv_state import (
     read_spec,
     recv_key,
     start_claim,
+    tells_refusal,
     window_spec,
 )
 from kvxfer.sidecar.registry import RankKey, RankRegistry
@@ -353,7 +354,7 @@ class Receiver:
         if not isinstance(err, RequestError):
             log.error("receive %s failed", state.msg.req_id, exc_info=err)
             err = RequestError(ErrorCode.TRANSFER_ERROR, repr(err))
-        self._step(key, state, state.machine.not_started(err, tell=bool(state.peer_agent)))
+        self._step(key, state, state.machine.not_started(err, tell=tells_refusal(state)))
 
     def _end(self, key: str, state: RecvState, out: Outcome) -> None:
         """The one way a receive ends: the engine first, then counters, then the prefill."""

@@ -116,6 +116,15 @@ def notify_prefill(nixl: NixlPort, registry: RankRegistry, state: RecvState, ok:
     nixl.notify_soon(state.peer_agent, encode(notice))
 
 
+def tells_refusal(state: RecvState) -> bool:
+    """Whether a receive that ends with nothing posted tells its prefill it will not read (its
+    blocks free at once, not at its lease's end): a pull receive whose peer is known. Not a
+    streamed one: its token is the transfer id, which a router's retry holds again (a notice
+    kept for a Hold not there yet would end the retry's lease: a review); stream_feed tells
+    what it refuses itself. Not one with a read in flight (a bug after the post)."""
+    return bool(state.peer_agent) and not state.msg.streamed and not state.machine.read_in_flight
+
+
 def recv_key(req_id: str, tp_rank: int, engine: str = "", pp_rank: int = 0) -> str:
     """One receive per (request, local rank): each rank reads its own memory."""
     return f"{engine}/{pp_rank}/{tp_rank}:{req_id}"
