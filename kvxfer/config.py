@@ -358,10 +358,9 @@ def check_engine_socket(endpoint: str) -> None:
     """ipc:// and an absolute path (a relative one binds where the sidecar was started: / under
     systemd), or tcp://host:port."""
     scheme, _, rest = endpoint.partition("://")
-    host, sep, port = rest.rpartition(":")
     if scheme == "ipc" and rest.startswith("/") and rest.strip("/"):
         return
-    if scheme == "tcp" and sep and host and port.isdigit() and 0 < int(port) < 65536:
+    if scheme == "tcp" and _host_port(rest):
         return
     raise ConfigError(f"engine_socket must be ipc:// and an absolute path (ipc:///run/kvxfer/engine.sock) "
                       f"or tcp://host:port, not {endpoint!r}")
@@ -376,9 +375,14 @@ def check_target(name: str, target: str) -> None:
         if not path.lstrip("/") or not path.startswith("/"):
             raise ConfigError(f"{name}: {target!r} names no absolute socket path (unix:///run/kvxfer/x.sock)")
         return
-    host, sep, port = target.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+    if not _host_port(target):
         raise ConfigError(f"{name}: {target!r} is neither host:port nor unix:///path")
+
+
+def _host_port(text: str) -> bool:
+    """``host:port`` (IPv6 as [addr]:port) with a port in 1..65535."""
+    host, sep, port = text.rpartition(":")
+    return bool(sep and host and port.isdigit() and 0 < int(port) < 65536)
 
 
 def _convert(name: str, raw: Any, kind: type) -> Any:

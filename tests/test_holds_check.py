@@ -89,14 +89,12 @@ def test_more_overdue_holds_than_one_check_names_are_asked_after_in_turns() -> N
     assert set(first) | set(second) == set(holds)  # (the first 4,096, extended for long, hide none)
 
 
-class Polled:
+class Polled(Sent):
     """A sidecar client whose events are given (WorkerSide's side only)."""
 
-    endpoint = "ipc:///x"
-
     def __init__(self) -> None:
+        super().__init__()
         self.queue: list[list[Released]] = []
-        self.sent: list[Any] = []
 
     def heartbeat(self) -> None:
         pass
@@ -108,9 +106,6 @@ class Polled:
         if self.queue:
             d.released = self.queue.pop(0)
         return d
-
-    def send(self, msg: Any) -> None:
-        self.sent.append(msg)
 
 
 def test_a_released_and_its_unknown_in_one_poll_free_the_hold_once_and_no_later_one() -> None:

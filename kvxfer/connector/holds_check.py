@@ -56,7 +56,7 @@ class OverdueHolds:
         if unnamable:
             log.warning("freeing %d overdue holds whose names no sidecar takes (e.g. %d characters)",
                         len(unnamable), len(unnamable[0]))
-        ask = self.due(holds, now) if client is not None else []
+        ask = self.due(holds, now) if client is not None and overdue else []  # (no second pass per step)
         try:
             if ask:
                 client.send(HoldsCheck(engine_id=engine_id, req_ids=ask))  # type: ignore[union-attr]

@@ -356,7 +356,8 @@ class WorkerSide:
                 self._fail(out, req_id, blocks)
         for req_id in self._overdue.expire(self._holds, silent, now, self.client, self.place.engine_id):
             del self._holds[req_id]
-            log.warning("no release from a silent sidecar for request %s; freeing after its lease", req_id)
+            log.warning("no release for request %s past its lease (its sidecar silent, or a name no sidecar "
+                        "takes); freeing it", req_id)
             out.finished_sending.add(self._names.pop(req_id, req_id))
             self.stats.expired += 1
 
